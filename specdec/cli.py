@@ -1,0 +1,31 @@
+"""The ``specdec`` command line. Each subcommand parses its flags and calls library code."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bench_attn(argv: list[str]) -> int:
+    from treeattn import bench
+
+    return bench.main(argv)
+
+
+# name -> (help, handler taking the remaining argv). Handlers import lazily so --help stays fast.
+SUBCOMMANDS = {
+    "bench-attn": ("benchmark the tree-attention kernel against SDPA / eager / FlexAttention", _bench_attn),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding with token trees.")
+    parser.add_argument("command", choices=sorted(SUBCOMMANDS), help="; ".join(f"{k}: {v[0]}" for k, v in SUBCOMMANDS.items()))
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the subcommand (see specdec COMMAND --help)")
+    ns = parser.parse_args(argv[:1] if argv else argv)
+    return int(SUBCOMMANDS[ns.command][1](argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

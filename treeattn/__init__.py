@@ -1,0 +1,9 @@
+"""Tree attention: token-tree mask layout, Triton kernel, pure-torch references, benchmark.
+
+Does not import transformers or anything from specdec / drafters.
+"""
+
+from treeattn.layout import BITS_PER_WORD, TreeMask, num_words
+from treeattn.ops import KernelConfig, tree_attention
+
+__all__ = ["BITS_PER_WORD", "KernelConfig", "TreeMask", "num_words", "tree_attention"]

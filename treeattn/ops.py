@@ -1,0 +1,256 @@
+"""The tree-attention op: input validation, launch configuration, and the torch fallback."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from treeattn.layout import TreeMask
+
+__all__ = ["KernelConfig", "tree_attention", "pick_config", "interpreter_enabled"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_IMPLS = ("auto", "triton", "torch")
+_LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``, read at kernel import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the Triton kernel.
+
+    ``num_splits=None`` lets the op choose how many programs share one prompt (flash-decoding
+    split); 1 runs a single stage that writes the output directly.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    num_splits: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits: expected None or >= 1, got {self.num_splits}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int, head_dim: int,
+                device: torch.device) -> tuple[KernelConfig, int, int]:
+    """Choose (config, num_splits, chunk) for one call. Pure host arithmetic: no device sync."""
+    rows = group * n
+    if head_dim > 128:
+        cfg = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    elif rows <= 64:
+        cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    else:
+        cfg = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, device)
+    return cfg, splits, chunk
+
+
+def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_prefix: int,
+            device: torch.device, min_chunk: int = 256) -> tuple[int, int]:
+    if max_prefix <= 0:
+        return 1, cfg.block_n
+    if cfg.num_splits is not None:
+        want = cfg.num_splits
+    else:
+        per_split = math.ceil(rows / cfg.block_m) * batch * num_kv_heads
+        sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+        want = min(math.ceil(2 * sms / per_split), math.ceil(max_prefix / min_chunk))
+    want = max(1, want)
+    chunk = math.ceil(math.ceil(max_prefix / want) / cfg.block_n) * cfg.block_n
+    return math.ceil(max_prefix / chunk), chunk
+
+
+def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last (head) dim, got stride {t.stride(-1)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k, v: expected q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
+    batch, hq, n, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[0] != batch or k.shape[3] != d:
+        raise ValueError(f"k: expected shape [{batch}, Hkv, S, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    hkv, seq_len = k.shape[1], k.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q: expected a head count divisible by k's {hkv} KV heads (GQA), got {hq}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q: expected head_dim in [1, {MAX_HEAD_DIM}], got {d}")
+    if not isinstance(tree_mask, TreeMask):
+        raise ValueError(f"tree_mask: expected a treeattn.TreeMask, got {type(tree_mask).__name__}")
+    if tree_mask.n != n:
+        raise ValueError(f"tree_mask: expected a tree of n = {n} nodes (q.shape[2]), got {tree_mask.n}")
+    if tree_mask.batch_size not in (1, batch):
+        raise ValueError(f"tree_mask: expected batch size 1 or {batch}, got {tree_mask.batch_size}")
+    if tree_mask.words.device != q.device:
+        raise ValueError(f"tree_mask: expected device {q.device} (q's), got {tree_mask.words.device}")
+    if not isinstance(prefix_lens, torch.Tensor) or prefix_lens.dtype not in (torch.int32, torch.int64):
+        got = prefix_lens.dtype if isinstance(prefix_lens, torch.Tensor) else type(prefix_lens).__name__
+        raise ValueError(f"prefix_lens: expected an int32/int64 tensor of shape [{batch}], got {got}")
+    if tuple(prefix_lens.shape) != (batch,):
+        raise ValueError(f"prefix_lens: expected shape [{batch}], got {tuple(prefix_lens.shape)}")
+    if n > seq_len:
+        raise ValueError(f"k: expected S >= n = {n} (tree KV must be in the cache), got S = {seq_len}")
+    if impl not in _IMPLS:
+        raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")
+
+
+def _check_prefix_values(prefix_lens: torch.Tensor, n: int, seq_len: int) -> None:
+    lo, hi = (int(x) for x in torch.aminmax(prefix_lens.detach().to(torch.int64)))
+    if lo < 0 or hi + n > seq_len:
+        raise ValueError(
+            f"prefix_lens: expected 0 <= prefix_len and prefix_len + n <= S = {seq_len} (n = {n}), "
+            f"got values in [{lo}, {hi}]"
+        )
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: TreeMask,
+    scale: float | None = None,
+    impl: str = "auto",
+    *,
+    check_prefix_lens: bool = True,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Attention of every token-tree query over the shared prompt and its own tree ancestors.
+
+    Args:
+        q: ``[B, Hq, n, D]`` float16 / bfloat16 / float32, the n tree nodes' queries.
+        k, v: ``[B, Hkv, S, D]``, same dtype and device (HF's cache layout); sequence b's prompt
+            KV at ``[0, prefix_lens[b])`` and its tree KV at ``[prefix_lens[b], prefix_lens[b] + n)``.
+            ``Hq % Hkv == 0`` (GQA). Only the last dim must be contiguous.
+        prefix_lens: int32 / int64 ``[B]`` on q's device.
+        tree_mask: ``TreeMask`` of ``B`` (or 1, shared) trees of n nodes, on q's device.
+        scale: softmax scale, default ``D ** -0.5``.
+        impl: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (SDPA with a
+            dense mask), or ``"auto"``: Triton on CUDA tensors and under the interpreter, else torch.
+        check_prefix_lens: verify ``0 <= prefix_lens[b]`` and ``prefix_lens[b] + n <= S``; this
+            reads the values on the host (a device sync on CUDA). Pass False inside CUDA graphs;
+            the kernel then clamps out-of-range values so that it never reads outside k / v.
+        config: kernel launch parameters (default: chosen from the shapes).
+
+    Returns:
+        ``[B, Hq, n, D]`` in q's dtype; query i attends keys ``[0, prefix_len)`` and the tree keys
+        of its ancestors and itself. Accumulation is in float32.
+    """
+    _check(q, k, v, prefix_lens, tree_mask, impl)
+    batch, hq, n, d = q.shape
+    seq_len = k.shape[2]
+    if prefix_lens.device != q.device:
+        raise ValueError(f"prefix_lens: expected device {q.device} (q's), got {prefix_lens.device}")
+    if check_prefix_lens and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_prefix_values(prefix_lens, n, seq_len)
+    scale = d**-0.5 if scale is None else float(scale)
+    if impl == "auto":
+        impl = "triton" if (q.is_cuda or interpreter_enabled()) else "torch"
+    if impl == "torch":
+        return _tree_attention_torch(q, k, v, prefix_lens, tree_mask, scale)
+    if not q.is_cuda and not interpreter_enabled():
+        raise ValueError("impl: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before importing treeattn")
+    return _tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, config)
+
+
+def _tree_attention_torch(q, k, v, prefix_lens, tree_mask, scale):
+    batch, _, n, _ = q.shape
+    seq_len = k.shape[2]
+    s = torch.arange(seq_len, device=q.device)
+    pl = prefix_lens.to(torch.int64).view(batch, 1, 1)
+    rel = s.view(1, 1, seq_len) - pl  # key position relative to the tree start: [B, 1, S]
+    in_tree = (rel >= 0) & (rel < n)
+    relc = rel.clamp(0, n - 1).expand(batch, n, seq_len)
+    words = tree_mask.words.expand(batch, -1, -1)
+    word = words.gather(2, relc // 64)
+    bit = ((word >> (relc % 64)) & 1).bool()
+    mask = (rel < 0) | (in_tree & bit)  # [B, n, S]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def _tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, config):
+    from treeattn.kernels import tree_attn_fwd_kernel, tree_attn_merge_kernel
+
+    batch, hq, n, d = q.shape
+    hkv, seq_len = k.shape[1], k.shape[2]
+    group = hq // hkv
+    if config is None:
+        cfg, splits, chunk = pick_config(batch, hkv, group, n, seq_len, d, q.device)
+    else:
+        cfg = config
+        splits, chunk = _splits(cfg, batch, hkv, group * n, seq_len - n, q.device)
+    block_d = max(16, _next_pow2(d))
+    words = tree_mask.words
+    if words.stride(-1) != 1:
+        words = words.contiguous()
+    stride_wb = 0 if tree_mask.batch_size == 1 else words.stride(0)
+    out = torch.empty_like(q)
+    if splits > 1:
+        part_o = torch.empty(batch * hq * n * splits * d, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(batch * hq * n * splits, device=q.device, dtype=torch.float32)
+    else:
+        part_o = part_lse = out  # unused by the single-stage kernel
+    upcast = interpreter_enabled() and q.dtype != torch.float32
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
+    tree_attn_fwd_kernel[grid](
+        q, k, v, prefix_lens, words, out, part_o, part_lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        stride_wb, words.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        n, seq_len, hkv, chunk, splits,
+        scale * _LOG2E,
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        rows = batch * hq * n
+        block_r = 16
+        tree_attn_merge_kernel[(math.ceil(rows / block_r),)](
+            part_o, part_lse, out,
+            out.stride(0), out.stride(1), out.stride(2),
+            hq, n, rows, splits,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
+        )
+    return out
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
