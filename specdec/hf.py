@@ -1,0 +1,308 @@
+"""HuggingFace integration: run a stock causal LM over token-tree nodes through ``AttentionInterface``.
+
+``prepare_model(model)`` registers an attention function (and its mask function) with
+transformers' registries under ``specdec_tree_sdpa`` / ``specdec_tree_eager`` and switches the
+model to it. That function behaves exactly like the model's previous implementation (``sdpa`` or
+the model's own ``eager``) unless the forward call carries a ``ForwardState`` in the
+``specdec_state`` keyword, which transformers forwards untouched to every attention call. With a
+state, the function writes the new keys / values into the state's ``KVCache`` and attends with
+``treeattn.tree_attention`` (or a dense fallback for sliding-window / soft-capped layers). No
+modeling file is copied, no model attribute or global carries tree metadata: everything a layer
+needs arrives in that call's state.
+
+``prefill`` and ``tree_forward`` pass ``past_key_values=None, use_cache=False`` and a dummy 4-D
+``attention_mask``, so transformers neither builds a cache nor a mask (a 4-D mask is "already
+prepared"), and every shape depends only on (B, n, capacity): ready for CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from specdec.kv import KVCache
+from treeattn import TreeMask, tree_attention
+
+__all__ = [
+    "STATE_KWARG",
+    "ForwardState",
+    "attention_name",
+    "check_causal_lm",
+    "prepare_model",
+    "prefill",
+    "tree_forward",
+    "vocab_size",
+    "max_positions",
+]
+
+#: The forward keyword that carries a ``ForwardState`` to the attention function.
+STATE_KWARG = "specdec_state"
+_BASES = ("sdpa", "eager")
+_IMPLS = ("auto", "triton", "torch")
+
+
+def attention_name(base: str) -> str:
+    """Registry name of specdec's attention function falling back to ``base`` (sdpa or eager)."""
+    return f"specdec_tree_{base}"
+
+
+def check_causal_lm(model, name: str = "model") -> None:
+    """Raise ``ValueError`` (naming ``name``) unless ``model`` is a decoder-only causal LM."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"{name}: expected a transformers PreTrainedModel (causal LM), got {type(model).__name__}")
+    cfg = model.config
+    kind = type(model).__name__
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"{name}: expected a decoder-only causal LM, got an encoder-decoder model ({kind})")
+    text = cfg.get_text_config()
+    if not getattr(text, "is_causal", True) or getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(f"{name}: expected causal attention, got a model configured as bidirectional ({kind})")
+    if not model.can_generate():
+        raise ValueError(f"{name}: expected a causal LM that can generate (e.g. AutoModelForCausalLM), got {kind}")
+    flags = [m.is_causal for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if not flags or not all(flags):
+        raise ValueError(f"{name}: expected causal self-attention layers (is_causal=True, layer_idx), got {kind}")
+
+
+def vocab_size(model) -> int:
+    """Rows of the model's output embedding (the logits' last dim)."""
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def max_positions(model) -> int | None:
+    """The model's context length (``max_position_embeddings``), or None if it declares none."""
+    val = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return int(val) if val else None
+
+
+def prepare_model(model, name: str = "model") -> str:
+    """Route ``model``'s attention through specdec's function (idempotent); return its registry name.
+
+    The model keeps behaving as before for ordinary calls (``generate``, ``forward``): the function
+    delegates to the previous implementation (``sdpa`` or the model's ``eager``; any other one,
+    e.g. flash attention, is replaced by ``sdpa``) when no ``specdec_state`` is passed.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    check_causal_lm(model, name)
+    current = model.config._attn_implementation
+    if current in {attention_name(b) for b in _BASES}:
+        return current
+    base = current if current in _BASES else "sdpa"
+    target = attention_name(base)
+    AttentionInterface.register(target, _make_attention(base))
+    AttentionMaskInterface.register(target, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    model.set_attn_implementation(target)
+    if model.config._attn_implementation != target:
+        raise ValueError(
+            f"{name}: expected a model whose attention dispatches through transformers' AttentionInterface, "
+            f"got {type(model).__name__}, which kept attn_implementation={model.config._attn_implementation!r}"
+        )
+    return target
+
+
+def _make_attention(base: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        state = kwargs.pop(STATE_KWARG, None)
+        if state is None:
+            return _fallback(base, module)(module, query, key, value, attention_mask, **kwargs)
+        return state.attend(module, query, key, value, kwargs.get("scaling"), kwargs.get("sliding_window"),
+                            kwargs.get("softcap"))
+
+    attention.__name__ = f"specdec_tree_attention_{base}"
+    return attention
+
+
+def _fallback(base: str, module):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base == "sdpa":
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"module: {type(module).__name__} has no eager_attention_forward to fall back to")
+    return fn
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardState:
+    """Everything the attention layers need for one forward, passed as ``specdec_state=``.
+
+    Attributes:
+        cache: where keys / values are written and read.
+        slots: int64 ``[B, m]``, the cache slot of each of the m input tokens.
+        positions: int64 ``[B, m]``, their position ids (used by sliding-window layers).
+        tree_mask: the tree of the m tokens (verification), or None for a prefill (causal over
+            the m tokens, which start at slot 0).
+        prefix_lens: int64 ``[B]``, committed tokens before the tree (verification only).
+        kv_len: attend over buffer slots ``[0, kv_len)`` only (an eager-mode saving); None = the
+            whole capacity (static shapes).
+        impl: ``tree_attention``'s ``impl``.
+    """
+
+    cache: KVCache
+    slots: torch.Tensor
+    positions: torch.Tensor
+    tree_mask: TreeMask | None = None
+    prefix_lens: torch.Tensor | None = None
+    kv_len: int | None = None
+    impl: str = "auto"
+    _moved: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
+        if (self.tree_mask is None) != (self.prefix_lens is None):
+            raise ValueError("tree_mask, prefix_lens: expected both (verification) or neither (prefill)")
+
+    def _on(self, device: torch.device) -> tuple:
+        """The state's tensors on ``device`` (layers of a model split across devices)."""
+        if device not in self._moved:
+            self._moved[device] = (
+                self.slots.to(device),
+                self.positions.to(device),
+                None if self.tree_mask is None else self.tree_mask.to(device),
+                None if self.prefix_lens is None else self.prefix_lens.to(device),
+            )
+        return self._moved[device]
+
+    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
+        """Write this layer's new K/V and attend. query ``[B, Hq, m, D]``, key / value ``[B, Hkv, m, D]``.
+
+        Returns ``([B, m, Hq, D], None)`` as transformers' attention functions do.
+        """
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is None:
+            raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
+        slots, positions, tree_mask, prefix_lens = self._on(query.device)
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        k_buf, v_buf = self.cache.write(layer_idx, key, value, slots)
+        seq_len = self.cache.capacity if self.kv_len is None else self.kv_len
+        window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
+        if tree_mask is None:
+            if window is None and softcap is None:
+                out = F.scaled_dot_product_attention(
+                    query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+                )
+            else:
+                pos = positions[:, :, None] - positions[:, None, :]
+                visible = (pos >= 0) & ((pos < window) if window is not None else True)
+                out = _masked_attention(query, key, value, visible, scale, softcap)
+        else:
+            k_all, v_all = k_buf[:, :, :seq_len], v_buf[:, :, :seq_len]
+            if window is None and softcap is None:
+                out = tree_attention(query, k_all, v_all, prefix_lens, tree_mask, scale=scale, impl=self.impl,
+                                     check_prefix_lens=False)
+            else:
+                visible = _tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window)
+                out = _masked_attention(query, k_all, v_all, visible, scale, softcap)
+        return out.transpose(1, 2), None
+
+
+def _tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window) -> torch.Tensor:
+    """bool ``[B, n, S]``: the prompt and the node's tree ancestors, within the sliding window."""
+    batch, n = slots.shape
+    device = slots.device
+    s = torch.arange(seq_len, device=device)
+    visible = (s[None, None, :] < prefix_lens[:, None, None]).expand(batch, n, seq_len).clone()
+    visible.scatter_(2, slots[:, None, :].expand(batch, n, n), tree_mask.to_dense().expand(batch, n, n))
+    if window is not None:
+        key_pos = s.expand(batch, seq_len).clone().scatter_(1, slots, positions)
+        visible &= (positions[:, :, None] - key_pos[:, None, :]) < window
+    return visible
+
+
+def _masked_attention(q, k, v, visible, scale, softcap) -> torch.Tensor:
+    """Plain attention with a bool ``[B, m, S]`` mask and optional logit soft-capping (float32 math)."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible[:, None], -math.inf)
+    return torch.matmul(scores.softmax(dim=-1), vf).to(q.dtype)
+
+
+def _input_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _run(model, input_ids: torch.Tensor, positions: torch.Tensor, state: ForwardState, logits_to_keep: int):
+    # A 4-D mask counts as "already prepared": transformers builds none (the state carries the real one).
+    dummy_mask = torch.ones(input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    out = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        attention_mask=dummy_mask,
+        past_key_values=None,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
+        **{STATE_KWARG: state},
+    )
+    return out.logits
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto") -> None:
+    """Write the KV of ``input_ids`` to cache slots ``[0, m)`` (causal attention, positions 0..m-1).
+
+    Args:
+        model: a causal LM after ``prepare_model``.
+        input_ids: int64 ``[B, m]``; right-padded rows are fine (padding only follows real tokens).
+        cache: the cache to fill; its lengths are left to the caller.
+    """
+    batch, m = input_ids.shape
+    device = _input_device(model)
+    ids = input_ids.to(device)
+    positions = torch.arange(m, device=device).expand(batch, m)
+    state = ForwardState(cache=cache, slots=positions, positions=positions, impl=impl)
+    _run(model, ids, positions, state, logits_to_keep=1)
+
+
+@torch.no_grad()
+def tree_forward(
+    model,
+    tokens: torch.Tensor,
+    tree_mask: TreeMask,
+    prefix_lens: torch.Tensor,
+    cache: KVCache,
+    *,
+    kv_len: int | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Score every node of B token trees in one forward over the committed KV.
+
+    Args:
+        model: a causal LM after ``prepare_model``.
+        tokens: int64 ``[B, n]``, node tokens (node 0 = root, the last committed token).
+        tree_mask: ``TreeMask`` of the B trees (n nodes each).
+        prefix_lens: int64 ``[B]``, committed KV length of each sequence (``cache.lengths``); the
+            caller guarantees ``prefix_lens[b] + n <= cache.capacity`` (``cache.check_room``).
+        cache: the KV cache; node j's KV is written to slot ``prefix_lens[b] + j``.
+        kv_len: attend over slots ``[0, kv_len)`` only (eager saving; needs
+            ``kv_len >= max(prefix_lens) + n``); None = full capacity (static shapes).
+        impl: ``tree_attention``'s ``impl``.
+
+    Returns:
+        ``[B, n, V]`` logits; row i is the target's prediction after node i's root path.
+    """
+    device = _input_device(model)
+    batch, n = tokens.shape
+    tree_mask = tree_mask.to(device)
+    prefix = prefix_lens.to(device=device, dtype=torch.int64)
+    positions = tree_mask.position_ids(prefix)
+    slots = prefix[:, None] + torch.arange(n, device=device)
+    state = ForwardState(cache=cache, slots=slots, positions=positions, tree_mask=tree_mask, prefix_lens=prefix,
+                         kv_len=kv_len, impl=impl)
+    return _run(model, tokens.to(device), positions, state, logits_to_keep=0)
