@@ -89,7 +89,8 @@ def prepare_model(model, name: str = "model") -> str:
 
     The model keeps behaving as before for ordinary calls (``generate``, ``forward``): the function
     delegates to the previous implementation (``sdpa`` or the model's ``eager``; any other one,
-    e.g. flash attention, is replaced by ``sdpa``) when no ``specdec_state`` is passed.
+    e.g. flash attention, is replaced by ``sdpa``, or ``eager`` where the model has no sdpa) when no
+    ``specdec_state`` is passed.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -98,7 +99,7 @@ def prepare_model(model, name: str = "model") -> str:
     current = model.config._attn_implementation
     if current in {attention_name(b) for b in _BASES}:
         return current
-    base = current if current in _BASES else "sdpa"
+    base = current if current in _BASES else ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
     target = attention_name(base)
     AttentionInterface.register(target, _make_attention(base))
     AttentionMaskInterface.register(target, ALL_MASK_ATTENTION_FUNCTIONS[base])

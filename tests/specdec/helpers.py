@@ -47,9 +47,11 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn: str | None = None):
     from transformers import AutoModelForCausalLM
 
+    if attn is None:
+        attn = "eager" if family == "gemma2" else "sdpa"  # Gemma 2 has no sdpa (soft-capping)
     torch.manual_seed(seed)
     cfg = tiny_config(family)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
@@ -92,8 +94,8 @@ class OracleDrafter(BaseDrafter):
     under random existing nodes, sometimes a wrong token in the chain after which the truth goes on.
     """
 
-    def __init__(self, reference: list[int], seed: int = 0, vocab: int = VOCAB):
-        self.reference = reference
+    def __init__(self, references: list[list[int]], seed: int = 0, vocab: int = VOCAB):
+        self.references = references  # per sequence: prompt + the target's greedy continuation
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab_size = vocab
 
@@ -102,7 +104,7 @@ class OracleDrafter(BaseDrafter):
 
     def propose(self, ctx: DraftContext) -> TokenTree:
         at = len(ctx.tokens)
-        truth = self.reference[at : at + ctx.tree_size]
+        truth = self.references[ctx.seq][at : at + ctx.tree_size]
         chain_len = len(truth) if self._rand(3) == 0 else self._rand(len(truth) + 1)
         wrong_at = self._rand(chain_len + 1) if self._rand(2) else -1
         nodes: list[tuple[int, int]] = []
