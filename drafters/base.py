@@ -12,7 +12,7 @@ Contract of ``propose``:
 - if ``context.sampling`` is not None (stochastic decoding), the tree's ``proposal`` must say how
   the children were drawn, and ``"iid"`` / ``"no_replacement"`` trees must carry ``draft_probs``
   (usually the draft's distribution after the same temperature / top-k / top-p,
-  ``specdec.sampling.logits_to_probs``), on the target's logits device.
+  ``specdec.sampling.logits_to_probs``); keep them on the target's logits device to avoid a copy.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
 from specdec.verify import Verdict, verify_greedy, verify_stochastic
-from treeattn import TreeMask
+from treeattn import TreeMask, num_words
 
 __all__ = ["GenerationOutput", "SpecDecoder", "SpeculativeModel", "StepStats", "wrap"]
 
@@ -143,10 +143,11 @@ class SpecDecoder:
         self.drafter = drafter
         self.tree_size = tree_size if drafter is not None else 0
         self.max_cache_len = max_cache_len
-        self.device = hf._input_device(target)
+        self.device = hf.input_device(target)
         self.static_shapes = self.device.type == "cuda" if static_shapes is None else bool(static_shapes)
         self.attn_impl = attn_impl
         self._cache: KVCache | None = None
+        self._static: _StaticInputs | None = None
 
     # ------------------------------------------------------------------ inputs
 
@@ -303,10 +304,15 @@ class SpecDecoder:
             tokens[b, : t.n] = t.tokens.cpu()
             parents[b, : t.n] = t.parents.cpu()
         parents[:, 0] = -1
-        mask = TreeMask.from_parents(parents, device=self.device)
+        mask = TreeMask.from_parents(parents)
         prefix = torch.tensor(cache.lengths, dtype=torch.int64)
-        kv_len = None if self.static_shapes else max(cache.lengths) + n
-        logits = hf.tree_forward(self.target, tokens, mask, prefix, cache, kv_len=kv_len, impl=self.attn_impl)
+        if self.static_shapes:
+            inputs = self._static_inputs(cache, batch, n)
+            inputs.load(tokens, mask, prefix)
+            logits = hf.run_state(self.target, inputs.tokens, inputs.positions, inputs.state)
+        else:
+            kv_len = max(cache.lengths) + n
+            logits = hf.tree_forward(self.target, tokens, mask, prefix, cache, kv_len=kv_len, impl=self.attn_impl)
         verdicts: list[Verdict | None] = []
         for b, t in enumerate(trees):
             if done[b]:
@@ -355,6 +361,12 @@ class SpecDecoder:
             commit_s=t3 - t2,
         )
 
+    def _static_inputs(self, cache: KVCache, batch: int, n: int) -> "_StaticInputs":
+        st = self._static
+        if st is None or st.state.cache is not cache or st.tokens.shape != (batch, n):
+            st = self._static = _StaticInputs(cache, batch, n, self.device, self.attn_impl)
+        return st
+
     def _checked_tree(self, tree, ctx: DraftContext) -> TokenTree:
         if not isinstance(tree, TokenTree):
             raise ValueError(f"drafter: propose() must return a specdec.TokenTree, got {type(tree).__name__}")
@@ -370,6 +382,36 @@ class SpecDecoder:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class _StaticInputs:
+    """Fixed-address inputs of the ``[B, n]`` tree forward, refilled in place every step.
+
+    With these and a fixed ``KVCache``, ``hf.run_state(target, tokens, positions, state)`` reads
+    and writes the same tensors every step and never syncs with the host: a CUDA graph captured
+    around that call (after one warm-up step that allocates the cache) could be replayed after
+    each ``load``. Capture itself is not implemented yet.
+    """
+
+    def __init__(self, cache: KVCache, batch: int, n: int, device: torch.device, impl: str) -> None:
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+        self.tokens, self.positions, self.slots = zeros(batch, n), zeros(batch, n), zeros(batch, n)
+        self.prefix = zeros(batch)
+        self.mask = TreeMask(words=zeros(batch, n, num_words(n)), depth=zeros(batch, n))
+        self.offsets = torch.arange(n, device=device)
+        self.state = hf.ForwardState(cache, self.slots, self.positions, self.mask, self.prefix, kv_len=None, impl=impl)
+
+    def load(self, tokens: torch.Tensor, mask: TreeMask, prefix: torch.Tensor) -> None:
+        """Copy one step's trees (CPU ``[B, n]`` tokens, their mask, ``[B]`` prefix lengths) in."""
+        self.tokens.copy_(tokens)
+        self.mask.words.copy_(mask.words)
+        self.mask.depth.copy_(mask.depth)
+        self.prefix.copy_(prefix)
+        torch.add(self.prefix[:, None], self.mask.depth, out=self.positions)
+        torch.add(self.prefix[:, None], self.offsets, out=self.slots)
+        self.state.refresh()
 
 
 class SpeculativeModel:

@@ -33,7 +33,9 @@ __all__ = [
     "attention_name",
     "check_causal_lm",
     "prepare_model",
+    "input_device",
     "prefill",
+    "run_state",
     "tree_forward",
     "vocab_size",
     "max_positions",
@@ -166,6 +168,10 @@ class ForwardState:
         if (self.tree_mask is None) != (self.prefix_lens is None):
             raise ValueError("tree_mask, prefix_lens: expected both (verification) or neither (prefill)")
 
+    def refresh(self) -> None:
+        """Drop the per-device copies; call after updating the state's tensors in place."""
+        self._moved.clear()
+
     def _on(self, device: torch.device) -> tuple:
         """The state's tensors on ``device`` (layers of a model split across devices)."""
         if device not in self._moved:
@@ -235,11 +241,24 @@ def _masked_attention(q, k, v, visible, scale, softcap) -> torch.Tensor:
     return torch.matmul(scores.softmax(dim=-1), vf).to(q.dtype)
 
 
-def _input_device(model) -> torch.device:
+def input_device(model) -> torch.device:
+    """Where the model's input ids go (its input embedding's device)."""
     return model.get_input_embeddings().weight.device
 
 
-def _run(model, input_ids: torch.Tensor, positions: torch.Tensor, state: ForwardState, logits_to_keep: int):
+def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state: ForwardState,
+              logits_to_keep: int = 0) -> torch.Tensor:
+    """One model forward with ``state`` handed to every attention layer; no host sync inside.
+
+    Args:
+        input_ids, positions: int64 ``[B, m]`` on the input embedding's device.
+        state: the per-call metadata (its tensors are read, never reallocated).
+        logits_to_keep: 0 = logits for all m tokens, k = only the last k.
+
+    Returns:
+        ``[B, m or k, V]`` logits. With fixed-address inputs and ``state.kv_len=None`` this call
+        is the body a CUDA graph would capture.
+    """
     # A 4-D mask counts as "already prepared": transformers builds none (the state carries the real one).
     dummy_mask = torch.ones(input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=input_ids.device)
     out = model(
@@ -264,11 +283,11 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto") 
         cache: the cache to fill; its lengths are left to the caller.
     """
     batch, m = input_ids.shape
-    device = _input_device(model)
+    device = input_device(model)
     ids = input_ids.to(device)
     positions = torch.arange(m, device=device).expand(batch, m)
     state = ForwardState(cache=cache, slots=positions, positions=positions, impl=impl)
-    _run(model, ids, positions, state, logits_to_keep=1)
+    run_state(model, ids, positions, state, logits_to_keep=1)
 
 
 @torch.no_grad()
@@ -298,7 +317,7 @@ def tree_forward(
     Returns:
         ``[B, n, V]`` logits; row i is the target's prediction after node i's root path.
     """
-    device = _input_device(model)
+    device = input_device(model)
     batch, n = tokens.shape
     tree_mask = tree_mask.to(device)
     prefix = prefix_lens.to(device=device, dtype=torch.int64)
@@ -306,4 +325,4 @@ def tree_forward(
     slots = prefix[:, None] + torch.arange(n, device=device)
     state = ForwardState(cache=cache, slots=slots, positions=positions, tree_mask=tree_mask, prefix_lens=prefix,
                          kv_len=kv_len, impl=impl)
-    return _run(model, tokens.to(device), positions, state, logits_to_keep=0)
+    return run_state(model, tokens.to(device), positions, state)

@@ -95,7 +95,7 @@ def verify_stochastic(
 
     Args:
         tree: the proposed tree; ``"iid"`` and ``"no_replacement"`` trees need ``draft_probs``
-            ``[n, V]`` on ``target_probs``' device.
+            ``[n, V]`` (moved to ``target_probs``' device if elsewhere).
         target_probs: float ``[n, V]``; row i = the target distribution after node i's path, after
             temperature / top-k / top-p (``specdec.sampling.logits_to_probs``). Rows sum to 1.
         generator: source of randomness (``None``: torch's default generator); uniforms and the
@@ -110,8 +110,7 @@ def verify_stochastic(
     if kind != "topk" and tree.n > 1:
         if q_all is None:
             raise ValueError(f"tree.draft_probs: expected [n, V] proposal probabilities for a {kind!r} tree, got None")
-        if q_all.device != target_probs.device:
-            raise ValueError(f"tree.draft_probs: expected device {target_probs.device} (target_probs'), got {q_all.device}")
+        q_all = q_all.to(target_probs.device)
     gen_device = generator.device if generator is not None else torch.device("cpu")
     tokens = tree.tokens.tolist()
     path = [0]
