@@ -3,10 +3,11 @@
 Layout of the work: one program per (block of folded query rows, batch x KV head, prompt split).
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
-once per KV head for all tree queries. The prompt ``[0, prefix_len)`` is cut into ``num_splits``
-chunks of ``chunk`` tokens; the last split also attends the tree keys through the int64 ancestor
-words. With one split the kernel writes the output; with several it writes normalized partial
-outputs and base-2 log-sum-exps that ``tree_attn_merge_kernel`` combines.
+once per KV head for all tree queries. With one split (``SPLIT=False``) a program attends the
+whole prompt ``[0, prefix_len)`` and then the tree keys, masked by the int64 ancestor words, and
+writes the output. With ``SPLIT=True`` the prompt is cut into ``num_splits - 1`` chunks of
+``chunk`` tokens, one extra split attends the tree keys alone, and every program writes a
+normalized partial output and its base-2 log-sum-exp for ``tree_attn_merge_kernel`` to combine.
 """
 
 import triton
@@ -22,14 +23,15 @@ def _attend_tile(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # m is kept in the scaled (log2) domain; the scale folds into one FMA per score.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead to avoid NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -86,6 +88,8 @@ def tree_attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
+    if SPLIT:  # the extra last split attends the tree only, in parallel with the prompt chunks
+        hi = tl.where(pid_s == num_splits - 1, lo, hi)
     hi_full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, hi_full, BLOCK_N):
         kv = start + offs_n
@@ -105,7 +109,7 @@ def tree_attn_fwd_kernel(
             acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
         )
 
-    # Tree part (last split only): 64 tree keys per tile, visibility from one int64 word per row.
+    # Tree part (last program of the split axis): 64 tree keys per tile, visibility from one int64 word per row.
     if pid_s == num_splits - 1:
         offs_t = tl.arange(0, WORD_BITS)
         n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
@@ -114,16 +118,13 @@ def tree_attn_fwd_kernel(
         last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
         for w in range(0, tl.minimum(last_q // WORD_BITS + 1, n_words)):
             words = tl.load(w_ptrs + w, mask=row_ok, other=0)
-            if tl.sum((words != 0).to(tl.int32), 0) > 0:
-                t = w * WORD_BITS + offs_t
-                t_ok = t < n_tree
-                kv = prefix_len + t
-                k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-                visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
-                acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION
-                )
+            t = w * WORD_BITS + offs_t
+            t_ok = t < n_tree
+            kv = prefix_len + t
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
     if SPLIT:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -143,30 +144,26 @@ def tree_attn_merge_kernel(
     PART_O, PART_LSE, OUT,
     stride_ob, stride_oh, stride_on,
     num_heads, n_tree, num_rows, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Combine ``num_splits`` normalized partial outputs per row by their base-2 log-sum-exps."""
+    """Combine ``num_splits`` normalized partial outputs per row by their base-2 log-sum-exps.
+
+    All splits of ``BLOCK_R`` rows are loaded at once as one ``[BLOCK_R, BLOCK_S, BLOCK_D]`` tile.
+    """
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_rows
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
-        part = rows * num_splits + s
-        lse = tl.load(PART_LSE + part, mask=row_ok, other=float("-inf"))
-        o = tl.load(PART_O + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        wgt = tl.math.exp2(lse - m_safe)
-        l = l * alpha + wgt
-        acc = acc * alpha[:, None] + wgt[:, None] * o
-        m = m_new
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    rs_ok = (rows < num_rows)[:, None] & (offs_s < num_splits)[None, :]
+    part = rows[:, None] * num_splits + offs_s[None, :]
+    lse = tl.load(PART_LSE + part, mask=rs_ok, other=float("-inf"))
+    m = tl.max(lse, 1)
+    wgt = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    l = tl.sum(wgt, 1)
+    o_mask = rs_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :]
+    o = tl.load(PART_O + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=o_mask, other=0.0)
+    out = tl.sum(o * wgt[:, :, None], 1) / tl.where(l == 0.0, 1.0, l)[:, None]
     b = rows // (num_heads * n_tree)
     h = (rows // n_tree) % num_heads
     i = rows % n_tree
     out_ptrs = OUT + b[:, None] * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_on + offs_d[None, :]
-    tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=(rows < num_rows)[:, None] & (offs_d < HEAD_DIM)[None, :])

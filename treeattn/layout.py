@@ -15,7 +15,7 @@ import torch
 
 BITS_PER_WORD = 64
 
-__all__ = ["BITS_PER_WORD", "TreeMask", "num_words"]
+__all__ = ["BITS_PER_WORD", "TreeMask", "num_words", "random_tree_parents"]
 
 
 def num_words(n: int) -> int:
@@ -142,3 +142,32 @@ class TreeMask:
     def position_ids(self, prefix_lens: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, n]``: ``prefix_lens[b] + depth[b, i]`` (``prefix_lens``: int ``[B]``)."""
         return prefix_lens.to(self.depth.device, torch.int64).unsqueeze(1) + self.depth
+
+
+def random_tree_parents(n: int, max_depth: int = 8, generator: torch.Generator | None = None) -> torch.Tensor:
+    """int64 ``[n]`` parents of a random tree of ``n`` nodes and depth <= ``max_depth``, depth-first.
+
+    Every non-root node picks a uniformly random parent among the nodes of depth < ``max_depth``
+    created before it; the nodes are then renumbered in depth-first order.
+    """
+    if n < 1:
+        raise ValueError(f"n: expected >= 1, got {n}")
+    if max_depth < 1 and n > 1:
+        raise ValueError(f"max_depth: expected >= 1 for n > 1, got {max_depth}")
+    parent = [-1]
+    depth = [0]
+    for i in range(1, n):
+        open_nodes = [j for j in range(i) if depth[j] < max_depth]
+        p = open_nodes[int(torch.randint(len(open_nodes), (1,), generator=generator))]
+        parent.append(p)
+        depth.append(depth[p] + 1)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parent[i]].append(i)
+    order, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    new_id = {old: new for new, old in enumerate(order)}
+    return torch.tensor([-1] + [new_id[parent[old]] for old in order[1:]], dtype=torch.int64)

@@ -29,8 +29,9 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
-    ``num_splits=None`` lets the op choose how many programs share one prompt (flash-decoding
-    split); 1 runs a single stage that writes the output directly.
+    ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
+    from the shapes). 1 runs a single stage that writes the output directly; more add one program
+    for the tree keys and a merge of the partial results by log-sum-exp.
     """
 
     block_m: int = 128
@@ -55,31 +56,35 @@ def _num_sms(device_index: int) -> int:
 
 def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int, head_dim: int,
                 device: torch.device) -> tuple[KernelConfig, int, int]:
-    """Choose (config, num_splits, chunk) for one call. Pure host arithmetic: no device sync."""
+    """Choose (config, grid splits, chunk) for one call. Pure host arithmetic: no device sync."""
     rows = group * n
     if head_dim > 128:
         cfg = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    elif rows <= 64:
-        cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-    else:
-        cfg = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    elif rows >= 128 and seq_len >= 8192:  # long prompts: big tiles, K/V read by few row blocks
+        cfg = KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    else:  # short prompts: more, smaller programs
+        cfg = KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
     splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, device)
     return cfg, splits, chunk
 
 
 def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_prefix: int,
-            device: torch.device, min_chunk: int = 256) -> tuple[int, int]:
-    if max_prefix <= 0:
-        return 1, cfg.block_n
+            device: torch.device) -> tuple[int, int]:
+    """(programs on the split axis, prompt tokens per split).
+
+    ``cfg.num_splits`` (or, by default, enough prompt chunks for about one program per SM) chunks
+    of the prompt; with more than one, an extra split attends the tree alone.
+    """
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
         per_split = math.ceil(rows / cfg.block_m) * batch * num_kv_heads
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-        want = min(math.ceil(2 * sms / per_split), math.ceil(max_prefix / min_chunk))
-    want = max(1, want)
+        want = min(round(sms / per_split), math.ceil(max_prefix / cfg.block_n))
+    if want <= 1 or max_prefix <= 0:
+        return 1, max(max_prefix, 1)
     chunk = math.ceil(math.ceil(max_prefix / want) / cfg.block_n) * cfg.block_n
-    return math.ceil(max_prefix / chunk), chunk
+    return math.ceil(max_prefix / chunk) + 1, chunk
 
 
 def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
@@ -241,12 +246,13 @@ def _tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, config):
     )
     if splits > 1:
         rows = batch * hq * n
-        block_r = 16
+        block_s = _next_pow2(splits)
+        block_r = max(1, 2048 // (block_s * block_d))  # keep the [R, S, D] tile at <= 2048 floats
         tree_attn_merge_kernel[(math.ceil(rows / block_r),)](
             part_o, part_lse, out,
             out.stride(0), out.stride(1), out.stride(2),
             hq, n, rows, splits,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_S=block_s, num_warps=4,
         )
     return out
 

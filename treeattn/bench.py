@@ -1,0 +1,284 @@
+"""Tree-attention benchmark: the Triton kernel against eager, SDPA and FlexAttention baselines.
+
+    python -m treeattn.bench [--L 1024 4000 16000] [--t 32 64 128 256] [--out bench.json]
+
+On a GPU it measures the copy bandwidth and the bf16 matmul peak in the same run, times every
+(L, t) cell with ``triton.testing.do_bench`` (median), checks every output against the float32
+reference, and prints µs per method, the speedup over the best baseline and the fraction of the
+roofline floor ``max(visible-pair FLOPs / peak, bytes / bandwidth)``. Without a GPU it runs a
+small correctness demo of the kernel through Triton's interpreter and times the torch path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from treeattn.layout import TreeMask, random_tree_parents
+from treeattn.ops import KernelConfig, pick_config, tree_attention
+from treeattn.reference import dense_tree_mask, flex_tree_mask_mod, tree_attention_ref
+
+__all__ = ["BenchShape", "make_inputs", "main"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """One benchmark cell: a prompt of L tokens shared by a tree of t nodes."""
+
+    L: int
+    t: int
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    batch: int = 1
+    max_depth: int = 8
+
+
+def make_inputs(shape: BenchShape, dtype: torch.dtype, device: str, seed: int):
+    """Random q, k, v, prefix_lens, TreeMask for one cell (cache exactly holds prompt + tree)."""
+    g = torch.Generator().manual_seed(seed)
+    s = shape
+    seq_len = s.L + s.t
+    q = torch.randn(s.batch, s.heads, s.t, s.head_dim, generator=g).to(device, dtype)
+    k = torch.randn(s.batch, s.kv_heads, seq_len, s.head_dim, generator=g).to(device, dtype)
+    v = torch.randn(s.batch, s.kv_heads, seq_len, s.head_dim, generator=g).to(device, dtype)
+    parents = torch.stack([random_tree_parents(s.t, s.max_depth, g) for _ in range(s.batch)])
+    mask = TreeMask.from_parents(parents, device=device)
+    prefix_lens = torch.full((s.batch,), s.L, dtype=torch.int32, device=device)
+    return q, k, v, prefix_lens, mask
+
+
+def roofline(shape: BenchShape, mask: TreeMask, dtype: torch.dtype, peak_flops: float, bandwidth: float):
+    """(floor seconds, FLOPs, bytes): visible query-key pairs x 4·D FLOPs; K, V, Q, O bytes once."""
+    s = shape
+    visible = (s.L + mask.depth.double() + 1).sum().item()  # keys each query sees, summed
+    flops = 4.0 * s.head_dim * s.heads * visible
+    esize = torch.finfo(dtype).bits // 8
+    nbytes = esize * s.head_dim * s.batch * (2 * s.kv_heads * (s.L + s.t) + 2 * s.heads * s.t)
+    return max(flops / peak_flops, nbytes / bandwidth), flops, nbytes
+
+
+def _baselines(q, k, v, prefix_lens, mask):
+    """Callables for eager (HF/Medusa: repeat_kv, matmul, additive dense mask, fp32 softmax),
+    SDPA with a dense boolean mask, and FlexAttention with a tree block mask."""
+    group = q.shape[1] // k.shape[1]
+    seq_len = k.shape[2]
+    scale = q.shape[-1] ** -0.5
+    dense = dense_tree_mask(prefix_lens, mask, seq_len).unsqueeze(1)  # [B, 1, n, S]
+    additive = torch.zeros(dense.shape, dtype=q.dtype, device=q.device).masked_fill(~dense, torch.finfo(q.dtype).min)
+
+    def eager():
+        kr = k.repeat_interleave(group, dim=1)
+        vr = v.repeat_interleave(group, dim=1)
+        w = torch.matmul(q, kr.transpose(2, 3)) * scale + additive
+        w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(w, vr)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=group > 1)
+
+    def sdpa_repeat():
+        kr = k.repeat_interleave(group, dim=1)
+        vr = v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, kr, vr, attn_mask=dense)
+
+    fns = {"eager": eager, "sdpa": sdpa, "sdpa_repeat_kv": sdpa_repeat}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        block = create_block_mask(flex_tree_mask_mod(prefix_lens, mask), q.shape[0], None, q.shape[2], seq_len,
+                                  device=q.device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        fns["flex"] = lambda: compiled(q, k, v, block_mask=block, enable_gqa=group > 1)
+    except Exception as exc:  # FlexAttention is optional: report, don't fail the whole run
+        print(f"flex: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
+    return fns
+
+
+def measure_ceilings(device: str) -> tuple[float, float]:
+    """(bf16 matmul FLOP/s, copy bytes/s) measured now on ``device``."""
+    from triton.testing import do_bench
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t_mm = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") * 1e-3
+    src = torch.randn(256 * 1024 * 1024, device=device, dtype=torch.float32)  # 1 GiB
+    dst = torch.empty_like(src)
+    t_cp = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3
+    del a, b, src, dst
+    return 2 * 8192**3 / t_mm, 2 * 1024**3 / t_cp
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref).norm() / ref.norm()).item()
+
+
+def run_gpu(args) -> list[dict]:
+    from triton.testing import do_bench
+
+    dtype = _DTYPES[args.dtype]
+    peak, bw = measure_ceilings("cuda")
+    print(f"measured: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
+          f"({torch.cuda.get_device_name()})")
+    configs = _sweep_configs() if args.sweep else [None]
+    rows = []
+    for L in args.L:
+        for t in args.t:
+            shape = BenchShape(L=L, t=t, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                               batch=args.batch, max_depth=args.max_depth)
+            q, k, v, pl, mask = make_inputs(shape, dtype, "cuda", args.seed + L + t)
+            ref = tree_attention_ref(q, k, v, pl, mask)
+            floor, flops, nbytes = roofline(shape, mask, dtype, peak, bw)
+            row = {"L": L, "t": t, "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes}
+            timings = []  # (µs, config) of every config that ran
+            for cfg in configs:
+                us, err = _time_config(q, k, v, pl, mask, cfg, ref, args)
+                if us is not None:
+                    timings.append((us, cfg, err))
+            if args.sweep:  # second phase: vary the prompt split count of the three best configs
+                top = sorted(timings, key=lambda x: x[0])[:3]
+                for cfg0 in [c or pick_config(shape.batch, shape.kv_heads, shape.heads // shape.kv_heads, t,
+                                              L + t, shape.head_dim, q.device)[0] for _, c, _ in top]:
+                    for splits in (1, 2, 4, 8, 16, 32):
+                        cfg = replace(cfg0, num_splits=splits)
+                        us, err = _time_config(q, k, v, pl, mask, cfg, ref, args)
+                        if us is not None:
+                            timings.append((us, cfg, err))
+                row["sweep"] = [[us, asdict(c) if c else "auto"] for us, c, _ in timings]
+            best_us, best_cfg, row["err_triton"] = min(timings, key=lambda x: x[0])
+            if args.cudagraph:
+                from triton.testing import do_bench_cudagraph
+
+                row["triton_graph_us"] = do_bench_cudagraph(
+                    lambda: tree_attention(q, k, v, pl, mask, check_prefix_lens=False, config=best_cfg),
+                    rep=100, return_mode="median") * 1e3
+            row["triton_us"] = best_us
+            row["triton_config"] = asdict(best_cfg) if best_cfg else "auto"
+            for name, fn in ({} if args.skip_baselines else _baselines(q, k, v, pl, mask)).items():
+                try:
+                    row[f"err_{name}"] = _rel_err(fn(), ref)
+                    row[f"{name}_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+                except Exception as exc:
+                    print(f"{name} failed at L={L} t={t}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            base = {n: row[f"{n}_us"] for n in ("eager", "sdpa", "sdpa_repeat_kv", "flex") if f"{n}_us" in row}
+            if base:
+                best_name = min(base, key=base.get)
+                row.update(best_baseline=best_name, best_baseline_us=base[best_name], speedup=base[best_name] / best_us)
+            row.update(floor_frac=row["floor_us"] / best_us,
+                       tflops=flops / best_us * 1e-6, gbps=nbytes / best_us * 1e-3)
+            rows.append(row)
+            print(_fmt_row(row), flush=True)
+            del q, k, v, ref
+            torch.cuda.empty_cache()
+    print()
+    print(_table(rows))
+    return rows
+
+
+def _time_config(q, k, v, pl, mask, cfg, ref, args):
+    """(median µs, rel. error) of the kernel with ``cfg``; (None, None) if the config cannot run."""
+    from triton.testing import do_bench
+
+    fn = lambda: tree_attention(q, k, v, pl, mask, check_prefix_lens=False, config=cfg)  # noqa: E731
+    try:
+        out = fn()
+    except Exception as exc:  # e.g. a config needing more shared memory than the GPU has
+        if not args.sweep:
+            raise
+        print(f"  config {cfg} skipped: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+        return None, None
+    err = _rel_err(out, ref)
+    if not err < 2e-2:
+        raise RuntimeError(f"kernel output wrong at L={q.shape[2]} config={cfg}: rel err {err:.2e}")
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3, err
+
+
+def _sweep_configs() -> list[KernelConfig | None]:
+    cfgs: list[KernelConfig | None] = [None]
+    for bm, bn, w, st in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
+                          (128, 64, 8, 4)]:
+        cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
+    return cfgs
+
+
+_COLS = ["L", "t", "triton_us", "eager_us", "sdpa_us", "sdpa_repeat_kv_us", "flex_us", "speedup", "floor_us",
+         "floor_frac", "tflops", "gbps"]
+
+
+def _fmt_row(row: dict) -> str:
+    cells = []
+    for c in _COLS:
+        val = row.get(c)
+        if val is None:
+            cells.append("-")
+        elif isinstance(val, float):
+            cells.append(f"{val:.0%}" if c == "floor_frac" else f"{val:.1f}")
+        else:
+            cells.append(str(val))
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(_COLS) + " |\n|" + "---|" * len(_COLS)
+    return "\n".join([head] + [_fmt_row(r) for r in rows])
+
+
+def run_cpu_demo(args) -> list[dict]:
+    """No GPU: check the kernel (Triton interpreter when enabled) and time the torch path."""
+    import time
+
+    rows = []
+    for L, t in [(100, 32), (300, 64)]:
+        shape = BenchShape(L=L, t=t, heads=8, kv_heads=2, head_dim=64, max_depth=args.max_depth)
+        q, k, v, pl, mask = make_inputs(shape, torch.float32, "cpu", args.seed + L + t)
+        ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+        row = {"L": L, "t": t}
+        impls = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+        for impl in impls:
+            start = time.perf_counter()
+            out = tree_attention(q, k, v, pl, mask, impl=impl)
+            row[f"{impl}_ms"] = (time.perf_counter() - start) * 1e3
+            row[f"err_{impl}"] = ((out.double() - ref).norm() / ref.norm()).item()
+        rows.append(row)
+        print(" ".join(f"{key}={val:.3g}" if isinstance(val, float) else f"{key}={val}" for key, val in row.items()))
+    print("no CUDA device: correctness demo only (set TRITON_INTERPRET=1 to also run the kernel on CPU)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specdec bench-attn", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--L", type=int, nargs="+", default=[1024, 4000, 16000], help="prompt lengths")
+    p.add_argument("--t", type=int, nargs="+", default=[32, 64, 128, 256], help="tree sizes (nodes)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-depth", type=int, default=8, help="depth limit of the random trees")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--sweep", action="store_true", help="also try a grid of kernel configs, keep the best per cell")
+    p.add_argument("--cudagraph", action="store_true", help="also time the kernel's best config replayed in a CUDA graph")
+    p.add_argument("--skip-baselines", action="store_true", help="time the kernel only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    rows = run_gpu(args) if torch.cuda.is_available() else run_cpu_demo(args)
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__, "args": vars(args)}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
