@@ -47,9 +47,6 @@ class KVCache:
             raise ValueError(f"layer_idx: no KV buffers for layer {layer_idx} yet (nothing was written)")
         return self._keys[layer_idx], self._values[layer_idx]
 
-    def devices(self) -> set[torch.device]:
-        return {k.device for k in self._keys.values()}
-
     def reset(self) -> None:
         """Forget every sequence (lengths back to 0); the buffers are kept for reuse."""
         self.lengths = [0] * self.batch_size

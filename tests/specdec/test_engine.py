@@ -225,6 +225,28 @@ def test_wrap_generate_is_drop_in():
     assert all(s.draft_s >= 0 and s.verify_s > 0 and s.commit_s >= 0 for s in out.steps)
 
 
+def test_device_map_auto_model(tmp_path):
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    _model("llama").save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto", dtype=torch.float32).eval()
+    ref = _reference("llama", 10, 0, 16)
+    dec = SpecDecoder(loaded, OracleDrafter([list(ref)], seed=9), tree_size=8, attn_impl="torch")
+    assert dec.generate(_prompt(10, 0), 16).sequences[0].tolist() == list(ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_generate_runs(dtype):
+    model = tiny_model("qwen2", dtype=dtype)
+    drafter = DraftModelDrafter(perturbed_copy(model, 0.05, seed=2), width=2, max_depth=4)
+    out = SpecDecoder(model, drafter, tree_size=8, attn_impl="torch").generate(_prompt(10, 0), 16)
+    assert out.num_new_tokens == 16 and out.totals()["tokens_accepted"] > 0
+    sampled = SpecDecoder(model, drafter, tree_size=8, attn_impl="torch").generate(
+        _prompt(10, 0), 8, do_sample=True, generator=torch.Generator().manual_seed(0))
+    assert sampled.num_new_tokens == 8
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
