@@ -3,7 +3,8 @@
     python -m treeattn.bench [--L 1024 4000 16000] [--t 32 64 128 256] [--out bench.json]
 
 On a GPU it measures the copy bandwidth and the bf16 matmul peak in the same run, times every
-(L, t) cell with ``triton.testing.do_bench`` (median), checks every output against the float32
+(L, t) cell and every method the same way (median of CUDA-graph replays over rotating input sets
+larger than L2: cold K/V, no host launch overhead), checks every output against the float32
 reference, and prints µs per method, the speedup over the best baseline and the fraction of the
 roofline floor ``max(visible-pair FLOPs / peak, bytes / bandwidth)``. Without a GPU it runs a
 small correctness demo of the kernel through Triton's interpreter and times the torch path.
@@ -122,9 +123,45 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref).norm() / ref.norm()).item()
 
 
-def run_gpu(args) -> list[dict]:
-    from triton.testing import do_bench
+def time_rotating_graph(calls, replays: int = 20) -> float:
+    """Median µs of one call: the calls (one per input set) are captured in one CUDA graph and
+    replayed; rotating inputs larger than L2 keeps every call's K/V cold, as in decoding, and the
+    graph removes host launch overhead for every method alike."""
+    for fn in calls:  # compile / autotune outside the capture
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
 
+
+def _num_input_sets(shape: BenchShape, dtype: torch.dtype) -> int:
+    """Enough input sets to exceed 4x the L2 cache, at most 32."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    per_set = torch.finfo(dtype).bits // 8 * 2 * shape.batch * shape.kv_heads * (shape.L + shape.t) * shape.head_dim
+    return max(2, min(32, math.ceil(4 * l2 / per_set)))
+
+
+def run_gpu(args) -> list[dict]:
     dtype = _DTYPES[args.dtype]
     peak, bw = measure_ceilings("cuda")
     print(f"measured: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
@@ -135,40 +172,38 @@ def run_gpu(args) -> list[dict]:
         for t in args.t:
             shape = BenchShape(L=L, t=t, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                                batch=args.batch, max_depth=args.max_depth)
-            q, k, v, pl, mask = make_inputs(shape, dtype, "cuda", args.seed + L + t)
+            sets = [make_inputs(shape, dtype, "cuda", args.seed + 1000 * i + L + t)
+                    for i in range(_num_input_sets(shape, dtype))]
+            q, k, v, pl, mask = sets[0]
             ref = tree_attention_ref(q, k, v, pl, mask)
             floor, flops, nbytes = roofline(shape, mask, dtype, peak, bw)
-            row = {"L": L, "t": t, "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes}
-            timings = []  # (µs, config) of every config that ran
+            row = {"L": L, "t": t, "input_sets": len(sets), "floor_us": floor * 1e6, "flops": flops, "bytes": nbytes}
+            timings = []  # (µs, config, error) of every config that ran
             for cfg in configs:
-                us, err = _time_config(q, k, v, pl, mask, cfg, ref, args)
-                if us is not None:
-                    timings.append((us, cfg, err))
+                res = _time_config(sets, cfg, ref, args)
+                if res is not None:
+                    timings.append(res)
             if args.sweep:  # second phase: vary the prompt split count of the three best configs
                 top = sorted(timings, key=lambda x: x[0])[:3]
                 for cfg0 in [c or pick_config(shape.batch, shape.kv_heads, shape.heads // shape.kv_heads, t,
                                               L + t, shape.head_dim, q.device)[0] for _, c, _ in top]:
                     for splits in (1, 2, 4, 8, 16, 32):
-                        cfg = replace(cfg0, num_splits=splits)
-                        us, err = _time_config(q, k, v, pl, mask, cfg, ref, args)
-                        if us is not None:
-                            timings.append((us, cfg, err))
+                        res = _time_config(sets, replace(cfg0, num_splits=splits), ref, args)
+                        if res is not None:
+                            timings.append(res)
                 row["sweep"] = [[us, asdict(c) if c else "auto"] for us, c, _ in timings]
             best_us, best_cfg, row["err_triton"] = min(timings, key=lambda x: x[0])
-            if args.cudagraph:
-                from triton.testing import do_bench_cudagraph
-
-                row["triton_graph_us"] = do_bench_cudagraph(
-                    lambda: tree_attention(q, k, v, pl, mask, check_prefix_lens=False, config=best_cfg),
-                    rep=100, return_mode="median") * 1e3
             row["triton_us"] = best_us
             row["triton_config"] = asdict(best_cfg) if best_cfg else "auto"
-            for name, fn in ({} if args.skip_baselines else _baselines(q, k, v, pl, mask)).items():
-                try:
-                    row[f"err_{name}"] = _rel_err(fn(), ref)
-                    row[f"{name}_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-                except Exception as exc:
-                    print(f"{name} failed at L={L} t={t}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            if not args.skip_baselines:
+                per_set = [_baselines(*s) for s in sets]
+                for name in per_set[0]:
+                    try:
+                        row[f"err_{name}"] = _rel_err(per_set[0][name](), ref)
+                        row[f"{name}_us"] = time_rotating_graph([fns[name] for fns in per_set])
+                    except Exception as exc:
+                        print(f"{name} failed at L={L} t={t}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+                del per_set
             base = {n: row[f"{n}_us"] for n in ("eager", "sdpa", "sdpa_repeat_kv", "flex") if f"{n}_us" in row}
             if base:
                 best_name = min(base, key=base.get)
@@ -177,29 +212,27 @@ def run_gpu(args) -> list[dict]:
                        tflops=flops / best_us * 1e-6, gbps=nbytes / best_us * 1e-3)
             rows.append(row)
             print(_fmt_row(row), flush=True)
-            del q, k, v, ref
+            del sets, q, k, v, ref
             torch.cuda.empty_cache()
     print()
     print(_table(rows))
     return rows
 
 
-def _time_config(q, k, v, pl, mask, cfg, ref, args):
-    """(median µs, rel. error) of the kernel with ``cfg``; (None, None) if the config cannot run."""
-    from triton.testing import do_bench
-
-    fn = lambda: tree_attention(q, k, v, pl, mask, check_prefix_lens=False, config=cfg)  # noqa: E731
+def _time_config(sets, cfg, ref, args):
+    """(median µs, cfg, rel. error) of the kernel with ``cfg``; None if a sweep config cannot run."""
+    calls = [lambda s=s: tree_attention(*s, check_prefix_lens=False, config=cfg) for s in sets]
     try:
-        out = fn()
+        out = calls[0]()
     except Exception as exc:  # e.g. a config needing more shared memory than the GPU has
         if not args.sweep:
             raise
         print(f"  config {cfg} skipped: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
-        return None, None
+        return None
     err = _rel_err(out, ref)
     if not err < 2e-2:
-        raise RuntimeError(f"kernel output wrong at L={q.shape[2]} config={cfg}: rel err {err:.2e}")
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3, err
+        raise RuntimeError(f"kernel output wrong at L={sets[0][1].shape[2]} config={cfg}: rel err {err:.2e}")
+    return time_rotating_graph(calls), cfg, err
 
 
 def _sweep_configs() -> list[KernelConfig | None]:
@@ -266,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-depth", type=int, default=8, help="depth limit of the random trees")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--sweep", action="store_true", help="also try a grid of kernel configs, keep the best per cell")
-    p.add_argument("--cudagraph", action="store_true", help="also time the kernel's best config replayed in a CUDA graph")
     p.add_argument("--skip-baselines", action="store_true", help="time the kernel only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the rows as JSON here")
