@@ -192,6 +192,8 @@ def run_gpu(args) -> list[dict]:
                         if res is not None:
                             timings.append(res)
                 row["sweep"] = [[us, asdict(c) if c else "auto"] for us, c, _ in timings]
+            if args.sweep:
+                row["auto_us"] = next((us for us, c, _ in timings if c is None), None)
             best_us, best_cfg, row["err_triton"] = min(timings, key=lambda x: x[0])
             row["triton_us"] = best_us
             row["triton_config"] = asdict(best_cfg) if best_cfg else "auto"

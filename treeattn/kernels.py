@@ -3,11 +3,11 @@
 Layout of the work: one program per (block of folded query rows, batch x KV head, prompt split).
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
-once per KV head for all tree queries. With one split (``SPLIT=False``) a program attends the
-whole prompt ``[0, prefix_len)`` and then the tree keys, masked by the int64 ancestor words, and
-writes the output. With ``SPLIT=True`` the prompt is cut into ``num_splits - 1`` chunks of
-``chunk`` tokens, one extra split attends the tree keys alone, and every program writes a
-normalized partial output and its base-2 log-sum-exp for ``tree_attn_merge_kernel`` to combine.
+once per KV head for all tree queries. The prompt ``[0, prefix_len)`` is cut into chunks of
+``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys,
+masked by the int64 ancestor words (the op sizes the chunks so that this evens out). With one
+split (``SPLIT=False``) the kernel writes the output; with several it writes normalized partial
+outputs and base-2 log-sum-exps that ``tree_attn_merge_kernel`` combines.
 """
 
 import triton
@@ -88,8 +88,6 @@ def tree_attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
-    if SPLIT:  # the extra last split attends the tree only, in parallel with the prompt chunks
-        hi = tl.where(pid_s == num_splits - 1, lo, hi)
     hi_full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, hi_full, BLOCK_N):
         kv = start + offs_n

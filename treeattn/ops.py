@@ -30,8 +30,8 @@ class KernelConfig:
     """Launch parameters of the Triton kernel.
 
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
-    from the shapes). 1 runs a single stage that writes the output directly; more add one program
-    for the tree keys and a merge of the partial results by log-sum-exp.
+    from the shapes). 1 runs a single stage that writes the output directly; more add a merge of
+    the partial results by log-sum-exp.
     """
 
     block_m: int = 128
@@ -56,35 +56,42 @@ def _num_sms(device_index: int) -> int:
 
 def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int, head_dim: int,
                 device: torch.device) -> tuple[KernelConfig, int, int]:
-    """Choose (config, grid splits, chunk) for one call. Pure host arithmetic: no device sync."""
+    """Choose (config, splits, chunk) for one call from the shapes (tuned on an H100, see PERF.md).
+
+    Pure host arithmetic: no device sync, so it works inside CUDA-graph capture.
+    """
     rows = group * n
     if head_dim > 128:
         cfg = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    elif rows >= 128 and seq_len >= 8192:  # long prompts: big tiles, K/V read by few row blocks
+    elif rows >= 512 or (rows >= 256 and seq_len >= 8192):  # matmul-heavy: two warpgroups per program
         cfg = KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-    else:  # short prompts: more, smaller programs
+    elif seq_len >= 8192:
         cfg = KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
-    splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, device)
+    else:
+        cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, n, device)
     return cfg, splits, chunk
 
 
-def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_prefix: int,
-            device: torch.device) -> tuple[int, int]:
+def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_prefix: int, n: int,
+            device: torch.device, min_chunk: int = 256) -> tuple[int, int]:
     """(programs on the split axis, prompt tokens per split).
 
-    ``cfg.num_splits`` (or, by default, enough prompt chunks for about one program per SM) chunks
-    of the prompt; with more than one, an extra split attends the tree alone.
+    ``cfg.num_splits`` or, by default, about one program per SM (but chunks of at least
+    ``min_chunk`` keys). The last split also attends the n tree keys, so the chunks are sized to
+    spread ``max_prefix + n`` keys evenly.
     """
+    work = max_prefix + n
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
         per_split = math.ceil(rows / cfg.block_m) * batch * num_kv_heads
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-        want = min(round(sms / per_split), math.ceil(max_prefix / cfg.block_n))
+        want = min(round(sms / per_split), math.ceil(work / min_chunk))
     if want <= 1 or max_prefix <= 0:
         return 1, max(max_prefix, 1)
-    chunk = math.ceil(math.ceil(max_prefix / want) / cfg.block_n) * cfg.block_n
-    return math.ceil(max_prefix / chunk) + 1, chunk
+    chunk = math.ceil(math.ceil(work / want) / cfg.block_n) * cfg.block_n
+    return math.ceil(work / chunk), chunk
 
 
 def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
@@ -216,7 +223,7 @@ def _tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, config):
         cfg, splits, chunk = pick_config(batch, hkv, group, n, seq_len, d, q.device)
     else:
         cfg = config
-        splits, chunk = _splits(cfg, batch, hkv, group * n, seq_len - n, q.device)
+        splits, chunk = _splits(cfg, batch, hkv, group * n, seq_len - n, n, q.device)
     block_d = max(16, _next_pow2(d))
     words = tree_mask.words
     if words.stride(-1) != 1:
