@@ -309,7 +309,9 @@ class RecordingDrafter:
 
     def propose(self, context):
         tree = self.inner.propose(context)
-        self.parents.append(getattr(tree, "parents", None))
+        parents = getattr(tree, "parents", None)
+        # A copy (asynchronous on CUDA, no host sync): a drafter may refill one buffer every step.
+        self.parents.append(parents.clone() if parents is not None else None)
         return tree
 
     def update(self, context, tree, verdict):

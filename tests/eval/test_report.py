@@ -1,0 +1,155 @@
+"""Summary rows, table, CSV, JSON, plot and agreement text from synthetic records; attention-only
+timing plumbing on CPU (the torch path and a fake timer stand in for Triton and do_bench)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+
+from eval import attn_timing, report
+
+
+def _rec(problem, method, t=None, new=10, wall=1.0, match=True, first=None, steps=None, error=None, **extra):
+    rec = {"problem_id": problem, "method": method, "tree_size": t, "new_tokens": new, "wall_s": wall,
+           "tokens_per_s": new / wall if wall else None, "match": match, "first_divergence": first, "error": error,
+           "prompt_len": 100 + 10 * int(problem)}  # fmt: skip
+    if steps is not None:
+        rec["steps"] = steps
+    rec.update(extra)
+    return rec
+
+
+def _steps(emitted, accepted, depth, nodes, verify=0.01, draft=0.002, commit=0.001):
+    n = len(emitted)
+    return {"emitted": emitted, "accepted": accepted, "depth": depth, "nodes": nodes,
+            "verify_s": [verify] * n, "draft_s": [draft] * n, "commit_s": [commit] * n}  # fmt: skip
+
+
+RECORDS = [
+    _rec("1", "hf", wall=2.0),
+    _rec("2", "hf", wall=2.0),
+    _rec("1", "hf-static", wall=0.5),
+    _rec("2", "hf-static", wall=0.5),
+    _rec("1", "hf-assisted", wall=4.0),
+    _rec("2", "hf-assisted", error="RuntimeError: boom", new=0, wall=0.0),
+    _rec("1", "specdec", 32, wall=1.0, steps=_steps([3, 3, 4], [2, 2, 3], [4, 5, 6], [32, 32, 30]),
+         tree_samples=[[-1, 0, 1], [-1, 0, 0, 2]]),
+    _rec("2", "specdec", 32, wall=1.0, match=False, first=7, steps=_steps([1], [0], [3], [32]),
+         tree_samples=[[-1, 0]]),
+    _rec("1", "specdec", 64, wall=0.5, steps=_steps([5, 5], [4, 4], [8, 8], [64, 64])),
+]
+
+
+def test_summarize_rows():
+    rows = report.summarize(RECORDS)
+    assert [(r["method"], r["tree_size"]) for r in rows] == [
+        ("hf", None), ("hf-static", None), ("hf-assisted", None), ("specdec", 32), ("specdec", 64)]
+    by = {(r["method"], r["tree_size"]): r for r in rows}
+    hf, sp32, sp64 = by[("hf", None)], by[("specdec", 32)], by[("specdec", 64)]
+    assert hf["tokens_per_s"] == pytest.approx(5.0) and hf["speedup_vs_hf"] == pytest.approx(1.0)
+    assert by[("hf-assisted", None)]["errors"] == 1 and by[("hf-assisted", None)]["problems"] == 1
+    assert sp32["problems"] == 2 and sp32["steps"] == 4
+    assert sp32["tau"] == pytest.approx(11 / 4) and sp32["accepted_per_step"] == pytest.approx(7 / 4)
+    assert sp32["mean_depth"] == pytest.approx(18 / 4) and sp32["mean_nodes"] == pytest.approx(126 / 4)
+    assert sp32["verify_ms"] == pytest.approx(10.0) and sp32["draft_ms"] == pytest.approx(2.0)
+    assert sp32["speedup_vs_hf"] == pytest.approx(2.0)  # 10 tok/s vs 5 tok/s
+    assert sp32["speedup_vs_hf_static"] == pytest.approx(0.5)
+    assert sp32["speedup_vs_hf_assisted"] == pytest.approx(4.0)  # on the one problem both finished
+    assert (sp32["compared"], sp32["matches"], sp32["match_rate"]) == (2, 1, 0.5)
+    assert sp32["mean_first_divergence"] == 7
+    assert sp64["speedup_vs_hf"] == pytest.approx(4.0) and sp64["tau"] == 5
+    assert sp64["attn_tree_us"] is None
+
+
+def test_summarize_with_attention_rows():
+    attn = [
+        {"tree_size": 32, "prompt_len": 100, "tree_us": 5.0, "sdpa_us": 20.0, "speedup": 4.0},
+        {"tree_size": 32, "prompt_len": 110, "tree_us": 6.0, "sdpa_us": 21.0, "speedup": 3.5},
+        {"tree_size": 32, "prompt_len": 120, "tree_us": 7.0, "sdpa_us": 22.0, "speedup": 3.1},
+    ]
+    rows = {(r["method"], r["tree_size"]): r for r in report.summarize(RECORDS, attn)}
+    row = rows[("specdec", 32)]
+    assert (row["attn_prompt_len"], row["attn_tree_us"], row["attn_sdpa_us"]) == (110, 6.0, 21.0)
+    assert rows[("specdec", 64)]["attn_tree_us"] is None and rows[("hf", None)]["attn_tree_us"] is None
+
+
+def test_table_csv_summary(tmp_path):
+    rows = report.summarize(RECORDS)
+    table = report.format_table(rows)
+    lines = table.splitlines()
+    assert lines[0].startswith("| method | t | problems | tau |") and "vs hf-static" in lines[0]
+    assert "attn tree µs" not in lines[0]  # no attention timings: column left out
+    assert len(lines) == 2 + len(rows)
+    assert "| specdec | 32 | 2 | 2.75 |" in table and "| 2.00x | 0.50x | 4.00x | 50% |" in table
+    path = report.write_csv(rows, tmp_path / "out" / "t.csv")
+    with open(path) as f:
+        got = list(csv.DictReader(f))
+    assert list(got[0]) == list(report.COLUMNS) and len(got) == len(rows)
+    assert got[0]["tau"] == "" and float(got[3]["tau"]) == pytest.approx(2.75)
+    summary = json.loads(report.write_summary(rows, tmp_path / "s.json", config={"seed": 0}).read_text())
+    assert summary["config"] == {"seed": 0} and len(summary["rows"]) == len(rows)
+
+
+def test_agreement_summary():
+    text = report.agreement_summary(RECORDS, strict=True)
+    assert "specdec t=32: 1/2 identical; first divergence 2@7  <-- GREEDY MISMATCH" in text
+    assert "hf-static: 2/2 identical" in text
+    assert "not compared" in report.agreement_summary([_rec("1", "hf", match=None)])
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = report.plot(report.summarize(RECORDS), tmp_path / "p.png")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_skips_without_matplotlib_or_tree_rows(tmp_path, monkeypatch, capsys):
+    assert report.plot(report.summarize(RECORDS[:4]), tmp_path / "a.png") is None
+    assert "no rows with a tree size" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert report.plot(report.summarize(RECORDS), tmp_path / "b.png") is None
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "b.png").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# attention-only timing
+
+
+SHAPE = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "num_layers": 2}
+
+
+def test_attention_skips_without_cuda(capsys):
+    assert attn_timing.sweep_attention(RECORDS, SHAPE, "fp32", "cpu") is None
+    assert "attention timing: skipped (needs a CUDA device" in capsys.readouterr().err
+
+
+def test_attention_rows_on_cpu_with_torch_path(tmp_path):
+    assert attn_timing.trees_by_size(RECORDS, max_trees=2) == {32: [[-1, 0, 1], [-1, 0, 0, 2]]}
+    assert attn_timing.prompt_lengths(RECORDS) == [110, 120]
+    calls = []
+
+    def timer(fn):
+        calls.append(fn)
+        fn()
+        return 1e-6 * len(calls)
+
+    rows = attn_timing.sweep_attention(RECORDS, SHAPE, "fp32", "cpu", max_trees=2, timer=timer, impl="torch",
+                                       require_cuda=False)  # fmt: skip
+    assert [(r["tree_size"], r["prompt_len"], r["trees"], r["nodes"]) for r in rows] == [(32, 110, 2, 33), (32, 120, 2, 33)]
+    assert all(r["max_rel_err"] < 1e-5 and r["tree_us"] > 0 and r["sdpa_us"] > 0 for r in rows)
+    assert rows[0]["num_heads"] == 4 and rows[0]["impl"] == "torch"
+    assert len(calls) == 2 * 2 * 2  # (tree, sdpa) x trees x prompt lengths
+    path = attn_timing.write_rows(rows, tmp_path / "a.jsonl")
+    assert [json.loads(x) for x in path.read_text().splitlines()] == rows
+
+
+def test_attention_inputs_shapes():
+    import torch
+
+    q, k, v, prefix, mask = attn_timing.attention_inputs([-1, 0, 1, 0], 7, SHAPE, torch.float32, "cpu")
+    assert q.shape == (1, 4, 4, 16) and k.shape == v.shape == (1, 2, 11, 16)
+    assert prefix.tolist() == [7] and mask.n == 4
