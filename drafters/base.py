@@ -5,6 +5,11 @@ Per decoding step and sequence the engine calls ``propose(context)`` and verifie
 can advance its own state (its KV cache, an n-gram table, ...). ``reset(input_ids)`` starts a new
 ``generate`` call. Drafters know nothing about verification beyond the ``Verdict`` they are shown.
 
+A drafter that reads the target's own features (Medusa heads) sets ``needs_hidden_states = True``;
+the engine then takes the target's final hidden states from its forwards (the LM head's input)
+and passes the one that predicted the root in ``DraftContext.hidden``. Nothing else about the
+target reaches a drafter.
+
 Contract of ``propose``:
 
 - ``tree.tokens[0]`` must equal ``context.tokens[-1]`` (the root is the last committed token);
@@ -41,6 +46,9 @@ class DraftContext:
         seq: index of the sequence in the batch (drafters keeping per-sequence state key on it).
         sampling: None for greedy decoding, else the target's sampling transform.
         generator: the random generator of this ``generate`` call (None = torch's default).
+        hidden: ``[H]`` (the target's dtype and device), the target's final hidden state at
+            ``tokens[-2]``, the state from which the root ``tokens[-1]`` was predicted; only for
+            drafters with ``needs_hidden_states`` (None otherwise, or when the prompt is 1 token).
     """
 
     tokens: torch.Tensor
@@ -48,11 +56,15 @@ class DraftContext:
     seq: int = 0
     sampling: SamplingConfig | None = None
     generator: torch.Generator | None = None
+    hidden: torch.Tensor | None = None
 
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes token trees. ``vocab_size`` (or None if unknown) is checked against the target's."""
+    """Proposes token trees. ``vocab_size`` (or None if unknown) is checked against the target's.
+
+    ``needs_hidden_states`` (optional, default False): ask the engine for ``DraftContext.hidden``.
+    """
 
     vocab_size: int | None
 
@@ -67,9 +79,10 @@ class Drafter(Protocol):
 
 
 class BaseDrafter:
-    """Convenience base: no-op ``reset`` / ``update`` and an unknown vocabulary."""
+    """Convenience base: no-op ``reset`` / ``update``, an unknown vocabulary, no hidden states."""
 
     vocab_size: int | None = None
+    needs_hidden_states: bool = False
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
         return None

@@ -15,7 +15,7 @@ batch's largest tree and attention reads only the filled part of the cache (chea
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -142,6 +142,8 @@ class SpecDecoder:
         self.target = target
         self.drafter = drafter
         self.tree_size = tree_size if drafter is not None else 0
+        # Drafters that read the target's hidden state (Medusa heads) get it in DraftContext.hidden.
+        self._wants_hidden = bool(getattr(drafter, "needs_hidden_states", False)) and self.tree_size > 0
         self.max_cache_len = max_cache_len
         self.device = hf.input_device(target)
         self.static_shapes = self.device.type == "cuda" if static_shapes is None else bool(static_shapes)
@@ -224,6 +226,7 @@ class SpecDecoder:
         *,
         attention_mask: torch.Tensor | None = None,
         pad_token_id: int | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` per sequence; lossless w.r.t. the target.
 
@@ -236,6 +239,8 @@ class SpecDecoder:
             eos_token_id: token id(s) that end a sequence (kept in the output), None = never stop.
             generator: randomness for sampling and for the drafter.
             pad_token_id: filler of ``sequences`` after a row's end (default: the first eos id, else 0).
+            on_tokens: streaming callback, called after every step as ``on_tokens(seq, tokens)`` with
+                the tokens (host ints) appended to sequence ``seq`` in that step (never empty).
 
         Returns:
             ``GenerationOutput`` with the sequences and per-step statistics.
@@ -262,8 +267,14 @@ class SpecDecoder:
         lens = [len(p) for p in prompts]
         for b, p in enumerate(prompts):
             seqs[b, : len(p)] = p
+        # hidden[b]: the target's final hidden state at the token before sequence b's root (the
+        # state that predicted the root), for drafters with needs_hidden_states; None if unknown.
+        hidden: list[torch.Tensor | None] = [None] * batch
         if longest > 1:
-            hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl)
+            at = torch.tensor([max(n - 2, 0) for n in lens]) if self._wants_hidden else None
+            h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, hidden_at=at)
+            if h is not None:
+                hidden = [h[b] if lens[b] > 1 else None for b in range(batch)]
         cache.lengths = [n - 1 for n in lens]
         if self.drafter is not None:
             self.drafter.reset([p.clone() for p in prompts])
@@ -271,7 +282,8 @@ class SpecDecoder:
         done = [False] * batch
         steps: list[StepStats] = []
         while not all(done):
-            steps.append(self._step(seqs, lens, done, cache, sampling, generator, eos, max_new_tokens, prompts))
+            steps.append(self._step(seqs, lens, done, cache, sampling, generator, eos, max_new_tokens, prompts,
+                                    hidden, on_tokens))
 
         width = max(lens)
         out = torch.full((batch, width), pad_token_id, dtype=torch.int64)
@@ -279,7 +291,8 @@ class SpecDecoder:
             out[b, : lens[b]] = seqs[b, : lens[b]]
         return GenerationOutput(out, tuple(lens), tuple(len(p) for p in prompts), steps)
 
-    def _step(self, seqs, lens, done, cache, sampling, generator, eos, max_new_tokens, prompts) -> StepStats:
+    def _step(self, seqs, lens, done, cache, sampling, generator, eos, max_new_tokens, prompts, hidden,
+              on_tokens) -> StepStats:
         batch = len(lens)
         t0 = time.perf_counter()
         trees: list[TokenTree] = []
@@ -290,7 +303,7 @@ class SpecDecoder:
                 trees.append(TokenTree(root.clone(), torch.tensor([-1])))
                 contexts.append(None)
                 continue
-            ctx = DraftContext(seqs[b, : lens[b]], self.tree_size, b, sampling, generator)
+            ctx = DraftContext(seqs[b, : lens[b]], self.tree_size, b, sampling, generator, hidden[b])
             trees.append(self._checked_tree(self.drafter.propose(ctx), ctx))
             contexts.append(ctx)
         self._sync()
@@ -309,10 +322,13 @@ class SpecDecoder:
         if self.static_shapes:
             inputs = self._static_inputs(cache, batch, n)
             inputs.load(tokens, mask, prefix)
-            logits = hf.run_state(self.target, inputs.tokens, inputs.positions, inputs.state)
+            out = hf.run_state(self.target, inputs.tokens, inputs.positions, inputs.state,
+                               return_hidden=self._wants_hidden)
         else:
             kv_len = max(cache.lengths) + n
-            logits = hf.tree_forward(self.target, tokens, mask, prefix, cache, kv_len=kv_len, impl=self.attn_impl)
+            out = hf.tree_forward(self.target, tokens, mask, prefix, cache, kv_len=kv_len, impl=self.attn_impl,
+                                  return_hidden=self._wants_hidden)
+        logits, node_hidden = out if self._wants_hidden else (out, None)
         verdicts: list[Verdict | None] = []
         for b, t in enumerate(trees):
             if done[b]:
@@ -326,7 +342,7 @@ class SpecDecoder:
         t2 = time.perf_counter()
 
         cache.commit([None if v is None else v.path for v in verdicts])
-        emitted, accepted = [], []
+        emitted, accepted, streamed = [], [], []
         for b, v in enumerate(verdicts):
             if v is None:
                 emitted.append(0)
@@ -345,8 +361,15 @@ class SpecDecoder:
                 done[b] = True
             emitted.append(len(new))
             accepted.append(v.num_accepted)
+            if node_hidden is not None:
+                hidden[b] = node_hidden[b, v.path[-1]]  # predicted the bonus token, the next root
+            if new:
+                streamed.append((b, list(new)))
         self._sync()
         t3 = time.perf_counter()
+        if on_tokens is not None:
+            for b, new in streamed:
+                on_tokens(b, new)
         if self.drafter is not None:
             for b, v in enumerate(verdicts):
                 if contexts[b] is not None:

@@ -17,6 +17,7 @@ prepared"), and every shape depends only on (B, n, capacity): ready for CUDA-gra
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -30,10 +31,12 @@ from treeattn import TreeMask, tree_attention
 __all__ = [
     "STATE_KWARG",
     "ForwardState",
+    "MaskedState",
     "attention_name",
     "check_causal_lm",
     "prepare_model",
     "input_device",
+    "masked_forward",
     "prefill",
     "run_state",
     "tree_forward",
@@ -241,53 +244,164 @@ def _masked_attention(q, k, v, visible, scale, softcap) -> torch.Tensor:
     return torch.matmul(scores.softmax(dim=-1), vf).to(q.dtype)
 
 
+@dataclass(frozen=True, eq=False)
+class MaskedState:
+    """Metadata of a forward whose m input tokens attend through an explicit visibility mask.
+
+    The general form of ``ForwardState`` for callers whose queries are not the whole tree written
+    by the same forward, e.g. a draft model expanding one depth of its tree (the new frontier
+    nodes attend to the committed prefix and to ancestors written by earlier forwards). Passed as
+    ``specdec_state=`` like a ``ForwardState``; every attention layer writes the m new keys /
+    values into ``cache`` at ``slots`` and attends with SDPA under ``visible``.
+
+    Attributes:
+        cache: where keys / values are written and read.
+        slots: int64 ``[B, m]``, the cache slot of each input token (``< kv_len``).
+        positions: int64 ``[B, m]``, their position ids.
+        visible: bool ``[B, m, kv_len]``: ``visible[b, i, s]`` iff input token i attends to slot s
+            (its own slot included); attention reads slots ``[0, kv_len)``.
+        key_positions: int64 ``[B, kv_len]``, the position id of the token in each slot; only
+            needed by sliding-window layers (None there raises).
+    """
+
+    cache: KVCache
+    slots: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor
+    key_positions: torch.Tensor | None = None
+    _moved: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        batch, m = self.slots.shape
+        if self.visible.dtype != torch.bool or self.visible.dim() != 3 or tuple(self.visible.shape[:2]) != (batch, m):
+            raise ValueError(
+                f"visible: expected a bool tensor of shape [{batch}, {m}, kv_len], got {self.visible.dtype} "
+                f"{tuple(self.visible.shape)}"
+            )
+        kv_len = self.visible.shape[2]
+        if kv_len > self.cache.capacity:
+            raise ValueError(f"visible: expected kv_len <= the cache capacity {self.cache.capacity}, got {kv_len}")
+        if self.key_positions is not None and tuple(self.key_positions.shape) != (batch, kv_len):
+            raise ValueError(f"key_positions: expected shape [{batch}, {kv_len}], got {tuple(self.key_positions.shape)}")
+
+    def _on(self, device: torch.device) -> tuple:
+        if device not in self._moved:
+            kp = None if self.key_positions is None else self.key_positions.to(device)
+            self._moved[device] = (self.slots.to(device), self.positions.to(device), self.visible.to(device), kp)
+        return self._moved[device]
+
+    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
+        """Write this layer's new K/V at ``slots`` and attend over ``[0, kv_len)`` under ``visible``."""
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is None:
+            raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
+        slots, positions, visible, key_positions = self._on(query.device)
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        k_buf, v_buf = self.cache.write(layer_idx, key, value, slots)
+        kv_len = visible.shape[2]
+        k_all, v_all = k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
+        if sliding_window is not None and sliding_window < kv_len:
+            if key_positions is None:
+                raise ValueError("key_positions: a sliding-window layer needs the position of every slot, got None")
+            visible = visible & ((positions[:, :, None] - key_positions[:, None, :]) < sliding_window)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(
+                query, k_all, v_all, attn_mask=visible[:, None], scale=scale,
+                enable_gqa=query.shape[1] != k_all.shape[1],
+            )  # fmt: skip
+        else:
+            out = _masked_attention(query, k_all, v_all, visible, scale, softcap)
+        return out.transpose(1, 2), None
+
+
 def input_device(model) -> torch.device:
     """Where the model's input ids go (its input embedding's device)."""
     return model.get_input_embeddings().weight.device
 
 
-def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state: ForwardState,
-              logits_to_keep: int = 0) -> torch.Tensor:
+@contextlib.contextmanager
+def _head_inputs(model, enabled: bool):
+    """Collect the input of the model's output embedding (the final hidden states) during a call."""
+    got: list[torch.Tensor] = []
+    if not enabled:
+        yield got
+        return
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"model: {type(model).__name__} has no output embedding (LM head) to take hidden states from")
+    handle = head.register_forward_pre_hook(lambda module, args: got.append(args[0]))
+    try:
+        yield got
+    finally:
+        handle.remove()
+
+
+def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state, logits_to_keep=0,
+              return_hidden: bool = False):
     """One model forward with ``state`` handed to every attention layer; no host sync inside.
 
     Args:
         input_ids, positions: int64 ``[B, m]`` on the input embedding's device.
-        state: the per-call metadata (its tensors are read, never reallocated).
-        logits_to_keep: 0 = logits for all m tokens, k = only the last k.
+        state: the per-call metadata (a ``ForwardState`` or ``MaskedState``; its tensors are read,
+            never reallocated).
+        logits_to_keep: 0 = logits for all m tokens, k = only the last k; an int64 ``[k]`` tensor
+            keeps those positions (transformers' semantics).
+        return_hidden: also return the final hidden states: what the model's LM head reads (after
+            the final norm), taken with a forward pre-hook on the output embedding that lives only
+            for this call.
 
     Returns:
-        ``[B, m or k, V]`` logits. With fixed-address inputs and ``state.kv_len=None`` this call
-        is the body a CUDA graph would capture.
+        ``[B, m or k, V]`` logits, or ``(logits, hidden)`` with ``hidden`` ``[B, m or k, H]`` when
+        ``return_hidden``. With fixed-address inputs and ``state.kv_len=None`` this call is the
+        body a CUDA graph would capture.
     """
     # A 4-D mask counts as "already prepared": transformers builds none (the state carries the real one).
     dummy_mask = torch.ones(input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=input_ids.device)
-    out = model(
-        input_ids=input_ids,
-        position_ids=positions,
-        attention_mask=dummy_mask,
-        past_key_values=None,
-        use_cache=False,
-        logits_to_keep=logits_to_keep,
-        **{STATE_KWARG: state},
-    )
-    return out.logits
+    with _head_inputs(model, return_hidden) as hidden:
+        out = model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=dummy_mask,
+            past_key_values=None,
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+            **{STATE_KWARG: state},
+        )
+    if not return_hidden:
+        return out.logits
+    if len(hidden) != 1:
+        raise ValueError(f"model: expected its LM head to run once per forward, it ran {len(hidden)} times")
+    return out.logits, hidden[0]
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto") -> None:
+def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto",
+            hidden_at: torch.Tensor | None = None) -> torch.Tensor | None:
     """Write the KV of ``input_ids`` to cache slots ``[0, m)`` (causal attention, positions 0..m-1).
 
     Args:
         model: a causal LM after ``prepare_model``.
         input_ids: int64 ``[B, m]``; right-padded rows are fine (padding only follows real tokens).
         cache: the cache to fill; its lengths are left to the caller.
+        hidden_at: optional int64 ``[B]``: return row b's final hidden state at position
+            ``hidden_at[b]`` (e.g. its last real token).
+
+    Returns:
+        None, or ``[B, H]`` final hidden states (the LM head's input) when ``hidden_at`` is given.
     """
     batch, m = input_ids.shape
     device = input_device(model)
     ids = input_ids.to(device)
     positions = torch.arange(m, device=device).expand(batch, m)
     state = ForwardState(cache=cache, slots=positions, positions=positions, impl=impl)
-    run_state(model, ids, positions, state, logits_to_keep=1)
+    if hidden_at is None:
+        run_state(model, ids, positions, state, logits_to_keep=1)
+        return None
+    at = hidden_at.to("cpu", torch.int64)
+    keep = torch.unique(at)  # sorted; the LM head runs on these positions only
+    _, hidden = run_state(model, ids, positions, state, logits_to_keep=keep.to(device), return_hidden=True)
+    cols = torch.searchsorted(keep, at).to(hidden.device)
+    return hidden[torch.arange(batch, device=hidden.device), cols]
 
 
 @torch.no_grad()
@@ -300,7 +414,8 @@ def tree_forward(
     *,
     kv_len: int | None = None,
     impl: str = "auto",
-) -> torch.Tensor:
+    return_hidden: bool = False,
+):
     """Score every node of B token trees in one forward over the committed KV.
 
     Args:
@@ -313,9 +428,11 @@ def tree_forward(
         kv_len: attend over slots ``[0, kv_len)`` only (eager saving; needs
             ``kv_len >= max(prefix_lens) + n``); None = full capacity (static shapes).
         impl: ``tree_attention``'s ``impl``.
+        return_hidden: also return the ``[B, n, H]`` final hidden states (see ``run_state``).
 
     Returns:
-        ``[B, n, V]`` logits; row i is the target's prediction after node i's root path.
+        ``[B, n, V]`` logits; row i is the target's prediction after node i's root path (and the
+        hidden states when ``return_hidden``).
     """
     device = input_device(model)
     batch, n = tokens.shape
@@ -325,4 +442,39 @@ def tree_forward(
     slots = prefix[:, None] + torch.arange(n, device=device)
     state = ForwardState(cache=cache, slots=slots, positions=positions, tree_mask=tree_mask, prefix_lens=prefix,
                          kv_len=kv_len, impl=impl)
-    return run_state(model, tokens.to(device), positions, state)
+    return run_state(model, tokens.to(device), positions, state, return_hidden=return_hidden)
+
+
+@torch.no_grad()
+def masked_forward(
+    model,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    visible: torch.Tensor,
+    cache: KVCache,
+    *,
+    key_positions: torch.Tensor | None = None,
+    logits_to_keep=0,
+    return_hidden: bool = False,
+):
+    """Run m tokens per sequence that attend through an explicit mask (``MaskedState``).
+
+    Args:
+        model: a causal LM after ``prepare_model``.
+        tokens, positions, slots: int64 ``[B, m]``: input tokens, their position ids and the cache
+            slots their KV is written to.
+        visible: bool ``[B, m, kv_len]``, which slots each token attends to (its own included).
+        cache: the KV cache (``kv_len <= cache.capacity``).
+        key_positions: int64 ``[B, kv_len]`` position id per slot, for sliding-window layers.
+        logits_to_keep: as in ``run_state`` (0 = all m tokens, k = the last k).
+        return_hidden: also return the final hidden states (``[B, m or k, H]``).
+
+    Returns:
+        ``[B, m or k, V]`` logits (and the hidden states when ``return_hidden``).
+    """
+    device = input_device(model)
+    state = MaskedState(cache, slots.to(device), positions.to(device), visible.to(device),
+                        None if key_positions is None else key_positions.to(device))
+    return run_state(model, tokens.to(device), state.positions, state, logits_to_keep=logits_to_keep,
+                     return_hidden=return_hidden)

@@ -1,0 +1,327 @@
+"""A small draft LM that grows a dynamic token tree (EAGLE-2 style) over its own reused KV cache.
+
+Per step and sequence (``propose``), with root r = the last committed token:
+
+1. **Catch up.** The draft's cache holds the KV of the committed tokens up to some point (the
+   prompt after the first step; later everything up to the last accepted token it had drafted).
+   The tokens it has not seen yet -- accepted drafts it never expanded, the bonus token, the root
+   -- run as one causal chain forward over that cache. This is the only forward whose length
+   depends on the context; it also yields the root's distribution.
+2. **Expand, one forward per depth.** Every node whose children are drafted is "expanded": the
+   draft runs it once. At depth d the frontier (the ``topk`` depth-d candidates with the best
+   cumulative draft log-probability) runs as ONE forward of ``topk`` queries, each attending to
+   the committed prefix and, through an explicit tree mask, to its own ancestors among the nodes
+   expanded by earlier forwards (``specdec.hf.masked_forward``: keys / values written into the
+   draft's ``specdec.KVCache`` right after the committed prefix, root first). Each expanded node
+   contributes its ``w`` best children as candidates (greedy / ``"topk"``), or ``w`` children
+   sampled from the warped draft distribution (``"iid"`` / ``"no_replacement"``, in draw order).
+3. **Re-rank.** The tree keeps ``tree_size`` candidates by cumulative draft log-probability (best
+   first; with sampled children a node's children are kept as a prefix of their draw order, which
+   keeps stochastic verification lossless). A child never scores above its parent, so the kept set
+   is ancestor-closed.
+4. **Commit** (``update``): the accepted path's nodes that the draft expanded are moved next to the
+   committed prefix with ``KVCache.commit``; the rest of the tree region is overwritten next step.
+
+Cost per step: ``depth`` draft forwards (one catch-up / root forward and ``depth - 1`` frontier
+forwards of ``topk`` tokens). Children per expanded node: ``w = max(topk, ceil(tree_size / E))``
+with ``E = 1 + topk * (depth - 1)`` expanded nodes, so the candidate pool (``E * w`` nodes) always
+holds ``tree_size`` nodes: trees of t = 32 ... 256 and beyond come out with exactly t nodes (if the
+vocabulary is large enough). The default depth is shallow (3): a 0.5B draft costs about a third of
+a 1.5B target per forward, so deep drafting eats the gain.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+from drafters._build import make_tree, root_only
+from drafters.base import BaseDrafter, DraftContext
+from specdec import hf
+from specdec.kv import KVCache
+from specdec.sampling import warp_logits
+from specdec.tree import TokenTree
+from specdec.verify import Verdict
+
+__all__ = ["DraftModelDrafter", "SAMPLING_PROPOSALS"]
+
+#: How children are chosen when the engine samples: deterministic top-k of the warped draft, or drawn.
+SAMPLING_PROPOSALS = ("topk", "iid", "no_replacement")
+
+
+@dataclass
+class _SeqState:
+    cache: KVCache
+    committed: list[int]  # tokens whose KV is at slots [0, len(committed))
+    node_exp: list[int]  # for the last proposed tree: tree node -> expanded index (-1: not expanded)
+    base: int = 0  # slot of the root (expanded index 0) in the last propose
+
+
+class DraftModelDrafter(BaseDrafter):
+    """Draft LM drafter building an EAGLE-2-style dynamic tree with one batched forward per depth.
+
+    Args:
+        draft_model: a HuggingFace causal LM with the target's vocabulary (e.g. Qwen2.5-Coder-0.5B
+            for -1.5B). Its attention is routed through specdec (``specdec.hf.prepare_model``).
+        tree_size: default node budget, used when the engine asks for more (the engine passes its
+            own ``tree_size`` per step; the tree has ``min(context budget, tree_size)`` nodes).
+            None = always the engine's budget.
+        depth: tree depth = draft forwards per step (>= 1).
+        topk: frontier width: nodes expanded per depth after the root (>= 1).
+        sampling_proposal: how children are chosen under sampling: ``"no_replacement"`` (default,
+            Sequoia), ``"iid"`` (SpecInfer) or ``"topk"`` (deterministic, EAGLE). Greedy decoding
+            always uses top-k children.
+        reuse_kv: keep the draft's KV across steps (False recomputes the whole context every
+            step: a reference for tests, never faster).
+        attn_impl: kept for symmetry with the engine; draft forwards use SDPA with a dense mask.
+    """
+
+    def __init__(
+        self,
+        draft_model,
+        tree_size: int | None = None,
+        depth: int = 3,
+        topk: int = 8,
+        *,
+        sampling_proposal: str = "no_replacement",
+        reuse_kv: bool = True,
+    ) -> None:
+        hf.prepare_model(draft_model, "draft_model")
+        for name, val in (("depth", depth), ("topk", topk)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
+        if tree_size is not None and (not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0):
+            raise ValueError(f"tree_size: expected None or an int >= 0, got {tree_size!r}")
+        if sampling_proposal not in SAMPLING_PROPOSALS:
+            raise ValueError(f"sampling_proposal: expected one of {SAMPLING_PROPOSALS}, got {sampling_proposal!r}")
+        self.model = draft_model
+        self.tree_size = tree_size
+        self.depth = depth
+        self.topk = topk
+        self.sampling_proposal = sampling_proposal
+        self.reuse_kv = reuse_kv
+        self.vocab_size = hf.vocab_size(draft_model)
+        self.device = hf.input_device(draft_model)
+        self._states: dict[int, _SeqState] = {}
+        #: draft forwards run by the last ``propose`` (for tests and accounting)
+        self.last_forwards = 0
+
+    # ------------------------------------------------------------------ protocol
+
+    def reset(self, input_ids: list[torch.Tensor]) -> None:
+        """New ``generate`` call: forget every sequence's draft KV (buffers are reused when they fit)."""
+        old = self._states
+        self._states = {}
+        for b, prompt in enumerate(input_ids):
+            prev = old.get(b)
+            cache = prev.cache if prev is not None else KVCache(1, self._capacity_for(len(prompt) + 64))
+            cache.reset()
+            self._states[b] = _SeqState(cache, [], [])
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> TokenTree:
+        tokens = context.tokens.tolist()
+        root = tokens[-1]
+        budget = context.tree_size if self.tree_size is None else min(self.tree_size, context.tree_size)
+        self.last_forwards = 0
+        if budget <= 0:
+            return root_only(root)
+        st = self._state(context.seq, len(tokens))
+        depth = min(self.depth, budget)
+        frontier_width = min(self.topk, budget)
+        expanded_max = 1 + frontier_width * (depth - 1)
+        width = min(self.vocab_size, max(frontier_width, math.ceil(budget / expanded_max)))
+        base = len(tokens) - 1
+        self._ensure_capacity(st, base + expanded_max)
+
+        sampling = context.sampling
+        proposal = "topk" if sampling is None else self.sampling_proposal
+
+        # Node pool (host lists), node 0 = root. exp[i] = expanded index (slot base + exp[i]) or -1.
+        tok, par, score, dep, exp = [root], [-1], [0.0], [0], [0]
+        children: list[list[int]] = [[]]
+        rows: dict[int, torch.Tensor] = {}  # pool node -> proposal distribution of its children
+        exp_anc: list[list[int]] = [[0]]  # expanded index -> expanded indices of ancestors-or-self
+        exp_depth = [0]
+
+        logits = self._catch_up(st, tokens)  # [1, V]: the root's next-token logits
+        frontier = [0]
+        for d in range(1, depth + 1):
+            new = self._add_children(frontier, logits, width, sampling, proposal, context.generator,
+                                     tok, par, score, dep, exp, children, rows, d)
+            if d == depth or not new:
+                break
+            frontier = sorted(new, key=lambda i: (-score[i], i))[:frontier_width]
+            for i in frontier:
+                exp[i] = len(exp_anc)
+                exp_anc.append(exp_anc[exp[par[i]]] + [exp[i]])
+                exp_depth.append(d)
+            logits = self._expand(st, base, frontier, d, tok, exp, exp_anc, exp_depth)
+
+        keep = _best_first(children, score, dep, budget)
+        index = {old: new for new, old in enumerate(keep)}
+        tree_tokens = [tok[i] for i in keep]
+        tree_parents = [-1] + [index[par[i]] for i in keep[1:]]
+        probs = None
+        if proposal != "topk":
+            probs = torch.zeros(len(keep), self.vocab_size, dtype=torch.float32, device=self.device)
+            for i in keep:
+                if i in rows:
+                    probs[index[i]] = rows[i]
+        tree, order = make_tree(tree_tokens, tree_parents, probs, proposal)
+        st.node_exp = [exp[keep[o]] for o in order]
+        st.base = base
+        return tree
+
+    def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
+        """Commit the KV of the accepted path's expanded nodes (root first) after the committed prefix."""
+        st = self._states.get(context.seq)
+        if st is None or not self.reuse_kv or len(st.node_exp) != tree.n:
+            return
+        path = [0]
+        for node in verdict.path[1:]:
+            e = st.node_exp[node]
+            if e < 0:
+                break
+            path.append(e)
+        st.cache.lengths = [st.base]
+        st.cache.commit([path])
+        st.committed = context.tokens.tolist() + tree.path_tokens(verdict.path[1 : len(path)])
+        st.node_exp = []
+
+    # ------------------------------------------------------------------ internals
+
+    def _capacity_for(self, need: int) -> int:
+        return max(256, 1 << max(need - 1, 1).bit_length())
+
+    def _state(self, seq: int, length: int) -> _SeqState:
+        st = self._states.get(seq)
+        if st is None:
+            st = self._states[seq] = _SeqState(KVCache(1, self._capacity_for(length + 64)), [], [])
+        return st
+
+    def _ensure_capacity(self, st: _SeqState, need: int) -> None:
+        """Grow the draft cache (copying the committed KV) when a step would not fit."""
+        if need <= st.cache.capacity:
+            return
+        old = st.cache
+        new = KVCache(1, self._capacity_for(need))
+        keep = len(st.committed)
+        for layer in old.layer_indices:
+            k, v = old.buffers(layer)
+            if keep:
+                new.write(layer, k[:, :, :keep], v[:, :, :keep], torch.arange(keep, device=k.device)[None])
+        st.cache = new
+
+    def _catch_up(self, st: _SeqState, tokens: list[int]) -> torch.Tensor:
+        """Run the tokens the draft has not seen (ending with the root) as a causal chain."""
+        known = st.committed if self.reuse_kv else []
+        c = min(len(known), len(tokens) - 1)
+        if known[:c] != tokens[:c]:  # a different history: keep only the common prefix
+            c = next(i for i, (a, b) in enumerate(zip(known, tokens)) if a != b)
+        n = len(tokens)
+        pending = torch.tensor([tokens[c:]], dtype=torch.int64)
+        slots = torch.arange(c, n, dtype=torch.int64)[None]
+        visible = torch.arange(n)[None, None, :] <= slots[:, :, None]  # causal over [0, n)
+        logits = hf.masked_forward(self.model, pending, slots, slots, visible, st.cache,
+                                   key_positions=torch.arange(n)[None], logits_to_keep=1)
+        self.last_forwards += 1
+        st.committed = tokens[:-1]  # the root's KV (slot n - 1) is expanded node 0 of this step
+        st.cache.lengths = [n - 1]
+        return logits[0]
+
+    def _expand(self, st, base, frontier, d, tok, exp, exp_anc, exp_depth) -> torch.Tensor:
+        """One forward of the frontier nodes (depth d) over the prefix and their expanded ancestors."""
+        m = len(frontier)
+        total = len(exp_anc)  # expanded nodes including this frontier
+        kv_len = base + total
+        ids = torch.tensor([[tok[i] for i in frontier]], dtype=torch.int64)
+        slots = torch.tensor([[base + exp[i] for i in frontier]], dtype=torch.int64)
+        positions = torch.full((1, m), base + d, dtype=torch.int64)
+        tree_vis = torch.zeros(1, m, total, dtype=torch.bool)
+        for q, i in enumerate(frontier):
+            tree_vis[0, q, exp_anc[exp[i]]] = True
+        visible = torch.cat([torch.ones(1, m, base, dtype=torch.bool), tree_vis], dim=2)
+        key_positions = torch.cat([torch.arange(base), base + torch.tensor(exp_depth)])[None]
+        logits = hf.masked_forward(self.model, ids, positions, slots, visible, st.cache, key_positions=key_positions)
+        self.last_forwards += 1
+        return logits[0]
+
+    def _add_children(self, frontier, logits, width, sampling, proposal, generator,
+                      tok, par, score, dep, exp, children, rows, d) -> list[int]:
+        """Add ``width`` children under each frontier node; return the new pool indices."""
+        logits = logits.float()
+        if sampling is None:
+            logq = torch.log_softmax(logits, dim=-1)
+        else:
+            logq = torch.log_softmax(warp_logits(logits, sampling), dim=-1)
+        if proposal == "topk":
+            vals, idx = torch.topk(logq, width, dim=-1)
+        elif proposal == "no_replacement":
+            idx = _gumbel_top_k(logq, width, generator)  # sequential draws without replacement, in order
+            vals = logq.gather(1, idx)
+        else:  # iid
+            probs = logq.exp()
+            idx = _multinomial(probs, width, generator)
+            vals = logq.gather(1, idx)
+        if proposal != "topk":
+            for q, i in enumerate(frontier):
+                rows[i] = logq[q].exp()
+        new = []
+        for q, (vrow, irow) in enumerate(zip(vals.tolist(), idx.tolist())):
+            parent = frontier[q]
+            for v, t in zip(vrow, irow):
+                if proposal != "topk" and v == -math.inf:
+                    break  # no mass left to draw from (top-k / top-p filtered)
+                node = len(tok)
+                tok.append(t)
+                par.append(parent)
+                score.append(score[parent] + v)
+                dep.append(d)
+                exp.append(-1)
+                children.append([])
+                children[parent].append(node)
+                new.append(node)
+        return new
+
+
+def _best_first(children: list[list[int]], score: list[float], dep: list[int], budget: int) -> list[int]:
+    """Pick ``budget`` nodes best-first by cumulative score; each node's children form a prefix.
+
+    A node becomes a candidate once its parent and its previous sibling are picked, so the result
+    is ancestor-closed and keeps every node's children as a prefix of their order (draw order for
+    sampled children; descending score for top-k children, where this equals the global top-k).
+    Returns pool indices in pick order (root first; parents and earlier siblings before a node).
+    """
+    picked = [0]
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, node, parent, sibling rank)
+    if children[0]:
+        first = children[0][0]
+        heapq.heappush(heap, (-score[first], dep[first], first, 0, 0))
+    while heap and len(picked) <= budget:
+        _, _, node, parent, rank = heapq.heappop(heap)
+        picked.append(node)
+        if rank + 1 < len(children[parent]):
+            sib = children[parent][rank + 1]
+            heapq.heappush(heap, (-score[sib], dep[sib], sib, parent, rank + 1))
+        if children[node]:
+            c = children[node][0]
+            heapq.heappush(heap, (-score[c], dep[c], c, node, 0))
+    return picked
+
+
+def _gumbel_top_k(logq: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``k`` draws without replacement from ``exp(logq)`` per row, in draw order (Gumbel top-k)."""
+    dev = generator.device if generator is not None else logq.device
+    u = torch.rand(logq.shape, generator=generator, device=dev).to(logq.device)
+    gumbel = -torch.log(-torch.log(u.clamp_(min=1e-20, max=1.0 - 1e-7)))
+    return torch.topk(logq + gumbel, k, dim=-1).indices
+
+
+def _multinomial(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``k`` i.i.d. draws per row (on the generator's device)."""
+    dev = generator.device if generator is not None else probs.device
+    return torch.multinomial(probs.to(dev), k, replacement=True, generator=generator).to(probs.device)
