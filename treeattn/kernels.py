@@ -124,15 +124,14 @@ def tree_attn_fwd_kernel(
             visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or empty prompt chunks
+    o = acc / l_safe[:, None]
     if SPLIT:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        o = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         part_row = ((b * num_kv_heads * GROUP + qh) * n_tree + qi) * num_splits + pid_s
         tl.store(PART_O + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(PART_LSE + part_row, lse, mask=row_ok)
     else:
-        o = acc / l_i[:, None]
         out_ptrs = OUT + b * stride_ob + qh[:, None] * stride_oh + qi[:, None] * stride_on + offs_d[None, :]
         tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 

@@ -61,11 +61,14 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     Pure host arithmetic: no device sync, so it works inside CUDA-graph capture.
     """
     rows = group * n
+    big = KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)  # two warpgroups
     if head_dim > 128:
         cfg = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    elif rows >= 512 or (rows >= 256 and seq_len >= 8192):  # matmul-heavy: two warpgroups per program
-        cfg = KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     elif seq_len >= 8192:
+        cfg = big if rows >= 256 else KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+    elif seq_len >= 2048 and rows >= 512:
+        cfg = big
+    elif rows > 512:
         cfg = KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
     else:
         cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)

@@ -1,0 +1,187 @@
+"""The Triton kernel (CPU: through the interpreter) against float64 references."""
+
+import math
+
+import pytest
+import torch
+
+from treeattn import KernelConfig, TreeMask, tree_attention
+from treeattn.layout import random_tree_parents
+from treeattn.reference import tree_attention_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tree(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "chain":
+        return torch.arange(-1, n - 1)
+    if kind == "star":
+        return torch.tensor([-1] + [0] * (n - 1))
+    return random_tree_parents(n, max_depth=8, generator=g)
+
+
+def _inputs(batch, hq, hkv, n, d, prefix, dtype, kind="random", seed=0, extra=3):
+    """Fresh random inputs; cache length S = max(prefix) + n + extra (unused tail slots)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix_lens = torch.tensor(prefix[:batch], dtype=torch.int32)
+    seq_len = int(prefix_lens.max()) + n + extra
+    q = torch.randn(batch, hq, n, d, generator=g)
+    k = torch.randn(batch, hkv, seq_len, d, generator=g)
+    v = torch.randn(batch, hkv, seq_len, d, generator=g)
+    parents = torch.stack([_tree(kind, n, g) for _ in range(batch)])
+    mask = TreeMask.from_parents(parents)
+    to = lambda t: t.to(DEV, dtype)  # noqa: E731
+    return to(q), to(k), to(v), prefix_lens.to(DEV), mask.to(DEV)
+
+
+def _rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+SHAPES = [
+    # batch, Hq, Hkv, n, D, prefix lens
+    (1, 4, 4, 1, 64, [0]),
+    (1, 8, 2, 5, 80, [37]),
+    (2, 8, 1, 70, 96, [130, 9]),
+    (1, 4, 1, 300, 64, [20]),
+    (2, 4, 1, 33, 128, [200, 71]),
+    (1, 2, 1, 65, 256, [50]),
+]
+
+
+@pytest.mark.parametrize("batch,hq,hkv,n,d,prefix", SHAPES)
+@pytest.mark.parametrize("kind", ["random", "star", "chain"])
+def test_kernel_matches_float64_reference(batch, hq, hkv, n, d, prefix, kind):
+    q, k, v, pl, mask = _inputs(batch, hq, hkv, n, d, prefix, torch.float32, kind, seed=n + d)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    out = tree_attention(q, k, v, pl, mask, impl="triton")
+    assert out.shape == q.shape and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_split_prompt_merge_equals_single_stage(splits):
+    q, k, v, pl, mask = _inputs(2, 8, 2, 40, 64, [300, 170], torch.float32, seed=splits)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    out = tree_attention(q, k, v, pl, mask, impl="triton",
+                         config=KernelConfig(block_m=64, block_n=32, num_splits=splits))
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,n,prefix", [(8, 1, 45, [100, 3]), (8, 8, 17, [64, 64])])
+def test_low_precision_within_twice_torch_error(dtype, hq, hkv, n, prefix):
+    q, k, v, pl, mask = _inputs(2, hq, hkv, n, 64, prefix, dtype, seed=7)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    out = tree_attention(q, k, v, pl, mask, impl="triton")
+    assert out.dtype == dtype
+    # The plain-PyTorch low-precision error: the same math in the input dtype.
+    torch_err = _rel(tree_attention_ref(q, k, v, pl, mask, compute_dtype=dtype), ref)
+    assert _rel(out, ref) <= 2 * torch_err + 1e-4
+
+
+def test_chain_equals_causal_attention_over_prompt_and_chain():
+    """A chain tree is ordinary causal decoding of n tokens after the prompt."""
+    prompt, n, d = 77, 9, 64
+    q, k, v, pl, mask = _inputs(1, 4, 2, n, d, [prompt], torch.float32, kind="chain", extra=0)
+    out = tree_attention(q, k, v, pl, mask, impl="triton")
+    seq = prompt + n
+    causal = torch.arange(seq).view(1, seq) <= (prompt + torch.arange(n)).view(n, 1)  # [n, S]
+    kr = k.double().repeat_interleave(2, dim=1)
+    vr = v.double().repeat_interleave(2, dim=1)
+    scores = (q.double() @ kr.transpose(-1, -2)) / math.sqrt(d)
+    expect = torch.softmax(scores.masked_fill(~causal.to(DEV), -math.inf), -1) @ vr
+    assert _rel(out, expect) < 1e-5
+
+
+def test_star_query_sees_prompt_root_and_itself_only():
+    """Metamorphic: changing a sibling's K/V must not change a star leaf's output."""
+    q, k, v, pl, mask = _inputs(1, 4, 1, 10, 64, [30], torch.float32, kind="star")
+    out = tree_attention(q, k, v, pl, mask, impl="triton")
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 30 + 5] += 3.0  # node 5's key: visible to node 5 only
+    v2[:, :, 30 + 5] -= 2.0
+    out2 = tree_attention(q, k2, v2, pl, mask, impl="triton")
+    changed = (out - out2).abs().amax(dim=(0, 1, 3)) > 0
+    assert changed.tolist() == [i == 5 for i in range(10)]
+
+
+def test_one_hot_values_are_exact_attention_weights():
+    """With V = identity rows, the output row is the attention distribution itself."""
+    n, prompt = 6, 10  # prompt + n = 16 = head_dim
+    q, k, _, pl, mask = _inputs(1, 2, 1, n, 16, [prompt], torch.float32, extra=0)
+    v = torch.eye(16, device=DEV).reshape(1, 1, 16, 16)
+    out = tree_attention(q, k, v, pl, mask, impl="triton")
+    ones = torch.ones(1, 2, n, dtype=torch.float64, device=DEV)
+    assert torch.allclose(out.double().sum(-1), ones, atol=1e-6)
+    assert _rel(out, tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)) < 1e-5
+    hidden = ~mask.to_dense()[0]  # [n, n]: tree node j is not an ancestor of query i
+    assert (out[0][:, hidden.nonzero()[:, 0], prompt + hidden.nonzero()[:, 1]] == 0).all()
+
+
+def test_shared_tree_mask_broadcasts_and_views_of_a_bigger_cache():
+    g = torch.Generator().manual_seed(3)
+    batch, n, d = 2, 12, 64
+    cache_k = torch.randn(batch, 2, 200, d, generator=g).to(DEV)
+    cache_v = torch.randn(batch, 2, 200, d, generator=g).to(DEV)
+    k, v = cache_k[:, :, :150], cache_v[:, :, :150]  # non-contiguous views, like a static cache
+    q = torch.randn(batch, 8, n, d, generator=g).to(DEV)
+    shared = TreeMask.from_parents(random_tree_parents(n, 3, g)).to(DEV)
+    pl = torch.tensor([100, 33], device=DEV)
+    out = tree_attention(q, k, v, pl, shared, impl="triton")
+    per_seq = TreeMask(words=shared.words.expand(batch, -1, -1).contiguous(),
+                       depth=shared.depth.expand(batch, -1).contiguous())
+    ref = tree_attention_ref(q, k, v, pl, per_seq, compute_dtype=torch.float64)
+    assert _rel(out, ref) < 1e-5
+    assert _rel(tree_attention(q, k, v, pl, shared, impl="torch"), ref) < 1e-5
+
+
+def test_torch_impl_matches_reference():
+    q, k, v, pl, mask = _inputs(2, 8, 2, 70, 64, [100, 5], torch.float32)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    assert _rel(tree_attention(q, k, v, pl, mask, impl="torch"), ref) < 1e-5
+
+
+# ---- input validation ---------------------------------------------------------------------------
+
+
+def _ok():
+    return _inputs(1, 4, 2, 5, 16, [10], torch.float32)
+
+
+def test_errors_name_the_argument():
+    q, k, v, pl, mask = _ok()
+    cases = [
+        (dict(q=q[0]), r"q: expected 4 dims, got shape \(4, 5, 16\)"),
+        (dict(k=k.to(torch.float16)), r"k, v: expected q's dtype torch.float32"),
+        (dict(q=q.to(torch.int32), k=k.to(torch.int32), v=v.to(torch.int32)), r"q: expected dtype float16, bfloat16 or float32"),
+        (dict(v=v[:, :1]), r"v: expected k's shape"),
+        (dict(q=torch.randn(1, 3, 5, 16, device=DEV)), r"q: expected a head count divisible by k's 2 KV heads"),
+        (dict(k=k.transpose(2, 3).contiguous().transpose(2, 3)), r"k: expected a contiguous last \(head\) dim"),
+        (dict(tree_mask=TreeMask.from_parents(torch.arange(-1, 6)).to(DEV)), r"tree_mask: expected a tree of n = 5 nodes"),
+        (dict(tree_mask="nope"), r"tree_mask: expected a treeattn.TreeMask, got str"),
+        (dict(prefix_lens=torch.tensor([10.0], device=DEV)), r"prefix_lens: expected an int32/int64 tensor"),
+        (dict(prefix_lens=torch.tensor([10, 10], device=DEV)), r"prefix_lens: expected shape \[1\], got \(2,\)"),
+        (dict(prefix_lens=torch.tensor([14], device=DEV)), r"prefix_lens: expected 0 <= prefix_len and prefix_len \+ n <= S = 18 \(n = 5\), got values in \[14, 14\]"),
+        (dict(prefix_lens=torch.tensor([-1], device=DEV)), r"prefix_lens: expected 0 <= prefix_len"),
+        (dict(impl="cuda"), r"impl: expected one of \('auto', 'triton', 'torch'\), got 'cuda'"),
+    ]
+    base = dict(q=q, k=k, v=v, prefix_lens=pl, tree_mask=mask)
+    for override, match in cases:
+        with pytest.raises(ValueError, match=match):
+            tree_attention(**{**base, **override})
+
+
+def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
+    q, k, v, pl, mask = (t.cpu() if isinstance(t, torch.Tensor) else t.to("cpu") for t in _ok())
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="impl: 'triton' needs CUDA tensors or TRITON_INTERPRET=1"):
+        tree_attention(q, k, v, pl, mask, impl="triton")
+
+
+def test_kernel_config_validation():
+    with pytest.raises(ValueError, match="block_m: expected a power of two >= 16, got 48"):
+        KernelConfig(block_m=48)
+    with pytest.raises(ValueError, match="num_splits: expected None or >= 1, got 0"):
+        KernelConfig(num_splits=0)
