@@ -92,7 +92,10 @@ class EvalConfig:
         target: target model (a default name such as ``qwen2.5-coder-1.5b``, a HF id, a local
             directory or a ``.gguf`` file; see ``specdec.models.load_model``).
         draft: draft model, same forms; used by ``hf-assisted`` and handed to the drafter factory.
-        drafter: drafter name for ``drafters.make_drafter``, or ``"module:function"`` for a factory.
+        drafter: drafter name for ``drafters.make_drafter`` (``"model"``, ``"medusa"``, ``"lookup"``),
+            or ``"module:function"`` for any factory.
+        drafter_options: extra keyword arguments of the drafter factory as (name, value) pairs
+            (e.g. ``(("depth", 4), ("topk", 8))`` or ``(("heads", "path/to/medusa"),)``).
         tree_sizes: node budgets of the ``specdec`` method.
         methods: which methods to run (``METHODS``); ``"hf"`` is added under greedy decoding.
         problems: how many problems (None: all).
@@ -114,7 +117,8 @@ class EvalConfig:
     dataset: str = "apps"
     target: str = "qwen2.5-coder-1.5b"
     draft: str | None = "qwen2.5-coder-0.5b"
-    drafter: str | None = None
+    drafter: str | None = "model"
+    drafter_options: tuple[tuple[str, Any], ...] = ()
     tree_sizes: tuple[int, ...] = (64,)
     methods: tuple[str, ...] = DEFAULT_METHODS
     problems: int | None = 8
@@ -179,7 +183,7 @@ def config_key(cfg: EvalConfig) -> str:
     """
     keyed = {
         "dataset": cfg.dataset, "target": cfg.target, "draft": cfg.draft, "drafter": cfg.drafter,
-        "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+        "drafter_options": [list(kv) for kv in cfg.drafter_options], "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
         "dtype": cfg.resolved_dtype(), "device": cfg.resolved_device().split(":")[0], "data_path": cfg.data_path,
         "pad_prompt_to": cfg.pad_prompt_to, "attn_impl": cfg.attn_impl,
     }  # fmt: skip
@@ -783,10 +787,10 @@ def run_eval(
     else:
         target, tokenizer, draft = models
     if drafter_factory is None and cfg.drafter:
-        name = cfg.drafter
+        name, options = cfg.drafter, dict(cfg.drafter_options)
 
         def drafter_factory(**kw):
-            return build_drafter(name, **kw)
+            return build_drafter(name, **kw, **options)
 
     methods = _select_methods(cfg, extra_methods, draft is not None, drafter_factory is not None)
     if cfg.pad_prompt_to:
@@ -798,7 +802,7 @@ def run_eval(
     result = EvalResult(records=list(previous), strict=strict, model_shape=_model_shape(target))
     common = {
         "config_key": key, "dataset": cfg.dataset, "target": cfg.target, "draft": cfg.draft,
-        "drafter": cfg.drafter, "dtype": dtype_name, "device": device, "max_new_tokens": cfg.max_new_tokens,
+        "drafter": cfg.drafter, "drafter_options": dict(cfg.drafter_options), "dtype": dtype_name, "device": device, "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature, "seed": cfg.seed, "pad_prompt_to": cfg.pad_prompt_to,
         "attn_impl": cfg.attn_impl,
     }  # fmt: skip
@@ -932,8 +936,12 @@ def _parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
     p.add_argument("--data", dest="data_path", default=None, help="APPS / HumanEval file (default: the loaders' own)")
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="target model: default name, HF id, directory or .gguf")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model for hf-assisted and the drafter ('' = none)")
-    p.add_argument("--drafter", default=None,
-                   help="drafter: a drafters.make_drafter name, or module:function returning a drafter")
+    p.add_argument("--drafter", default="model",
+                   help="drafter: a drafters.make_drafter name (model, medusa, lookup), or module:function "
+                   "returning a drafter")
+    p.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument of the drafter factory, repeatable (VALUE parsed as JSON if it can "
+                   "be, else a string), e.g. --drafter-option depth=4 or --drafter-option heads=DIR")
     p.add_argument("--tree-sizes", type=int, nargs="+", default=[32, 64, 128, 256] if sweep else [64],
                    help="node budgets t of the specdec method")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
@@ -958,10 +966,25 @@ def _parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
     return p
 
 
+def _parse_options(items: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--drafter-option: expected KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.append((key.strip(), value))
+    return tuple(out)
+
+
 def _config_from(ns: argparse.Namespace, dataset: str) -> EvalConfig:
     out = ns.out or f"results/{dataset}.jsonl"
     return EvalConfig(
-        dataset=dataset, target=ns.target, draft=ns.draft or None, drafter=ns.drafter,
+        dataset=dataset, target=ns.target, draft=ns.draft or None, drafter=ns.drafter or None,
+        drafter_options=_parse_options(ns.drafter_options),
         tree_sizes=tuple(ns.tree_sizes), methods=tuple(ns.methods), problems=ns.problems or None,
         difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, seed=ns.seed, dtype=ns.dtype,

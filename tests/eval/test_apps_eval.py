@@ -240,7 +240,29 @@ def test_build_drafter(loaded):
         from drafters import make_drafter  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="needs drafters.make_drafter"):
-            E.build_drafter("draft-model", draft=draft)
+            E.build_drafter("model", draft=draft)
+        return
+    real = E.build_drafter("model", target=target, draft=draft, tokenizer=tok, tree_size=8, device="cpu",
+                           dtype=target.dtype, depth=2, topk=3)  # fmt: skip
+    assert (type(real).__name__, real.depth, real.topk, real.model) == ("DraftModelDrafter", 2, 3, draft)
+
+
+@pytest.mark.parametrize("drafter, options", [("model", (("depth", 2), ("topk", 2))), ("lookup", ())])
+def test_real_drafters_by_name(pair, loaded, tmp_path, drafter, options):
+    pytest.importorskip("drafters", reason="drafters.make_drafter").__dict__.get("make_drafter") or pytest.skip(
+        "drafters.make_drafter is not in this checkout")
+    cfg = _cfg(pair, tmp_path / "r.jsonl", drafter=drafter, drafter_options=options, tree_sizes=(8,), problems=1,
+               methods=("specdec", "hf"))  # fmt: skip
+    res = E.run_eval(cfg, models=loaded)
+    assert not res.failed and [r["match"] for r in res.records] == [True, True]
+    assert res.records[1]["drafter"] == drafter and res.records[1]["drafter_options"] == dict(options)
+
+
+def test_drafter_option_parsing():
+    assert E._parse_options(["depth=4", "heads=/x/y", "flag=true", "s=a=b"]) == (
+        ("depth", 4), ("heads", "/x/y"), ("flag", True), ("s", "a=b"))
+    with pytest.raises(ValueError, match="--drafter-option: expected KEY=VALUE, got 'depth'"):
+        E._parse_options(["depth"])
 
 
 def test_recording_drafter_delegates(loaded):
@@ -253,7 +275,8 @@ def test_recording_drafter_delegates(loaded):
     assert rec.vocab_size == tiny.VOCAB and rec.width == 2
     rec.reset([torch.tensor([5, 6])])
     tree = rec.propose(DraftContext(torch.tensor([5, 6]), 4))
-    assert rec.parents == [tree.parents]
+    assert len(rec.parents) == 1 and torch.equal(rec.parents[0], tree.parents)
+    assert rec.parents[0] is not tree.parents  # a copy: drafters may reuse one buffer
 
 
 def test_load_records_errors(tmp_path):
