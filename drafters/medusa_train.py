@@ -1,0 +1,430 @@
+"""Train Medusa heads by self-distillation: the frozen target's own answers to MBPP prompts.
+
+Pipeline (``python -m drafters.medusa_train`` or ``specdec train-medusa``):
+
+1. **Prompts**: MBPP problems (``mbpp.jsonl``: ``text`` + ``test_list``) from ``--data``, else
+   ``$SPECDEC_MBPP``, else ``../shared/data/mbpp/mbpp.jsonl`` beside the project root. MBPP is
+   training data only (APPS stays the evaluation set); it is read in place, never copied.
+   The last ``--heldout`` problems are held out for evaluation.
+2. **Self-distillation data**: the target answers every prompt (greedy by default, batched HF
+   ``generate``); the token ids are cached in ``OUT/selfdistill.jsonl`` so a rerun skips this.
+   Training on the target's own outputs teaches the heads what the target will say, which is
+   what they must guess at decoding time (Medusa's self-distillation).
+3. **Training**: the target is frozen; its final hidden states ``h_j`` (the LM head's input) are
+   computed without gradients. Head k (k = 1..K) is trained with cross-entropy to predict token
+   ``j + 1 + k`` from ``h_j`` -- the tokens +1..+K beyond the target's own next token -- over the
+   answer positions (``j >= prompt_len - 2``). AdamW, linear warm-up then cosine decay, gradient
+   clipping at 1; the heads' loss is the mean over heads. Each head's graph is separate, so
+   heads are backpropagated one at a time (peak memory: one ``[positions, V]`` logits block).
+4. **Report**: per-head top-1 accuracy on the held-out answers before and after training;
+   ``OUT/medusa_heads.safetensors`` + ``OUT/medusa_config.json`` (loadable with
+   ``MedusaHeads.load(OUT)``; the config records the target, steps and accuracies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from drafters.medusa import MedusaHeads
+
+__all__ = [
+    "Example",
+    "TrainConfig",
+    "default_mbpp_path",
+    "evaluate_heads",
+    "load_mbpp",
+    "main",
+    "mbpp_prompt",
+    "self_distill",
+    "target_hidden_states",
+    "train_heads",
+]
+
+_MBPP_ENV = "SPECDEC_MBPP"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One self-distillation sequence: prompt followed by the target's answer.
+
+    Attributes:
+        ids: token ids (prompt + answer).
+        prompt_len: number of prompt tokens at the start of ``ids``.
+    """
+
+    ids: tuple[int, ...]
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimization settings of :func:`train_heads`.
+
+    Attributes:
+        steps: optimizer steps.
+        lr: peak learning rate (AdamW).
+        batch_size: sequences per step.
+        warmup: fraction of the steps spent warming up linearly.
+        weight_decay: AdamW weight decay.
+        max_positions: at most this many answer positions per step (a random subset).
+        seed: sampling of batches and positions.
+    """
+
+    steps: int = 1000
+    lr: float = 1e-3
+    batch_size: int = 8
+    warmup: float = 0.05
+    weight_decay: float = 0.0
+    max_positions: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "max_positions"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr: expected a finite float > 0, got {self.lr!r}")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"warmup: expected a fraction in [0, 1), got {self.warmup!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+def default_mbpp_path() -> Path:
+    """``$SPECDEC_MBPP`` if set, else ``<project root>/../shared/data/mbpp/mbpp.jsonl``."""
+    env = os.environ.get(_MBPP_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+
+
+def load_mbpp(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """MBPP rows (dicts with at least ``text``) from a JSONL file, in file order."""
+    p = Path(path) if path is not None else default_mbpp_path()
+    if not p.is_file():
+        raise ValueError(f"path: expected the MBPP jsonl file (--data or ${_MBPP_ENV}), got {str(p)!r}, which does not exist")
+    rows = []
+    with open(p) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValueError(f"path: expected rows with a 'text' string, line {line_no} of {p} has none")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"path: expected at least one MBPP row, {p} has none")
+    return rows
+
+
+def mbpp_prompt(row: dict[str, Any]) -> str:
+    """The task as a user message: the statement and the tests the code must pass."""
+    tests = "\n".join(row.get("test_list") or [])
+    text = row["text"].strip()
+    if tests:
+        return f"{text}\nYour code should pass these tests:\n\n{tests}\n"
+    return text + "\n"
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of ``text``: through the chat template (generation prompt added) when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)  # fmt: skip
+        return list(out["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+@torch.no_grad()
+def self_distill(
+    target,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int = 0,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[Example]:
+    """The target's own answers to ``prompts`` (batched HF ``generate``, left padding).
+
+    Greedy for ``temperature == 0`` (default), else sampling at that temperature. Each answer is
+    cut after its first eos. Returns one :class:`Example` per prompt, in order.
+    """
+    from transformers import GenerationConfig
+
+    device = target.get_input_embeddings().weight.device
+    eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+        top_k=None, top_p=None, eos_token_id=eos or None, pad_token_id=pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    out: list[Example] = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="self-distill", unit="batch", disable=not progress):
+        chunk = [list(p) for p in prompts[start : start + batch_size]]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for b, p in enumerate(chunk):
+            ids[b, width - len(p) :] = torch.tensor(p)
+            mask[b, width - len(p) :] = 1
+        gen = target.generate(ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        for b, p in enumerate(chunk):
+            answer = gen[b, width:].tolist()
+            for j, tok in enumerate(answer):
+                if tok in eos:
+                    answer = answer[: j + 1]
+                    break
+            out.append(Example(tuple(p) + tuple(answer), len(p)))
+    return out
+
+
+def save_examples(examples: Sequence[Example], path: str | os.PathLike[str], meta: dict[str, Any]) -> None:
+    """Write examples as JSONL (first line: ``{"meta": ...}``), atomically."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"meta": meta}) + "\n")
+        for ex in examples:
+            f.write(json.dumps({"ids": list(ex.ids), "prompt_len": ex.prompt_len}) + "\n")
+    os.replace(tmp, p)
+
+
+def load_examples(path: str | os.PathLike[str], meta: dict[str, Any]) -> list[Example] | None:
+    """Examples cached by :func:`save_examples`, or None if absent or made with other settings."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    with open(p) as f:
+        head = json.loads(f.readline() or "{}")
+        if head.get("meta") != meta:
+            return None
+        return [Example(tuple(r["ids"]), int(r["prompt_len"])) for r in map(json.loads, f) if r]
+
+
+# ----------------------------------------------------------------------------------------------
+# training
+
+
+@torch.no_grad()
+def target_hidden_states(target, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H]`` final hidden states (what the LM head reads) of right-padded sequences."""
+    out = target(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
+                 use_cache=False)  # fmt: skip
+    return out.hidden_states[-1]
+
+
+def _batch(examples: Sequence[Example], device) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    width = max(len(e.ids) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    mask = torch.zeros(len(examples), width, dtype=torch.long)
+    for b, e in enumerate(examples):
+        ids[b, : len(e.ids)] = torch.tensor(e.ids)
+        mask[b, : len(e.ids)] = 1
+    return ids.to(device), mask.to(device), [len(e.ids) for e in examples], [e.prompt_len for e in examples]
+
+
+def _positions(lens: list[int], plens: list[int], limit: int, gen: torch.Generator | None):
+    """(batch, position) pairs of answer positions j (j >= prompt_len - 2, j + 2 < len), at most ``limit``."""
+    rows, cols = [], []
+    for b, (n, p) in enumerate(zip(lens, plens)):
+        for j in range(max(p - 2, 0), n - 2):
+            rows.append(b)
+            cols.append(j)
+    b_idx, j_idx = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
+    if len(rows) > limit:
+        keep = torch.randperm(len(rows), generator=gen)[:limit]
+        b_idx, j_idx = b_idx[keep], j_idx[keep]
+    return b_idx, j_idx
+
+
+def _head_terms(target, heads: MedusaHeads, examples, max_positions: int, gen, device):
+    """Yield, per head k (0-based), ``(logits [N_k, V] float32, labels [N_k])`` lazily."""
+    ids, mask, lens, plens = _batch(examples, device)
+    hidden = target_hidden_states(target, ids, mask)
+    b_idx, j_idx = _positions(lens, plens, max_positions, gen)
+    if len(b_idx) == 0:
+        return
+    lens_t = torch.tensor(lens)[b_idx]
+    lm_head = target.get_output_embeddings()
+    h = hidden[b_idx.to(hidden.device), j_idx.to(hidden.device)]
+    for k in range(heads.num_heads):
+        label_pos = j_idx + 2 + k  # head k (0-based) predicts token j + 1 + (k + 1)
+        ok = label_pos < lens_t
+        if not bool(ok.any()):
+            continue
+        feats = heads.head_features(h[ok.to(h.device)], k)
+        logits = lm_head(feats.to(lm_head.weight.dtype)).float()
+        labels = ids[b_idx[ok].to(ids.device), label_pos[ok].to(ids.device)]
+        yield k, logits, labels
+
+
+def train_heads(
+    target,
+    heads: MedusaHeads,
+    examples: Sequence[Example],
+    config: TrainConfig = TrainConfig(),
+    progress: bool = True,
+) -> list[float]:
+    """Train ``heads`` in place on ``examples`` (target frozen); return the loss of every step."""
+    if not examples:
+        raise ValueError("examples: expected at least one training sequence, got none")
+    device = target.get_input_embeddings().weight.device
+    for p in target.parameters():
+        p.requires_grad_(False)
+    heads.train()
+    opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    warm = max(1, int(config.warmup * config.steps))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        frac = (step - warm) / max(1, config.steps - warm)
+        return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    gen = torch.Generator().manual_seed(config.seed)
+    losses: list[float] = []
+    bar = tqdm(range(config.steps), desc="train medusa", unit="step", disable=not progress)
+    for _ in bar:
+        pick = torch.randint(len(examples), (config.batch_size,), generator=gen).tolist()
+        opt.zero_grad(set_to_none=True)
+        total, count = 0.0, 0
+        for k, logits, labels in _head_terms(target, heads, [examples[i] for i in pick], config.max_positions, gen,
+                                             device):  # fmt: skip
+            loss = F.cross_entropy(logits, labels.to(logits.device))
+            (loss / heads.num_heads).backward()
+            total += float(loss.detach())
+            count += 1
+        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(total / max(count, 1))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    heads.eval()
+    return losses
+
+
+@torch.no_grad()
+def evaluate_heads(target, heads: MedusaHeads, examples: Sequence[Example], batch_size: int = 8) -> list[float]:
+    """Per-head top-1 accuracy (head k predicting token +k beyond the target's next) on ``examples``."""
+    device = target.get_input_embeddings().weight.device
+    correct = [0] * heads.num_heads
+    seen = [0] * heads.num_heads
+    was_training = heads.training
+    heads.eval()
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        for k, logits, labels in _head_terms(target, heads, chunk, 1 << 62, None, device):
+            correct[k] += int((logits.argmax(-1) == labels.to(logits.device)).sum())
+            seen[k] += len(labels)
+    heads.train(was_training)
+    return [c / s if s else 0.0 for c, s in zip(correct, seen)]
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``specdec train-medusa``: self-distill the target on MBPP and train Medusa heads."""
+    parser = argparse.ArgumentParser(
+        prog="specdec train-medusa",
+        description="Train Medusa heads on the frozen target's own answers to MBPP prompts (self-distillation).",
+    )
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
+    parser.add_argument("--data", default=None, help=f"MBPP jsonl (default ${_MBPP_ENV} or ../shared/data/mbpp)")
+    parser.add_argument("--out", required=True, help="output directory (heads, config, self-distillation cache)")
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-positions", type=int, default=2048, help="answer positions per step (subsampled)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N MBPP problems")
+    parser.add_argument("--heldout", type=int, default=48, help="problems held out for the accuracy report")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="answer length of the self-distillation")
+    parser.add_argument("--gen-batch-size", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="self-distillation sampling (0 = greedy)")
+    parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="target dtype (default bf16 on cuda, fp32 on cpu); heads train in fp32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    from specdec import models
+
+    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _dtype(ns.dtype or ("bf16" if device.type == "cuda" else "fp32"))
+    progress = not ns.no_progress
+    rows = load_mbpp(ns.data)
+    if ns.num_prompts is not None:
+        rows = rows[: ns.num_prompts]
+    if not 0 <= ns.heldout < len(rows):
+        raise ValueError(f"--heldout: expected 0 <= heldout < the {len(rows)} problems used, got {ns.heldout}")
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = models.load_tokenizer(ns.target, progress=progress)
+    target = models.load_model(ns.target, dtype=dtype, device=device, progress=progress)
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    eos = eos if eos is not None else tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    prompts = [encode_prompt(tok, mbpp_prompt(r), chat=not ns.no_chat) for r in rows]
+
+    meta = {"target": str(ns.target), "dtype": str(dtype), "max_new_tokens": ns.max_new_tokens,
+            "temperature": ns.temperature, "chat": not ns.no_chat, "prompts": len(prompts), "seed": ns.seed}  # fmt: skip
+    cache = out / "selfdistill.jsonl"
+    examples = load_examples(cache, meta)
+    if examples is None:
+        examples = self_distill(target, prompts, ns.max_new_tokens, ns.gen_batch_size, eos, pad, ns.temperature,
+                                ns.seed, progress)  # fmt: skip
+        save_examples(examples, cache, meta)
+    else:
+        print(f"self-distillation data: {len(examples)} cached answers from {cache}")
+    split = len(examples) - ns.heldout
+    train, heldout = examples[:split], examples[split:]
+
+    torch.manual_seed(ns.seed)
+    hidden_size = target.get_output_embeddings().weight.shape[1]
+    heads = MedusaHeads(hidden_size, ns.num_heads, ns.num_layers).to(device)
+    before = evaluate_heads(target, heads, heldout) if heldout else []
+    cfg = TrainConfig(steps=ns.steps, lr=ns.lr, batch_size=ns.batch_size, max_positions=ns.max_positions, seed=ns.seed)
+    losses = train_heads(target, heads, train, cfg, progress=progress)
+    after = evaluate_heads(target, heads, heldout) if heldout else []
+    heads.save(out, target=str(ns.target), train=asdict(cfg), train_examples=len(train),
+               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
+               final_loss=losses[-1] if losses else None)  # fmt: skip
+    print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} ({len(losses)} steps)")
+    if heldout:
+        for k, (b, a) in enumerate(zip(before, after), start=1):
+            print(f"head {k} (token +{k} beyond the next): held-out top-1 {b:.3f} -> {a:.3f}")
+    print(f"saved {out / 'medusa_heads.safetensors'} and {out / 'medusa_config.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
