@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +55,9 @@ def _num_sms(device_index: int) -> int:
 
 
 def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int, head_dim: int,
-                device: torch.device) -> tuple[KernelConfig, int, int]:
-    """Choose (config, splits, chunk) for one call from the shapes (tuned on an H100, see PERF.md).
+                device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[KernelConfig, int, int]:
+    """Choose (config, splits, chunk) for one call from the shapes (tuned on an H100 in bf16, see
+    PERF.md), shrunk to fit the device's shared memory for wider dtypes and head dims.
 
     Pure host arithmetic: no device sync, so it works inside CUDA-graph capture.
     """
@@ -72,8 +73,38 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
         cfg = KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
     else:
         cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    esize = torch.finfo(dtype).bits // 8
+    while _shared_bytes(cfg, head_dim, esize) > _shared_limit(device):
+        cfg = _shrink(cfg)
     splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, n, device)
     return cfg, splits, chunk
+
+
+def _shared_bytes(cfg: KernelConfig, head_dim: int, esize: int) -> int:
+    """Estimated shared memory of one program: the Q tile plus ``num_stages`` K and V tiles."""
+    return esize * _next_pow2(max(16, head_dim)) * (cfg.block_m + 2 * cfg.block_n * cfg.num_stages)
+
+
+def _shared_limit(device: torch.device) -> float:
+    if device.type != "cuda":
+        return math.inf  # the interpreter has no shared memory limit
+    props = torch.cuda.get_device_properties(device.index or 0)
+    return getattr(props, "shared_memory_per_block_optin", 101376)
+
+
+def _shrink(cfg: KernelConfig) -> KernelConfig:
+    """The next smaller config: fewer stages, then narrower KV tiles, then fewer rows."""
+    if cfg.num_stages > 2:
+        return replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_n > 32:
+        return replace(cfg, block_n=cfg.block_n // 2)
+    if cfg.block_m > 32:
+        return replace(cfg, block_m=cfg.block_m // 2, num_warps=4)
+    if cfg.num_stages > 1:
+        return replace(cfg, num_stages=1)
+    if cfg.block_n > 16 or cfg.block_m > 16:
+        return replace(cfg, block_n=16, block_m=16)
+    raise ValueError(f"config: no smaller kernel config than {cfg} to fit the device's shared memory")
 
 
 def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_prefix: int, n: int,
@@ -217,16 +248,32 @@ def _tree_attention_torch(q, k, v, prefix_lens, tree_mask, scale):
 
 
 def _tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, config):
-    from treeattn.kernels import tree_attn_fwd_kernel, tree_attn_merge_kernel
+    from triton.runtime.errors import OutOfResources
 
     batch, hq, n, d = q.shape
     hkv, seq_len = k.shape[1], k.shape[2]
     group = hq // hkv
     if config is None:
-        cfg, splits, chunk = pick_config(batch, hkv, group, n, seq_len, d, q.device)
+        cfg, splits, chunk = pick_config(batch, hkv, group, n, seq_len, d, q.device, q.dtype)
     else:
         cfg = config
         splits, chunk = _splits(cfg, batch, hkv, group * n, seq_len - n, n, q.device)
+    while True:
+        try:
+            return _launch(q, k, v, prefix_lens, tree_mask, scale, cfg, splits, chunk)
+        except OutOfResources:
+            if config is not None:  # an explicit config is run as given
+                raise
+            cfg = _shrink(cfg)  # the shared-memory estimate was short for this GPU / compiler
+            splits, chunk = _splits(cfg, batch, hkv, group * n, seq_len - n, n, q.device)
+
+
+def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: int, chunk: int):
+    from treeattn.kernels import tree_attn_fwd_kernel, tree_attn_merge_kernel
+
+    batch, hq, n, d = q.shape
+    hkv, seq_len = k.shape[1], k.shape[2]
+    group = hq // hkv
     block_d = max(16, _next_pow2(d))
     words = tree_mask.words
     if words.stride(-1) != 1:

@@ -185,3 +185,26 @@ def test_kernel_config_validation():
         KernelConfig(block_m=48)
     with pytest.raises(ValueError, match="num_splits: expected None or >= 1, got 0"):
         KernelConfig(num_splits=0)
+
+
+def test_default_configs_fit_shared_memory_and_shrink_in_order():
+    from treeattn.ops import _shared_bytes, _shrink, pick_config
+
+    h100 = 232448
+    for dtype in (torch.bfloat16, torch.float32):
+        for d in (64, 80, 128, 256):
+            for n, seq in ((32, 1100), (256, 1300), (64, 16100), (256, 16300)):
+                cfg, splits, chunk = pick_config(1, 8, 4, n, seq, d, torch.device("cpu"), dtype)
+                assert splits >= 1 and chunk >= 1
+                if dtype == torch.bfloat16 and d <= 128:
+                    assert _shared_bytes(cfg, d, 2) <= h100
+    seen = [KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)]
+    while True:
+        try:
+            seen.append(_shrink(seen[-1]))
+        except ValueError as exc:
+            assert "no smaller kernel config" in str(exc)
+            break
+    sizes = [_shared_bytes(c, 128, 4) for c in seen]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    assert seen[-1].block_m == 16 and seen[-1].block_n == 16 and seen[-1].num_stages == 1
