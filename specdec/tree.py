@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from treeattn.layout import depth_first_order
+
 __all__ = ["PROPOSALS", "TokenTree"]
 
 #: How the children of a node were chosen from that node's proposal distribution (``draft_probs``):
@@ -82,16 +84,7 @@ class TokenTree:
         Reorders to depth-first order keeping sibling order; ``draft_probs`` rows move with their nodes.
         """
         par = parents.tolist()
-        children: list[list[int]] = [[] for _ in par]
-        for i, pi in enumerate(par[1:], start=1):
-            if not 0 <= pi < i:
-                raise ValueError(f"parents[{i}] = {pi}: expected 0 <= parent < {i}")
-            children[pi].append(i)
-        order, stack = [], [0]
-        while stack:
-            i = stack.pop()
-            order.append(i)
-            stack.extend(reversed(children[i]))
+        order = depth_first_order(par)
         new_index = {old: new for new, old in enumerate(order)}
         perm = torch.tensor(order, dtype=torch.int64, device=tokens.device)
         new_parents = torch.tensor([-1] + [new_index[par[o]] for o in order[1:]], dtype=torch.int64,

@@ -15,7 +15,7 @@ import torch
 
 BITS_PER_WORD = 64
 
-__all__ = ["BITS_PER_WORD", "TreeMask", "num_words", "random_tree_parents"]
+__all__ = ["BITS_PER_WORD", "TreeMask", "depth_first_order", "num_words", "random_tree_parents"]
 
 
 def num_words(n: int) -> int:
@@ -161,13 +161,25 @@ def random_tree_parents(n: int, max_depth: int = 8, generator: torch.Generator |
         p = open_nodes[int(torch.randint(len(open_nodes), (1,), generator=generator))]
         parent.append(p)
         depth.append(depth[p] + 1)
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        children[parent[i]].append(i)
+    order = depth_first_order(parent)
+    new_id = {old: new for new, old in enumerate(order)}
+    return torch.tensor([-1] + [new_id[parent[old]] for old in order[1:]], dtype=torch.int64)
+
+
+def depth_first_order(parents: list[int]) -> list[int]:
+    """Depth-first order of a tree given in any order with ``parents[i] < i`` (node 0 the root).
+
+    Children keep their relative order. Returns ``order`` with ``order[new_index] = old_index``.
+    Raises ValueError for a parent that does not precede its child.
+    """
+    children: list[list[int]] = [[] for _ in parents]
+    for i, p in enumerate(parents[1:], start=1):
+        if not 0 <= p < i:
+            raise ValueError(f"parents[{i}] = {p}: expected 0 <= parent < {i}")
+        children[p].append(i)
     order, stack = [], [0]
     while stack:
         node = stack.pop()
         order.append(node)
         stack.extend(reversed(children[node]))
-    new_id = {old: new for new, old in enumerate(order)}
-    return torch.tensor([-1] + [new_id[parent[old]] for old in order[1:]], dtype=torch.int64)
+    return order
