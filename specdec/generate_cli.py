@@ -1,0 +1,274 @@
+"""``specdec generate``: speculative decoding of one prompt from the command line.
+
+Loads the target (and the draft for ``--drafter model``) through the model store
+(``specdec.models``: default names are fetched and converted on first use, with progress bars),
+builds the drafter with ``drafters.make_drafter``, decodes with ``SpecDecoder`` and prints the
+completion (token by token as steps are accepted with ``--stream``) followed by a one-line
+summary on stderr::
+
+    64 tokens in 3.10 s (20.6 tok/s) | 21 steps, 3.05 tokens/step (accepted + bonus) | est. speedup 2.4x
+
+The speedup estimate is ``tokens per step x (target forward time per step / step time)``: what
+the run would gain over plain decoding if a target forward over the tree costs what a one-token
+decode step costs -- about right when decoding is memory-bound (GPU), optimistic on CPU, where a
+tree forward costs more than a one-token one. ``--baseline`` measures instead: it also decodes
+the prompt with the target alone and reports the measured speedup (and, greedy, whether the two
+texts are identical; they must be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+__all__ = ["GenerateResult", "build_parser", "main", "run_generate"]
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What ``run_generate`` produced.
+
+    Attributes:
+        text: the decoded completion (special tokens skipped).
+        token_ids: the new token ids.
+        output: the engine's ``GenerationOutput`` (per-step statistics).
+        seconds: wall time of the speculative generate call.
+        tokens_per_s: new tokens per second.
+        mean_accepted: tokens emitted per target forward (accepted drafts + the bonus token).
+        est_speedup: the estimate described in the module docstring.
+        baseline_seconds: target-only decoding time (``baseline=True``), else None.
+        baseline_text: target-only completion (``baseline=True``), else None.
+    """
+
+    text: str
+    token_ids: list[int]
+    output: Any
+    seconds: float
+    tokens_per_s: float
+    mean_accepted: float
+    est_speedup: float
+    baseline_seconds: float | None = None
+    baseline_text: str | None = None
+
+    def summary(self) -> str:
+        n = len(self.token_ids)
+        steps = len(self.output.steps)
+        line = (f"{n} tokens in {self.seconds:.2f} s ({self.tokens_per_s:.1f} tok/s) | {steps} steps, "
+                f"{self.mean_accepted:.2f} tokens/step (accepted + bonus) | est. speedup {self.est_speedup:.2f}x")
+        if self.baseline_seconds is not None:
+            measured = self.baseline_seconds / self.seconds if self.seconds > 0 else float("nan")
+            same = "identical" if self.baseline_text == self.text else "different"
+            line += f" | target alone {self.baseline_seconds:.2f} s: measured speedup {measured:.2f}x ({same} text)"
+        return line
+
+
+class _Streamer:
+    """Prints the decoded text of a growing token list, holding back incomplete characters."""
+
+    def __init__(self, tokenizer, out: TextIO) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, seq: int, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        self._emit(final=False)
+
+    def _emit(self, final: bool) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):  # a multi-byte character split across tokens
+            return
+        if len(text) > self.printed:
+            self.out.write(text[self.printed :])
+            self.out.flush()
+            self.printed = len(text)
+
+    def finish(self) -> None:
+        self._emit(final=True)
+
+
+def _eos_ids(tokenizer, model) -> list[int]:
+    ids: list[int] = []
+    gc = getattr(model, "generation_config", None)
+    for val in (getattr(gc, "eos_token_id", None), tokenizer.eos_token_id):
+        if val is None:
+            continue
+        for v in [val] if isinstance(val, int) else list(val):
+            if v not in ids:
+                ids.append(int(v))
+    return ids
+
+
+def encode(tokenizer, prompt: str, chat: bool | None) -> list[int]:
+    """Prompt ids: through the chat template (with a generation prompt) when ``chat`` (None: if there is one)."""
+    use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+    if use_chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat: the tokenizer has no chat template; pass --no-chat")
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)  # fmt: skip
+        return list(enc["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def run_generate(
+    prompt: str,
+    *,
+    target: str = DEFAULT_TARGET,
+    draft: str = DEFAULT_DRAFT,
+    drafter: str = "model",
+    heads: str | None = None,
+    tree_size: int | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    chat: bool | None = None,
+    stream: bool = False,
+    baseline: bool = False,
+    attn_impl: str = "auto",
+    depth: int | None = None,
+    topk: int | None = None,
+    progress: bool = True,
+    out: TextIO | None = None,
+) -> GenerateResult:
+    """Decode ``prompt`` speculatively; print the completion to ``out`` (streamed if ``stream``).
+
+    ``temperature == 0`` is greedy decoding (identical to the target's own greedy output);
+    ``temperature > 0`` samples (with ``top_p``) losslessly. ``device`` defaults to cuda when
+    available, else cpu; ``dtype`` (fp32 / bf16 / fp16) to bf16 on cuda and fp32 on cpu;
+    ``tree_size`` to 64 on cuda and 16 on cpu. ``depth`` / ``topk`` tune the draft-model drafter.
+    """
+    import torch
+
+    from drafters import DRAFTERS, make_drafter
+    from specdec import models
+    from specdec.engine import SpecDecoder
+
+    out = sys.stdout if out is None else out
+    if drafter not in DRAFTERS:
+        raise ValueError(f"drafter: expected one of {DRAFTERS}, got {drafter!r}")
+    if drafter == "medusa" and not heads:
+        raise ValueError("heads: --drafter medusa needs --heads DIR (trained with specdec train-medusa)")
+    if not temperature >= 0:
+        raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature!r}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or ("bf16" if dev.type == "cuda" else "fp32")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {tuple(_DTYPES)}, got {dtype!r}")
+    torch_dtype = getattr(torch, _DTYPES[dtype])
+    if tree_size is None:
+        tree_size = 64 if dev.type == "cuda" else 16
+
+    tokenizer = models.load_tokenizer(target, progress=progress)
+    target_model = models.load_model(target, dtype=torch_dtype, device=dev, progress=progress)
+    options: dict[str, Any] = {}
+    draft_model = None
+    if drafter == "model":
+        draft_model = models.load_model(draft, dtype=torch_dtype, device=dev, progress=progress)
+        options = {k: v for k, v in (("depth", depth), ("topk", topk)) if v is not None}
+    made = make_drafter(drafter, target=target_model, draft_model=draft_model, heads=heads, device=dev,
+                        dtype=torch_dtype, **options)  # fmt: skip
+    decoder = SpecDecoder(target_model, made, tree_size=tree_size, attn_impl=attn_impl)
+
+    ids = torch.tensor(encode(tokenizer, prompt, chat), dtype=torch.int64)
+    eos = _eos_ids(tokenizer, target_model)
+    sample = temperature > 0
+    kwargs = dict(do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p, eos_token_id=eos or None)
+
+    streamer = _Streamer(tokenizer, out) if stream else None
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    _sync(dev)
+    t0 = time.perf_counter()
+    result = decoder.generate(ids, max_new_tokens, generator=gen, on_tokens=streamer, **kwargs)
+    _sync(dev)
+    seconds = time.perf_counter() - t0
+    new = result.new_tokens(0).tolist()
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    if streamer is not None:
+        streamer.finish()
+    else:
+        out.write(text)
+    out.write("\n")
+    out.flush()
+
+    totals = result.totals()
+    step_time = totals["draft_s"] + totals["verify_s"] + totals["commit_s"]
+    est = result.mean_accepted * (totals["verify_s"] / step_time) if step_time > 0 else float("nan")
+    base_s = base_text = None
+    if baseline:
+        plain = SpecDecoder(target_model, None, attn_impl=attn_impl)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        _sync(dev)
+        t0 = time.perf_counter()
+        ref = plain.generate(ids, max_new_tokens, generator=gen, **kwargs)
+        _sync(dev)
+        base_s = time.perf_counter() - t0
+        base_text = tokenizer.decode(ref.new_tokens(0).tolist(), skip_special_tokens=True)
+    return GenerateResult(text, new, result, seconds, len(new) / seconds if seconds > 0 else float("nan"),
+                          result.mean_accepted, est, base_s, base_text)  # fmt: skip
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec generate",
+        description="Speculative decoding of one prompt: prints the completion and a one-line summary "
+        "(tokens/s, mean accepted tokens per step, speedup estimate) on stderr.",
+    )
+    parser.add_argument("prompt", help="the prompt (a user message when the chat template is used)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"default model name, HF id or local dir (default {DEFAULT_TARGET})")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
+    parser.add_argument("--drafter", choices=["model", "medusa", "lookup"], default="model",
+                        help="draft LM tree (default), Medusa heads (--heads) or prompt lookup")
+    parser.add_argument("--heads", default=None, help="Medusa heads directory (specdec train-medusa --out)")
+    parser.add_argument("--tree-size", type=int, default=None, help="draft nodes per step (default 64 on cuda, 16 on cpu)")
+    parser.add_argument("--depth", type=int, default=None, help="draft-model tree depth (default 3)")
+    parser.add_argument("--topk", type=int, default=None, help="draft-model frontier width (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--stream", action="store_true", help="print tokens as each step accepts them")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
+    parser.add_argument("--baseline", action="store_true", help="also decode with the target alone; report the measured speedup")
+    parser.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto",
+                        help="tree attention implementation (auto: Triton on CUDA)")
+    parser.add_argument("--no-progress", action="store_true", help="no model fetch/convert progress bars")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    result = run_generate(
+        ns.prompt, target=ns.target, draft=ns.draft, drafter=ns.drafter, heads=ns.heads, tree_size=ns.tree_size,
+        max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed,
+        device=ns.device, dtype=ns.dtype, chat=ns.chat, stream=ns.stream, baseline=ns.baseline,
+        attn_impl=ns.attn_impl, depth=ns.depth, topk=ns.topk, progress=not ns.no_progress,
+    )  # fmt: skip
+    print(result.summary(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
