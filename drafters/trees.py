@@ -39,6 +39,7 @@ import torch
 __all__ = [
     "MC_SIM_7B_63",
     "STATIC_SIZES",
+    "AcceptanceRecorder",
     "AcceptanceStats",
     "AcceptanceTable",
     "Topology",
@@ -200,6 +201,40 @@ class AcceptanceStats:
     def table(self, depth: int | None = None, ranks: int | None = None, prior: AcceptanceTable | None = None,
               strength: float = 4.0) -> AcceptanceTable:
         return acceptance_table(self.records(), depth, ranks, prior, strength)
+
+
+class AcceptanceRecorder:
+    """A drafter proxy that records every verified tree into an :class:`AcceptanceStats`.
+
+    ``SpecDecoder(target, AcceptanceRecorder(drafter), t)``; afterwards ``recorder.stats.table()``
+    is the measured acceptance table (e.g. to build static topologies for Medusa heads). Every
+    other attribute is the wrapped drafter's.
+    """
+
+    def __init__(self, inner, stats: AcceptanceStats | None = None) -> None:
+        self.inner = inner
+        self.stats = AcceptanceStats() if stats is None else stats
+
+    @property
+    def vocab_size(self):
+        return getattr(self.inner, "vocab_size", None)
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        return bool(getattr(self.inner, "needs_hidden_states", False))
+
+    def reset(self, input_ids):
+        return self.inner.reset(input_ids)
+
+    def propose(self, context):
+        return self.inner.propose(context)
+
+    def update(self, context, tree, verdict):
+        self.stats.record(tree, verdict)
+        return self.inner.update(context, tree, verdict)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["inner"], name)
 
 
 # ----------------------------------------------------------------------------------------------

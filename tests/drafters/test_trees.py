@@ -9,6 +9,7 @@ import torch
 
 from drafters.trees import (
     MC_SIM_7B_63,
+    AcceptanceRecorder,
     STATIC_SIZES,
     AcceptanceStats,
     AcceptanceTable,
@@ -98,3 +99,21 @@ def test_errors():
         AcceptanceTable(((1.5,),))
     with pytest.raises(ValueError, match=r"t: expected at most 6 nodes"):
         build_choices(7, AcceptanceTable(((0.5, 0.2), (0.5, 0.2))))
+
+
+def test_recorder_measures_a_drafter_and_the_table_builds_trees():
+    from drafters.draft_model import DraftModelDrafter
+    from specdec import SpecDecoder
+    from tests.specdec.helpers import VOCAB, perturbed_copy, tiny_model
+
+    target = tiny_model("qwen2")
+    rec = AcceptanceRecorder(DraftModelDrafter(perturbed_copy(target, 0.05, seed=1), depth=3, topk=4))
+    prompt = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(0))
+    out = SpecDecoder(target, rec, tree_size=16, attn_impl="torch").generate(prompt, 30)
+    tried_d1 = sum(n for (d, _), n in rec.stats.tried.items() if d == 1)
+    assert tried_d1 >= len(out.steps)  # every step's root had children
+    assert sum(rec.stats.accepted.values()) == out.totals()["tokens_accepted"]
+    table = rec.stats.table(depth=3, ranks=4)
+    assert table(1, 0) > table(1, 3)  # the draft's top guess is accepted most often
+    assert len(static_tree(20, table)) == 20
+    assert rec.depth == 3  # attributes of the wrapped drafter
