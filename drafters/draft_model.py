@@ -76,7 +76,11 @@ class DraftModelDrafter(BaseDrafter):
             always uses top-k children.
         reuse_kv: keep the draft's KV across steps (False recomputes the whole context every
             step: a reference for tests, never faster).
-        attn_impl: kept for symmetry with the engine; draft forwards use SDPA with a dense mask.
+
+    Draft forwards attend with SDPA under an explicit mask (``specdec.hf.MaskedState``): the
+    queries of a depth are a few frontier nodes, not the whole tree the tree-attention kernel
+    expects. The draft's KV lives in one ``specdec.KVCache`` per sequence, grown (by copying the
+    committed part) when a step would not fit.
     """
 
     def __init__(
@@ -224,10 +228,15 @@ class DraftModelDrafter(BaseDrafter):
             c = next(i for i, (a, b) in enumerate(zip(known, tokens)) if a != b)
         n = len(tokens)
         pending = torch.tensor([tokens[c:]], dtype=torch.int64)
-        slots = torch.arange(c, n, dtype=torch.int64)[None]
-        visible = torch.arange(n)[None, None, :] <= slots[:, :, None]  # causal over [0, n)
-        logits = hf.masked_forward(self.model, pending, slots, slots, visible, st.cache,
-                                   key_positions=torch.arange(n)[None], logits_to_keep=1)
+        if c == 0:  # nothing cached (first step): a plain causal prefill (SDPA's causal kernels)
+            pos = torch.arange(n, device=self.device)[None]
+            state = hf.ForwardState(cache=st.cache, slots=pos, positions=pos)
+            logits = hf.run_state(self.model, pending.to(self.device), pos, state, logits_to_keep=1)
+        else:
+            slots = torch.arange(c, n, dtype=torch.int64)[None]
+            visible = torch.arange(n)[None, None, :] <= slots[:, :, None]  # causal over [0, n)
+            logits = hf.masked_forward(self.model, pending, slots, slots, visible, st.cache,
+                                       key_positions=torch.arange(n)[None], logits_to_keep=1)
         self.last_forwards += 1
         st.committed = tokens[:-1]  # the root's KV (slot n - 1) is expanded node 0 of this step
         st.cache.lengths = [n - 1]
