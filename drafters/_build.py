@@ -7,24 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from specdec.tree import TokenTree
+from treeattn.layout import depth_first_order
 
-__all__ = ["dfs_order", "make_tree", "root_only"]
-
-
-def dfs_order(parents: Sequence[int]) -> list[int]:
-    """Depth-first order of nodes given in creation order (``parents[i] < i``, ``parents[0] = -1``).
-
-    Children keep their creation order. Returns ``order`` with ``order[new] = old``.
-    """
-    children: list[list[int]] = [[] for _ in parents]
-    for i, p in enumerate(parents[1:], start=1):
-        children[p].append(i)
-    order, stack = [], [0]
-    while stack:
-        i = stack.pop()
-        order.append(i)
-        stack.extend(reversed(children[i]))
-    return order
+__all__ = ["make_tree", "root_only"]
 
 
 def make_tree(
@@ -41,7 +26,7 @@ def make_tree(
         draft_probs: optional float ``[n, V]`` rows in creation order (moved with their nodes).
         proposal: the tree's ``proposal`` kind.
     """
-    order = dfs_order(parents)
+    order = depth_first_order(list(parents))
     new_index = {old: new for new, old in enumerate(order)}
     tok = torch.tensor([tokens[o] for o in order], dtype=torch.int64)
     par = torch.tensor([-1] + [new_index[parents[o]] for o in order[1:]], dtype=torch.int64)

@@ -17,12 +17,7 @@ from tests.specdec.helpers import VOCAB, hf_greedy, perturbed_copy, tiny_model
 NEW = 30
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)

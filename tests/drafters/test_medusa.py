@@ -24,12 +24,7 @@ from specdec import SpecDecoder
 from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)

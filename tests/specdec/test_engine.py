@@ -24,12 +24,7 @@ from tests.specdec.helpers import (
 NEW = 40
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,12 +14,7 @@ from treeattn.layout import random_tree_parents
 FAMILIES = ["llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fresh_last_logits(model, ids: list[int]) -> torch.Tensor:

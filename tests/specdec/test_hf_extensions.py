@@ -12,12 +12,7 @@ from tests.specdec.helpers import VOCAB, OracleDrafter, hf_greedy, tiny_model
 from treeattn import TreeMask
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fresh(model, ids: list[int]):
