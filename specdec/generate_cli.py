@@ -6,7 +6,8 @@ builds the drafter with ``drafters.make_drafter``, decodes with ``SpecDecoder`` 
 completion (token by token as steps are accepted with ``--stream``) followed by a one-line
 summary on stderr::
 
-    64 tokens in 3.10 s (20.6 tok/s) | 21 steps, 3.05 tokens/step (accepted + bonus) | est. speedup 2.4x
+    64 tokens in 3.10 s (20.6 tok/s) | 21 steps, 3.05 tokens/step (accepted + bonus) | est. speedup 2.40x (if a
+    tree forward cost a one-token step; --baseline measures)
 
 The speedup estimate is ``tokens per step x (target forward time per step / step time)``: what
 the run would gain over plain decoding if a target forward over the tree costs what a one-token
@@ -63,7 +64,9 @@ class GenerateResult:
         steps = len(self.output.steps)
         line = (f"{n} tokens in {self.seconds:.2f} s ({self.tokens_per_s:.1f} tok/s) | {steps} steps, "
                 f"{self.mean_accepted:.2f} tokens/step (accepted + bonus) | est. speedup {self.est_speedup:.2f}x")
-        if self.baseline_seconds is not None:
+        if self.baseline_seconds is None:
+            line += " (if a tree forward cost a one-token step; --baseline measures)"
+        else:
             measured = self.baseline_seconds / self.seconds if self.seconds > 0 else float("nan")
             same = "identical" if self.baseline_text == self.text else "different"
             line += f" | target alone {self.baseline_seconds:.2f} s: measured speedup {measured:.2f}x ({same} text)"
