@@ -246,7 +246,6 @@ class DraftModelDrafter(BaseDrafter):
         """One forward of the frontier nodes (depth d) over the prefix and their expanded ancestors."""
         m = len(frontier)
         total = len(exp_anc)  # expanded nodes including this frontier
-        kv_len = base + total
         ids = torch.tensor([[tok[i] for i in frontier]], dtype=torch.int64)
         slots = torch.tensor([[base + exp[i] for i in frontier]], dtype=torch.int64)
         positions = torch.full((1, m), base + d, dtype=torch.int64)

@@ -115,7 +115,6 @@ def measure_ceilings(device: str) -> tuple[float, float]:
     src = torch.randn(256 * 1024 * 1024, device=device, dtype=torch.float32)  # 1 GiB
     dst = torch.empty_like(src)
     t_cp = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3
-    del a, b, src, dst
     return 2 * 8192**3 / t_mm, 2 * 1024**3 / t_cp
 
 

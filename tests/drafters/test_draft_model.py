@@ -12,7 +12,7 @@ from drafters.base import BaseDrafter, DraftContext
 from drafters.draft_model import DraftModelDrafter
 from specdec import SpecDecoder, TokenTree
 from specdec.sampling import SamplingConfig, logits_to_probs
-from tests.specdec.helpers import VOCAB, hf_greedy, perturbed_copy, tiny_model
+from tests.specdec.helpers import VOCAB, hf_greedy, perturbed_copy, tiny_model, token_paths
 
 NEW = 30
 
@@ -99,19 +99,6 @@ def _reference_tree(model, tokens: list[int], budget: int, depth: int, topk: int
     return {pool[i][0] for i in ranked}
 
 
-def _tree_paths(tree: TokenTree) -> set:
-    toks = tree.tokens.tolist()
-    par = tree.parents.tolist()
-    out = set()
-    for i in range(1, tree.n):
-        path, j = [], i
-        while j > 0:
-            path.append(toks[j])
-            j = par[j]
-        out.add(tuple(reversed(path)))
-    return out
-
-
 class _Compare(BaseDrafter):
     """Runs a KV-reusing drafter, checks every tree against recomputation and the fresh reference."""
 
@@ -130,7 +117,7 @@ class _Compare(BaseDrafter):
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
         if self.steps % 3 == 0:
             want = _reference_tree(self.model, ctx.tokens.tolist(), ctx.tree_size, self.reuse.depth, self.reuse.topk)
-            assert _tree_paths(a) == want
+            assert token_paths(a) == want
         self.steps += 1
         return a
 

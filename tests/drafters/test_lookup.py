@@ -7,23 +7,11 @@ import torch
 
 from drafters.base import DraftContext
 from drafters.lookup import LookupDrafter
-from specdec import SpecDecoder, TokenTree
-from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model
+from specdec import SpecDecoder
+from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model, token_paths
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _paths(tree: TokenTree) -> set:
-    toks, par = tree.tokens.tolist(), tree.parents.tolist()
-    out = set()
-    for i in range(1, tree.n):
-        p, j = [], i
-        while j > 0:
-            p.append(toks[j])
-            j = par[j]
-        out.add(tuple(reversed(p)))
-    return out
 
 
 def _ctx(tokens, t, seq=0):
@@ -38,7 +26,7 @@ def test_matches_become_branches_with_shared_prefixes_merged():
     assert int(tree.tokens[0]) == 6
     # (5, 6) matched twice: continuations [7, 9, 1] (recent) and [7, 8, 5] share the node 7;
     # (6,) alone matches the same places, adding nothing new.
-    assert _paths(tree) == {(7,), (7, 9), (7, 9, 1), (7, 8), (7, 8, 5)}
+    assert token_paths(tree) == {(7,), (7, 9), (7, 9, 1), (7, 8), (7, 8, 5)}
     assert tree.n - 1 == 5
     # the most recent match is the first child (the verifier tries it first)
     first = tree.children[tree.children[0][0]][0]
@@ -52,14 +40,14 @@ def test_budget_is_respected_and_longer_matches_come_first():
         tree = d.propose(_ctx(toks, t))
         assert tree.n - 1 <= t
     # with budget 4 only the most recent (2, 3) continuation fits: [20, 21, 22, 23]
-    assert _paths(d.propose(_ctx(toks, 4))) == {(20,), (20, 21), (20, 21, 22), (20, 21, 22, 23)}
+    assert token_paths(d.propose(_ctx(toks, 4))) == {(20,), (20, 21), (20, 21, 22), (20, 21, 22, 23)}
     assert d.propose(_ctx(toks, 0)).n == 1
 
 
 def test_no_match_is_root_only_and_index_is_incremental():
     d = LookupDrafter(max_ngram=2, min_ngram=2)
     assert d.propose(_ctx([1, 2, 3, 4], 10)).n == 1
-    assert _paths(d.propose(_ctx([1, 2, 3, 4, 1, 2], 10))) >= {(3,), (3, 4)}
+    assert token_paths(d.propose(_ctx([1, 2, 3, 4, 1, 2], 10))) >= {(3,), (3, 4)}
     # a different history for the same sequence rebuilds the index
     assert d.propose(_ctx([7, 8, 9], 10)).n == 1
 
@@ -80,7 +68,7 @@ def test_a_long_match_gives_the_copied_continuation():
     d = LookupDrafter(max_ngram=3, max_depth=6)
     seq = [4, 5, 6, 7, 8, 9, 10, 11, 4, 5, 6]
     tree = d.propose(_ctx(seq, 16))
-    assert (7, 8, 9, 10, 11, 4) in _paths(tree)
+    assert (7, 8, 9, 10, 11, 4) in token_paths(tree)
 
 
 def test_argument_errors():

@@ -180,3 +180,16 @@ class DraftModelDrafter(BaseDrafter):
             for node, q in rows.items():
                 probs[node] = q
         return build_tree(nodes, int(ctx.tokens[-1]), probs, self.proposal)
+
+
+def token_paths(tree: TokenTree) -> set[tuple[int, ...]]:
+    """The token sequences of every root-to-node path (root token excluded), as a set."""
+    toks, par = tree.tokens.tolist(), tree.parents.tolist()
+    out = set()
+    for i in range(1, tree.n):
+        path, j = [], i
+        while j > 0:
+            path.append(toks[j])
+            j = par[j]
+        out.add(tuple(reversed(path)))
+    return out
