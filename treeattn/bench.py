@@ -241,6 +241,8 @@ def _sweep_configs() -> list[KernelConfig | None]:
     for bm, bn, w, st in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
                           (128, 64, 8, 4)]:
         cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
+    for bm, bn, w in [(64, 64, 4), (64, 128, 4), (128, 128, 8)]:  # Triton's warp specialization
+        cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, warp_specialize=True))
     return cfgs
 
 

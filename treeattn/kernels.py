@@ -49,7 +49,7 @@ def tree_attn_fwd_kernel(
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     WORD_BITS: tl.constexpr = 64
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -89,7 +89,7 @@ def tree_attn_fwd_kernel(
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     hi_full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, hi_full, BLOCK_N):
+    for start in tl.range(lo, hi_full, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         kv = start + offs_n
         if EVEN_D:
             k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :])

@@ -29,6 +29,8 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
+    ``warp_specialize`` asks Triton to split the prompt loop's loads and math over warp groups
+    (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
     from the shapes). 1 runs a single stage that writes the output directly; more add a merge of
     the partial results by log-sum-exp.
@@ -39,6 +41,7 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 2
     num_splits: int | None = None
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -298,7 +301,7 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
         n, seq_len, hkv, chunk, splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision,
+        SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -60,12 +60,12 @@ def test_kernel_matches_float64_reference(batch, hq, hkv, n, d, prefix, kind):
     assert _rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])
-def test_split_prompt_merge_equals_single_stage(splits):
+@pytest.mark.parametrize("splits,warp_specialize", [(1, False), (2, False), (5, False), (2, True)])
+def test_split_prompt_merge_equals_single_stage(splits, warp_specialize):
     q, k, v, pl, mask = _inputs(2, 8, 2, 40, 64, [300, 170], torch.float32, seed=splits)
     ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    out = tree_attention(q, k, v, pl, mask, impl="triton",
-                         config=KernelConfig(block_m=64, block_n=32, num_splits=splits))
+    cfg = KernelConfig(block_m=64, block_n=32, num_splits=splits, warp_specialize=warp_specialize)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
     assert _rel(out, ref) < 1e-5
 
 
