@@ -36,6 +36,12 @@ def _generate(argv: list[str]) -> int:
     return generate_cli.main(argv)
 
 
+def _bench_engine(argv: list[str]) -> int:
+    from specdec import bench_engine
+
+    return bench_engine.main(argv)
+
+
 def _train_medusa(argv: list[str]) -> int:
     from drafters import medusa_train
 
@@ -45,6 +51,8 @@ def _train_medusa(argv: list[str]) -> int:
 # name -> (help, handler taking the remaining argv). Handlers import lazily so --help stays fast.
 SUBCOMMANDS = {
     "bench-attn": ("benchmark the tree-attention kernel against SDPA / eager / FlexAttention", _bench_attn),
+    "bench-engine": ("engine speed: plain decode (eager / CUDA graph) vs HF, verify cost per tree size, "
+                     "per-step breakdown", _bench_engine),
     "eval": ("evaluate speculative decoding vs HF baselines on APPS / HumanEval (JSONL, resumable)", _eval),
     "sweep": ("tree-size sweep: evaluation + attention-only timings -> table, CSV, plot", _sweep),
     "generate": ("speculative decoding of one prompt (draft model, Medusa heads or prompt lookup)", _generate),

@@ -7,9 +7,12 @@ matches ``model.generate``.
 
 Shapes: with ``static_shapes=True`` (the default on CUDA) every tree forward has the same
 ``[B, tree_size + 1]`` input (trees padded with dummy nodes that no real node attends to) and
-attends over the whole preallocated cache, so the forward has fixed shapes and buffer addresses:
-the step a later CUDA-graph capture would record. Otherwise trees are padded only to the
-batch's largest tree and attention reads only the filled part of the cache (cheaper on CPU).
+attends over the whole preallocated cache, so the forward has fixed shapes and buffer addresses.
+It runs through ``specdec.graphs.GraphedForward``: inputs copied in place into fixed buffers each
+step, and with ``cuda_graphs`` (the default on CUDA) the forward recorded once per (batch size,
+n) as a CUDA graph and replayed; without, the same code runs eagerly on the same buffers.
+Otherwise trees are padded only to the batch's largest tree and attention reads only the filled
+part of the cache (cheaper on CPU).
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ import torch
 
 from drafters.base import DraftContext, Drafter
 from specdec import hf
+from specdec.graphs import GraphedForward, model_devices
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
 from specdec.verify import Verdict, verify_greedy, verify_stochastic
-from treeattn import TreeMask, num_words
+from treeattn import TreeMask
 
 __all__ = ["GenerationOutput", "SpecDecoder", "SpeculativeModel", "StepStats", "wrap"]
+
+_CAPACITY_STEP = 256  # with CUDA graphs and no max_cache_len, the kept cache grows in these steps
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,11 @@ class StepStats:
         tokens_accepted: per sequence, accepted draft tokens (the bonus token not counted).
         tokens_emitted: per sequence, tokens appended this step (after eos / max_new_tokens cuts).
         draft_s: seconds in ``drafter.propose`` (+ ``update``).
-        verify_s: seconds in the target's tree forward and the verification.
+        verify_s: seconds in the target's tree forward and the verification (tree inputs built on
+            the host, the forward, the accept decision).
         commit_s: seconds in the KV commit and bookkeeping.
+        forward_s: the part of ``verify_s`` from handing the inputs to the device to the forward's
+            end (device synchronized): the target forward itself.
     """
 
     nodes_proposed: tuple[int, ...]
@@ -50,6 +59,7 @@ class StepStats:
     draft_s: float
     verify_s: float
     commit_s: float
+    forward_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,12 +72,14 @@ class GenerationOutput:
         lengths: per sequence, its length in ``sequences`` (prompt + new tokens).
         prompt_lengths: per sequence, its prompt length.
         steps: per-step statistics.
+        prefill_s: seconds in the target's prompt prefill (device synchronized).
     """
 
     sequences: torch.Tensor
     lengths: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
     steps: list[StepStats] = field(default_factory=list)
+    prefill_s: float = 0.0
 
     def new_tokens(self, seq: int = 0) -> torch.Tensor:
         """int64 ``[num_new]``: the tokens generated for sequence ``seq``."""
@@ -84,7 +96,7 @@ class GenerationOutput:
         return sum(emitted) / len(emitted) if emitted else 0.0
 
     def totals(self) -> dict[str, float]:
-        """Summed seconds per phase and counts over all steps."""
+        """Summed seconds per phase and counts over all steps (``prefill_s`` once per call)."""
         return {
             "steps": len(self.steps),
             "nodes_proposed": sum(sum(s.nodes_proposed) for s in self.steps),
@@ -92,7 +104,9 @@ class GenerationOutput:
             "new_tokens": self.num_new_tokens,
             "draft_s": sum(s.draft_s for s in self.steps),
             "verify_s": sum(s.verify_s for s in self.steps),
+            "forward_s": sum(s.forward_s for s in self.steps),
             "commit_s": sum(s.commit_s for s in self.steps),
+            "prefill_s": self.prefill_s,
         }
 
 
@@ -107,9 +121,15 @@ class SpecDecoder:
         tree_size: node budget per step besides the root (0 = plain decoding).
         max_cache_len: fixed KV capacity per sequence, reused across calls (a request that does not
             fit raises); None sizes the cache per call to prompt + max_new_tokens + tree_size.
-        static_shapes: fixed ``[B, tree_size + 1]`` tree forwards over the whole cache (default:
-            True when the target is on CUDA).
+        static_shapes: fixed ``[B, tree_size + 1]`` tree forwards over the whole cache through
+            ``specdec.graphs.GraphedForward`` (default: True when the target is on CUDA, or when
+            ``cuda_graphs`` is True).
         attn_impl: ``treeattn.tree_attention``'s ``impl`` ("auto", "triton", "torch").
+        cuda_graphs: replay the target's tree forward as a CUDA graph, captured once per (batch
+            size, tree size) and per cache (default None: on when the target is on one CUDA device
+            and shapes are static; False on CPU). Needs static shapes. With ``max_cache_len=None``
+            the cache is then kept across calls (grown, and the graphs recaptured, only when a
+            request does not fit), so that the graphs are reused.
     """
 
     def __init__(
@@ -121,6 +141,7 @@ class SpecDecoder:
         max_cache_len: int | None = None,
         static_shapes: bool | None = None,
         attn_impl: str = "auto",
+        cuda_graphs: bool | None = None,
     ) -> None:
         hf.prepare_model(target, "target")
         if not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0:
@@ -146,10 +167,24 @@ class SpecDecoder:
         self._wants_hidden = bool(getattr(drafter, "needs_hidden_states", False)) and self.tree_size > 0
         self.max_cache_len = max_cache_len
         self.device = hf.input_device(target)
-        self.static_shapes = self.device.type == "cuda" if static_shapes is None else bool(static_shapes)
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs: expected None, True or False, got {cuda_graphs!r}")
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs: True needs the target on a CUDA device, got {self.device}")
+            if len(model_devices(target)) > 1:
+                raise ValueError("cuda_graphs: True needs the target on one device, got a model split across devices")
+            if static_shapes is False:
+                raise ValueError("cuda_graphs: True needs static_shapes (fixed [B, tree_size + 1] forwards), got False")
+        if static_shapes is None:
+            static_shapes = self.device.type == "cuda" or bool(cuda_graphs)
+        self.static_shapes = bool(static_shapes)
+        if cuda_graphs is None:
+            cuda_graphs = self.static_shapes and self.device.type == "cuda" and len(model_devices(target)) == 1
+        self.cuda_graphs = bool(cuda_graphs)
         self.attn_impl = attn_impl
         self._cache: KVCache | None = None
-        self._static: _StaticInputs | None = None
+        self._graphs: dict[tuple[int, int], GraphedForward] = {}
 
     # ------------------------------------------------------------------ inputs
 
@@ -199,7 +234,13 @@ class SpecDecoder:
 
     def _get_cache(self, batch: int, need: int) -> KVCache:
         if self.max_cache_len is None:
-            return KVCache(batch, need)
+            if not self.cuda_graphs:
+                return KVCache(batch, need)
+            # Graphs record the cache's buffer addresses: keep one cache while requests fit.
+            if self._cache is None or self._cache.batch_size != batch or self._cache.capacity < need:
+                self._cache = KVCache(batch, -(-need // _CAPACITY_STEP) * _CAPACITY_STEP)
+            self._cache.reset()
+            return self._cache
         if need > self.max_cache_len:
             raise ValueError(
                 f"max_new_tokens: prompt + max_new_tokens + tree_size needs {need} cache slots per sequence, "
@@ -270,11 +311,15 @@ class SpecDecoder:
         # hidden[b]: the target's final hidden state at the token before sequence b's root (the
         # state that predicted the root), for drafters with needs_hidden_states; None if unknown.
         hidden: list[torch.Tensor | None] = [None] * batch
+        self._sync()
+        t0 = time.perf_counter()
         if longest > 1:
             at = torch.tensor([max(n - 2, 0) for n in lens]) if self._wants_hidden else None
             h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, hidden_at=at)
             if h is not None:
                 hidden = [h[b] if lens[b] > 1 else None for b in range(batch)]
+        self._sync()
+        prefill_s = time.perf_counter() - t0
         cache.lengths = [n - 1 for n in lens]
         if self.drafter is not None:
             self.drafter.reset([p.clone() for p in prompts])
@@ -289,7 +334,7 @@ class SpecDecoder:
         out = torch.full((batch, width), pad_token_id, dtype=torch.int64)
         for b in range(batch):
             out[b, : lens[b]] = seqs[b, : lens[b]]
-        return GenerationOutput(out, tuple(lens), tuple(len(p) for p in prompts), steps)
+        return GenerationOutput(out, tuple(lens), tuple(len(p) for p in prompts), steps, prefill_s)
 
     def _step(self, seqs, lens, done, cache, sampling, generator, eos, max_new_tokens, prompts, hidden,
               on_tokens) -> StepStats:
@@ -311,24 +356,27 @@ class SpecDecoder:
 
         n = self.tree_size + 1 if self.static_shapes else max(t.n for t in trees)
         cache.check_room(n)
-        tokens = torch.zeros(batch, n, dtype=torch.int64)
-        parents = torch.zeros(batch, n, dtype=torch.int64)  # padding nodes hang off the root
-        for b, t in enumerate(trees):
-            tokens[b, : t.n] = t.tokens.cpu()
-            parents[b, : t.n] = t.parents.cpu()
-        parents[:, 0] = -1
-        mask = TreeMask.from_parents(parents)
-        prefix = torch.tensor(cache.lengths, dtype=torch.int64)
         if self.static_shapes:
-            inputs = self._static_inputs(cache, batch, n)
-            inputs.load(tokens, mask, prefix)
-            out = hf.run_state(self.target, inputs.tokens, inputs.positions, inputs.state,
-                               return_hidden=self._wants_hidden)
+            graphed = self._graphed(cache, batch, n)
+            tf0 = time.perf_counter()
+            graphed.load(trees, cache.lengths)  # padding nodes hang off the root
+            logits, node_hidden = graphed.forward()
         else:
+            tokens = torch.zeros(batch, n, dtype=torch.int64)
+            parents = torch.zeros(batch, n, dtype=torch.int64)  # padding nodes hang off the root
+            for b, t in enumerate(trees):
+                tokens[b, : t.n] = t.tokens.cpu()
+                parents[b, : t.n] = t.parents.cpu()
+            parents[:, 0] = -1
+            mask = TreeMask.from_parents(parents)
+            prefix = torch.tensor(cache.lengths, dtype=torch.int64)
             kv_len = max(cache.lengths) + n
+            tf0 = time.perf_counter()
             out = hf.tree_forward(self.target, tokens, mask, prefix, cache, kv_len=kv_len, impl=self.attn_impl,
                                   return_hidden=self._wants_hidden)
-        logits, node_hidden = out if self._wants_hidden else (out, None)
+            logits, node_hidden = out if self._wants_hidden else (out, None)
+        self._sync()
+        forward_s = time.perf_counter() - tf0
         verdicts: list[Verdict | None] = []
         for b, t in enumerate(trees):
             if done[b]:
@@ -341,12 +389,13 @@ class SpecDecoder:
         self._sync()
         t2 = time.perf_counter()
 
-        cache.commit([None if v is None else v.path for v in verdicts])
         emitted, accepted, streamed = [], [], []
+        keep: list[tuple[int, ...] | None] = []  # per sequence, the accepted nodes whose KV is committed
         for b, v in enumerate(verdicts):
             if v is None:
                 emitted.append(0)
                 accepted.append(0)
+                keep.append(None)
                 continue
             new = v.new_tokens(trees[b])
             room = len(prompts[b]) + max_new_tokens - lens[b]
@@ -361,10 +410,14 @@ class SpecDecoder:
                 done[b] = True
             emitted.append(len(new))
             accepted.append(v.num_accepted)
-            if node_hidden is not None:
-                hidden[b] = node_hidden[b, v.path[-1]]  # predicted the bonus token, the next root
+            # The root and the accepted nodes whose tokens were kept (a path cut by max_new_tokens or
+            # eos commits only its kept part): the cache always holds a sequence's tokens but its last.
+            keep.append(v.path[: len(new)])
+            if node_hidden is not None:  # predicted the bonus token, the next root; copied: the
+                hidden[b] = node_hidden[b, v.path[-1]].clone()  # next forward overwrites node_hidden
             if new:
                 streamed.append((b, list(new)))
+        _commit(cache, keep)
         self._sync()
         t3 = time.perf_counter()
         if on_tokens is not None:
@@ -382,13 +435,20 @@ class SpecDecoder:
             draft_s=(t1 - t0) + (t4 - t3),
             verify_s=t2 - t1,
             commit_s=t3 - t2,
+            forward_s=forward_s,
         )
 
-    def _static_inputs(self, cache: KVCache, batch: int, n: int) -> "_StaticInputs":
-        st = self._static
-        if st is None or st.state.cache is not cache or st.tokens.shape != (batch, n):
-            st = self._static = _StaticInputs(cache, batch, n, self.device, self.attn_impl)
-        return st
+    def _graphed(self, cache: KVCache, batch: int, n: int) -> GraphedForward:
+        """The fixed-buffer forward of shape ``[batch, n]`` over ``cache`` (captured on first use)."""
+        if any(g.cache is not cache for g in self._graphs.values()):  # a new cache: old graphs are stale
+            self._graphs = {k: g for k, g in self._graphs.items() if g.cache is cache}
+        graphed = self._graphs.get((batch, n))
+        if graphed is None:
+            graphed = self._graphs[(batch, n)] = GraphedForward(
+                self.target, cache, batch, n, impl=self.attn_impl, return_hidden=self._wants_hidden,
+                capture=self.cuda_graphs,
+            )  # fmt: skip
+        return graphed
 
     def _checked_tree(self, tree, ctx: DraftContext) -> TokenTree:
         if not isinstance(tree, TokenTree):
@@ -407,34 +467,17 @@ class SpecDecoder:
             torch.cuda.synchronize(self.device)
 
 
-class _StaticInputs:
-    """Fixed-address inputs of the ``[B, n]`` tree forward, refilled in place every step.
+def _commit(cache: KVCache, paths: list) -> None:
+    """``cache.commit(paths)``, skipping the KV copies when every path is already in place.
 
-    With these and a fixed ``KVCache``, ``hf.run_state(target, tokens, positions, state)`` reads
-    and writes the same tensors every step and never syncs with the host: a CUDA graph captured
-    around that call (after one warm-up step that allocates the cache) could be replayed after
-    each ``load``. Capture itself is not implemented yet.
+    A path ``(0, 1, ..., k)`` (plain decoding; a first-child chain of a depth-first tree) keeps
+    its nodes in the slots they were written to: only the lengths grow. This saves the commit's
+    per-layer gather / scatter launches on most steps.
     """
-
-    def __init__(self, cache: KVCache, batch: int, n: int, device: torch.device, impl: str) -> None:
-        def zeros(*shape):
-            return torch.zeros(*shape, dtype=torch.int64, device=device)
-
-        self.tokens, self.positions, self.slots = zeros(batch, n), zeros(batch, n), zeros(batch, n)
-        self.prefix = zeros(batch)
-        self.mask = TreeMask(words=zeros(batch, n, num_words(n)), depth=zeros(batch, n))
-        self.offsets = torch.arange(n, device=device)
-        self.state = hf.ForwardState(cache, self.slots, self.positions, self.mask, self.prefix, kv_len=None, impl=impl)
-
-    def load(self, tokens: torch.Tensor, mask: TreeMask, prefix: torch.Tensor) -> None:
-        """Copy one step's trees (CPU ``[B, n]`` tokens, their mask, ``[B]`` prefix lengths) in."""
-        self.tokens.copy_(tokens)
-        self.mask.words.copy_(mask.words)
-        self.mask.depth.copy_(mask.depth)
-        self.prefix.copy_(prefix)
-        torch.add(self.prefix[:, None], self.mask.depth, out=self.positions)
-        torch.add(self.prefix[:, None], self.offsets, out=self.slots)
-        self.state.refresh()
+    if all(p is None or tuple(p) == tuple(range(len(p))) for p in paths):
+        cache.lengths = [length + len(p or ()) for length, p in zip(cache.lengths, paths)]
+        return
+    cache.commit(paths)
 
 
 class SpeculativeModel:
@@ -495,6 +538,7 @@ class SpeculativeModel:
 def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) -> SpeculativeModel:
     """``specdec.wrap(model, drafter).generate(input_ids, max_new_tokens=...)`` decodes speculatively.
 
-    ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``static_shapes``, ``attn_impl``).
+    ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``static_shapes``, ``attn_impl``,
+    ``cuda_graphs``).
     """
     return SpeculativeModel(model, drafter, tree_size, **decoder_kwargs)

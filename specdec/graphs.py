@@ -1,0 +1,301 @@
+"""The target's fixed-shape tree forward at fixed addresses, replayed as a CUDA graph.
+
+``GraphedForward(model, cache, batch, n)`` owns everything one verification forward of shape
+``[B, n]`` reads or writes, except the model's weights and the ``KVCache`` buffers:
+
+- **inputs** -- views into ONE int64 device vector, refilled in place every step (``load``):
+  per sequence, the n node tokens, their position ids (``prefix_len + depth``), their cache slots
+  (``prefix_len + node index``), the tree's ancestor bit words ``[n, ceil(n / 64)]`` and depths
+  (``treeattn.TreeMask`` layout), and the prefix length. The host packs them into one staging
+  vector (pinned on CUDA) and a single asynchronous host-to-device copy moves it. Trees smaller
+  than n are padded with dummy nodes under the root (no real node attends to them).
+- **the captured region** (``_body``): ``hf.run_state`` over those inputs -- embedding, every
+  decoder layer (its attention writes the n new keys / values into the cache at ``slots`` and
+  calls ``tree_attention(..., check_prefix_lens=False)`` over the whole cache capacity S), the
+  final norm, the LM head -> logits ``[B, n, V]``, and the LM head's input (final hidden states
+  ``[B, n, H]``) when ``return_hidden``. No host sync happens inside and every shape depends only
+  on (B, n, S): variable prefix lengths are data in the input vector, never shapes. The Triton
+  kernel's launch configuration depends on (B, heads, n, S, D) only, and S is the cache capacity,
+  so it is the same every step. The op's temporaries (output, split partials) are allocated
+  inside the capture from the graph's private memory pool, at the same addresses every replay.
+- **outputs** -- ``logits`` / ``hidden``: fixed tensors, overwritten by every forward. Callers
+  read them before the next ``forward`` (the engine verifies, then copies what it keeps).
+
+Outside the graph, on the same stream and the same buffers: building the trees, verification
+and ``KVCache.commit``.
+
+Two modes run the same code on the same buffers: ``capture=True`` records the body once as a
+``torch.cuda.CUDAGraph`` (after one forward on the current stream, which allocates the cache's
+buffers if needed and compiles the kernels, and ``warmup`` more on a side stream, the standard
+pattern) and replays it; ``capture=False`` ("eager replay", any device) calls the body each time
+and copies its results into the same fixed output tensors. The eager mode is what CPU tests run:
+it checks everything the graph depends on (what is copied where, output aliasing) but the capture.
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from specdec import hf
+from specdec.kv import KVCache
+from specdec.tree import TokenTree
+from treeattn import TreeMask, num_words
+
+__all__ = ["GraphedForward", "InputLayout", "pack_trees"]
+
+_ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
+
+
+class InputLayout:
+    """Where each input lives in the flat int64 input vector of a ``[B, n]`` forward.
+
+    Segments, in order (each starting at a multiple of 8 elements): ``tokens``, ``positions``,
+    ``slots``, ``depth`` (``[B, n]`` each), ``words`` (``[B, n, ceil(n / 64)]``), ``prefix_lens``
+    (``[B]``).
+    """
+
+    def __init__(self, batch: int, n: int) -> None:
+        self.batch, self.n, self.words_per_node = batch, n, num_words(n)
+        shapes = {
+            "tokens": (batch, n),
+            "positions": (batch, n),
+            "slots": (batch, n),
+            "depth": (batch, n),
+            "words": (batch, n, self.words_per_node),
+            "prefix_lens": (batch,),
+        }
+        self.shapes = shapes
+        self.offsets: dict[str, int] = {}
+        at = 0
+        for name, shape in shapes.items():
+            self.offsets[name] = at
+            size = 1
+            for s in shape:
+                size *= s
+            at += -(-size // _ALIGN) * _ALIGN
+        self.size = at
+
+    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """The ``name`` segment of ``flat`` as a contiguous tensor of its shape (a view, no copy)."""
+        shape = self.shapes[name]
+        size = 1
+        for s in shape:
+            size *= s
+        start = self.offsets[name]
+        return flat[start : start + size].view(shape)
+
+
+def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: InputLayout) -> list[int]:
+    """The flat input vector (host ints, ``layout.size`` long) for one step.
+
+    Args:
+        trees: B token trees of at most n nodes each (validated ``TokenTree``: depth-first, root first).
+        prefix_lens: per sequence, its committed KV length (the tree's KV goes to slots
+            ``[prefix_len, prefix_len + n)``).
+        layout: the ``InputLayout`` of the ``[B, n]`` forward.
+
+    Returns:
+        ``list[int]`` in ``layout`` order. Node i of tree b: token ``tokens[i]``, position
+        ``prefix_len + depth(i)``, slot ``prefix_len + i``, ancestor-or-self bits (bit j of word w
+        set iff node ``64 w + j`` is i or one of its ancestors; the same bits as
+        ``TreeMask.from_parents``); padding nodes (i >= tree.n) hang off the root with token 0.
+    """
+    n, width = layout.n, layout.words_per_node
+    out = [0] * layout.size
+    off = layout.offsets
+    nbytes = 8 * width
+    for b, (tree, prefix) in enumerate(zip(trees, prefix_lens)):
+        toks = tree.tokens.tolist()
+        par = tree.parents.tolist()
+        m = len(toks)
+        anc = [1] * n  # ancestor-or-self bits as Python ints (bit i = node i)
+        depth = [0] * n
+        for i in range(1, n):
+            p = par[i] if i < m else 0  # parents precede children (depth-first); padding under the root
+            anc[i] = anc[p] | (1 << i)
+            depth[i] = depth[p] + 1
+        row = b * n
+        out[off["tokens"] + row : off["tokens"] + row + m] = toks
+        out[off["positions"] + row : off["positions"] + row + n] = [prefix + d for d in depth]
+        out[off["slots"] + row : off["slots"] + row + n] = range(prefix, prefix + n)
+        out[off["depth"] + row : off["depth"] + row + n] = depth
+        # Little-endian bytes of each node's bits, read back as int64 words (bit 63 -> the sign bit).
+        raw = b"".join(a.to_bytes(nbytes, "little") for a in anc)
+        start = off["words"] + row * width
+        out[start : start + n * width] = struct.unpack(f"<{n * width}q", raw)
+        out[off["prefix_lens"] + b] = prefix
+    return out
+
+
+class GraphedForward:
+    """One ``[B, n]`` tree forward of ``model`` over ``cache`` at fixed addresses (see the module doc).
+
+    Args:
+        model: a causal LM after ``hf.prepare_model``, all on one device.
+        cache: the ``KVCache`` (batch size B) the forward writes into and attends over; its
+            buffers must never be reallocated while this object is used (``KVCache`` never does).
+        batch, n: the static shape: B sequences, n tree nodes each (root included).
+        impl: ``treeattn.tree_attention``'s ``impl``.
+        return_hidden: also produce the final hidden states (for drafters that read them).
+        capture: record a CUDA graph (the model must be on CUDA); False = eager replay.
+        warmup: side-stream forwards before the capture (after one on the current stream).
+
+    Use: ``load(trees, prefix_lens)`` then ``forward()`` (or ``run`` for both) returns
+    ``(logits [B, n, V], hidden [B, n, H] or None)`` -- the same tensor objects every call.
+    """
+
+    def __init__(self, model, cache: KVCache, batch: int, n: int, *, impl: str = "auto",
+                 return_hidden: bool = False, capture: bool = False, warmup: int = 2) -> None:  # fmt: skip
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache: expected a specdec.KVCache, got {type(cache).__name__}")
+        for name, val in (("batch", batch), ("n", n)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
+        if cache.batch_size != batch:
+            raise ValueError(f"cache: expected batch size {batch}, got a cache of batch size {cache.batch_size}")
+        if n > cache.capacity:
+            raise ValueError(f"n: expected at most the cache capacity {cache.capacity}, got {n}")
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
+        self.device = hf.input_device(model)
+        devices = model_devices(model)
+        if capture:
+            if self.device.type != "cuda":
+                raise ValueError(f"capture: CUDA graphs need the model on a CUDA device, got {self.device}")
+            if len(devices) > 1:
+                raise ValueError(f"capture: CUDA graphs need the model on one device, got {sorted(map(str, devices))}")
+        self.model = model
+        self.cache = cache
+        self.batch, self.n = batch, n
+        self.return_hidden = bool(return_hidden)
+        self.capture = bool(capture)
+        self.warmup = warmup
+        self.layout = InputLayout(batch, n)
+        pin = self.device.type == "cuda"
+        self._host = torch.zeros(self.layout.size, dtype=torch.int64, pin_memory=pin)
+        self._flat = torch.zeros(self.layout.size, dtype=torch.int64, device=self.device)
+        view = lambda name: self.layout.view(self._flat, name)  # noqa: E731
+        self.tokens, self.positions, self.slots = view("tokens"), view("positions"), view("slots")
+        self.prefix_lens = view("prefix_lens")
+        self.tree_mask = TreeMask(words=view("words"), depth=view("depth"))
+        self.state = hf.ForwardState(cache, self.slots, self.positions, self.tree_mask, self.prefix_lens,
+                                     kv_len=None, impl=impl)  # fmt: skip
+        self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+        self.graph = None  # torch.cuda.CUDAGraph once captured
+        # Recorded after each host-to-device copy: the next load waits for it before reusing the staging vector.
+        self._copied = torch.cuda.Event() if pin else None
+        self._pending = False
+        #: forwards run (eager calls or graph replays), for tests and accounting
+        self.calls = 0
+
+    # ------------------------------------------------------------------ inputs
+
+    def load(self, trees: Sequence[TokenTree], prefix_lens: Sequence[int] | torch.Tensor) -> None:
+        """Copy one step's inputs into the fixed input buffers (in place; one host-to-device copy).
+
+        Args:
+            trees: B ``TokenTree``\\ s of at most n nodes each.
+            prefix_lens: B committed KV lengths (host ints or a CPU tensor); the tree of sequence
+                b goes to cache slots ``[prefix_lens[b], prefix_lens[b] + n)``, which must fit.
+        """
+        if isinstance(prefix_lens, torch.Tensor):
+            prefix_lens = prefix_lens.tolist()
+        prefix = [int(p) for p in prefix_lens]
+        if len(trees) != self.batch or len(prefix) != self.batch:
+            raise ValueError(f"trees, prefix_lens: expected {self.batch} of each, got {len(trees)} and {len(prefix)}")
+        for b, tree in enumerate(trees):
+            if not isinstance(tree, TokenTree):
+                raise ValueError(f"trees[{b}]: expected a specdec.TokenTree, got {type(tree).__name__}")
+            if tree.n > self.n:
+                raise ValueError(f"trees[{b}]: expected at most n = {self.n} nodes, got {tree.n}")
+        lo, hi = min(prefix), max(prefix)
+        if lo < 0 or hi + self.n > self.cache.capacity:
+            raise ValueError(
+                f"prefix_lens: expected 0 <= prefix_len and prefix_len + n <= {self.cache.capacity} (cache capacity, "
+                f"n = {self.n}), got values in [{lo}, {hi}]"
+            )
+        packed = torch.frombuffer(array.array("q", pack_trees(trees, prefix, self.layout)), dtype=torch.int64)
+        if self._pending:
+            self._copied.synchronize()  # the previous copy has finished reading the staging vector
+        self._host.copy_(packed)
+        self._flat.copy_(self._host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+            self._pending = True
+        self.state.refresh()
+
+    # ------------------------------------------------------------------ forward
+
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured region: the model's forward over the fixed inputs (no host sync inside)."""
+        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
+        return out if self.return_hidden else (out, None)
+
+    @torch.no_grad()
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the forward on the loaded inputs: ``(logits [B, n, V], hidden [B, n, H] or None)``.
+
+        The returned tensors are the same objects every call (overwritten by the next one).
+        """
+        if self.capture:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        else:
+            logits, hidden = self._body()
+            if self.logits is None:
+                self.logits, self.hidden = logits, hidden
+            else:
+                self.logits.copy_(logits)
+                if hidden is not None:
+                    self.hidden.copy_(hidden)
+        self.calls += 1
+        return self.logits, self.hidden
+
+    def run(self, trees: Sequence[TokenTree], prefix_lens) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``load(trees, prefix_lens)`` then ``forward()``."""
+        self.load(trees, prefix_lens)
+        return self.forward()
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _capture(self) -> None:
+        """Warm up (current stream once, then a side stream), then record ``_body`` as a CUDA graph.
+
+        The body is idempotent for fixed inputs (it rewrites the same tree slots of the cache and
+        reads them back), so the warm-up forwards on the loaded inputs change nothing that the
+        replay after the capture does not rewrite.
+        """
+        device = self.device
+        with torch.cuda.device(device):
+            self._body()  # allocates the cache's buffers (first forward) on this stream; compiles kernels
+            layers = list(self.cache.layer_indices)
+            if not layers:
+                raise RuntimeError("cache: the warm-up forward wrote no KV buffers; cannot capture the forward")
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self._body()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                logits, hidden = self._body()
+            if list(self.cache.layer_indices) != layers:
+                raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
+        self.graph = graph
+        self.logits, self.hidden = logits, hidden
+
+
+def model_devices(model) -> set[torch.device]:
+    """The devices holding the model's parameters and buffers."""
+    devices = {p.device for p in model.parameters()}
+    devices |= {b.device for b in model.buffers()}
+    return devices

@@ -1,0 +1,397 @@
+"""``specdec.graphs.GraphedForward``: fixed-buffer tree forwards, eager replay on CPU, CUDA graphs on GPU.
+
+CPU (CI): the input packing against ``TreeMask.from_parents``, the eager-replay mode (the same
+buffers and body the graph captures) against ``hf.tree_forward`` over several steps with changing
+prefix lengths and trees, and the engine on that path against HF ``generate``. CUDA only (skipped
+here; run on a GPU with ``pytest tests/specdec -k graph``): real captures and replays on tiny models
+against eager forwards and HF ``generate``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from drafters.base import DraftContext
+from specdec import KVCache, SpecDecoder, TokenTree
+from specdec import engine as engine_mod
+from specdec.graphs import GraphedForward, InputLayout, pack_trees
+from specdec.hf import prefill, prepare_model, tree_forward
+from tests.specdec.helpers import VOCAB, OracleDrafter, RandomTreeDrafter, hf_greedy, tiny_model
+from treeattn import TreeMask
+from treeattn.layout import random_tree_parents
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _tree(n: int, seed: int, root: int = 5) -> TokenTree:
+    gen = torch.Generator().manual_seed(seed)
+    parents = random_tree_parents(n, max_depth=6, generator=gen)
+    tokens = torch.randint(3, VOCAB, (n,), generator=gen)
+    tokens[0] = root
+    return TokenTree(tokens, parents)
+
+
+def _prompt(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@functools.lru_cache(maxsize=None)
+def _model(family: str):
+    model = tiny_model(family)
+    prepare_model(model)
+    return model
+
+
+# ---------------------------------------------------------------------------- input packing (CPU)
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 63, 64, 65, 128, 129, 200])
+def test_graph_inputs_pack_like_treemask(n):
+    """Tokens, positions, slots, depths and ancestor words equal TreeMask.from_parents' layout."""
+    trees = [_tree(n, seed=n), _tree(max(1, n // 3), seed=n + 1, root=7), _tree(1, 0, root=9)]
+    prefix = [11, 0, 40]
+    layout = InputLayout(len(trees), n)
+    flat = torch.tensor(pack_trees(trees, prefix, layout), dtype=torch.int64)
+    assert flat.numel() == layout.size
+    tokens = torch.zeros(3, n, dtype=torch.int64)
+    parents = torch.zeros(3, n, dtype=torch.int64)  # padding nodes hang off the root
+    for b, t in enumerate(trees):
+        tokens[b, : t.n] = t.tokens
+        parents[b, : t.n] = t.parents
+    parents[:, 0] = -1
+    mask = TreeMask.from_parents(parents)
+    pl = torch.tensor(prefix)
+    assert torch.equal(layout.view(flat, "tokens"), tokens)
+    assert torch.equal(layout.view(flat, "words"), mask.words)
+    assert torch.equal(layout.view(flat, "depth"), mask.depth)
+    assert torch.equal(layout.view(flat, "positions"), mask.position_ids(pl))
+    assert torch.equal(layout.view(flat, "slots"), pl[:, None] + torch.arange(n))
+    assert torch.equal(layout.view(flat, "prefix_lens"), pl)
+
+
+def test_graph_input_layout_is_aligned_and_contiguous():
+    layout = InputLayout(3, 65)
+    flat = torch.zeros(layout.size, dtype=torch.int64)
+    for name, shape in layout.shapes.items():
+        assert layout.offsets[name] % 8 == 0
+        view = layout.view(flat, name)
+        assert tuple(view.shape) == shape and view.is_contiguous()
+        assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    spans = sorted((layout.offsets[k], layout.offsets[k] + layout.view(flat, k).numel()) for k in layout.shapes)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # segments never overlap
+    assert spans[-1][1] <= layout.size
+
+
+# ---------------------------------------------------------------------------- eager replay (CPU)
+
+
+def _pointers(gf: GraphedForward) -> list[int]:
+    ptrs = [gf.tokens.data_ptr(), gf.positions.data_ptr(), gf.slots.data_ptr(), gf.prefix_lens.data_ptr(),
+            gf.tree_mask.words.data_ptr(), gf.tree_mask.depth.data_ptr()]
+    for layer in gf.cache.layer_indices:
+        ptrs += [t.data_ptr() for t in gf.cache.buffers(layer)]
+    return ptrs
+
+
+@pytest.mark.parametrize("family,hidden", [("llama", False), ("qwen2", True), ("gemma3", False)])
+def test_graph_eager_replay_equals_tree_forward_over_steps(family, hidden):
+    """Several steps, changing prefix lengths and trees (some padded): same logits as hf.tree_forward."""
+    model = _model(family)
+    batch, n, capacity = 2, 33, 96
+    prompts = [_prompt(20, 1), _prompt(9, 2)]
+    cache = KVCache(batch, capacity)
+    ids = torch.zeros(batch, 20, dtype=torch.int64)
+    ids[0], ids[1, :9] = prompts[0], prompts[1]
+    prefill(model, ids, cache, impl="torch")
+    gf = GraphedForward(model, cache, batch, n, impl="torch", return_hidden=hidden)
+    lengths = [19, 8]
+    pointers = None
+    outputs = None
+    for step, sizes in enumerate([(33, 1), (5, 33), (12, 20), (1, 1), (33, 33)]):
+        trees = [_tree(sizes[0], 10 * step, root=int(prompts[0][-1])), _tree(sizes[1], 10 * step + 1)]
+        logits, hid = gf.run(trees, lengths)
+        if outputs is None:
+            outputs = (logits, hid)
+            pointers = _pointers(gf)
+        assert logits is outputs[0] and hid is outputs[1]  # fixed output tensors
+        assert _pointers(gf) == pointers  # fixed inputs and cache buffers
+        assert logits.shape == (batch, n, VOCAB)
+        got_logits = logits.clone()
+        got_hidden = None if hid is None else hid.clone()
+        width = max(t.n for t in trees)
+        tokens = torch.zeros(batch, width, dtype=torch.int64)
+        parents = torch.zeros(batch, width, dtype=torch.int64)
+        for b, t in enumerate(trees):
+            tokens[b, : t.n], parents[b, : t.n] = t.tokens, t.parents
+        parents[:, 0] = -1
+        want = tree_forward(model, tokens, TreeMask.from_parents(parents), torch.tensor(lengths), cache,
+                            kv_len=max(lengths) + width, impl="torch", return_hidden=hidden)
+        want_logits, want_hidden = want if hidden else (want, None)
+        for b, t in enumerate(trees):
+            torch.testing.assert_close(got_logits[b, : t.n], want_logits[b, : t.n], atol=2e-5, rtol=1e-5)
+            assert torch.equal(got_logits[b, : t.n].argmax(-1), want_logits[b, : t.n].argmax(-1))
+            if hidden:
+                torch.testing.assert_close(got_hidden[b, : t.n], want_hidden[b, : t.n], atol=2e-5, rtol=1e-5)
+        lengths = [lengths[0] + 1 + step, lengths[1] + 2 * step]  # the next step's prefixes (data, not shapes)
+    assert gf.calls == 5 and not gf.captured
+
+
+def test_graph_forward_argument_errors():
+    model = _model("llama")
+    cache = KVCache(1, 16)
+    with pytest.raises(ValueError, match=r"capture: CUDA graphs need the model on a CUDA device, got cpu"):
+        GraphedForward(model, cache, 1, 4, capture=True)
+    with pytest.raises(ValueError, match=r"cache: expected batch size 2, got a cache of batch size 1"):
+        GraphedForward(model, cache, 2, 4)
+    with pytest.raises(ValueError, match=r"n: expected at most the cache capacity 16, got 17"):
+        GraphedForward(model, cache, 1, 17)
+    with pytest.raises(ValueError, match=r"n: expected an int >= 1, got 0"):
+        GraphedForward(model, cache, 1, 0)
+    gf = GraphedForward(model, cache, 1, 4, impl="torch")
+    with pytest.raises(ValueError, match=r"trees\[0\]: expected at most n = 4 nodes, got 5"):
+        gf.load([_tree(5, 0)], [0])
+    with pytest.raises(ValueError, match=r"prefix_lens: expected 0 <= prefix_len and prefix_len \+ n <= 16"):
+        gf.load([_tree(3, 0)], [13])
+    with pytest.raises(ValueError, match=r"trees, prefix_lens: expected 1 of each, got 2 and 1"):
+        gf.load([_tree(3, 0), _tree(3, 1)], [0])
+    with pytest.raises(ValueError, match=r"trees\[0\]: expected a specdec.TokenTree, got list"):
+        gf.load([[1, 2]], [0])
+
+
+# ---------------------------------------------------------------------------- the engine on that path (CPU)
+
+
+@pytest.mark.parametrize("kind,tree_size", [("none", 0), ("oracle", 8), ("oracle", 64), ("random", 7)])
+def test_graph_path_engine_equals_hf_generate(kind, tree_size):
+    """static_shapes without capture: the fixed-buffer path the graphs replay, token for token HF greedy."""
+    model = _model("qwen2")
+    prompt = _prompt(10, 0)
+    ref = hf_greedy(model, prompt, 30)
+    drafter = {"none": None, "oracle": OracleDrafter([ref], seed=3), "random": RandomTreeDrafter(seed=4)}[kind]
+    dec = SpecDecoder(model, drafter, tree_size=tree_size, static_shapes=True, cuda_graphs=False,
+                      max_cache_len=128, attn_impl="torch")  # fmt: skip
+    assert not dec.cuda_graphs and dec.static_shapes
+    steps = 0
+    for _ in range(2):  # the second call reuses the same cache and forward
+        out = dec.generate(prompt, 30)
+        assert out.sequences[0].tolist() == ref
+        steps += len(out.steps)
+    assert len(dec._graphs) == 1
+    (gf,) = dec._graphs.values()
+    assert gf.n == dec.tree_size + 1 and not gf.captured
+    assert gf.calls == steps
+    assert all(s.forward_s > 0 and s.forward_s <= s.verify_s for s in out.steps)
+    assert out.prefill_s > 0 and out.totals()["forward_s"] > 0
+
+
+def test_graph_path_batch_eos_and_new_batch_size():
+    model = _model("llama")
+    lengths, seeds = (4, 1, 12), (10, 11, 12)
+    prompts = [_prompt(L, s) for L, s in zip(lengths, seeds)]
+    refs = [hf_greedy(model, p, 16) for p in prompts]
+    eos = refs[0][4 + 5]
+    for b in range(3):
+        if eos in refs[b][lengths[b]:]:
+            refs[b] = refs[b][: refs[b].index(eos, lengths[b]) + 1]
+    dec = SpecDecoder(model, OracleDrafter(refs, seed=7), tree_size=6, static_shapes=True, attn_impl="torch")
+    out = dec.generate(prompts, 16, eos_token_id=eos)
+    for b in range(3):
+        assert out.sequences[b, : out.lengths[b]].tolist() == refs[b]
+    single = dec.generate(prompts[2], 16, eos_token_id=eos)  # a new batch size: a new cache and forward
+    assert single.sequences[0].tolist() == refs[2]
+    assert list(dec._graphs) == [(1, 7)]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_graph_path_cut_paths_commit_only_kept_tokens(static):
+    """A step whose accepted path runs past max_new_tokens commits only the kept part, so a finished
+    sequence still fits the exactly sized cache while the others go on (regression)."""
+    model = _model("qwen2")
+    prompts = [_prompt(7, 3), _prompt(15, 4)]
+    refs = [hf_greedy(model, p, 14) for p in prompts]
+    dec = SpecDecoder(model, OracleDrafter(refs, seed=5), tree_size=5, static_shapes=static, attn_impl="torch")
+    out = dec.generate(prompts, 14)
+    for b in range(2):
+        assert out.sequences[b, : out.lengths[b]].tolist() == refs[b]
+    assert any(e < a + 1 for s in out.steps for a, e in zip(s.tokens_accepted, s.tokens_emitted) if e)  # a cut path
+
+
+class _HiddenRecorder(OracleDrafter):
+    needs_hidden_states = True
+
+    def __init__(self, refs):
+        super().__init__(refs, seed=5)
+        self.seen: list[torch.Tensor | None] = []
+
+    def propose(self, ctx: DraftContext):
+        self.seen.append(None if ctx.hidden is None else ctx.hidden.detach().cpu().clone())
+        return super().propose(ctx)
+
+
+def test_graph_path_hidden_states_equal_dynamic_path():
+    model = _model("qwen2")
+    prompt = _prompt(7, 3)
+    ref = hf_greedy(model, prompt, 14)
+    runs = []
+    for static in (False, True):
+        rec = _HiddenRecorder([ref])
+        out = SpecDecoder(model, rec, tree_size=5, static_shapes=static, attn_impl="torch").generate(prompt, 14)
+        assert out.sequences[0].tolist() == ref
+        runs.append(rec.seen)
+    assert len(runs[0]) == len(runs[1]) > 1
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+
+
+def test_commit_skips_copies_for_paths_already_in_place(monkeypatch):
+    model = _model("llama")
+    cache = KVCache(2, 32)
+    prefill(model, _prompt(12, 0)[None].expand(2, -1), cache, impl="torch")
+    cache.lengths = [5, 7]
+    calls = []
+    monkeypatch.setattr(cache, "commit", lambda paths: calls.append(paths))
+    engine_mod._commit(cache, [(0, 1, 2), None])
+    assert cache.lengths == [8, 7] and not calls
+    engine_mod._commit(cache, [(0,), (0, 2)])
+    assert calls == [[(0,), (0, 2)]]
+
+
+def test_cuda_graphs_argument_errors():
+    model = _model("llama")
+    with pytest.raises(ValueError, match=r"cuda_graphs: True needs the target on a CUDA device, got cpu"):
+        SpecDecoder(model, None, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"cuda_graphs: expected None, True or False, got 'yes'"):
+        SpecDecoder(model, None, cuda_graphs="yes")
+    assert SpecDecoder(model, None).cuda_graphs is False  # CPU default: off, dynamic shapes
+    assert SpecDecoder(model, None, static_shapes=True).cuda_graphs is False
+
+
+# ---------------------------------------------------------------------------- CUDA graphs (GPU only)
+
+
+def _cuda_model(family: str, dtype=torch.float32):
+    model = tiny_model(family, dtype=dtype).to("cuda")
+    prepare_model(model)
+    return model
+
+
+def _hf_greedy_cuda(model, prompt: torch.Tensor, new: int) -> list[int]:
+    ids = prompt[None].to("cuda")
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         attention_mask=torch.ones_like(ids))  # fmt: skip
+    return out[0].tolist()
+
+
+@cuda_only
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+@pytest.mark.parametrize("family,hidden", [("llama", False), ("qwen2", True)])
+def test_cuda_graph_replay_equals_eager(family, hidden, impl):
+    """Captured replays give the eager forward's logits over steps with new prefixes and trees."""
+    model = _cuda_model(family)
+    batch, n = 2, 65
+    cache = KVCache(batch, 160)
+    ids = torch.stack([_prompt(30, 1), _prompt(30, 2)]).to("cuda")
+    prefill(model, ids, cache, impl=impl)
+    graphed = GraphedForward(model, cache, batch, n, impl=impl, return_hidden=hidden, capture=True)
+    eager = GraphedForward(model, cache, batch, n, impl=impl, return_hidden=hidden, capture=False)
+    lengths = [30, 12]
+    first = None
+    for step, sizes in enumerate([(65, 1), (3, 65), (40, 17), (1, 1), (65, 64)]):
+        trees = [_tree(sizes[0], 10 * step), _tree(sizes[1], 10 * step + 1)]
+        want_logits, want_hidden = (t.clone() if t is not None else None for t in eager.run(trees, lengths))
+        logits, hid = graphed.run(trees, lengths)
+        assert graphed.captured
+        if first is None:
+            first = (logits.data_ptr(), None if hid is None else hid.data_ptr())
+        assert (logits.data_ptr(), None if hid is None else hid.data_ptr()) == first
+        for b, t in enumerate(trees):
+            torch.testing.assert_close(logits[b, : t.n], want_logits[b, : t.n], atol=1e-5, rtol=1e-5)
+            if hidden:
+                torch.testing.assert_close(hid[b, : t.n], want_hidden[b, : t.n], atol=1e-5, rtol=1e-5)
+        lengths = [lengths[0] + 3, lengths[1] + 5 + step]
+    assert graphed.calls == 5
+
+
+@cuda_only
+@pytest.mark.parametrize("kind,tree_size", [("none", 0), ("oracle", 8), ("oracle", 64), ("random", 31)])
+def test_cuda_graph_engine_equals_hf_generate(kind, tree_size):
+    model = _cuda_model("qwen2")
+    prompt = _prompt(10, 0)
+    ref = _hf_greedy_cuda(model, prompt, 30)
+    drafter = {"none": None, "oracle": OracleDrafter([ref], seed=3), "random": RandomTreeDrafter(seed=4)}[kind]
+    dec = SpecDecoder(model, drafter, tree_size=tree_size)
+    assert dec.cuda_graphs and dec.static_shapes  # the CUDA default
+    for _ in range(2):
+        assert dec.generate(prompt, 30).sequences[0].tolist() == ref
+    (gf,) = dec._graphs.values()
+    assert gf.captured
+    eager = SpecDecoder(model, drafter, tree_size=tree_size, cuda_graphs=False)
+    assert eager.generate(prompt, 30).sequences[0].tolist() == ref
+
+
+@cuda_only
+def test_cuda_graph_batch_hidden_states_and_recapture():
+    model = _cuda_model("qwen2")
+    prompts = [_prompt(7, 3), _prompt(15, 4)]
+    refs = [_hf_greedy_cuda(model, p, 14) for p in prompts]
+    seen = []
+    for graphs in (False, True):
+        rec = _HiddenRecorder(refs)
+        dec = SpecDecoder(model, rec, tree_size=5, cuda_graphs=graphs)  # cache sized per call
+        out = dec.generate(prompts, 14)
+        for b in range(2):
+            assert out.sequences[b, : out.lengths[b]].tolist() == refs[b]
+        one = dec.generate(prompts[1], 14)  # batch 1: a new cache and a new capture
+        assert one.sequences[0].tolist() == refs[1]
+        seen.append(rec.seen)
+    for a, b in zip(*seen):
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@cuda_only
+def test_cuda_graph_bf16_and_sampling():
+    model = _cuda_model("llama", dtype=torch.bfloat16)
+    prompt = _prompt(12, 5)
+    outs = []
+    for graphs in (False, True):
+        dec = SpecDecoder(model, RandomTreeDrafter(seed=1), tree_size=16, cuda_graphs=graphs, max_cache_len=64)
+        assert dec.generate(prompt, 20).num_new_tokens == 20
+        runs = []
+        for _ in range(2):  # the same drafter and generator state: the same samples
+            dec.drafter = RandomTreeDrafter(seed=1)
+            runs.append(dec.generate(prompt, 20, do_sample=True, temperature=1.3,
+                                     generator=torch.Generator(device="cuda").manual_seed(0)).sequences)
+        assert torch.equal(runs[0], runs[1])
+        outs.append(runs[0])
+    assert outs[0].shape == outs[1].shape
+
+
+@cuda_only
+def test_cuda_graph_bench_engine_runs(tmp_path):
+    """bench-engine on CUDA with tiny saved models: captured rows, well-formed JSON."""
+    import json
+
+    from specdec import bench_engine
+    from tests.eval.tiny import apps_rows, save_pair
+
+    target, draft = save_pair(tmp_path)
+    data = apps_rows(tmp_path / "apps.jsonl", 2)
+    out = tmp_path / "engine.json"
+    cfg = bench_engine.BenchConfig(target=str(target), draft=str(draft), data=str(data), problems=2, max_new_tokens=10,
+                                   tree_sizes=(1, 8, 64), spec_tree_size=8, reps=3, device="cuda", dtype="fp32",
+                                   plain_methods=("hf", "engine-eager", "engine-graph"), progress=False,
+                                   out=str(out))  # fmt: skip
+    bench_engine.run_bench(cfg, log=lambda msg: None)
+    res = json.loads(out.read_text())
+    graph_row = next(r for r in res["plain"] if r["method"] == "engine-graph")
+    assert graph_row["captured"] and "error" not in graph_row and graph_row["identical"] == 2
+    assert all(r["graph_captured"] and r["max_abs_logit_diff"] < 1e-3 for r in res["verify"]["rows"])
+    assert all("error" not in r and r["identical"] == 2 for r in res["spec"])
