@@ -17,6 +17,7 @@ part of the cache (cheaper on CPU).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -127,7 +128,8 @@ class SpecDecoder:
         attn_impl: ``treeattn.tree_attention``'s ``impl`` ("auto", "triton", "torch").
         cuda_graphs: replay the target's tree forward as a CUDA graph, captured once per (batch
             size, tree size) and per cache (default None: on when the target is on one CUDA device
-            and shapes are static; False on CPU). Needs static shapes. With ``max_cache_len=None``
+            and shapes are static, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``; False on
+            CPU). Needs static shapes. With ``max_cache_len=None``
             the cache is then kept across calls (grown, and the graphs recaptured, only when a
             request does not fit), so that the graphs are reused.
     """
@@ -179,8 +181,9 @@ class SpecDecoder:
         if static_shapes is None:
             static_shapes = self.device.type == "cuda" or bool(cuda_graphs)
         self.static_shapes = bool(static_shapes)
-        if cuda_graphs is None:
-            cuda_graphs = self.static_shapes and self.device.type == "cuda" and len(model_devices(target)) == 1
+        if cuda_graphs is None:  # SPECDEC_CUDA_GRAPHS=0 turns the default off (e.g. for the CLIs)
+            cuda_graphs = (self.static_shapes and self.device.type == "cuda" and len(model_devices(target)) == 1
+                           and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0")
         self.cuda_graphs = bool(cuda_graphs)
         self.attn_impl = attn_impl
         self._cache: KVCache | None = None

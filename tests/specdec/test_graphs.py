@@ -335,6 +335,16 @@ def test_cuda_graph_engine_equals_hf_generate(kind, tree_size):
 
 
 @cuda_only
+def test_cuda_graph_default_can_be_turned_off_by_environment(monkeypatch):
+    model = _cuda_model("llama")
+    assert SpecDecoder(model, None).cuda_graphs
+    monkeypatch.setenv("SPECDEC_CUDA_GRAPHS", "0")
+    dec = SpecDecoder(model, None)
+    assert not dec.cuda_graphs and dec.static_shapes
+    assert SpecDecoder(model, None, cuda_graphs=True).cuda_graphs  # an explicit True still wins
+
+
+@cuda_only
 def test_cuda_graph_batch_hidden_states_and_recapture():
     model = _cuda_model("qwen2")
     prompts = [_prompt(7, 3), _prompt(15, 4)]
