@@ -191,9 +191,7 @@ class ForwardState:
 
         Returns ``([B, m, Hq, D], None)`` as transformers' attention functions do.
         """
-        layer_idx = getattr(module, "layer_idx", None)
-        if layer_idx is None:
-            raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
+        layer_idx = _layer_index(module)
         slots, positions, tree_mask, prefix_lens = self._on(query.device)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         k_buf, v_buf = self.cache.write(layer_idx, key, value, slots)
@@ -292,9 +290,7 @@ class MaskedState:
 
     def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
         """Write this layer's new K/V at ``slots`` and attend over ``[0, kv_len)`` under ``visible``."""
-        layer_idx = getattr(module, "layer_idx", None)
-        if layer_idx is None:
-            raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
+        layer_idx = _layer_index(module)
         slots, positions, visible, key_positions = self._on(query.device)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         k_buf, v_buf = self.cache.write(layer_idx, key, value, slots)
@@ -478,3 +474,11 @@ def masked_forward(
                         None if key_positions is None else key_positions.to(device))
     return run_state(model, tokens.to(device), state.positions, state, logits_to_keep=logits_to_keep,
                      return_hidden=return_hidden)
+
+
+def _layer_index(module) -> int:
+    """The decoder layer index an attention module writes its K/V under."""
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
+    return layer_idx
