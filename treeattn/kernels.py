@@ -4,9 +4,8 @@ Layout of the work: one program per (block of folded query rows, batch x KV head
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
 once per KV head for all tree queries. The prompt ``[0, prefix_len)`` is cut into chunks of
-``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys
-in tiles of ``BLOCK_T``, masked by the int64 ancestor words, skipping the tiles that hold no
-ancestor of any of its rows. With one
+``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys,
+masked by the int64 ancestor words (the op sizes the chunks so that this evens out). With one
 split (``SPLIT=False``) the kernel writes the output; with several it writes normalized partial
 outputs and base-2 log-sum-exps that ``tree_attn_merge_kernel`` combines.
 """
@@ -49,7 +48,7 @@ def tree_attn_fwd_kernel(
     n_tree, seq_len, num_kv_heads, chunk, num_splits,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     WORD_BITS: tl.constexpr = 64
@@ -108,26 +107,22 @@ def tree_attn_fwd_kernel(
             acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
         )
 
-    # Tree part (last program of the split axis): BLOCK_T tree keys per tile, visibility from the
-    # int64 ancestor words (WORD_BITS // BLOCK_T tiles per word). A tile no row of this block can
-    # see is skipped: with depth-first order and shallow trees most of them are empty.
+    # Tree part (last program of the split axis): 64 tree keys per tile, visibility from one int64 word per row.
     if pid_s == num_splits - 1:
-        TILES_PER_WORD: tl.constexpr = WORD_BITS // BLOCK_T
-        offs_t = tl.arange(0, BLOCK_T)
+        offs_t = tl.arange(0, WORD_BITS)
+        n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
         w_ptrs = WORDS + b * stride_wb + qi * stride_wn
         # A node's ancestors precede it: tiles past the block's last query hold no visible key.
         last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
-        for tile in range(0, last_q // BLOCK_T + 1):
-            words = tl.load(w_ptrs + tile // TILES_PER_WORD, mask=row_ok, other=0)
-            shift = (tile % TILES_PER_WORD) * BLOCK_T + offs_t
-            visible = ((words[:, None] >> shift[None, :].to(tl.int64)) & 1) != 0
-            if tl.max(tl.max(visible.to(tl.int32), 1), 0) > 0:
-                t = tile * BLOCK_T + offs_t
-                t_ok = t < n_tree
-                kv = prefix_len + t
-                k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
+        for w in range(0, tl.minimum(last_q // WORD_BITS + 1, n_words)):
+            words = tl.load(w_ptrs + w, mask=row_ok, other=0)
+            t = w * WORD_BITS + offs_t
+            t_ok = t < n_tree
+            kv = prefix_len + t
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or empty prompt chunks
     o = acc / l_safe[:, None]

@@ -18,7 +18,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _IMPLS = ("auto", "triton", "torch")
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
-TREE_KEYS_ESTIMATE = 96  # tree keys the last split visits, for balancing the prompt chunks (see _splits)
 
 
 def interpreter_enabled() -> bool:
@@ -30,8 +29,6 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
-    ``block_t`` is the width of the tree-key tiles (16, 32 or 64); tiles holding no ancestor of
-    any query row of a program are skipped, so narrow tiles skip more of a shallow tree.
     ``warp_specialize`` asks Triton to split the prompt loop's loads and math over warp groups
     (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
@@ -45,15 +42,12 @@ class KernelConfig:
     num_stages: int = 2
     num_splits: int | None = None
     warp_specialize: bool = False
-    block_t: int = 16
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
-        if self.block_t not in (16, 32, 64):
-            raise ValueError(f"block_t: expected 16, 32 or 64, got {self.block_t}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits: expected None or >= 1, got {self.num_splits}")
 
@@ -121,12 +115,10 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
     """(programs on the split axis, prompt tokens per split).
 
     ``cfg.num_splits`` or, by default, about one program per SM (but chunks of at least
-    ``min_chunk`` keys). The last split also attends the tree keys, so the chunks are sized to
-    spread ``max_prefix`` + the expected tree keys evenly. Which tree tiles a program visits depends
-    on the tree (empty tiles are skipped); without reading it back (CUDA graphs) the estimate is
-    ``min(n, TREE_KEYS_ESTIMATE)`` - about what a shallow (depth <= 8) tree of 256 nodes costs.
+    ``min_chunk`` keys). The last split also attends the n tree keys, so the chunks are sized to
+    spread ``max_prefix + n`` keys evenly.
     """
-    work = max_prefix + min(n, TREE_KEYS_ESTIMATE)
+    work = max_prefix + n
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
@@ -308,7 +300,7 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
         out.stride(0), out.stride(1), out.stride(2),
         n, seq_len, hkv, chunk, splits,
         scale * _LOG2E,
-        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -69,17 +69,6 @@ def test_split_prompt_merge_equals_single_stage(splits, warp_specialize):
     assert _rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("block_t", [16, 32, 64])
-@pytest.mark.parametrize("kind,n", [("random", 150), ("star", 70), ("chain", 81)])
-def test_tree_tile_width_and_empty_tile_skipping(block_t, kind, n):
-    """Every tree-tile width gives the reference; random/star trees leave tiles empty for a row block
-    (skipped), chains leave none (nothing may be skipped)."""
-    q, k, v, pl, mask = _inputs(2, 4, 2, n, 64, [19, 0], torch.float32, kind, seed=block_t + n)
-    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    cfg = KernelConfig(block_m=32, block_n=32, num_splits=2, block_t=block_t)
-    assert _rel(tree_attention(q, k, v, pl, mask, impl="triton", config=cfg), ref) < 1e-5
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,n,prefix", [(8, 1, 45, [100, 3]), (8, 8, 17, [64, 64])])
 def test_low_precision_within_twice_torch_error(dtype, hq, hkv, n, prefix):
@@ -196,8 +185,6 @@ def test_kernel_config_validation():
         KernelConfig(block_m=48)
     with pytest.raises(ValueError, match="num_splits: expected None or >= 1, got 0"):
         KernelConfig(num_splits=0)
-    with pytest.raises(ValueError, match="block_t: expected 16, 32 or 64, got 8"):
-        KernelConfig(block_t=8)
 
 
 def test_default_configs_fit_shared_memory_and_shrink_in_order():
