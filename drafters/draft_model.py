@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ import torch
 from drafters._build import make_tree, root_only
 from drafters.base import BaseDrafter, DraftContext
 from specdec import hf
+from specdec.graphs import GraphedMaskedForward, model_devices
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
@@ -58,6 +60,7 @@ class _SeqState:
     committed: list[int]  # tokens whose KV is at slots [0, len(committed))
     node_exp: list[int]  # for the last proposed tree: tree node -> expanded index (-1: not expanded)
     base: int = 0  # slot of the root (expanded index 0) in the last propose
+    fwd: GraphedMaskedForward | None = None  # fixed-shape forward over ``cache`` (static shapes)
 
 
 class DraftModelDrafter(BaseDrafter):
@@ -76,11 +79,19 @@ class DraftModelDrafter(BaseDrafter):
             always uses top-k children.
         reuse_kv: keep the draft's KV across steps (False recomputes the whole context every
             step: a reference for tests, never faster).
+        static_shapes: run every draft forward after the prompt's prefill (catch-up chain and each
+            depth's frontier) as one ``[1, max(topk, depth + 1)]`` forward over the whole draft
+            cache (``specdec.graphs.GraphedMaskedForward``: fixed buffers, padded rows); default
+            True on CUDA. Chains longer than that width run as plain forwards.
+        cuda_graphs: replay those fixed-shape forwards as CUDA graphs (one capture per sequence
+            and cache size); default True when ``static_shapes`` and the draft is on one CUDA
+            device, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``.
 
     Draft forwards attend with SDPA under an explicit mask (``specdec.hf.MaskedState``): the
     queries of a depth are a few frontier nodes, not the whole tree the tree-attention kernel
     expects. The draft's KV lives in one ``specdec.KVCache`` per sequence, grown (by copying the
-    committed part) when a step would not fit.
+    committed part) when a step would not fit; with static shapes its last slot is scratch for
+    padding rows.
     """
 
     def __init__(
@@ -92,6 +103,8 @@ class DraftModelDrafter(BaseDrafter):
         *,
         sampling_proposal: str = "no_replacement",
         reuse_kv: bool = True,
+        static_shapes: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         hf.prepare_model(draft_model, "draft_model")
         for name, val in (("depth", depth), ("topk", topk)):
@@ -109,6 +122,22 @@ class DraftModelDrafter(BaseDrafter):
         self.reuse_kv = reuse_kv
         self.vocab_size = hf.vocab_size(draft_model)
         self.device = hf.input_device(draft_model)
+        for name, val in (("static_shapes", static_shapes), ("cuda_graphs", cuda_graphs)):
+            if val is not None and not isinstance(val, bool):
+                raise ValueError(f"{name}: expected None, True or False, got {val!r}")
+        one_cuda = self.device.type == "cuda" and len(model_devices(draft_model)) == 1
+        if cuda_graphs and not one_cuda:
+            raise ValueError(f"cuda_graphs: True needs the draft model on one CUDA device, got {self.device}")
+        if cuda_graphs and static_shapes is False:
+            raise ValueError("cuda_graphs: True needs static_shapes, got static_shapes=False")
+        if static_shapes is None:
+            static_shapes = self.device.type == "cuda" or bool(cuda_graphs)
+        if cuda_graphs is None:
+            cuda_graphs = static_shapes and one_cuda and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0"
+        self.static_shapes = bool(static_shapes)
+        self.cuda_graphs = bool(cuda_graphs)
+        #: rows of the fixed-shape draft forward: a frontier, or a catch-up chain of up to depth + 1 tokens
+        self.static_width = max(topk, depth + 1)
         self._states: dict[int, _SeqState] = {}
         #: draft forwards run by the last ``propose`` (for tests and accounting)
         self.last_forwards = 0
@@ -139,7 +168,7 @@ class DraftModelDrafter(BaseDrafter):
         expanded_max = 1 + frontier_width * (depth - 1)
         width = min(self.vocab_size, max(frontier_width, math.ceil(budget / expanded_max)))
         base = len(tokens) - 1
-        self._ensure_capacity(st, base + expanded_max)
+        self._ensure_capacity(st, base + expanded_max + int(self.static_shapes))  # + the scratch slot
 
         sampling = context.sampling
         proposal = "topk" if sampling is None else self.sampling_proposal
@@ -235,8 +264,7 @@ class DraftModelDrafter(BaseDrafter):
         else:
             slots = torch.arange(c, n, dtype=torch.int64)[None]
             visible = torch.arange(n)[None, None, :] <= slots[:, :, None]  # causal over [0, n)
-            logits = hf.masked_forward(self.model, pending, slots, slots, visible, st.cache,
-                                       key_positions=torch.arange(n)[None], logits_to_keep=1)
+            logits = self._masked(st, pending, slots, slots, visible, torch.arange(n)[None])[:, -1:]
         self.last_forwards += 1
         st.committed = tokens[:-1]  # the root's KV (slot n - 1) is expanded node 0 of this step
         st.cache.lengths = [n - 1]
@@ -254,9 +282,21 @@ class DraftModelDrafter(BaseDrafter):
             tree_vis[0, q, exp_anc[exp[i]]] = True
         visible = torch.cat([torch.ones(1, m, base, dtype=torch.bool), tree_vis], dim=2)
         key_positions = torch.cat([torch.arange(base), base + torch.tensor(exp_depth)])[None]
-        logits = hf.masked_forward(self.model, ids, positions, slots, visible, st.cache, key_positions=key_positions)
+        logits = self._masked(st, ids, positions, slots, visible, key_positions)
         self.last_forwards += 1
         return logits[0]
+
+    def _masked(self, st, ids, positions, slots, visible, key_positions) -> torch.Tensor:
+        """``hf.masked_forward`` (host inputs) -> logits ``[1, m, V]``; through the sequence's
+        fixed-shape forward when static shapes are on and the m tokens fit its width."""
+        m = ids.shape[1]
+        if not self.static_shapes or m > self.static_width:
+            return hf.masked_forward(self.model, ids, positions, slots, visible, st.cache, key_positions=key_positions)
+        if st.fwd is None or st.fwd.cache is not st.cache:  # first use, or the cache was grown
+            st.fwd = GraphedMaskedForward(self.model, st.cache, 1, self.static_width, capture=self.cuda_graphs)
+        st.fwd.load(ids, positions, slots, visible, key_positions)
+        logits, _ = st.fwd.forward()
+        return logits[:, :m]
 
     def _add_children(self, frontier, logits, width, sampling, proposal, generator,
                       tok, par, score, dep, exp, children, rows, d) -> list[int]:

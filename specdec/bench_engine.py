@@ -16,7 +16,8 @@ after every section so that a run cut off by a time limit keeps what it measured
            and the multiple of the n = 1 forward (a plain decode step) in the same mode; plus the
            largest logit difference between the two modes (a sanity check of the graph).
 ``spec``   (c) speculative decoding at ``--spec-tree-size`` t with the draft-model drafter and with
-           prompt lookup, eager and graphed: per step, ms drafting, verifying (of which the target
+           prompt lookup, eager and graphed (for the draft model, its per-depth forwards too:
+           ``DraftModelDrafter(static_shapes=, cuda_graphs=)`` follow the mode): per step, ms drafting, verifying (of which the target
            forward), committing, and host overhead (the rest of the wall time, prefill excluded);
            draft tokens accepted and tokens emitted per step; tokens/s; identical completions.
 
@@ -368,7 +369,9 @@ def run_spec(setup: _Setup, drafter_name: str, graph: bool, log: Callable[[str],
 
     cfg = setup.cfg
     t = cfg.spec_tree_size
-    drafter = make_drafter(drafter_name, target=setup.target, draft_model=setup.draft, tree_size=t)
+    # The draft model's per-depth forwards follow the mode too (fixed shapes + CUDA graphs, or eager).
+    opts = {"static_shapes": graph, "cuda_graphs": graph and setup.device.type == "cuda"} if drafter_name == "model" else {}
+    drafter = make_drafter(drafter_name, target=setup.target, draft_model=setup.draft, tree_size=t, **opts)
     dec = _engine(setup, drafter, t, graph=graph)
     new = cfg.max_new_tokens
     kwargs = dict(eos_token_id=setup.eos or None, pad_token_id=setup.pad)

@@ -169,7 +169,7 @@ class SpecDecoder:
         self._wants_hidden = bool(getattr(drafter, "needs_hidden_states", False)) and self.tree_size > 0
         self.max_cache_len = max_cache_len
         self.device = hf.input_device(target)
-        if cuda_graphs not in (None, True, False):
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs: expected None, True or False, got {cuda_graphs!r}")
         if cuda_graphs:
             if self.device.type != "cuda":

@@ -24,7 +24,15 @@
 Outside the graph, on the same stream and the same buffers: building the trees, verification
 and ``KVCache.commit``.
 
-Two modes run the same code on the same buffers: ``capture=True`` records the body once as a
+``GraphedMaskedForward(model, cache, batch, m)`` is the same for ``hf.masked_forward``: up to m
+tokens per sequence attending through an explicit visibility mask over the whole cache capacity
+(a draft model's per-depth forward: catch-up chain, then the frontier of each depth). Its inputs
+are the tokens, position ids and cache slots ``[B, m]``, the position id of every slot ``[B, S]``
+(sliding-window layers) in one int64 vector, and the mask ``[B, m, S]`` in one bool vector; rows
+past a call's token count are padding that writes only the cache's last slot (kept free by the
+caller) and attends only to it.
+
+Both classes run the same code on the same buffers in two modes: ``capture=True`` records the body once as a
 ``torch.cuda.CUDAGraph`` (after one forward on the current stream, which allocates the cache's
 buffers if needed and compiles the kernels, and ``warmup`` more on a side stream, the standard
 pattern) and replays it; ``capture=False`` ("eager replay", any device) calls the body each time
@@ -45,7 +53,7 @@ from specdec.kv import KVCache
 from specdec.tree import TokenTree
 from treeattn import TreeMask, num_words
 
-__all__ = ["GraphedForward", "InputLayout", "pack_trees"]
+__all__ = ["GraphedForward", "GraphedMaskedForward", "InputLayout", "pack_trees"]
 
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
 
@@ -131,7 +139,127 @@ def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: I
     return out
 
 
-class GraphedForward:
+class _Replayed:
+    """What both fixed-address forwards share: argument checks, the output tensors, eager replay and
+    the CUDA-graph capture of ``_body`` (which subclasses define over their fixed input buffers)."""
+
+    def __init__(self, model, cache: KVCache, batch: int, n: int, *, capture: bool, warmup: int,
+                 n_name: str = "n") -> None:  # fmt: skip
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache: expected a specdec.KVCache, got {type(cache).__name__}")
+        for name, val in (("batch", batch), (n_name, n)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
+        if cache.batch_size != batch:
+            raise ValueError(f"cache: expected batch size {batch}, got a cache of batch size {cache.batch_size}")
+        if n > cache.capacity:
+            raise ValueError(f"{n_name}: expected at most the cache capacity {cache.capacity}, got {n}")
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
+        self.device = hf.input_device(model)
+        devices = model_devices(model)
+        if capture:
+            if self.device.type != "cuda":
+                raise ValueError(f"capture: CUDA graphs need the model on a CUDA device, got {self.device}")
+            if len(devices) > 1:
+                raise ValueError(f"capture: CUDA graphs need the model on one device, got {sorted(map(str, devices))}")
+        self.model = model
+        self.cache = cache
+        self.batch = batch
+        self.capture = bool(capture)
+        self.warmup = warmup
+        self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+        self.graph = None  # torch.cuda.CUDAGraph once captured
+        #: forwards run (eager calls or graph replays), for tests and accounting
+        self.calls = 0
+
+    def _stage(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, "_Copy"]:
+        """A device input vector, its host staging vector (pinned on CUDA) and their copier."""
+        pin = self.device.type == "cuda"
+        host = torch.zeros(size, dtype=dtype, pin_memory=pin)
+        flat = torch.zeros(size, dtype=dtype, device=self.device)
+        return flat, host, _Copy(host, flat)
+
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the forward on the loaded inputs: ``(logits, hidden or None)``.
+
+        The returned tensors are the same objects every call (overwritten by the next one).
+        """
+        if self.capture:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        else:
+            logits, hidden = self._body()
+            if self.logits is None:
+                self.logits, self.hidden = logits, hidden
+            else:
+                self.logits.copy_(logits)
+                if hidden is not None:
+                    self.hidden.copy_(hidden)
+        self.calls += 1
+        return self.logits, self.hidden
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _capture(self) -> None:
+        """Warm up (current stream once, then a side stream), then record ``_body`` as a CUDA graph.
+
+        The body is idempotent for fixed inputs (it rewrites the same slots of the cache and reads
+        them back), so the warm-up forwards on the loaded inputs change nothing that the replay
+        after the capture does not rewrite.
+        """
+        device = self.device
+        with torch.cuda.device(device):
+            self._body()  # allocates the cache's buffers (first forward) on this stream; compiles kernels
+            layers = list(self.cache.layer_indices)
+            if not layers:
+                raise RuntimeError("cache: the warm-up forward wrote no KV buffers; cannot capture the forward")
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self._body()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                logits, hidden = self._body()
+            if list(self.cache.layer_indices) != layers:
+                raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
+        self.graph = graph
+        self.logits, self.hidden = logits, hidden
+
+
+class _Copy:
+    """Host staging vector -> device input vector, one asynchronous copy per step on CUDA.
+
+    An event recorded after each copy makes the next ``put`` wait until the copy has read the
+    staging vector before overwriting it.
+    """
+
+    def __init__(self, host: torch.Tensor, flat: torch.Tensor) -> None:
+        self.host, self.flat = host, flat
+        self._copied = torch.cuda.Event() if flat.is_cuda else None
+        self._pending = False
+
+    def put(self, values: torch.Tensor) -> None:
+        if self._pending:
+            self._copied.synchronize()
+        self.host.copy_(values)
+        self.flat.copy_(self.host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.flat.device))
+            self._pending = True
+
+
+class GraphedForward(_Replayed):
     """One ``[B, n]`` tree forward of ``model`` over ``cache`` at fixed addresses (see the module doc).
 
     Args:
@@ -150,48 +278,17 @@ class GraphedForward:
 
     def __init__(self, model, cache: KVCache, batch: int, n: int, *, impl: str = "auto",
                  return_hidden: bool = False, capture: bool = False, warmup: int = 2) -> None:  # fmt: skip
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"cache: expected a specdec.KVCache, got {type(cache).__name__}")
-        for name, val in (("batch", batch), ("n", n)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
-        if cache.batch_size != batch:
-            raise ValueError(f"cache: expected batch size {batch}, got a cache of batch size {cache.batch_size}")
-        if n > cache.capacity:
-            raise ValueError(f"n: expected at most the cache capacity {cache.capacity}, got {n}")
-        if not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
-        self.device = hf.input_device(model)
-        devices = model_devices(model)
-        if capture:
-            if self.device.type != "cuda":
-                raise ValueError(f"capture: CUDA graphs need the model on a CUDA device, got {self.device}")
-            if len(devices) > 1:
-                raise ValueError(f"capture: CUDA graphs need the model on one device, got {sorted(map(str, devices))}")
-        self.model = model
-        self.cache = cache
-        self.batch, self.n = batch, n
+        super().__init__(model, cache, batch, n, capture=capture, warmup=warmup)
+        self.n = n
         self.return_hidden = bool(return_hidden)
-        self.capture = bool(capture)
-        self.warmup = warmup
         self.layout = InputLayout(batch, n)
-        pin = self.device.type == "cuda"
-        self._host = torch.zeros(self.layout.size, dtype=torch.int64, pin_memory=pin)
-        self._flat = torch.zeros(self.layout.size, dtype=torch.int64, device=self.device)
+        self._flat, self._host, self._copy = self._stage(self.layout.size, torch.int64)
         view = lambda name: self.layout.view(self._flat, name)  # noqa: E731
         self.tokens, self.positions, self.slots = view("tokens"), view("positions"), view("slots")
         self.prefix_lens = view("prefix_lens")
         self.tree_mask = TreeMask(words=view("words"), depth=view("depth"))
         self.state = hf.ForwardState(cache, self.slots, self.positions, self.tree_mask, self.prefix_lens,
                                      kv_len=None, impl=impl)  # fmt: skip
-        self.logits: torch.Tensor | None = None
-        self.hidden: torch.Tensor | None = None
-        self.graph = None  # torch.cuda.CUDAGraph once captured
-        # Recorded after each host-to-device copy: the next load waits for it before reusing the staging vector.
-        self._copied = torch.cuda.Event() if pin else None
-        self._pending = False
-        #: forwards run (eager calls or graph replays), for tests and accounting
-        self.calls = 0
 
     # ------------------------------------------------------------------ inputs
 
@@ -220,78 +317,98 @@ class GraphedForward:
                 f"n = {self.n}), got values in [{lo}, {hi}]"
             )
         packed = torch.frombuffer(array.array("q", pack_trees(trees, prefix, self.layout)), dtype=torch.int64)
-        if self._pending:
-            self._copied.synchronize()  # the previous copy has finished reading the staging vector
-        self._host.copy_(packed)
-        self._flat.copy_(self._host, non_blocking=self._copied is not None)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.device))
-            self._pending = True
+        self._copy.put(packed)
         self.state.refresh()
-
-    # ------------------------------------------------------------------ forward
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The captured region: the model's forward over the fixed inputs (no host sync inside)."""
         out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
         return out if self.return_hidden else (out, None)
 
-    @torch.no_grad()
-    def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the forward on the loaded inputs: ``(logits [B, n, V], hidden [B, n, H] or None)``.
-
-        The returned tensors are the same objects every call (overwritten by the next one).
-        """
-        if self.capture:
-            if self.graph is None:
-                self._capture()
-            self.graph.replay()
-        else:
-            logits, hidden = self._body()
-            if self.logits is None:
-                self.logits, self.hidden = logits, hidden
-            else:
-                self.logits.copy_(logits)
-                if hidden is not None:
-                    self.hidden.copy_(hidden)
-        self.calls += 1
-        return self.logits, self.hidden
-
     def run(self, trees: Sequence[TokenTree], prefix_lens) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``load(trees, prefix_lens)`` then ``forward()``."""
         self.load(trees, prefix_lens)
         return self.forward()
 
-    @property
-    def captured(self) -> bool:
-        return self.graph is not None
 
-    def _capture(self) -> None:
-        """Warm up (current stream once, then a side stream), then record ``_body`` as a CUDA graph.
+class GraphedMaskedForward(_Replayed):
+    """``hf.masked_forward`` of up to m tokens per sequence at fixed addresses (see the module doc).
 
-        The body is idempotent for fixed inputs (it rewrites the same tree slots of the cache and
-        reads them back), so the warm-up forwards on the loaded inputs change nothing that the
-        replay after the capture does not rewrite.
+    Args:
+        model: a causal LM after ``hf.prepare_model``, all on one device.
+        cache: the ``KVCache`` (batch size B) written and attended over; the forward reads all
+            ``S = cache.capacity`` slots, and padding rows write slot ``S - 1``, which must hold no
+            live KV (callers keep their data below it).
+        batch, m: the static shape: B sequences, m input tokens each.
+        return_hidden: also produce the final hidden states.
+        capture: record a CUDA graph (the model must be on CUDA); False = eager replay.
+        warmup: side-stream forwards before the capture.
+
+    Use: ``load(tokens, positions, slots, visible, key_positions)`` then ``forward()`` returns
+    ``(logits [B, m, V], hidden [B, m, H] or None)`` -- the same tensor objects every call; rows
+    past the loaded tokens are padding.
+    """
+
+    def __init__(self, model, cache: KVCache, batch: int, m: int, *, return_hidden: bool = False,
+                 capture: bool = False, warmup: int = 2) -> None:  # fmt: skip
+        super().__init__(model, cache, batch, m, capture=capture, warmup=warmup, n_name="m")
+        if m >= cache.capacity:
+            raise ValueError(f"m: expected fewer tokens than the cache capacity {cache.capacity} (one slot is scratch), got {m}")
+        self.m = m
+        self.return_hidden = bool(return_hidden)
+        cap = cache.capacity
+        self._ints, _, self._copy_ints = self._stage(batch * (3 * m + cap), torch.int64)
+        self._mask, _, self._copy_mask = self._stage(batch * m * cap, torch.bool)
+        seg = batch * m
+        self.tokens = self._ints[:seg].view(batch, m)
+        self.positions = self._ints[seg : 2 * seg].view(batch, m)
+        self.slots = self._ints[2 * seg : 3 * seg].view(batch, m)
+        self.key_positions = self._ints[3 * seg :].view(batch, cap)
+        self.visible = self._mask.view(batch, m, cap)
+        self.state = hf.MaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
+
+    def load(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+             key_positions: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Copy one call's inputs (host tensors, as for ``hf.masked_forward``) into the fixed buffers.
+
+        Args:
+            tokens, positions, slots: int64 ``[B, m']`` with ``m' <= m``; slots below ``S - 1``.
+            visible: bool ``[B, m', kv_len]`` with ``kv_len <= S - 1`` (slots past kv_len: hidden).
+            key_positions: int64 ``[B, kv_len]`` (default: the slot index, a plain causal prefix).
         """
-        device = self.device
-        with torch.cuda.device(device):
-            self._body()  # allocates the cache's buffers (first forward) on this stream; compiles kernels
-            layers = list(self.cache.layer_indices)
-            if not layers:
-                raise RuntimeError("cache: the warm-up forward wrote no KV buffers; cannot capture the forward")
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self._body()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                logits, hidden = self._body()
-            if list(self.cache.layer_indices) != layers:
-                raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
-        self.graph = graph
-        self.logits, self.hidden = logits, hidden
+        batch, m, cap = self.batch, self.m, self.cache.capacity
+        if tokens.dim() != 2 or tokens.shape[0] != batch or not 1 <= tokens.shape[1] <= m:
+            raise ValueError(f"tokens: expected shape [{batch}, 1..{m}], got {tuple(tokens.shape)}")
+        rows = tokens.shape[1]
+        for name, t in (("positions", positions), ("slots", slots)):
+            if tuple(t.shape) != (batch, rows):
+                raise ValueError(f"{name}: expected shape [{batch}, {rows}] (tokens'), got {tuple(t.shape)}")
+        if visible.dim() != 3 or tuple(visible.shape[:2]) != (batch, rows) or visible.shape[2] > cap - 1:
+            raise ValueError(f"visible: expected shape [{batch}, {rows}, kv_len <= {cap - 1}], got {tuple(visible.shape)}")
+        kv_len = visible.shape[2]
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= cap - 1:
+            raise ValueError(f"slots: expected values in [0, {cap - 2}] (slot {cap - 1} is scratch), got [{lo}, {hi}]")
+        ints = torch.zeros(3, batch, m, dtype=torch.int64)
+        ints[0, :, :rows] = tokens
+        ints[1, :, :rows] = positions
+        ints[2, :, :rows] = slots
+        ints[2, :, rows:] = cap - 1  # padding rows: token 0 at position 0 in the scratch slot
+        keypos = torch.arange(cap, dtype=torch.int64).expand(batch, cap).clone()
+        if key_positions is not None:
+            if tuple(key_positions.shape) != (batch, kv_len):
+                raise ValueError(f"key_positions: expected shape [{batch}, {kv_len}], got {tuple(key_positions.shape)}")
+            keypos[:, :kv_len] = key_positions
+        mask = torch.zeros(batch, m, cap, dtype=torch.bool)
+        mask[:, :rows, :kv_len] = visible
+        mask[:, rows:, cap - 1] = True
+        self._copy_ints.put(torch.cat([ints.view(-1), keypos.view(-1)]))
+        self._copy_mask.put(mask.view(-1))
+
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured region: the model's forward over the fixed inputs (no host sync inside)."""
+        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
+        return out if self.return_hidden else (out, None)
 
 
 def model_devices(model) -> set[torch.device]:

@@ -102,8 +102,9 @@ def _reference_tree(model, tokens: list[int], budget: int, depth: int, topk: int
 class _Compare(BaseDrafter):
     """Runs a KV-reusing drafter, checks every tree against recomputation and the fresh reference."""
 
-    def __init__(self, reuse, fresh, model, budget_check=True):
+    def __init__(self, reuse, fresh, model, reference_every=3):
         self.reuse, self.fresh, self.model = reuse, fresh, model
+        self.reference_every = reference_every  # 0: never compare with the (CPU) reference tree
         self.vocab_size = reuse.vocab_size
         self.steps = 0
 
@@ -115,7 +116,7 @@ class _Compare(BaseDrafter):
         a = self.reuse.propose(ctx)
         b = self.fresh.propose(ctx)
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
-        if self.steps % 3 == 0:
+        if self.reference_every and self.steps % self.reference_every == 0:
             want = _reference_tree(self.model, ctx.tokens.tolist(), ctx.tree_size, self.reuse.depth, self.reuse.topk)
             assert token_paths(a) == want
         self.steps += 1
@@ -126,10 +127,12 @@ class _Compare(BaseDrafter):
         self.fresh.update(ctx, tree, verdict)
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("tree_size,depth,topk", [(12, 3, 3), (40, 4, 4)])
-def test_draft_kv_reuse_gives_the_same_proposals_as_recomputing(tree_size, depth, topk):
+def test_draft_kv_reuse_gives_the_same_proposals_as_recomputing(tree_size, depth, topk, static):
+    """static: the KV-reusing drafter runs its fixed-shape forwards (padded rows, whole-cache mask)."""
     draft = _draft()
-    reuse = DraftModelDrafter(draft, depth=depth, topk=topk)
+    reuse = DraftModelDrafter(draft, depth=depth, topk=topk, static_shapes=static)
     fresh = DraftModelDrafter(draft, depth=depth, topk=topk, reuse_kv=False)
     cmp = _Compare(reuse, fresh, draft)
     prompt = _prompt(9, 2)
@@ -139,14 +142,17 @@ def test_draft_kv_reuse_gives_the_same_proposals_as_recomputing(tree_size, depth
     assert out.totals()["tokens_accepted"] > 0
 
 
-def test_draft_cache_grows_and_keeps_its_prefix():
+@pytest.mark.parametrize("static", [False, True])
+def test_draft_cache_grows_and_keeps_its_prefix(static):
     draft = _draft()
-    reuse = DraftModelDrafter(draft, depth=2, topk=2)
+    reuse = DraftModelDrafter(draft, depth=2, topk=2, static_shapes=static)
     fresh = DraftModelDrafter(draft, depth=2, topk=2, reuse_kv=False)
     cmp = _Compare(reuse, fresh, draft)
     prompt = _prompt(240, 3)  # initial capacity 512: the tree region of later steps crosses it
     out = SpecDecoder(_target(), cmp, tree_size=6, attn_impl="torch").generate(prompt, 10)
     assert out.num_new_tokens == 10
+    if static:  # the fixed-shape forward follows the grown cache
+        assert reuse._states[0].fwd.cache is reuse._states[0].cache
     reuse.reset([prompt])
     reuse._ensure_capacity(reuse._states[0], 2000)
     assert reuse._states[0].cache.capacity >= 2000
@@ -224,10 +230,48 @@ def test_sampled_tokens_follow_the_target_distribution(proposal):
     assert not _chi2_fails(counts, expected)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_shapes_greedy_equals_target_generate_in_a_batch(family):
+    prompts = [_prompt(10, 0), _prompt(3, 8)]
+    drafter = DraftModelDrafter(_draft(family), depth=4, topk=3, static_shapes=True)
+    assert drafter.static_shapes and not drafter.cuda_graphs and drafter.static_width == 5
+    out = SpecDecoder(_target(family), drafter, tree_size=24, attn_impl="torch").generate(prompts, NEW)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(_target(family), p, NEW)
+    assert all(st.fwd is not None and st.fwd.calls > len(out.steps) for st in drafter._states.values())
+
+
 def test_argument_errors():
+    with pytest.raises(ValueError, match=r"static_shapes: expected None, True or False, got 1"):
+        DraftModelDrafter(_draft(), static_shapes=1)
+    with pytest.raises(ValueError, match=r"cuda_graphs: True needs the draft model on one CUDA device, got cpu"):
+        DraftModelDrafter(_draft(), cuda_graphs=True)
     with pytest.raises(ValueError, match=r"depth: expected an int >= 1, got 0"):
         DraftModelDrafter(_draft(), depth=0)
     with pytest.raises(ValueError, match=r"sampling_proposal: expected one of"):
         DraftModelDrafter(_draft(), sampling_proposal="beam")
     with pytest.raises(ValueError, match=r"draft_model: expected a transformers PreTrainedModel"):
         DraftModelDrafter(object())
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family):
+    """CUDA default: per-depth draft forwards replayed as graphs; same trees as the eager drafter."""
+    target = tiny_model(family).to("cuda")
+    draft = perturbed_copy(tiny_model(family), 0.05, seed=1).to("cuda")
+    prompt = _prompt(10, 0)
+    ids = prompt[None].to("cuda")
+    ref = target.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+    graphed = DraftModelDrafter(draft, depth=3, topk=4)
+    assert graphed.static_shapes and graphed.cuda_graphs
+    eager = DraftModelDrafter(draft, depth=3, topk=4, static_shapes=False)
+    cmp = _Compare(graphed, eager, draft, reference_every=0)  # the reference tree is the CPU tests' job
+    out = SpecDecoder(target, cmp, tree_size=20).generate(prompt, NEW)
+    assert out.sequences[0].tolist() == ref
+    fwd = graphed._states[0].fwd
+    assert fwd.captured and fwd.calls > len(out.steps)

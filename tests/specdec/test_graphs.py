@@ -17,8 +17,8 @@ import torch
 from drafters.base import DraftContext
 from specdec import KVCache, SpecDecoder, TokenTree
 from specdec import engine as engine_mod
-from specdec.graphs import GraphedForward, InputLayout, pack_trees
-from specdec.hf import prefill, prepare_model, tree_forward
+from specdec.graphs import GraphedForward, GraphedMaskedForward, InputLayout, pack_trees
+from specdec.hf import masked_forward, prefill, prepare_model, tree_forward
 from tests.specdec.helpers import VOCAB, OracleDrafter, RandomTreeDrafter, hf_greedy, tiny_model
 from treeattn import TreeMask
 from treeattn.layout import random_tree_parents
@@ -285,6 +285,88 @@ def _hf_greedy_cuda(model, prompt: torch.Tensor, new: int) -> list[int]:
     out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
                          attention_mask=torch.ones_like(ids))  # fmt: skip
     return out[0].tolist()
+
+
+# ---------------------------------------------------------------------------- masked forward (draft model)
+
+
+def _masked_inputs(prefix: int, m: int, seed: int):
+    """m tokens after a prefix: each sees the prefix and a random subset of the earlier new tokens + itself."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, VOCAB, (1, m), generator=g)
+    slots = (prefix + torch.arange(m))[None]
+    positions = prefix + torch.randint(0, 4, (1, m), generator=g)
+    vis = torch.zeros(1, m, prefix + m, dtype=torch.bool)
+    vis[:, :, :prefix] = True
+    tree = torch.rand(m, m, generator=g) < 0.4
+    vis[0, :, prefix:] = torch.tril(tree, -1) | torch.eye(m, dtype=torch.bool)
+    key_positions = torch.cat([torch.arange(prefix), positions[0]])[None]
+    return tokens, positions, slots, vis, key_positions
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_graph_masked_forward_eager_replay_equals_masked_forward(family):
+    """Padded fixed-shape forwards over the whole cache give masked_forward's logits, call after call."""
+    model = _model(family)
+    prompt = _prompt(20, 3)[None]
+    cache_a, cache_b = KVCache(1, 64), KVCache(1, 64)
+    for cache in (cache_a, cache_b):
+        prefill(model, prompt, cache, impl="torch")
+    fixed = GraphedMaskedForward(model, cache_a, 1, 6)
+    first = None
+    for step, m in enumerate([6, 1, 3, 6]):
+        inputs = _masked_inputs(20 + 2 * step, m, seed=step)
+        want = masked_forward(model, *inputs[:4], cache_b, key_positions=inputs[4])
+        fixed.load(*inputs)
+        logits, hidden = fixed.forward()
+        assert hidden is None and logits.shape[:2] == (1, 6)
+        first = first or logits.data_ptr()
+        assert logits.data_ptr() == first
+        torch.testing.assert_close(logits[:, :m], want, atol=1e-5, rtol=1e-5)
+        # the rows' KV went to the same slots in both caches; padding touched only the scratch slot
+        k_a, _ = cache_a.buffers(0)
+        k_b, _ = cache_b.buffers(0)
+        torch.testing.assert_close(k_a[:, :, :63], k_b[:, :, :63])
+    assert fixed.calls == 4
+
+
+def test_graph_masked_forward_argument_errors():
+    model = _model("qwen2")
+    cache = KVCache(1, 32)
+    with pytest.raises(ValueError, match=r"m: expected fewer tokens than the cache capacity 32 \(one slot is scratch\), got 32"):
+        GraphedMaskedForward(model, cache, 1, 32)
+    with pytest.raises(ValueError, match=r"capture: CUDA graphs need the model on a CUDA device, got cpu"):
+        GraphedMaskedForward(model, cache, 1, 4, capture=True)
+    fixed = GraphedMaskedForward(model, cache, 1, 4)
+    tokens, positions, slots, vis, keypos = _masked_inputs(10, 3, 0)
+    with pytest.raises(ValueError, match=r"tokens: expected shape \[1, 1..4\], got \(1, 5\)"):
+        fixed.load(torch.zeros(1, 5, dtype=torch.long), positions, slots, vis)
+    with pytest.raises(ValueError, match=r"slots: expected values in \[0, 30\] \(slot 31 is scratch\), got \[10, 31\]"):
+        fixed.load(tokens, positions, torch.tensor([[10, 11, 31]]), vis)
+    with pytest.raises(ValueError, match=r"visible: expected shape \[1, 3, kv_len <= 31\], got \(1, 3, 32\)"):
+        fixed.load(tokens, positions, slots, torch.ones(1, 3, 32, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"key_positions: expected shape \[1, 13\], got \(1, 12\)"):
+        fixed.load(tokens, positions, slots, vis, keypos[:, :12])
+
+
+@cuda_only
+def test_cuda_graph_masked_forward_replay_equals_eager():
+    model = _cuda_model("qwen2")
+    prompt = _prompt(20, 3)[None].to("cuda")
+    caches = [KVCache(1, 64), KVCache(1, 64)]
+    for cache in caches:
+        prefill(model, prompt, cache, impl="torch")
+    graphed = GraphedMaskedForward(model, caches[0], 1, 6, capture=True)
+    eager = GraphedMaskedForward(model, caches[1], 1, 6, capture=False)
+    for step, m in enumerate([6, 1, 3, 6]):
+        inputs = _masked_inputs(20 + 2 * step, m, seed=step)
+        eager.load(*inputs)
+        want = eager.forward()[0].clone()
+        graphed.load(*inputs)
+        logits, _ = graphed.forward()
+        assert graphed.captured
+        torch.testing.assert_close(logits[:, :m], want[:, :m], atol=1e-5, rtol=1e-5)
+    assert graphed.calls == 4
 
 
 @cuda_only
