@@ -243,9 +243,6 @@ def _sweep_configs() -> list[KernelConfig | None]:
         cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
     for bm, bn, w in [(64, 64, 4), (64, 128, 4), (128, 128, 8)]:  # Triton's warp specialization
         cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, warp_specialize=True))
-    for bm, bn, w in [(64, 128, 4), (128, 128, 8)]:  # tree tile widths besides the default 32
-        for bt in (16, 64):
-            cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, block_t=bt))
     return cfgs
 
 

@@ -4,18 +4,10 @@ Layout of the work: one program per (block of folded query rows, batch x KV head
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
 once per KV head for all tree queries. The prompt ``[0, prefix_len)`` is cut into chunks of
-``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys
-(the op sizes the chunks so that this evens out). With one split (``SPLIT=False``) the kernel
-writes the output; with several it writes normalized partial outputs and base-2 log-sum-exps that
-``tree_attn_merge_kernel`` combines.
-
-Tree part. The tree keys are cut into tiles of ``BLOCK_T`` (16, 32 or 64) keys; a row block of
-consecutive depth-first nodes of a shallow tree sees keys in only a few of them. The tiles are
-taken in chunks of ``CHUNK_TILES`` (<= 64) tiles. Per chunk, a first pass loads only the int64
-ancestor words of the block's rows and builds an int64 bitmask of the tiles that some row sees
-(and their count); a second loop then runs exactly that many times, taking the lowest set bit of
-the mask each time, and loads and attends that tile with the per-key bits of the words. No branch
-sits between the words and the K/V loads, so the compiler can still prefetch the next tiles.
+``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys,
+masked by the int64 ancestor words (the op sizes the chunks so that this evens out). With one
+split (``SPLIT=False``) the kernel writes the output; with several it writes normalized partial
+outputs and base-2 log-sum-exps that ``tree_attn_merge_kernel`` combines.
 """
 
 import triton
@@ -46,40 +38,6 @@ def _attend_tile(
 
 
 @triton.jit
-def _nonempty_tiles(w_ptrs, row_ok, tile0, n_words, BLOCK_T: tl.constexpr, CHUNK_TILES: tl.constexpr):
-    """(bits, count) of the tree tiles ``[tile0, tile0 + CHUNK_TILES)`` that a row block sees.
-
-    ``w_ptrs``: ``[BLOCK_M]`` pointers to each row's first ancestor word. Bit ``j`` of the int64
-    ``bits`` is set iff some valid row has an ancestor (or itself) among the ``BLOCK_T`` keys of
-    tile ``tile0 + j``; ``count`` (int32) is the number of set bits.
-    """
-    TILES_PER_WORD: tl.constexpr = 64 // BLOCK_T
-    offs_c = tl.arange(0, CHUNK_TILES)
-    tile = tile0 + offs_c
-    word = tile // TILES_PER_WORD
-    words = tl.load(w_ptrs[:, None] + word[None, :], mask=row_ok[:, None] & (word < n_words)[None, :], other=0)
-    # Move the tile's BLOCK_T bits to the top of the word, dropping every other bit.
-    shift = ((tile % TILES_PER_WORD) * BLOCK_T).to(tl.int64)
-    tile_bits = (words >> shift[None, :]) << (64 - BLOCK_T)
-    seen = tl.max((tile_bits != 0).to(tl.int32), 0)  # [CHUNK_TILES], 0 or 1
-    # The set bits are distinct powers of two, so their sum is their OR (bit 63 included).
-    bits = tl.sum(seen.to(tl.int64) << offs_c.to(tl.int64), 0)
-    return bits, tl.sum(seen, 0)
-
-
-@triton.jit
-def _pop_lowest_bit(bits):
-    """(index, rest) for int64 ``bits`` != 0: the index of its lowest set bit and ``bits`` without it.
-
-    ``bits & -bits`` isolates the bit (for bit 63 too: the negation wraps to itself); int64 ->
-    float32 converts a power of two exactly, and its exponent field is the index.
-    """
-    low = bits & -bits
-    index = ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return index, bits ^ low
-
-
-@triton.jit
 def tree_attn_fwd_kernel(
     Q, K, V, PREFIX_LENS, WORDS, OUT, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qn,
@@ -90,7 +48,7 @@ def tree_attn_fwd_kernel(
     n_tree, seq_len, num_kv_heads, chunk, num_splits,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     WORD_BITS: tl.constexpr = 64
@@ -149,30 +107,22 @@ def tree_attn_fwd_kernel(
             acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
         )
 
-    # Tree part (last program of the split axis): only the tiles of BLOCK_T tree keys that some row
-    # of the block sees, chunk by chunk (see the module docstring); visibility from the words.
+    # Tree part (last program of the split axis): 64 tree keys per tile, visibility from one int64 word per row.
     if pid_s == num_splits - 1:
-        TILES_PER_WORD: tl.constexpr = WORD_BITS // BLOCK_T
-        offs_t = tl.arange(0, BLOCK_T)
+        offs_t = tl.arange(0, WORD_BITS)
         n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
         w_ptrs = WORDS + b * stride_wb + qi * stride_wn
-        # A node's ancestors precede it: keys past the block's last query are never visible.
+        # A node's ancestors precede it: tiles past the block's last query hold no visible key.
         last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
-        for key0 in range(0, last_q + 1, CHUNK_TILES * BLOCK_T):
-            tile0 = key0 // BLOCK_T
-            bits, n_tiles = _nonempty_tiles(w_ptrs, row_ok, tile0, n_words, BLOCK_T, CHUNK_TILES)
-            for _ in range(n_tiles):
-                j, bits = _pop_lowest_bit(bits)
-                tile = tile0 + j
-                words = tl.load(w_ptrs + tile // TILES_PER_WORD, mask=row_ok, other=0)
-                shift = (tile % TILES_PER_WORD) * BLOCK_T + offs_t
-                visible = ((words[:, None] >> shift[None, :].to(tl.int64)) & 1) != 0
-                t = tile * BLOCK_T + offs_t
-                t_ok = t < n_tree
-                kv = prefix_len + t
-                k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-                v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
+        for w in range(0, tl.minimum(last_q // WORD_BITS + 1, n_words)):
+            words = tl.load(w_ptrs + w, mask=row_ok, other=0)
+            t = w * WORD_BITS + offs_t
+            t_ok = t < n_tree
+            kv = prefix_len + t
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or empty prompt chunks
     o = acc / l_safe[:, None]

@@ -29,9 +29,6 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
-    ``block_t`` is the width of the tree-key tiles (16, 32 or 64 keys). Each program visits only
-    the tiles that hold an ancestor of one of its query rows: narrower tiles skip more keys of a
-    shallow tree, wider ones have fewer steps.
     ``warp_specialize`` asks Triton to split the prompt loop's loads and math over warp groups
     (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
@@ -45,15 +42,12 @@ class KernelConfig:
     num_stages: int = 2
     num_splits: int | None = None
     warp_specialize: bool = False
-    block_t: int = 32
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
-        if self.block_t not in (16, 32, 64):
-            raise ValueError(f"block_t: expected 16, 32 or 64, got {self.block_t}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits: expected None or >= 1, got {self.num_splits}")
 
@@ -121,10 +115,10 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
     """(programs on the split axis, prompt tokens per split).
 
     ``cfg.num_splits`` or, by default, about one program per SM (but chunks of at least
-    ``min_chunk`` keys). The last split also attends the tree tiles its rows see, so the chunks are
-    sized to spread ``max_prefix`` + that many keys (``_tree_keys_estimate``) evenly.
+    ``min_chunk`` keys). The last split also attends the n tree keys, so the chunks are sized to
+    spread ``max_prefix + n`` keys evenly.
     """
-    work = max_prefix + _tree_keys_estimate(cfg, rows // max(n, 1), n)
+    work = max_prefix + n
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
@@ -135,23 +129,6 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
         return 1, max(max_prefix, 1)
     chunk = math.ceil(math.ceil(work / want) / cfg.block_n) * cfg.block_n
     return math.ceil(work / chunk), chunk
-
-
-def _tree_keys_estimate(cfg: KernelConfig, group: int, n: int) -> int:
-    """Tree keys that the busiest program visits, estimated without reading the tree (CUDA graphs).
-
-    A row block holds about ``block_m / group`` consecutive depth-first nodes: their own tiles
-    plus, in a tree of depth <= 8, about three more tiles of ancestors (the busiest block of a
-    random depth-8 tree of 256 nodes, 16 or 32 nodes per block, sees 4.6-5.1 tiles of 16 keys,
-    3.8 of 32 or 2.9 of 64). Deeper or chain-like trees visit more; this only balances the chunks.
-    """
-    return min(n, math.ceil(cfg.block_m / group) + 3 * cfg.block_t)
-
-
-def _chunk_tiles(n: int, block_t: int) -> int:
-    """Tree tiles per kernel chunk: all tiles of the tree in one int64 bitmask when they fit
-    (<= 64), rounded up to a power of two."""
-    return min(64, _next_pow2(math.ceil(n / block_t)))
 
 
 def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
@@ -324,7 +301,6 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
         n, seq_len, hkv, chunk, splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_T=cfg.block_t, CHUNK_TILES=_chunk_tiles(n, cfg.block_t),
         SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

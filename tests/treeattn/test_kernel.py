@@ -1,16 +1,11 @@
 """The Triton kernel (CPU: through the interpreter) against float64 references."""
 
 import math
-import random
 
 import pytest
 import torch
-import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from treeattn import KernelConfig, TreeMask, tree_attention
-from treeattn.kernels import _nonempty_tiles, _pop_lowest_bit
 from treeattn.layout import random_tree_parents
 from treeattn.reference import tree_attention_ref
 
@@ -72,90 +67,6 @@ def test_split_prompt_merge_equals_single_stage(splits, warp_specialize):
     cfg = KernelConfig(block_m=64, block_n=32, num_splits=splits, warp_specialize=warp_specialize)
     out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
     assert _rel(out, ref) < 1e-5
-
-
-TILE_SHAPES = [
-    # batch, Hq, Hkv, n, D, prefix lens, splits
-    (2, 8, 2, 70, 32, [130, 9], 1),  # GQA 4, two prompt lengths
-    (1, 6, 2, 150, 16, [40], 3),  # GQA 3: row blocks start mid-node
-]
-
-
-@pytest.mark.parametrize("batch,hq,hkv,n,d,prefix,splits", TILE_SHAPES)
-@pytest.mark.parametrize("kind", ["random", "star", "chain"])
-@pytest.mark.parametrize("block_t", [16, 32, 64])
-def test_tree_tiles_of_each_width_match_float64_reference(batch, hq, hkv, n, d, prefix, splits, kind, block_t):
-    q, k, v, pl, mask = _inputs(batch, hq, hkv, n, d, prefix, torch.float32, kind, seed=n + block_t)
-    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    cfg = KernelConfig(block_m=128, block_n=64, num_splits=splits, block_t=block_t)
-    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
-    assert _rel(out, ref) < 1e-5
-
-
-@pytest.mark.parametrize("kind", ["random", "chain"])
-def test_trees_over_1024_nodes_take_several_tile_chunks(kind):
-    """n = 1100 at block_t 16: two chunks of 64 tiles; tile 63 of the first sits on the sign bit
-    (a chain sets all 64 bits)."""
-    q, k, v, pl, mask = _inputs(1, 2, 1, 1100, 16, [30], torch.float32, kind, seed=11)
-    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    cfg = KernelConfig(block_m=256, block_n=64, num_splits=2, block_t=16)
-    assert _rel(tree_attention(q, k, v, pl, mask, impl="triton", config=cfg), ref) < 1e-5
-
-
-@triton.jit
-def _nonempty_tiles_probe(WORDS, BITS, COUNT, n_rows, n_words, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-                          CHUNK_TILES: tl.constexpr):
-    rows = tl.arange(0, BLOCK_M)
-    chunk = tl.program_id(0)
-    bits, count = _nonempty_tiles(WORDS + rows * n_words, rows < n_rows, chunk * CHUNK_TILES, n_words,
-                                  BLOCK_T, CHUNK_TILES)
-    tl.store(BITS + chunk, bits)
-    tl.store(COUNT + chunk, count)
-
-
-@pytest.mark.parametrize("block_t,chunk_tiles", [(16, 64), (16, 8), (32, 16), (64, 4)])
-def test_nonempty_tiles_are_exactly_the_tiles_a_row_block_sees(block_t, chunk_tiles):
-    g = torch.Generator().manual_seed(block_t + chunk_tiles)
-    n, first, rows = 1030, 990, 20  # rows 990..1009 reach tile 63 at block_t 16 (keys 1008..1023)
-    mask = TreeMask.from_parents(random_tree_parents(n, 8, g))
-    words = mask.words[0, first:first + rows].contiguous()
-    n_words = words.shape[1]
-    chunks = math.ceil(math.ceil(n / block_t) / chunk_tiles)
-    bits = torch.zeros(chunks, dtype=torch.int64, device=DEV)
-    count = torch.zeros(chunks, dtype=torch.int32, device=DEV)
-    _nonempty_tiles_probe[(chunks,)](words.to(DEV), bits, count, rows, n_words,
-                                     BLOCK_M=32, BLOCK_T=block_t, CHUNK_TILES=chunk_tiles)
-    seen = mask.to_dense()[0, first:first + rows].any(0)  # [n]: keys some row sees
-    tiles = F.pad(seen, (0, chunks * chunk_tiles * block_t - n)).view(-1, block_t).any(1)
-    expect = tiles.view(chunks, chunk_tiles)
-    got = ((bits.cpu().view(chunks, 1) >> torch.arange(chunk_tiles)) & 1).bool()
-    assert torch.equal(got, expect)
-    assert torch.equal(count.cpu(), expect.sum(1).to(torch.int32))
-    assert expect.sum() < tiles.numel() / 4  # the point: a row block sees few of the tiles
-
-
-@triton.jit
-def _pop_lowest_bit_probe(BITS, INDEX, REST, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    index, rest = _pop_lowest_bit(tl.load(BITS + offs))
-    tl.store(INDEX + offs, index)
-    tl.store(REST + offs, rest)
-
-
-def test_pop_lowest_bit_on_every_bit_including_the_sign_bit():
-    def signed(x):  # an unsigned 64-bit pattern as int64
-        return x - (1 << 64) if x >= 1 << 63 else x
-
-    rng = random.Random(0)
-    vals = [1 << i for i in range(64)] + [(1 << 63) | (1 << 5), (1 << 63) | (1 << 62), (1 << 64) - 1]
-    vals += [rng.getrandbits(64) | 1 << rng.randrange(64) for _ in range(128 - len(vals))]
-    bits = torch.tensor([signed(x) for x in vals], dtype=torch.int64, device=DEV)
-    index = torch.empty(128, dtype=torch.int32, device=DEV)
-    rest = torch.empty(128, dtype=torch.int64, device=DEV)
-    _pop_lowest_bit_probe[(1,)](bits, index, rest, BLOCK=128)
-    low = [x & -x for x in vals]
-    assert index.tolist() == [lo.bit_length() - 1 for lo in low]
-    assert rest.tolist() == [signed(x ^ lo) for x, lo in zip(vals, low)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -274,9 +185,6 @@ def test_kernel_config_validation():
         KernelConfig(block_m=48)
     with pytest.raises(ValueError, match="num_splits: expected None or >= 1, got 0"):
         KernelConfig(num_splits=0)
-    for bad in (8, 24, 128):
-        with pytest.raises(ValueError, match=f"block_t: expected 16, 32 or 64, got {bad}"):
-            KernelConfig(block_t=bad)
 
 
 def test_default_configs_fit_shared_memory_and_shrink_in_order():
