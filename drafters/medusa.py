@@ -35,7 +35,7 @@ from torch import nn
 
 from drafters._build import root_only
 from drafters.base import BaseDrafter, DraftContext
-from drafters.trees import Topology, static_tree, truncate_choices, validate_choices
+from drafters.trees import AcceptanceTable, Topology, static_tree, truncate_choices, validate_choices
 from specdec.tree import TokenTree
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "MedusaDrafter", "MedusaHeads", "ResBlock"]
@@ -127,6 +127,16 @@ class MedusaHeads(nn.Module):
         return heads.to(device=device, dtype=dtype).eval()
 
 
+def heads_table(heads: MedusaHeads) -> AcceptanceTable | None:
+    """The held-out rank rates saved with ``heads`` as an ``AcceptanceTable`` (None if absent)."""
+    rates = getattr(heads, "meta", {}).get("heldout_rank_rates")
+    if not rates:
+        return None
+    if len(rates) != heads.num_heads or any(not row or any(not 0.0 <= x <= 1.0 for x in row) for row in rates):
+        raise ValueError(f"heads: expected heldout_rank_rates of {heads.num_heads} rows of rates in [0, 1], got {rates!r}")
+    return AcceptanceTable(tuple(tuple(float(x) for x in row) for row in rates))
+
+
 class MedusaDrafter(BaseDrafter):
     """Fills a static topology with Medusa head predictions.
 
@@ -134,10 +144,13 @@ class MedusaDrafter(BaseDrafter):
         target: the target causal LM (its output embedding is the heads' LM head).
         heads: trained ``MedusaHeads`` (moved to the target's LM-head device).
         choices: a fixed topology (rank paths; truncated to the step's budget in the given order,
-            so pass choices in build order), or None: ``drafters.trees.static_tree(budget,
-            depth=K)`` for the engine's budget (built once per size, from the default estimates).
-        table: an ``AcceptanceTable`` (e.g. measured with ``AcceptanceStats``) to build the
-            per-budget topology from instead of the default estimates (ignored with ``choices``).
+            so pass choices in build order), or None: a tree grown for the engine's budget by
+            ``drafters.trees.static_tree`` (built once per size) from ``table``.
+        table: the acceptance estimates the trees are grown from (ignored with ``choices``): an
+            ``AcceptanceTable`` (e.g. from recorded acceptance), or None: the heads' own held-out
+            rank rates when they were saved with them (``specdec train-medusa`` does,
+            ``heldout_rank_rates`` in ``medusa_config.json``), else the default prior; ``"prior"``
+            forces the default prior.
     """
 
     needs_hidden_states = True
@@ -158,6 +171,14 @@ class MedusaDrafter(BaseDrafter):
         if self.choices is not None and max(len(c) for c in self.choices) > heads.num_heads:
             raise ValueError(f"choices: expected depth <= num_heads = {heads.num_heads}, got "
                              f"{max(len(c) for c in self.choices)}")  # fmt: skip
+        if isinstance(table, str):
+            if table != "prior":
+                raise ValueError(f"table: expected an AcceptanceTable, None or 'prior', got {table!r}")
+            table = None
+        elif table is None:
+            table = heads_table(heads)
+        elif not isinstance(table, AcceptanceTable):
+            raise ValueError(f"table: expected an AcceptanceTable, None or 'prior', got {type(table).__name__}")
         if table is not None and table.depth > heads.num_heads:
             raise ValueError(f"table: expected depth <= num_heads = {heads.num_heads}, got {table.depth}")
         self.table = table

@@ -44,6 +44,7 @@ __all__ = [
     "TrainConfig",
     "default_mbpp_path",
     "evaluate_heads",
+    "rank_rates",
     "load_mbpp",
     "main",
     "mbpp_prompt",
@@ -323,20 +324,39 @@ def train_heads(
 
 
 @torch.no_grad()
-def evaluate_heads(target, heads: MedusaHeads, examples: Sequence[Example], batch_size: int = 8) -> list[float]:
-    """Per-head top-1 accuracy (head k predicting token +k beyond the target's next) on ``examples``."""
+def rank_rates(target, heads: MedusaHeads, examples: Sequence[Example], ranks: int = 16,
+               batch_size: int = 8) -> list[list[float]]:  # fmt: skip
+    """``a[k][r]``: how often head k+1's rank-r prediction is the true token +(k+1) on ``examples``.
+
+    Row k, column r = the fraction of answer positions where the target's own continuation token
+    ``k + 1`` beyond the next one is the head's r-th most likely token (r < ``ranks``). Row sums
+    are the top-``ranks`` accuracies; column 0 is the top-1 accuracy. Read as ``a[depth][rank]``
+    it is the acceptance table ``drafters.trees.build_choices`` grows Medusa trees from (with
+    Medusa's independence assumption: a head's accuracy given that the shallower guesses were right
+    is taken to be its plain accuracy).
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks: expected >= 1, got {ranks}")
     device = target.get_input_embeddings().weight.device
-    correct = [0] * heads.num_heads
+    hits = [[0] * ranks for _ in range(heads.num_heads)]
     seen = [0] * heads.num_heads
     was_training = heads.training
     heads.eval()
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         for k, logits, labels in _head_terms(target, heads, chunk, 1 << 62, None, device):
-            correct[k] += int((logits.argmax(-1) == labels.to(logits.device)).sum())
+            top = torch.topk(logits, min(ranks, logits.shape[-1]), dim=-1).indices
+            found = (top == labels.to(logits.device)[:, None]).sum(0).tolist()  # hits per rank
+            for r, c in enumerate(found):
+                hits[k][r] += int(c)
             seen[k] += len(labels)
     heads.train(was_training)
-    return [c / s if s else 0.0 for c, s in zip(correct, seen)]
+    return [[h / seen[k] if seen[k] else 0.0 for h in hits[k]] for k in range(heads.num_heads)]
+
+
+def evaluate_heads(target, heads: MedusaHeads, examples: Sequence[Example], batch_size: int = 8) -> list[float]:
+    """Per-head top-1 accuracy (head k predicting token +k beyond the target's next) on ``examples``."""
+    return [row[0] for row in rank_rates(target, heads, examples, ranks=1, batch_size=batch_size)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,9 +391,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="target dtype (default bf16 on cuda, fp32 on cpu); heads train in fp32")
+    parser.add_argument("--table-ranks", type=int, default=16,
+                        help="ranks of the held-out acceptance table saved with the heads (tree building)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if ns.table_ranks < 1:
+        raise ValueError(f"--table-ranks: expected >= 1, got {ns.table_ranks}")
 
     from specdec import models
 
@@ -414,14 +438,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = evaluate_heads(target, heads, heldout) if heldout else []
     cfg = TrainConfig(steps=ns.steps, lr=ns.lr, batch_size=ns.batch_size, max_positions=ns.max_positions, seed=ns.seed)
     losses = train_heads(target, heads, train, cfg, progress=progress)
-    after = evaluate_heads(target, heads, heldout) if heldout else []
+    rates = rank_rates(target, heads, heldout, ranks=ns.table_ranks) if heldout else []
+    after = [row[0] for row in rates]
+    # The measured table: MedusaDrafter builds its per-budget trees from it (drafters.trees.build_choices).
     heads.save(out, target=str(ns.target), train=asdict(cfg), train_examples=len(train),
                heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
-               final_loss=losses[-1] if losses else None)  # fmt: skip
+               heldout_rank_rates=rates, final_loss=losses[-1] if losses else None)  # fmt: skip
     print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} ({len(losses)} steps)")
     if heldout:
         for k, (b, a) in enumerate(zip(before, after), start=1):
-            print(f"head {k} (token +{k} beyond the next): held-out top-1 {b:.3f} -> {a:.3f}")
+            print(f"head {k} (token +{k} beyond the next): held-out top-1 {b:.3f} -> {a:.3f}, "
+                  f"top-{ns.table_ranks} {sum(rates[k - 1]):.3f}")
     print(f"saved {out / 'medusa_heads.safetensors'} and {out / 'medusa_config.json'}")
     return 0
 

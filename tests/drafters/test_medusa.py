@@ -16,6 +16,7 @@ from drafters.medusa_train import (
     evaluate_heads,
     load_mbpp,
     mbpp_prompt,
+    rank_rates,
     self_distill,
     train_heads,
 )
@@ -130,6 +131,34 @@ def test_training_lowers_the_loss_and_round_trips_through_save_load(tmp_path):
         MedusaHeads.load(tmp_path)
 
 
+def test_rank_rates_partition_every_position_and_build_the_drafters_trees(tmp_path):
+    target = _target()
+    examples = _distilled()[20:]
+    torch.manual_seed(1)
+    heads = MedusaHeads(64, 3)
+    train_heads(target, heads, _distilled()[:20], TrainConfig(steps=10, lr=1e-2, batch_size=4, seed=0), progress=False)
+    full = rank_rates(target, heads, examples, ranks=VOCAB)  # every label has some rank among all tokens
+    assert len(full) == 3 and all(abs(sum(row) - 1.0) < 1e-9 for row in full)
+    top = rank_rates(target, heads, examples, ranks=4)
+    assert [r[:4] for r in full] == top
+    assert [r[0] for r in top] == evaluate_heads(target, heads, examples)
+    with pytest.raises(ValueError, match=r"ranks: expected >= 1, got 0"):
+        rank_rates(target, heads, examples, ranks=0)
+
+    heads.save(tmp_path / "h", heldout_rank_rates=top)
+    loaded = MedusaHeads.load(tmp_path / "h")
+    drafter = MedusaDrafter(target, loaded)
+    assert drafter.table.probs == tuple(tuple(r) for r in top)
+    assert drafter.topology(40).n == 41 and drafter.topology(40).depth.max() <= 3
+    assert MedusaDrafter(target, loaded, table="prior").table is None
+    assert MedusaDrafter(target, heads).table is None  # trained here, never saved: no rates
+    with pytest.raises(ValueError, match=r"table: expected an AcceptanceTable, None or 'prior', got 'measured'"):
+        MedusaDrafter(target, loaded, table="measured")
+    loaded.meta["heldout_rank_rates"] = top[:2]
+    with pytest.raises(ValueError, match=r"heads: expected heldout_rank_rates of 3 rows"):
+        MedusaDrafter(target, loaded)
+
+
 def test_mbpp_rows_and_prompts(tmp_path):
     path = tmp_path / "mbpp.jsonl"
     path.write_text(json.dumps({"text": "Add two numbers.", "test_list": ["assert add(1, 2) == 3"]}) + "\n\n")
@@ -155,6 +184,9 @@ def test_train_medusa_cli_on_a_tiny_model(tmp_path, capsys):
     assert "head 1 (token +1 beyond the next): held-out top-1" in text
     cfg = json.loads((out / "medusa_config.json").read_text())
     assert cfg["num_heads"] == 2 and cfg["train_examples"] == 4 and len(cfg["heldout_top1"]) == 2
+    rates = cfg["heldout_rank_rates"]  # 2 heads x 16 ranks; column 0 is the top-1 accuracy
+    assert len(rates) == 2 and all(len(r) == 16 for r in rates)
+    assert [r[0] for r in rates] == cfg["heldout_top1"]
     assert (out / "selfdistill.jsonl").is_file()
     # a second run reuses the cached self-distillation answers
     assert medusa_train.main(argv) == 0
