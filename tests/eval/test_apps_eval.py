@@ -196,6 +196,28 @@ def test_sweep_cli_and_report_only(pair, tmp_path, capsys):
     assert len(_lines(out)) == 4  # report-only ran nothing
 
 
+def test_baselines_and_speculative_methods_in_two_runs_share_one_report(pair, loaded, tmp_path, capsys):
+    """The device plan for issue 6: baselines first (the Medusa heads need not exist yet), the
+    speculative method later into the same file with the same settings; one report pairs them."""
+    from drafters.medusa import MedusaHeads
+
+    out, heads = tmp_path / "split.jsonl", tmp_path / "heads"
+    base = ["sweep", "--problems", "2", "--data", pair["data"], "--target", pair["target"], "--draft", pair["draft"],
+            "--drafter", "medusa", "--drafter-option", f"heads={heads}", "--tree-sizes", "4", "--max-new-tokens", "6",
+            "--device", "cpu", "--attn-impl", "torch", "--out", str(out), "--warmup", "0", "--no-progress"]  # fmt: skip
+    assert cli.main([*base, "--methods", "hf", "hf-static"]) == 0
+    assert not heads.exists() and len(_lines(out)) == 4
+    hidden = loaded[0].get_output_embeddings().weight.shape[1]
+    MedusaHeads(hidden, 2).save(heads)
+    assert cli.main([*base, "--methods", "specdec"]) == 0
+    assert len({r["config_key"] for r in _lines(out)}) == 1 and len(_lines(out)) == 6
+    summary = json.loads((tmp_path / "split.summary.json").read_text())
+    rows = {(r["method"], r["tree_size"]): r for r in summary["rows"]}
+    assert set(rows) == {("hf", None), ("hf-static", None), ("specdec", 4)}
+    assert rows[("specdec", 4)]["problems"] == 2 and rows[("specdec", 4)]["speedup_vs_hf_static"] is not None
+    assert "| specdec | 4 |" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------------
 # pieces
 

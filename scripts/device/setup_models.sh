@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# On the device machine, after the staging calls (docs/DEVICE_RUNS.md): assemble the staged GGUF
+# pieces in /tmp/staged, install the carried wheels (.evaldata/wheels), and convert both Qwen models
+# into $SPECDEC_HOME (default /tmp/specdec-home). Writes sha256 sums and the conversion log to $OUT.
+# Takes ~3 minutes of CPU; run it in the background (`... &`) next to GPU work.
+set -euo pipefail
+export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home}
+out=${OUT:-/tmp}
+cd /tmp/staged
+for b in $(ls parts | sed 's/\.part\.[0-9]*$//' | sort -u); do cat parts/"$b".part.* > "$b"; done
+rm -rf parts
+sha256sum /tmp/staged/*.gguf > "$out/staged.sha256"
+cd - > /dev/null
+python3 -m pip install --no-deps -q .evaldata/wheels/*.whl > "$out/pip.log" 2>&1  # not `pip`: another interpreter there
+for m in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do
+  mkdir -p "$SPECDEC_HOME/models/$m"
+  mv "/tmp/staged/$m.gguf" "$SPECDEC_HOME/models/$m/"
+  python3 -m specdec.cli models fetch "$m"
+done > "$out/convert.log" 2>&1
+echo "converted into $SPECDEC_HOME" >> "$out/convert.log"
