@@ -152,7 +152,8 @@ class DraftModelDrafter(BaseDrafter):
             prev = old.get(b)
             cache = prev.cache if prev is not None else KVCache(1, self._capacity_for(len(prompt) + 64))
             cache.reset()
-            self._states[b] = _SeqState(cache, [], [])
+            # The fixed-shape forward (and its CUDA graph) stays valid as long as the cache does.
+            self._states[b] = _SeqState(cache, [], [], fwd=prev.fwd if prev is not None else None)
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:

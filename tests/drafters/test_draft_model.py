@@ -239,6 +239,11 @@ def test_static_shapes_greedy_equals_target_generate_in_a_batch(family):
     for b, p in enumerate(prompts):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(_target(family), p, NEW)
     assert all(st.fwd is not None and st.fwd.calls > len(out.steps) for st in drafter._states.values())
+    # a new generate call reuses each sequence's fixed-shape forward (no new CUDA-graph capture)
+    fwds = [st.fwd for st in drafter._states.values()]
+    out2 = SpecDecoder(_target(family), drafter, tree_size=24, attn_impl="torch").generate(prompts, NEW)
+    assert out2.sequences.tolist() == out.sequences.tolist()
+    assert [st.fwd for st in drafter._states.values()] == fwds
 
 
 def test_argument_errors():
@@ -275,3 +280,5 @@ def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family):
     assert out.sequences[0].tolist() == ref
     fwd = graphed._states[0].fwd
     assert fwd.captured and fwd.calls > len(out.steps)
+    assert SpecDecoder(target, cmp, tree_size=20).generate(prompt, NEW).sequences[0].tolist() == ref
+    assert graphed._states[0].fwd is fwd  # one capture serves later generate calls
