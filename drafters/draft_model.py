@@ -150,7 +150,7 @@ class DraftModelDrafter(BaseDrafter):
         self._states = {}
         for b, prompt in enumerate(input_ids):
             prev = old.get(b)
-            cache = prev.cache if prev is not None else KVCache(1, self._capacity_for(len(prompt) + 64))
+            cache = prev.cache if prev is not None else self._new_cache(len(prompt) + 64)
             cache.reset()
             # The fixed-shape forward (and its CUDA graph) stays valid as long as the cache does.
             self._states[b] = _SeqState(cache, [], [], fwd=prev.fwd if prev is not None else None)
@@ -228,13 +228,14 @@ class DraftModelDrafter(BaseDrafter):
 
     # ------------------------------------------------------------------ internals
 
-    def _capacity_for(self, need: int) -> int:
-        return max(256, 1 << max(need - 1, 1).bit_length())
+    def _new_cache(self, need: int) -> KVCache:
+        """A cache of at least ``need`` slots (a power of two >= 256), all layers in one tensor."""
+        return KVCache(1, max(256, 1 << max(need - 1, 1).bit_length()), num_layers=hf.num_layers(self.model))
 
     def _state(self, seq: int, length: int) -> _SeqState:
         st = self._states.get(seq)
         if st is None:
-            st = self._states[seq] = _SeqState(KVCache(1, self._capacity_for(length + 64)), [], [])
+            st = self._states[seq] = _SeqState(self._new_cache(length + 64), [], [])
         return st
 
     def _ensure_capacity(self, st: _SeqState, need: int) -> None:
@@ -242,7 +243,7 @@ class DraftModelDrafter(BaseDrafter):
         if need <= st.cache.capacity:
             return
         old = st.cache
-        new = KVCache(1, self._capacity_for(need))
+        new = self._new_cache(need)
         keep = len(st.committed)
         for layer in old.layer_indices:
             k, v = old.buffers(layer)

@@ -188,6 +188,7 @@ class SpecDecoder:
         self.attn_impl = attn_impl
         self._cache: KVCache | None = None
         self._graphs: dict[tuple[int, int], GraphedForward] = {}
+        self._num_layers = hf.num_layers(target)  # the KV cache keeps all layers in one tensor
 
     # ------------------------------------------------------------------ inputs
 
@@ -238,10 +239,10 @@ class SpecDecoder:
     def _get_cache(self, batch: int, need: int) -> KVCache:
         if self.max_cache_len is None:
             if not self.cuda_graphs:
-                return KVCache(batch, need)
+                return KVCache(batch, need, num_layers=self._num_layers)
             # Graphs record the cache's buffer addresses: keep one cache while requests fit.
             if self._cache is None or self._cache.batch_size != batch or self._cache.capacity < need:
-                self._cache = KVCache(batch, -(-need // _CAPACITY_STEP) * _CAPACITY_STEP)
+                self._cache = KVCache(batch, -(-need // _CAPACITY_STEP) * _CAPACITY_STEP, num_layers=self._num_layers)
             self._cache.reset()
             return self._cache
         if need > self.max_cache_len:
@@ -250,7 +251,7 @@ class SpecDecoder:
                 f"max_cache_len is {self.max_cache_len}"
             )
         if self._cache is None or self._cache.batch_size != batch:
-            self._cache = KVCache(batch, self.max_cache_len)
+            self._cache = KVCache(batch, self.max_cache_len, num_layers=self._num_layers)
         self._cache.reset()
         return self._cache
 

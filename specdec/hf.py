@@ -83,6 +83,12 @@ def vocab_size(model) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
+def num_layers(model) -> int | None:
+    """The model's decoder layer count (``config.num_hidden_layers``), or None if it has none."""
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def max_positions(model) -> int | None:
     """The model's context length (``max_position_embeddings``), or None if it declares none."""
     val = getattr(model.config.get_text_config(), "max_position_embeddings", None)

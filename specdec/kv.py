@@ -7,6 +7,11 @@ owns slots ``[0, lengths[b])`` of committed tokens; a verification forward write
 at ``[lengths[b], lengths[b] + n)`` and ``commit`` gathers the accepted nodes' KV to
 ``[lengths[b], lengths[b] + len(path))``. No buffer is ever reallocated or resized after its first
 write, which keeps every tensor address fixed for a later CUDA-graph capture.
+
+With ``num_layers`` given, the first write allocates the buffers of all layers at once as views of
+one ``[2, num_layers, B, Hkv, capacity, D]`` tensor (when later layers have the same shape, dtype
+and device; others get their own buffers), so that ``commit`` moves the accepted KV of every
+layer with one ``index_select`` and one ``index_copy_`` per sequence instead of two per buffer.
 """
 
 from __future__ import annotations
@@ -24,18 +29,25 @@ class KVCache:
     Args:
         batch_size: number of sequences B.
         capacity: slots per sequence (prompt + generated tokens + one tree must fit).
+        num_layers: attention layers of the model (``layer_idx`` 0 .. num_layers - 1), to keep
+            them in one stacked tensor (see the module doc); None = one allocation per layer.
     """
 
-    def __init__(self, batch_size: int, capacity: int) -> None:
+    def __init__(self, batch_size: int, capacity: int, num_layers: int | None = None) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity: expected an int >= 1, got {capacity!r}")
+        if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1):
+            raise ValueError(f"num_layers: expected None or an int >= 1, got {num_layers!r}")
         self.batch_size = batch_size
         self.capacity = capacity
+        self.num_layers = num_layers
         self.lengths = [0] * batch_size
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
+        self._stack: torch.Tensor | None = None  # [2, num_layers, B, Hkv, capacity, D]
+        self._stacked: set[int] = set()  # layers whose buffers are views of _stack
 
     @property
     def layer_indices(self) -> list[int]:
@@ -73,18 +85,30 @@ class KVCache:
             ``(k_buf, v_buf)``, each ``[B, Hkv, capacity, D]``.
         """
         if layer_idx not in self._keys:
-            batch, heads, _, dim = key.shape
-            if batch != self.batch_size:
-                raise ValueError(f"key: expected batch size {self.batch_size}, got {batch}")
-            shape = (batch, heads, self.capacity, dim)
-            # Zeroed, not empty: masked slots must hold finite values (0 * NaN would poison attention).
-            self._keys[layer_idx] = torch.zeros(shape, dtype=key.dtype, device=key.device)
-            self._values[layer_idx] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+            self._allocate(layer_idx, key, value)
         k_buf, v_buf = self._keys[layer_idx], self._values[layer_idx]
         index = slots[:, None, :, None].expand(key.shape)
         k_buf.scatter_(2, index, key.to(k_buf.dtype))
         v_buf.scatter_(2, index, value.to(v_buf.dtype))
         return k_buf, v_buf
+
+    def _allocate(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        batch, heads, _, dim = key.shape
+        if batch != self.batch_size:
+            raise ValueError(f"key: expected batch size {self.batch_size}, got {batch}")
+        shape = (batch, heads, self.capacity, dim)
+        same = value.shape == key.shape and value.dtype == key.dtype and value.device == key.device
+        if self.num_layers is not None and 0 <= layer_idx < self.num_layers and same:
+            if self._stack is None:
+                # Zeroed, not empty: masked slots must hold finite values (0 * NaN would poison attention).
+                self._stack = torch.zeros((2, self.num_layers, *shape), dtype=key.dtype, device=key.device)
+            st = self._stack
+            if tuple(st.shape[2:]) == shape and st.dtype == key.dtype and st.device == key.device:
+                self._keys[layer_idx], self._values[layer_idx] = st[0, layer_idx], st[1, layer_idx]
+                self._stacked.add(layer_idx)
+                return
+        self._keys[layer_idx] = torch.zeros(shape, dtype=key.dtype, device=key.device)
+        self._values[layer_idx] = torch.zeros(shape, dtype=value.dtype, device=value.device)
 
     def commit(self, paths: Sequence[Sequence[int] | None]) -> None:
         """Keep each sequence's accepted tree nodes, contiguously after its committed tokens.
@@ -98,10 +122,7 @@ class KVCache:
         """
         if len(paths) != self.batch_size:
             raise ValueError(f"paths: expected one entry per sequence ({self.batch_size}), got {len(paths)}")
-        width = max((len(p) for p in paths if p), default=0)
-        if width == 0:
-            return
-        src, dst = [], []
+        moves: list[tuple[int, list[int], list[int]]] = []  # (sequence, source slots, destination slots)
         for b, path in enumerate(paths):
             path = list(path or [])
             if path and path[0] != 0:
@@ -111,24 +132,31 @@ class KVCache:
             base = self.lengths[b]
             if base + (path[-1] if path else 0) >= self.capacity:
                 raise ValueError(f"paths[{b}]: node {path[-1]} lies past the cache capacity {self.capacity}")
-            s = [base + i for i in path]
-            d = [base + j for j in range(len(path))]
-            if not path:  # slot 0 copied onto itself: a no-op entry (duplicate writes carry equal values)
-                s, d = [0], [0]
-            s += [s[-1]] * (width - len(s))
-            d += [d[-1]] * (width - len(d))
-            src.append(s)
-            dst.append(d)
-        src_t = torch.tensor(src, dtype=torch.int64)
-        dst_t = torch.tensor(dst, dtype=torch.int64)
-        on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer_idx in self._keys:
-            for buf in (self._keys[layer_idx], self._values[layer_idx]):
+            # Node path[j] moves from slot base + path[j] to base + j; nodes already in place stay
+            # (a path along the depth-first order's first children moves nothing).
+            pairs = [(base + i, base + j) for j, i in enumerate(path) if i != j]
+            if pairs:
+                moves.append((b, [p[0] for p in pairs], [p[1] for p in pairs]))
+        if moves:
+            index = torch.tensor([x for _, src, dst in moves for x in (*src, *dst)], dtype=torch.int64)
+            on_device: dict[torch.device, torch.Tensor] = {}
+
+            def move(buf: torch.Tensor) -> None:  # [..., B, Hkv, capacity, D]: every leading dim at once
                 if buf.device not in on_device:
-                    on_device[buf.device] = (src_t.to(buf.device), dst_t.to(buf.device))
-                s_dev, d_dev = on_device[buf.device]
-                shape = (buf.shape[0], buf.shape[1], width, buf.shape[3])
-                moved = buf.gather(2, s_dev[:, None, :, None].expand(shape))
-                buf.scatter_(2, d_dev[:, None, :, None].expand(shape), moved)
+                    on_device[buf.device] = index.to(buf.device, non_blocking=True)
+                idx = on_device[buf.device]
+                at = 0
+                for b, src, dst in moves:  # src > dst slot-wise: index_select copies before anything is written
+                    seq = buf.select(-4, b)
+                    m = len(src)
+                    seq.index_copy_(-2, idx[at + m : at + 2 * m], seq.index_select(-2, idx[at : at + m]))
+                    at += 2 * m
+
+            if self._stacked:
+                move(self._stack)  # every stacked layer's keys and values at once
+            for layer_idx in self._keys:
+                if layer_idx not in self._stacked:
+                    move(self._keys[layer_idx])
+                    move(self._values[layer_idx])
         for b, path in enumerate(paths):
             self.lengths[b] += len(path or [])

@@ -40,12 +40,12 @@ def _paths(parents: list[int]) -> list[list[int]]:
     return out
 
 
-def _check_tree_logits(model, prompts, trees, impl="torch", static=False, atol=2e-5):
+def _check_tree_logits(model, prompts, trees, impl="torch", static=False, atol=2e-5, num_layers=None):
     """Prefill each prompt but its last token, score its tree, compare with fresh causal forwards."""
     batch = len(prompts)
     n = max(len(t) for t, _ in trees)
     capacity = max(len(p) for p in prompts) + n + 3
-    cache = KVCache(batch, capacity)
+    cache = KVCache(batch, capacity, num_layers=num_layers)
     longest = max(len(p) for p in prompts)
     ids = torch.zeros(batch, longest - 1, dtype=torch.long)
     for b, p in enumerate(prompts):
@@ -100,13 +100,16 @@ def test_tree_logits_through_triton_interpreter():
     _check_tree_logits(model, [prompt], [_random_tree(7, seed=7)], impl="triton")
 
 
-def test_commit_equals_fresh_prefill():
+@pytest.mark.parametrize("stacked", [False, True])
+def test_commit_equals_fresh_prefill(stacked):
     model = tiny_model("qwen2")
     prepare_model(model)
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, VOCAB, (L,), generator=gen).tolist() for L in (7, 10)]
     trees = [_random_tree(30, seed=9), _random_tree(12, seed=10)]
-    cache, logits, tokens, mask = _check_tree_logits(model, prompts, trees)
+    layers = model.config.num_hidden_layers if stacked else None
+    cache, logits, tokens, mask = _check_tree_logits(model, prompts, trees, num_layers=layers)
+    assert (cache._stack is not None) == stacked
     # Accept the path to the deepest node of each tree; the second sequence commits nothing.
     depth = mask.depth
     deepest = int(depth[0].argmax())
@@ -152,6 +155,31 @@ def test_ordinary_forward_unchanged(attn):
         after_gen = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     torch.testing.assert_close(after, before, atol=0, rtol=0)
     assert torch.equal(after_gen, before_gen)
+
+
+def test_stacked_cache_commits_like_per_layer_buffers():
+    """All layers in one tensor (one gather + scatter per commit) == one buffer pair per layer,
+    including layers that cannot join the stack (other head count, index past num_layers)."""
+    gen = torch.Generator().manual_seed(0)
+    flat, stacked = KVCache(2, 12), KVCache(2, 12, num_layers=4)
+    shapes = {0: (2, 3, 5, 8), 1: (2, 3, 5, 8), 2: (2, 1, 5, 8), 3: (2, 3, 5, 8), 7: (2, 3, 5, 8)}
+    # [0, 1, 2]: nodes already in place (nothing moves); the others move some nodes
+    for step, paths in enumerate([[[0, 2, 4], [0]], [None, [0, 1, 3, 4]], [[0, 1, 2], [0, 4]], [[0, 1], [0, 3]]]):
+        for layer, shape in shapes.items():
+            k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+            slots = torch.tensor([[flat.lengths[b] + i for i in range(5)] for b in range(2)])
+            for cache in (flat, stacked):
+                cache.write(layer, k, v, slots)
+        for cache in (flat, stacked):
+            cache.commit(paths)
+        assert flat.lengths == stacked.lengths
+        for layer in shapes:
+            for a, b in zip(flat.buffers(layer), stacked.buffers(layer)):
+                assert torch.equal(a, b)
+    assert stacked._stacked == {0, 1, 3} and stacked._stack.shape == (2, 4, 2, 3, 12, 8)
+    assert stacked.buffers(1)[0].data_ptr() == stacked._stack[0, 1].data_ptr()
+    with pytest.raises(ValueError, match=r"num_layers: expected None or an int >= 1, got 0"):
+        KVCache(1, 4, num_layers=0)
 
 
 def test_kv_cache_errors():
