@@ -109,6 +109,8 @@ class EvalConfig:
         out: JSONL file of the results (appended to; resumable).
         pad_prompt_to: prepend few-shot problems until each prompt has at least this many tokens.
         attn_impl: the engine's attention implementation (``"auto"``, ``"triton"``, ``"torch"``).
+        compile: the engine's target forward through ``torch.compile`` (``SpecDecoder(compile=True)``,
+            static shapes); its compile time falls in the warm-up.
         warmup: untimed generations per method (and tree size) before its first timed one.
         progress: tqdm bars.
         home: model store root (None: ``$SPECDEC_HOME``).
@@ -132,6 +134,7 @@ class EvalConfig:
     out: str = "results.jsonl"
     pad_prompt_to: int | None = None
     attn_impl: str = "auto"
+    compile: bool = False
     warmup: int = 1
     progress: bool = True
     home: str | None = None
@@ -187,6 +190,8 @@ def config_key(cfg: EvalConfig) -> str:
         "dtype": cfg.resolved_dtype(), "device": cfg.resolved_device().split(":")[0], "data_path": cfg.data_path,
         "pad_prompt_to": cfg.pad_prompt_to, "attn_impl": cfg.attn_impl,
     }  # fmt: skip
+    if cfg.compile:  # only when set: keys of runs made before the option existed stay valid
+        keyed["compile"] = True
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -539,7 +544,8 @@ class Session:
                 drafter = self._recorders[tree_size] = RecordingDrafter(inner)
             self._decoders[tree_size] = SpecDecoder(
                 self.target, drafter, tree_size or 0, max_cache_len=self.max_cache_len + (tree_size or 0),
-                attn_impl=self.cfg.attn_impl,
+                attn_impl=self.cfg.attn_impl, static_shapes=True if self.cfg.compile else None,
+                compile=self.cfg.compile,
             )  # fmt: skip
         return self._decoders[tree_size]
 
@@ -804,7 +810,7 @@ def run_eval(
         "config_key": key, "dataset": cfg.dataset, "target": cfg.target, "draft": cfg.draft,
         "drafter": cfg.drafter, "drafter_options": dict(cfg.drafter_options), "dtype": dtype_name, "device": device, "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature, "seed": cfg.seed, "pad_prompt_to": cfg.pad_prompt_to,
-        "attn_impl": cfg.attn_impl,
+        "attn_impl": cfg.attn_impl, "compile": cfg.compile,
     }  # fmt: skip
     warmed: set[tuple[str, int | None]] = set()
     bar = _tqdm(list(_work_items(problems, methods, cfg.tree_sizes)), desc=f"{cfg.dataset} problems",
@@ -956,6 +962,8 @@ def _parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
     p.add_argument("--pad-prompt-to", type=int, default=None,
                    help="prepend few-shot problems until every prompt has at least N tokens (e.g. 4000)")
     p.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto", help="the engine's attention")
+    p.add_argument("--compile", action="store_true",
+                   help="the engine's target forward through torch.compile (inductor) before its CUDA graph")
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per method before timing")
     p.add_argument("--home", default=None, help="model store root (default $SPECDEC_HOME)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -988,7 +996,7 @@ def _config_from(ns: argparse.Namespace, dataset: str) -> EvalConfig:
         tree_sizes=tuple(ns.tree_sizes), methods=tuple(ns.methods), problems=ns.problems or None,
         difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, seed=ns.seed, dtype=ns.dtype,
-        device=ns.device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl, warmup=ns.warmup,
+        device=ns.device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl, compile=ns.compile, warmup=ns.warmup,
         progress=not ns.no_progress, home=ns.home,
     )  # fmt: skip
 

@@ -7,8 +7,10 @@ after every section so that a run cut off by a time limit keeps what it measured
            ``--max-new-tokens``: HF ``generate`` with its default (dynamic) cache, HF ``generate``
            with ``cache_implementation="static"`` (compiled decode on CUDA; warmed up twice and run
            last of all, after the other sections, since it compiles), the engine eager
-           (``SpecDecoder(target, None, cuda_graphs=False)``) and the engine with its forward
-           replayed as a CUDA graph. Tokens/s, ms/token, and how many completions are identical to
+           (``SpecDecoder(target, None, cuda_graphs=False)``), the engine with its forward
+           replayed as a CUDA graph, and the same forward compiled by inductor before the capture
+           (``engine-compiled``, ``SpecDecoder(compile=True)``; its compile time is in
+           ``warmup_s``). Tokens/s, ms/token, and how many completions are identical to
            the reference (HF default cache; in bf16 some differ by rounding, in fp32 none may).
 ``verify`` (b) one target verify forward (inputs to the device + forward, as a decoding step pays
            it) of a random tree (``treeattn.layout.random_tree_parents``) of n nodes over the first
@@ -44,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SECTIONS = ("plain", "verify", "spec")
-PLAIN_METHODS = ("hf", "hf-static", "engine-eager", "engine-graph")
+PLAIN_METHODS = ("hf", "hf-static", "engine-eager", "engine-graph", "engine-compiled")
 DRAFTERS = ("model", "lookup")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -251,13 +253,14 @@ def _hf_generate(setup: _Setup, prompt, new: int, static: bool) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def _engine(setup: _Setup, drafter, tree_size: int, graph: bool):
-    """A decoder; ``graph``: CUDA graphs on CUDA, the same fixed-buffer path without capture on CPU."""
+def _engine(setup: _Setup, drafter, tree_size: int, graph: bool, compile: bool = False):
+    """A decoder; ``graph``: CUDA graphs on CUDA, the same fixed-buffer path without capture on CPU;
+    ``compile``: the fixed-shape forward through ``torch.compile`` (inductor) before the capture."""
     from specdec import SpecDecoder
 
     cuda = setup.device.type == "cuda"
     return SpecDecoder(setup.target, drafter, tree_size, max_cache_len=setup.capacity, attn_impl=setup.cfg.attn_impl,
-                       static_shapes=True if graph else None, cuda_graphs=graph and cuda)  # fmt: skip
+                       static_shapes=True if graph else None, cuda_graphs=graph and cuda, compile=compile)  # fmt: skip
 
 
 def run_plain_method(setup: _Setup, method: str, log: Callable[[str], None]) -> dict[str, Any]:
@@ -269,7 +272,7 @@ def run_plain_method(setup: _Setup, method: str, log: Callable[[str], None]) -> 
         gen = lambda p, k: _hf_generate(setup, p, k, static)  # noqa: E731
         warm = 2 if static else 1
     else:
-        dec = _engine(setup, None, 0, graph=method == "engine-graph")
+        dec = _engine(setup, None, 0, graph=method != "engine-eager", compile=method == "engine-compiled")
         gen = lambda p, k: dec.generate(p, k, eos_token_id=setup.eos or None,  # noqa: E731
                                         pad_token_id=setup.pad).new_tokens(0).tolist()
         warm = 1
@@ -288,7 +291,7 @@ def run_plain_method(setup: _Setup, method: str, log: Callable[[str], None]) -> 
     ref_name, ref = _reference(setup)
     row = {
         "method": method,
-        "captured": method == "engine-graph" and setup.device.type == "cuda",
+        "captured": method in ("engine-graph", "engine-compiled") and setup.device.type == "cuda",
         "new_tokens": total_new,
         "seconds": total_s,
         "tokens_per_s": total_new / total_s if total_s > 0 else math.nan,
@@ -535,7 +538,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
         if "plain" in cfg.sections:
             log(f"(a) plain decoding, {len(setup.prompts)} prompts x {cfg.max_new_tokens} new tokens")
             rows: list[dict[str, Any]] = []
-            for method in ("hf", "engine-eager", "engine-graph"):  # hf-static last of all: it compiles
+            for method in ("hf", "engine-eager", "engine-graph", "engine-compiled"):  # hf-static last: it compiles
                 if method in cfg.plain_methods:
                     _guarded(rows, {"method": method}, lambda: run_plain_method(setup, method, log), log)
             result["plain"] = rows
@@ -598,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-tree-size", type=int, default=64, help="(c) draft nodes per step besides the root (default 64)")
     p.add_argument("--sections", type=_csv(str, SECTIONS), default=SECTIONS, help="comma list (default plain,verify,spec)")
     p.add_argument("--plain-methods", type=_csv(str, PLAIN_METHODS), default=PLAIN_METHODS,
-                   help="(a) comma list (default hf,hf-static,engine-eager,engine-graph)")
+                   help="(a) comma list (default hf,hf-static,engine-eager,engine-graph,engine-compiled)")
     p.add_argument("--drafters", type=_csv(str, DRAFTERS), default=DRAFTERS, help="(c) comma list (default model,lookup)")
     p.add_argument("--reps", type=int, default=20, help="(b) timed forwards per tree size and mode (default 20)")
     p.add_argument("--seed", type=int, default=0)

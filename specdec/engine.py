@@ -132,6 +132,10 @@ class SpecDecoder:
             CPU). Needs static shapes. With ``max_cache_len=None``
             the cache is then kept across calls (grown, and the graphs recaptured, only when a
             request does not fit), so that the graphs are reused.
+        compile: run the fixed-shape tree forward through ``torch.compile`` before it is captured
+            (True: inductor, or a backend name; needs static shapes): fuses the layers'
+            elementwise kernels; the tree attention stays one custom op. The first forward of
+            each shape compiles (tens of seconds for a real model). Default False.
     """
 
     def __init__(
@@ -144,6 +148,7 @@ class SpecDecoder:
         static_shapes: bool | None = None,
         attn_impl: str = "auto",
         cuda_graphs: bool | None = None,
+        compile: bool | str = False,
     ) -> None:
         hf.prepare_model(target, "target")
         if not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0:
@@ -185,6 +190,11 @@ class SpecDecoder:
             cuda_graphs = (self.static_shapes and self.device.type == "cuda" and len(model_devices(target)) == 1
                            and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0")
         self.cuda_graphs = bool(cuda_graphs)
+        if not isinstance(compile, (bool, str)) or compile == "":
+            raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
+        if compile and not self.static_shapes:
+            raise ValueError("compile: needs static_shapes (fixed [B, tree_size + 1] forwards), got static_shapes=False")
+        self.compile = compile
         self.attn_impl = attn_impl
         self._cache: KVCache | None = None
         self._graphs: dict[tuple[int, int], GraphedForward] = {}
@@ -450,7 +460,7 @@ class SpecDecoder:
         if graphed is None:
             graphed = self._graphs[(batch, n)] = GraphedForward(
                 self.target, cache, batch, n, impl=self.attn_impl, return_hidden=self._wants_hidden,
-                capture=self.cuda_graphs,
+                capture=self.cuda_graphs, compile=self.compile,
             )  # fmt: skip
         return graphed
 

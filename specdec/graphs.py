@@ -56,6 +56,7 @@ from treeattn import TreeMask, num_words
 __all__ = ["GraphedForward", "GraphedMaskedForward", "InputLayout", "pack_trees"]
 
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
+_COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
 
 
 class InputLayout:
@@ -144,7 +145,7 @@ class _Replayed:
     the CUDA-graph capture of ``_body`` (which subclasses define over their fixed input buffers)."""
 
     def __init__(self, model, cache: KVCache, batch: int, n: int, *, capture: bool, warmup: int,
-                 n_name: str = "n") -> None:  # fmt: skip
+                 compile: bool | str = False, n_name: str = "n") -> None:  # fmt: skip
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected a specdec.KVCache, got {type(cache).__name__}")
         for name, val in (("batch", batch), (n_name, n)):
@@ -156,6 +157,8 @@ class _Replayed:
             raise ValueError(f"{n_name}: expected at most the cache capacity {cache.capacity}, got {n}")
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
+        if not isinstance(compile, (bool, str)) or compile == "":
+            raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
         self.device = hf.input_device(model)
         devices = model_devices(model)
         if capture:
@@ -168,6 +171,9 @@ class _Replayed:
         self.batch = batch
         self.capture = bool(capture)
         self.warmup = warmup
+        #: torch.compile backend of the body ("inductor" for True), or None: run it as is
+        self.compile = ("inductor" if compile is True else compile) or None
+        self._compiled = None
         self.logits: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
         self.graph = None  # torch.cuda.CUDAGraph once captured
@@ -184,6 +190,21 @@ class _Replayed:
     def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
+    def _run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The body, through ``torch.compile`` when asked (compiled on the first call, which the
+        capture makes outside the recorded region). The fused elementwise work of the model's
+        layers is what compiling buys; the tree attention stays one custom op."""
+        if self.compile is None:
+            return self._body()
+        if self._compiled is None:
+            # Every instance compiles the same code object for its own shapes and buffers; dynamo's
+            # default of 8 variants per code object would silently leave later instances
+            # uncompiled (e.g. a sweep over tree sizes and batch sizes).
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)
+            self._compiled = torch.compile(self._body, backend=self.compile, fullgraph=False, dynamic=False)
+        return self._compiled()
+
     @torch.no_grad()
     def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the forward on the loaded inputs: ``(logits, hidden or None)``.
@@ -195,7 +216,7 @@ class _Replayed:
                 self._capture()
             self.graph.replay()
         else:
-            logits, hidden = self._body()
+            logits, hidden = self._run()
             if self.logits is None:
                 self.logits, self.hidden = logits, hidden
             else:
@@ -218,7 +239,7 @@ class _Replayed:
         """
         device = self.device
         with torch.cuda.device(device):
-            self._body()  # allocates the cache's buffers (first forward) on this stream; compiles kernels
+            self._run()  # allocates the cache's buffers (first forward) on this stream; compiles kernels
             layers = list(self.cache.layer_indices)
             if not layers:
                 raise RuntimeError("cache: the warm-up forward wrote no KV buffers; cannot capture the forward")
@@ -226,11 +247,11 @@ class _Replayed:
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
-                    self._body()
+                    self._run()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                logits, hidden = self._body()
+                logits, hidden = self._run()
             if list(self.cache.layer_indices) != layers:
                 raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
         self.graph = graph
@@ -271,14 +292,17 @@ class GraphedForward(_Replayed):
         return_hidden: also produce the final hidden states (for drafters that read them).
         capture: record a CUDA graph (the model must be on CUDA); False = eager replay.
         warmup: side-stream forwards before the capture (after one on the current stream).
+        compile: run the body through ``torch.compile`` (True: inductor; or a backend name), e.g.
+            to fuse the layers' elementwise kernels before the capture.
 
     Use: ``load(trees, prefix_lens)`` then ``forward()`` (or ``run`` for both) returns
     ``(logits [B, n, V], hidden [B, n, H] or None)`` -- the same tensor objects every call.
     """
 
     def __init__(self, model, cache: KVCache, batch: int, n: int, *, impl: str = "auto",
-                 return_hidden: bool = False, capture: bool = False, warmup: int = 2) -> None:  # fmt: skip
-        super().__init__(model, cache, batch, n, capture=capture, warmup=warmup)
+                 return_hidden: bool = False, capture: bool = False, warmup: int = 2,
+                 compile: bool | str = False) -> None:  # fmt: skip
+        super().__init__(model, cache, batch, n, capture=capture, warmup=warmup, compile=compile)
         self.n = n
         self.return_hidden = bool(return_hidden)
         self.layout = InputLayout(batch, n)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from specdec.kv import KVCache
 from treeattn import TreeMask, tree_attention
+from treeattn.ops import tree_attention_op
 
 __all__ = [
     "STATE_KWARG",
@@ -214,7 +215,11 @@ class ForwardState:
                 out = _masked_attention(query, key, value, visible, scale, softcap)
         else:
             k_all, v_all = k_buf[:, :, :seq_len], v_buf[:, :, :seq_len]
-            if window is None and softcap is None:
+            if window is None and softcap is None and torch.compiler.is_compiling():
+                # One opaque op for the compiler (no tracing into validation and the Triton launch).
+                out = tree_attention_op(query, k_all, v_all, prefix_lens, tree_mask.words, tree_mask.depth, scale,
+                                        self.impl)  # fmt: skip
+            elif window is None and softcap is None:
                 out = tree_attention(query, k_all, v_all, prefix_lens, tree_mask, scale=scale, impl=self.impl,
                                      check_prefix_lens=False)
             else:

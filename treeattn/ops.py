@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from treeattn.layout import TreeMask
 
-__all__ = ["KernelConfig", "tree_attention", "pick_config", "interpreter_enabled"]
+__all__ = ["KernelConfig", "tree_attention", "tree_attention_op", "pick_config", "interpreter_enabled"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _IMPLS = ("auto", "triton", "torch")
@@ -231,6 +231,24 @@ def tree_attention(
     if not q.is_cuda and not interpreter_enabled():
         raise ValueError("impl: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before importing treeattn")
     return _tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, config)
+
+
+@torch.library.custom_op("treeattn::tree_attention", mutates_args=())
+def tree_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
+                      words: torch.Tensor, depth: torch.Tensor, scale: float, impl: str) -> torch.Tensor:  # fmt: skip
+    """``tree_attention`` as a PyTorch custom op, for ``torch.compile``d callers.
+
+    The compiler sees one opaque op (its output is shaped like ``q``) instead of tracing the
+    validation and the Triton launch; at run time it is ``tree_attention(q, k, v, prefix_lens,
+    TreeMask(words, depth), scale, impl, check_prefix_lens=False)``. Shapes as in ``tree_attention``.
+    """
+    out = tree_attention(q, k, v, prefix_lens, TreeMask(words, depth), scale, impl, check_prefix_lens=False)
+    return out.contiguous()
+
+
+@tree_attention_op.register_fake
+def _tree_attention_fake(q, k, v, prefix_lens, words, depth, scale, impl):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def _tree_attention_torch(q, k, v, prefix_lens, tree_mask, scale):

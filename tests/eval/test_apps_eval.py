@@ -332,3 +332,10 @@ def test_cli_help(command, capsys):
     assert "--tree-sizes" in out and "--pad-prompt-to" in out and "--out" in out and "--seed" in out
     if command[0] == "sweep":
         assert "--report-only" in out
+
+
+def test_compile_changes_the_config_key(pair, tmp_path):
+    from dataclasses import replace
+
+    cfg = _cfg(pair, tmp_path / "c.jsonl")
+    assert not cfg.compile and E.config_key(replace(cfg, compile=True)) != E.config_key(cfg)

@@ -36,7 +36,7 @@ def test_bench_engine_cli_writes_well_formed_json(tiny, tmp_path, capsys):
     assert len(res["prompts"]) == 2 and res["capacity"] % 256 == 0
 
     plain = {r["method"]: r for r in res["plain"]}
-    assert list(plain) == ["hf", "engine-eager", "engine-graph", "hf-static"]  # hf-static runs last
+    assert list(plain) == ["hf", "engine-eager", "engine-graph", "engine-compiled", "hf-static"]  # hf-static last
     for name, row in plain.items():
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and row["new_tokens"] > 0 and len(row["per_problem_s"]) == 2

@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from drafters.base import DraftContext
 from specdec import KVCache, SpecDecoder, TokenTree
@@ -98,9 +99,12 @@ def _pointers(gf: GraphedForward) -> list[int]:
     return ptrs
 
 
-@pytest.mark.parametrize("family,hidden", [("llama", False), ("qwen2", True), ("gemma3", False)])
-def test_graph_eager_replay_equals_tree_forward_over_steps(family, hidden):
-    """Several steps, changing prefix lengths and trees (some padded): same logits as hf.tree_forward."""
+@pytest.mark.parametrize("family,hidden,compile", [("llama", False, False), ("qwen2", True, False), ("gemma3", False, False),
+                                                   ("qwen2", True, "aot_eager"), ("gemma3", False, "aot_eager")])
+def test_graph_eager_replay_equals_tree_forward_over_steps(family, hidden, compile):
+    """Several steps, changing prefix lengths and trees (some padded): same logits as hf.tree_forward.
+    compile: the body traced by torch.compile (aot_eager: the tracing and functionalization that
+    inductor starts from, without code generation), once for all steps."""
     model = _model(family)
     batch, n, capacity = 2, 33, 96
     prompts = [_prompt(20, 1), _prompt(9, 2)]
@@ -108,7 +112,8 @@ def test_graph_eager_replay_equals_tree_forward_over_steps(family, hidden):
     ids = torch.zeros(batch, 20, dtype=torch.int64)
     ids[0], ids[1, :9] = prompts[0], prompts[1]
     prefill(model, ids, cache, impl="torch")
-    gf = GraphedForward(model, cache, batch, n, impl="torch", return_hidden=hidden)
+    gf = GraphedForward(model, cache, batch, n, impl="torch", return_hidden=hidden, compile=compile)
+    graphs_before = counters["stats"]["unique_graphs"]
     lengths = [19, 8]
     pointers = None
     outputs = None
@@ -139,6 +144,7 @@ def test_graph_eager_replay_equals_tree_forward_over_steps(family, hidden):
                 torch.testing.assert_close(got_hidden[b, : t.n], want_hidden[b, : t.n], atol=2e-5, rtol=1e-5)
         lengths = [lengths[0] + 1 + step, lengths[1] + 2 * step]  # the next step's prefixes (data, not shapes)
     assert gf.calls == 5 and not gf.captured
+    assert counters["stats"]["unique_graphs"] - graphs_before == (1 if compile else 0)  # no recompiles
 
 
 def test_graph_forward_argument_errors():
@@ -269,6 +275,23 @@ def test_cuda_graphs_argument_errors():
         SpecDecoder(model, None, cuda_graphs="yes")
     assert SpecDecoder(model, None).cuda_graphs is False  # CPU default: off, dynamic shapes
     assert SpecDecoder(model, None, static_shapes=True).cuda_graphs is False
+    with pytest.raises(ValueError, match=r"compile: needs static_shapes .*got static_shapes=False"):
+        SpecDecoder(model, None, compile=True)
+    with pytest.raises(ValueError, match=r"compile: expected a bool or a torch.compile backend name, got ''"):
+        SpecDecoder(model, None, static_shapes=True, compile="")
+
+
+@pytest.mark.parametrize("kind,tree_size", [("oracle", 8), ("random", 31)])
+def test_compiled_engine_equals_hf_generate(kind, tree_size):
+    """SpecDecoder(compile=...) on CPU (aot_eager): the traced forward gives HF's greedy tokens."""
+    model = _model("qwen2")
+    prompt = _prompt(10, 0)
+    ref = hf_greedy(model, prompt, 24)
+    drafter = {"oracle": OracleDrafter([ref], seed=3), "random": RandomTreeDrafter(seed=4)}[kind]
+    dec = SpecDecoder(model, drafter, tree_size=tree_size, static_shapes=True, attn_impl="torch", compile="aot_eager")
+    assert dec.generate(prompt, 24).sequences[0].tolist() == ref
+    (gf,) = dec._graphs.values()
+    assert gf.compile == "aot_eager" and gf._compiled is not None
 
 
 # ---------------------------------------------------------------------------- CUDA graphs (GPU only)
@@ -414,6 +437,18 @@ def test_cuda_graph_engine_equals_hf_generate(kind, tree_size):
     assert gf.captured
     eager = SpecDecoder(model, drafter, tree_size=tree_size, cuda_graphs=False)
     assert eager.generate(prompt, 30).sequences[0].tolist() == ref
+
+
+@cuda_only
+def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager():
+    """compile=True (inductor) + capture: the replayed compiled forward matches the eager one."""
+    model = _cuda_model("qwen2")
+    prompt = _prompt(10, 0)
+    ref = _hf_greedy_cuda(model, prompt, 30)
+    dec = SpecDecoder(model, RandomTreeDrafter(seed=4), tree_size=31, compile=True)
+    assert dec.generate(prompt, 30).sequences[0].tolist() == ref
+    (gf,) = dec._graphs.values()
+    assert gf.captured and gf.compile == "inductor"
 
 
 @cuda_only

@@ -208,3 +208,17 @@ def test_default_configs_fit_shared_memory_and_shrink_in_order():
     sizes = [_shared_bytes(c, 128, 4) for c in seen]
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
     assert seen[-1].block_m == 16 and seen[-1].block_n == 16 and seen[-1].num_stages == 1
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_custom_op_equals_the_function_and_passes_opcheck(impl):
+    """treeattn::tree_attention (what torch.compile sees): same output, consistent fake, schema."""
+    from treeattn.ops import tree_attention_op
+
+    q, k, v, pl, mask = _inputs(2, 4, 2, 19, 64, [30, 7], torch.float32, seed=5)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # HF's layout: a non-contiguous view
+    want = tree_attention(q, k, v, pl, mask, impl=impl)
+    got = tree_attention_op(q, k, v, pl, mask.words, mask.depth, 0.125, impl)
+    torch.testing.assert_close(got, tree_attention(q, k, v, pl, mask, scale=0.125, impl=impl))
+    assert got.is_contiguous() and want.shape == got.shape
+    torch.library.opcheck(tree_attention_op, (q, k, v, pl, mask.words, mask.depth, 0.125, impl))
