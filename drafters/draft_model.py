@@ -86,6 +86,8 @@ class DraftModelDrafter(BaseDrafter):
         cuda_graphs: replay those fixed-shape forwards as CUDA graphs (one capture per sequence
             and cache size); default True when ``static_shapes`` and the draft is on one CUDA
             device, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``.
+        compile: run those fixed-shape forwards through ``torch.compile`` before their capture
+            (True: inductor, or a backend name; needs static shapes). Default False.
 
     Draft forwards attend with SDPA under an explicit mask (``specdec.hf.MaskedState``): the
     queries of a depth are a few frontier nodes, not the whole tree the tree-attention kernel
@@ -105,6 +107,7 @@ class DraftModelDrafter(BaseDrafter):
         reuse_kv: bool = True,
         static_shapes: bool | None = None,
         cuda_graphs: bool | None = None,
+        compile: bool | str = False,
     ) -> None:
         hf.prepare_model(draft_model, "draft_model")
         for name, val in (("depth", depth), ("topk", topk)):
@@ -136,6 +139,11 @@ class DraftModelDrafter(BaseDrafter):
             cuda_graphs = static_shapes and one_cuda and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0"
         self.static_shapes = bool(static_shapes)
         self.cuda_graphs = bool(cuda_graphs)
+        if not isinstance(compile, (bool, str)) or compile == "":
+            raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
+        if compile and not self.static_shapes:
+            raise ValueError("compile: needs static_shapes, got static_shapes=False")
+        self.compile = compile
         #: rows of the fixed-shape draft forward: a frontier, or a catch-up chain of up to depth + 1 tokens
         self.static_width = max(topk, depth + 1)
         self._states: dict[int, _SeqState] = {}
@@ -295,7 +303,8 @@ class DraftModelDrafter(BaseDrafter):
         if not self.static_shapes or m > self.static_width:
             return hf.masked_forward(self.model, ids, positions, slots, visible, st.cache, key_positions=key_positions)
         if st.fwd is None or st.fwd.cache is not st.cache:  # first use, or the cache was grown
-            st.fwd = GraphedMaskedForward(self.model, st.cache, 1, self.static_width, capture=self.cuda_graphs)
+            st.fwd = GraphedMaskedForward(self.model, st.cache, 1, self.static_width, capture=self.cuda_graphs,
+                                          compile=self.compile)  # fmt: skip
         st.fwd.load(ids, positions, slots, visible, key_positions)
         logits, _ = st.fwd.forward()
         return logits[:, :m]

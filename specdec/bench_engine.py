@@ -18,8 +18,9 @@ after every section so that a run cut off by a time limit keeps what it measured
            and the multiple of the n = 1 forward (a plain decode step) in the same mode; plus the
            largest logit difference between the two modes (a sanity check of the graph).
 ``spec``   (c) speculative decoding at ``--spec-tree-size`` t with the draft-model drafter and with
-           prompt lookup, eager and graphed (for the draft model, its per-depth forwards too:
-           ``DraftModelDrafter(static_shapes=, cuda_graphs=)`` follow the mode): per step, ms drafting, verifying (of which the target
+           prompt lookup, in each of ``--spec-modes``: eager, graphed, and (opt-in) ``compiled``
+           (graphs of inductor-compiled forwards); for the draft model its per-depth forwards
+           follow the mode too (``DraftModelDrafter(static_shapes=, cuda_graphs=, compile=)``): per step, ms drafting, verifying (of which the target
            forward), committing, and host overhead (the rest of the wall time, prefill excluded);
            draft tokens accepted and tokens emitted per step; tokens/s; identical completions.
 
@@ -48,6 +49,7 @@ from typing import Any
 SECTIONS = ("plain", "verify", "spec")
 PLAIN_METHODS = ("hf", "hf-static", "engine-eager", "engine-graph", "engine-compiled")
 DRAFTERS = ("model", "lookup")
+SPEC_MODES = ("eager", "graph", "compiled")  # compiled: the graphed forwards compiled by inductor first
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
@@ -66,6 +68,7 @@ class BenchConfig:
     sections: tuple[str, ...] = SECTIONS
     plain_methods: tuple[str, ...] = PLAIN_METHODS
     drafters: tuple[str, ...] = DRAFTERS
+    spec_modes: tuple[str, ...] = ("eager", "graph")
     reps: int = 20
     seed: int = 0
     device: str | None = None
@@ -77,7 +80,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name, vals, allowed in (("sections", self.sections, SECTIONS),
                                     ("plain_methods", self.plain_methods, PLAIN_METHODS),
-                                    ("drafters", self.drafters, DRAFTERS)):  # fmt: skip
+                                    ("drafters", self.drafters, DRAFTERS),
+                                    ("spec_modes", self.spec_modes, SPEC_MODES)):  # fmt: skip
             bad = [v for v in vals if v not in allowed]
             if bad:
                 raise ValueError(f"{name}: expected some of {allowed}, got {bad}")
@@ -366,16 +370,21 @@ def run_verify(setup: _Setup, log: Callable[[str], None]) -> dict[str, Any]:
 # (c) speculative decoding breakdown
 
 
-def run_spec(setup: _Setup, drafter_name: str, graph: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    """Speculative greedy decoding of every prompt; per-step phase times, acceptance, tokens/s."""
+def run_spec(setup: _Setup, drafter_name: str, mode: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """Speculative greedy decoding of every prompt; per-step phase times, acceptance, tokens/s.
+
+    ``mode``: ``"eager"``, ``"graph"`` (CUDA graphs on CUDA) or ``"compiled"`` (graphs of forwards
+    compiled by inductor; the compile falls in the warm-up)."""
     from drafters import make_drafter
 
     cfg = setup.cfg
     t = cfg.spec_tree_size
+    graph, compile = mode != "eager", mode == "compiled"
     # The draft model's per-depth forwards follow the mode too (fixed shapes + CUDA graphs, or eager).
-    opts = {"static_shapes": graph, "cuda_graphs": graph and setup.device.type == "cuda"} if drafter_name == "model" else {}
+    opts = ({"static_shapes": graph, "cuda_graphs": graph and setup.device.type == "cuda", "compile": compile}
+            if drafter_name == "model" else {})  # fmt: skip
     drafter = make_drafter(drafter_name, target=setup.target, draft_model=setup.draft, tree_size=t, **opts)
-    dec = _engine(setup, drafter, t, graph=graph)
+    dec = _engine(setup, drafter, t, graph=graph, compile=compile)
     new = cfg.max_new_tokens
     kwargs = dict(eos_token_id=setup.eos or None, pad_token_id=setup.pad)
     dec.generate(setup.prompts[0], min(16, new), **kwargs)  # warm-up: capture, kernel compiles
@@ -398,7 +407,7 @@ def run_spec(setup: _Setup, drafter_name: str, graph: bool, log: Callable[[str],
     ref_name, ref = _reference(setup)
     row = {
         "drafter": drafter_name,
-        "mode": "graph" if graph else "eager",
+        "mode": mode,
         "captured": graph and setup.device.type == "cuda",
         "tree_size": t,
         "steps": int(totals["steps"]),
@@ -417,7 +426,7 @@ def run_spec(setup: _Setup, drafter_name: str, graph: bool, log: Callable[[str],
         "reference": ref_name,
         **_agreement(ref, tokens),
     }
-    log(f"  {drafter_name:<6} {row['mode']:<5} {row['tokens_per_s']:8.1f} tok/s  {row['tokens_per_step']:.2f} tokens/step")
+    log(f"  {drafter_name:<6} {row['mode']:<8} {row['tokens_per_s']:8.1f} tok/s  {row['tokens_per_step']:.2f} tokens/step")
     return row
 
 
@@ -459,15 +468,15 @@ def format_verify(res: dict[str, Any]) -> str:
 
 
 def format_spec(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'drafter':<8}{'mode':<6}{'t':>4}{'tok/s':>8}{'acc/step':>9}{'tok/step':>9}{'draft':>8}{'verify':>8}"
+    head = (f"{'drafter':<8}{'mode':<9}{'t':>4}{'tok/s':>8}{'acc/step':>9}{'tok/step':>9}{'draft':>8}{'verify':>8}"
             f"{'(fwd)':>8}{'commit':>8}{'host':>7}{'step':>8}{'identical':>10}")
     lines = ["per-step ms; host = wall time outside draft / verify / commit (prefill excluded)", head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['drafter']:<8}{r['mode']:<6} error: {r['error']}")
+            lines.append(f"{r['drafter']:<8}{r['mode']:<9} error: {r['error']}")
             continue
         ident = "-" if r["identical"] is None else f"{r['identical']}/{len(r['first_mismatch'])}"
-        lines.append(f"{r['drafter']:<8}{r['mode']:<6}{r['tree_size']:>4}{_fmt(r['tokens_per_s'], '8.1f')}"
+        lines.append(f"{r['drafter']:<8}{r['mode']:<9}{r['tree_size']:>4}{_fmt(r['tokens_per_s'], '8.1f')}"
                      f"{_fmt(r['accepted_per_step'], '9.2f')}{_fmt(r['tokens_per_step'], '9.2f')}"
                      f"{_fmt(r['draft_ms'], '8.2f')}{_fmt(r['verify_ms'], '8.2f')}{_fmt(r['forward_ms'], '8.2f')}"
                      f"{_fmt(r['commit_ms'], '8.2f')}{_fmt(r['host_ms'], '7.2f')}{_fmt(r['step_ms'], '8.2f')}"
@@ -558,9 +567,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
             log(f"(c) speculative decoding, t = {cfg.spec_tree_size}")
             rows = []
             for name in cfg.drafters:
-                for graph in (False, True):
-                    fallback = {"drafter": name, "mode": "graph" if graph else "eager"}
-                    _guarded(rows, fallback, lambda: run_spec(setup, name, graph, log), log)
+                for mode in cfg.spec_modes:
+                    _guarded(rows, {"drafter": name, "mode": mode}, lambda: run_spec(setup, name, mode, log), log)
                     _write(cfg.out, {**result, "spec": rows})
             result["spec"] = rows
             print("\n(c) speculative decoding per step\n" + format_spec(rows), flush=True)
@@ -603,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain-methods", type=_csv(str, PLAIN_METHODS), default=PLAIN_METHODS,
                    help="(a) comma list (default hf,hf-static,engine-eager,engine-graph,engine-compiled)")
     p.add_argument("--drafters", type=_csv(str, DRAFTERS), default=DRAFTERS, help="(c) comma list (default model,lookup)")
+    p.add_argument("--spec-modes", type=_csv(str, SPEC_MODES), default=("eager", "graph"),
+                   help="(c) comma list of eager, graph, compiled (default eager,graph)")
     p.add_argument("--reps", type=int, default=20, help="(b) timed forwards per tree size and mode (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -619,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = BenchConfig(
         target=ns.target, draft=ns.draft, data=ns.data, problems=ns.problems, max_new_tokens=ns.max_new_tokens,
         tree_sizes=tuple(ns.tree_sizes), spec_tree_size=ns.spec_tree_size, sections=tuple(ns.sections),
-        plain_methods=tuple(ns.plain_methods), drafters=tuple(ns.drafters), reps=ns.reps, seed=ns.seed,
+        plain_methods=tuple(ns.plain_methods), drafters=tuple(ns.drafters), spec_modes=tuple(ns.spec_modes),
+        reps=ns.reps, seed=ns.seed,
         device=ns.device, dtype=ns.dtype, attn_impl=ns.attn_impl, progress=not ns.no_progress, out=ns.out,
     )  # fmt: skip
     run_bench(cfg)

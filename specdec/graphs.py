@@ -367,6 +367,7 @@ class GraphedMaskedForward(_Replayed):
         return_hidden: also produce the final hidden states.
         capture: record a CUDA graph (the model must be on CUDA); False = eager replay.
         warmup: side-stream forwards before the capture.
+        compile: run the body through ``torch.compile`` (True: inductor; or a backend name).
 
     Use: ``load(tokens, positions, slots, visible, key_positions)`` then ``forward()`` returns
     ``(logits [B, m, V], hidden [B, m, H] or None)`` -- the same tensor objects every call; rows
@@ -374,8 +375,8 @@ class GraphedMaskedForward(_Replayed):
     """
 
     def __init__(self, model, cache: KVCache, batch: int, m: int, *, return_hidden: bool = False,
-                 capture: bool = False, warmup: int = 2) -> None:  # fmt: skip
-        super().__init__(model, cache, batch, m, capture=capture, warmup=warmup, n_name="m")
+                 capture: bool = False, warmup: int = 2, compile: bool | str = False) -> None:  # fmt: skip
+        super().__init__(model, cache, batch, m, capture=capture, warmup=warmup, compile=compile, n_name="m")
         if m >= cache.capacity:
             raise ValueError(f"m: expected fewer tokens than the cache capacity {cache.capacity} (one slot is scratch), got {m}")
         self.m = m

@@ -230,10 +230,11 @@ def test_sampled_tokens_follow_the_target_distribution(proposal):
     assert not _chi2_fails(counts, expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_static_shapes_greedy_equals_target_generate_in_a_batch(family):
+@pytest.mark.parametrize("family,compile", [("llama", False), ("qwen2", False), ("qwen2", "aot_eager")])
+def test_static_shapes_greedy_equals_target_generate_in_a_batch(family, compile):
+    """compile: the fixed-shape draft forwards traced by torch.compile (aot_eager on CPU)."""
     prompts = [_prompt(10, 0), _prompt(3, 8)]
-    drafter = DraftModelDrafter(_draft(family), depth=4, topk=3, static_shapes=True)
+    drafter = DraftModelDrafter(_draft(family), depth=4, topk=3, static_shapes=True, compile=compile)
     assert drafter.static_shapes and not drafter.cuda_graphs and drafter.static_width == 5
     out = SpecDecoder(_target(family), drafter, tree_size=24, attn_impl="torch").generate(prompts, NEW)
     for b, p in enumerate(prompts):
@@ -251,6 +252,8 @@ def test_argument_errors():
         DraftModelDrafter(_draft(), static_shapes=1)
     with pytest.raises(ValueError, match=r"cuda_graphs: True needs the draft model on one CUDA device, got cpu"):
         DraftModelDrafter(_draft(), cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"compile: needs static_shapes, got static_shapes=False"):
+        DraftModelDrafter(_draft(), compile=True)
     with pytest.raises(ValueError, match=r"depth: expected an int >= 1, got 0"):
         DraftModelDrafter(_draft(), depth=0)
     with pytest.raises(ValueError, match=r"sampling_proposal: expected one of"):

@@ -88,3 +88,16 @@ def test_bench_engine_sections_and_errors(tiny, tmp_path, monkeypatch, capsys):
         bench_engine.BenchConfig(tree_sizes=(0,))
     with pytest.raises(SystemExit):
         bench_engine.main(["--sections", "plain,bogus"])
+
+
+def test_bench_engine_compiled_spec_mode(tiny, tmp_path):
+    """(c) in the opt-in 'compiled' mode: target and draft forwards through inductor (CPU here)."""
+    target, draft, data = tiny
+    cfg = bench_engine.BenchConfig(target=str(target), draft=str(draft), data=str(data), problems=1, max_new_tokens=6,
+                                   sections=("spec",), drafters=("model",), spec_modes=("compiled",),
+                                   spec_tree_size=5, device="cpu", attn_impl="torch", progress=False)  # fmt: skip
+    (row,) = bench_engine.run_bench(cfg, log=lambda msg: None)["spec"]
+    assert "error" not in row, row
+    assert row["mode"] == "compiled" and row["steps"] > 0 and row["tokens_per_step"] >= 1.0
+    with pytest.raises(ValueError, match=r"spec_modes: expected some of \('eager', 'graph', 'compiled'\), got \['jit'\]"):
+        bench_engine.BenchConfig(spec_modes=("jit",))
