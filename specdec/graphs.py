@@ -180,15 +180,20 @@ class _Replayed:
         #: forwards run (eager calls or graph replays), for tests and accounting
         self.calls = 0
 
-    def _stage(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, "_Copy"]:
-        """A device input vector, its host staging vector (pinned on CUDA) and their copier."""
-        pin = self.device.type == "cuda"
-        host = torch.zeros(size, dtype=dtype, pin_memory=pin)
+    def _stage(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, "_Copy"]:
+        """A device input vector and its copier from a host staging vector (pinned on CUDA)."""
+        host = torch.zeros(size, dtype=dtype, pin_memory=self.device.type == "cuda")
         flat = torch.zeros(size, dtype=dtype, device=self.device)
-        return flat, host, _Copy(host, flat)
+        return flat, _Copy(host, flat)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
+        """The captured region: the model's forward over the fixed inputs (no host sync inside).
+
+        Subclasses set ``tokens``, ``positions`` (fixed ``[B, m]`` device tensors), ``state`` (a
+        ``hf.ForwardState`` / ``hf.MaskedState`` over fixed tensors) and ``return_hidden``.
+        """
+        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
+        return out if self.return_hidden else (out, None)
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The body, through ``torch.compile`` when asked (compiled on the first call, which the
@@ -306,7 +311,7 @@ class GraphedForward(_Replayed):
         self.n = n
         self.return_hidden = bool(return_hidden)
         self.layout = InputLayout(batch, n)
-        self._flat, self._host, self._copy = self._stage(self.layout.size, torch.int64)
+        self._flat, self._copy = self._stage(self.layout.size, torch.int64)
         view = lambda name: self.layout.view(self._flat, name)  # noqa: E731
         self.tokens, self.positions, self.slots = view("tokens"), view("positions"), view("slots")
         self.prefix_lens = view("prefix_lens")
@@ -344,11 +349,6 @@ class GraphedForward(_Replayed):
         self._copy.put(packed)
         self.state.refresh()
 
-    def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured region: the model's forward over the fixed inputs (no host sync inside)."""
-        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
-        return out if self.return_hidden else (out, None)
-
     def run(self, trees: Sequence[TokenTree], prefix_lens) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``load(trees, prefix_lens)`` then ``forward()``."""
         self.load(trees, prefix_lens)
@@ -382,8 +382,8 @@ class GraphedMaskedForward(_Replayed):
         self.m = m
         self.return_hidden = bool(return_hidden)
         cap = cache.capacity
-        self._ints, _, self._copy_ints = self._stage(batch * (3 * m + cap), torch.int64)
-        self._mask, _, self._copy_mask = self._stage(batch * m * cap, torch.bool)
+        self._ints, self._copy_ints = self._stage(batch * (3 * m + cap), torch.int64)
+        self._mask, self._copy_mask = self._stage(batch * m * cap, torch.bool)
         seg = batch * m
         self.tokens = self._ints[:seg].view(batch, m)
         self.positions = self._ints[seg : 2 * seg].view(batch, m)
@@ -429,11 +429,6 @@ class GraphedMaskedForward(_Replayed):
         mask[:, rows:, cap - 1] = True
         self._copy_ints.put(torch.cat([ints.view(-1), keypos.view(-1)]))
         self._copy_mask.put(mask.view(-1))
-
-    def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured region: the model's forward over the fixed inputs (no host sync inside)."""
-        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
-        return out if self.return_hidden else (out, None)
 
 
 def model_devices(model) -> set[torch.device]:
