@@ -17,7 +17,6 @@ part of the cache (cheaper on CPU).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import torch
 
 from drafters.base import DraftContext, Drafter
 from specdec import hf
-from specdec.graphs import GraphedForward, model_devices
+from specdec.graphs import GraphedForward, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
@@ -174,27 +173,8 @@ class SpecDecoder:
         self._wants_hidden = bool(getattr(drafter, "needs_hidden_states", False)) and self.tree_size > 0
         self.max_cache_len = max_cache_len
         self.device = hf.input_device(target)
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs: expected None, True or False, got {cuda_graphs!r}")
-        if cuda_graphs:
-            if self.device.type != "cuda":
-                raise ValueError(f"cuda_graphs: True needs the target on a CUDA device, got {self.device}")
-            if len(model_devices(target)) > 1:
-                raise ValueError("cuda_graphs: True needs the target on one device, got a model split across devices")
-            if static_shapes is False:
-                raise ValueError("cuda_graphs: True needs static_shapes (fixed [B, tree_size + 1] forwards), got False")
-        if static_shapes is None:
-            static_shapes = self.device.type == "cuda" or bool(cuda_graphs)
-        self.static_shapes = bool(static_shapes)
-        if cuda_graphs is None:  # SPECDEC_CUDA_GRAPHS=0 turns the default off (e.g. for the CLIs)
-            cuda_graphs = (self.static_shapes and self.device.type == "cuda" and len(model_devices(target)) == 1
-                           and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0")
-        self.cuda_graphs = bool(cuda_graphs)
-        if not isinstance(compile, (bool, str)) or compile == "":
-            raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
-        if compile and not self.static_shapes:
-            raise ValueError("compile: needs static_shapes (fixed [B, tree_size + 1] forwards), got static_shapes=False")
-        self.compile = compile
+        self.static_shapes, self.cuda_graphs, self.compile = replay_modes(
+            target, static_shapes, cuda_graphs, compile, "the target")
         self.attn_impl = attn_impl
         self._cache: KVCache | None = None
         self._graphs: dict[tuple[int, int], GraphedForward] = {}

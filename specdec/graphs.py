@@ -43,6 +43,7 @@ it checks everything the graph depends on (what is copied where, output aliasing
 from __future__ import annotations
 
 import array
+import os
 import struct
 from collections.abc import Sequence
 
@@ -53,7 +54,7 @@ from specdec.kv import KVCache
 from specdec.tree import TokenTree
 from treeattn import TreeMask, num_words
 
-__all__ = ["GraphedForward", "GraphedMaskedForward", "InputLayout", "pack_trees"]
+__all__ = ["GraphedForward", "GraphedMaskedForward", "InputLayout", "pack_trees", "replay_modes"]
 
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
 _COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
@@ -429,6 +430,38 @@ class GraphedMaskedForward(_Replayed):
         mask[:, rows:, cap - 1] = True
         self._copy_ints.put(torch.cat([ints.view(-1), keypos.view(-1)]))
         self._copy_mask.put(mask.view(-1))
+
+
+def replay_modes(model, static_shapes: bool | None, cuda_graphs: bool | None, compile: bool | str,
+                 name: str) -> tuple[bool, bool, bool | str]:  # fmt: skip
+    """Resolve and check the (static_shapes, cuda_graphs, compile) options of a user of these classes.
+
+    Defaults: static shapes on CUDA (or when graphs are asked for); CUDA graphs with static shapes
+    on one CUDA device, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``; no compile.
+    ``name`` says whose forward it is in the errors (e.g. "the target").
+    """
+    for arg, val in (("static_shapes", static_shapes), ("cuda_graphs", cuda_graphs)):
+        if val is not None and not isinstance(val, bool):
+            raise ValueError(f"{arg}: expected None, True or False, got {val!r}")
+    if not isinstance(compile, (bool, str)) or compile == "":
+        raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
+    device = hf.input_device(model)
+    one_device = len(model_devices(model)) == 1
+    if cuda_graphs:
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graphs: True needs {name} on a CUDA device, got {device}")
+        if not one_device:
+            raise ValueError(f"cuda_graphs: True needs {name} on one device, got a model split across devices")
+        if static_shapes is False:
+            raise ValueError("cuda_graphs: True needs static_shapes, got static_shapes=False")
+    if static_shapes is None:
+        static_shapes = device.type == "cuda" or bool(cuda_graphs)
+    if cuda_graphs is None:
+        cuda_graphs = (static_shapes and device.type == "cuda" and one_device
+                       and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0")  # fmt: skip
+    if compile and not static_shapes:
+        raise ValueError("compile: needs static_shapes, got static_shapes=False")
+    return bool(static_shapes), bool(cuda_graphs), compile
 
 
 def model_devices(model) -> set[torch.device]:
