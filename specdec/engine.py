@@ -411,7 +411,7 @@ class SpecDecoder:
                 hidden[b] = node_hidden[b, v.path[-1]].clone()  # next forward overwrites node_hidden
             if new:
                 streamed.append((b, list(new)))
-        _commit(cache, keep)
+        cache.commit(keep)  # nodes already in place (a first-child chain) are not copied
         self._sync()
         t3 = time.perf_counter()
         if on_tokens is not None:
@@ -459,19 +459,6 @@ class SpecDecoder:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _commit(cache: KVCache, paths: list) -> None:
-    """``cache.commit(paths)``, skipping the KV copies when every path is already in place.
-
-    A path ``(0, 1, ..., k)`` (plain decoding; a first-child chain of a depth-first tree) keeps
-    its nodes in the slots they were written to: only the lengths grow. This saves the commit's
-    per-layer gather / scatter launches on most steps.
-    """
-    if all(p is None or tuple(p) == tuple(range(len(p))) for p in paths):
-        cache.lengths = [length + len(p or ()) for length, p in zip(cache.lengths, paths)]
-        return
-    cache.commit(paths)
 
 
 class SpeculativeModel:
@@ -533,6 +520,6 @@ def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) 
     """``specdec.wrap(model, drafter).generate(input_ids, max_new_tokens=...)`` decodes speculatively.
 
     ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``static_shapes``, ``attn_impl``,
-    ``cuda_graphs``).
+    ``cuda_graphs``, ``compile``).
     """
     return SpeculativeModel(model, drafter, tree_size, **decoder_kwargs)
