@@ -9,7 +9,10 @@ lengths -- the minimum, median and maximum prompt length seen -- and times
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a precomputed dense boolean
   ``[n, L + n]`` tree mask (the dense-mask path HF / Medusa-style integrations take),
 
-each with ``triton.testing.do_bench`` (median), after checking that both agree. Trees are padded
+each as one CUDA graph replayed (median over replays; ``treeattn.bench.time_rotating_graph``), after
+checking that both agree: the engine runs attention inside CUDA graphs, so host launch overhead
+(tens of µs for a Python op wrapper, which ``do_bench`` timed in a first version) is left out for
+both methods alike. Trees are padded
 to ``t + 1`` nodes (extra nodes hang off the root), as the engine's static-shape forward does.
 Timing needs CUDA: on other devices :func:`sweep_attention` returns None and says why.
 """
@@ -107,10 +110,11 @@ def time_tree(q, k, v, prefix, mask, timer: Callable[[Callable[[], Any]], float]
         return {"tree_us": timer(tree) * 1e6, "sdpa_us": timer(sdpa) * 1e6, "rel_err": err}
 
 
-def _do_bench(fn: Callable[[], Any]) -> float:
-    from triton.testing import do_bench
+def _graph_timer(fn: Callable[[], Any]) -> float:
+    """Seconds per call of ``fn`` replayed in a CUDA graph (median of 20 replays)."""
+    from treeattn.bench import time_rotating_graph
 
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+    return time_rotating_graph([fn]) * 1e-6
 
 
 def sweep_attention(
@@ -132,7 +136,7 @@ def sweep_attention(
         dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         device: where to time; without CUDA (and ``require_cuda``) nothing is timed.
         max_trees: trees per tree size.
-        timer: seconds per call of a function (default ``triton.testing.do_bench``'s median).
+        timer: seconds per call of a function (default: CUDA-graph replay, ``_graph_timer``).
         impl: ``tree_attention``'s implementation (``"triton"``; tests pass ``"torch"``).
 
     Returns:
@@ -152,7 +156,7 @@ def sweep_attention(
         print("attention timing: skipped (no recorded trees)", file=sys.stderr)
         return None
     torch_dtype = getattr(torch, _DTYPES[dtype])
-    timer = timer or _do_bench
+    timer = timer or _graph_timer
     rows = []
     for t, samples in trees.items():
         for L in lengths:

@@ -3,8 +3,10 @@
 # sweep (docs/DEVICE_RUNS.md). Trains the Medusa heads into /tmp/medusa (unless there already),
 # then runs the `specdec` rows into the baselines' JSONL (same settings, so one report pairs them),
 # then the graphed draft model (20 problems) into its own file, then the fp32 exactness check.
-# Every step resumes where a cut call stopped.
-#   bash scripts/device/spec_methods.sh [train|medusa|model|fp32]...   (default: all four, in order)
+# Every step resumes where a cut call stopped. Optional steps: `attn` re-times the attention-only
+# columns of the main file (every record already there: no generation, no Medusa heads needed);
+# `long` is DeFT's long-prompt setting (prompts padded to 4000 tokens with few-shot problems).
+#   bash scripts/device/spec_methods.sh [train|medusa|model|fp32|attn|long]...   (default: the first four)
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
@@ -28,9 +30,18 @@ for step in "${@:-train medusa model fp32}"; do
         # `hf` reference there: 20 problems keep that to ~2 minutes.
         timeout 560 python3 -m specdec.cli sweep "${common[@]}" --problems 20 --drafter model \
           --methods specdec hf-static --out /tmp/results/apps-bf16-model.jsonl >> "$out/apps-bf16-model.log" 2>&1 ;;
+      attn)
+        timeout 300 python3 -m specdec.cli sweep "${common[@]}" --drafter medusa --drafter-option heads=/tmp/medusa \
+          --out /tmp/results/apps-bf16.jsonl >> "$out/apps-bf16.log" 2>&1 ;;
+      long)
+        timeout 560 python3 -m specdec.cli sweep "${common[@]}" --problems 10 --tree-sizes 64 256 --pad-prompt-to 4000 \
+          --drafter model --methods hf-static specdec --out /tmp/results/apps-bf16-long.jsonl >> "$out/apps-bf16-long.log" 2>&1 ;;
       fp32)
+        # The Medusa heads where trained in this machine's life, else the draft model: exactness is the
+        # engine's (tree forward, verification, KV commit), whatever proposes the tree.
+        drafter=(--drafter model); [ -f /tmp/medusa/medusa_heads.safetensors ] && drafter=(--drafter medusa --drafter-option heads=/tmp/medusa)
         timeout 400 python3 -m specdec.cli eval apps --problems 4 --tree-sizes 64 --methods hf specdec \
-          --drafter medusa --drafter-option heads=/tmp/medusa --data .evaldata/apps_selected150.jsonl \
+          "${drafter[@]}" --data .evaldata/apps_selected150.jsonl \
           --max-new-tokens 64 --dtype fp32 --device cuda --no-progress --out /tmp/results/apps-fp32.jsonl \
           > "$out/apps-fp32.log" 2>&1; echo "fp32 check exit $? (0: every output identical to target-only)" >> "$out/apps-fp32.log" ;;
       *) echo "unknown step $s" >&2; exit 2 ;;

@@ -1,5 +1,5 @@
 """Summary rows, table, CSV, JSON, plot and agreement text from synthetic records; attention-only
-timing plumbing on CPU (the torch path and a fake timer stand in for Triton and do_bench)."""
+timing plumbing on CPU (the torch path and a fake timer stand in for Triton and the CUDA-graph timer)."""
 
 from __future__ import annotations
 
