@@ -243,6 +243,9 @@ def _sweep_configs() -> list[KernelConfig | None]:
         cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
     for bm, bn, w in [(64, 64, 4), (64, 128, 4), (128, 128, 8)]:  # Triton's warp specialization
         cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, warp_specialize=True))
+    for bm, bn, w in [(64, 64, 4), (64, 128, 4), (128, 128, 8)]:  # gathered tree tile widths besides 64
+        for bt in (16, 32, 128):
+            cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, block_t=bt))
     return cfgs
 
 

@@ -4,10 +4,30 @@ Layout of the work: one program per (block of folded query rows, batch x KV head
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
 once per KV head for all tree queries. The prompt ``[0, prefix_len)`` is cut into chunks of
-``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys,
-masked by the int64 ancestor words (the op sizes the chunks so that this evens out). With one
-split (``SPLIT=False``) the kernel writes the output; with several it writes normalized partial
-outputs and base-2 log-sum-exps that ``tree_attn_merge_kernel`` combines.
+``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys
+(the op sizes the chunks so that this evens out). With one split (``SPLIT=False``) the kernel
+writes the output; with several it writes normalized partial outputs and base-2 log-sum-exps that
+``tree_attn_merge_kernel`` combines.
+
+Tree part: gathered tree tiles. A row block holds consecutive depth-first nodes; the union of
+their ancestors is small (a depth-8 tree: <= 24 keys for 16 nodes, <= 40 for 32, whatever n is),
+while scanning every 64-key word tile up to the block's last node costs up to n / 64 tile steps.
+So the last program compacts the union and attends only it, in tiles of ``BLOCK_T`` keys. The
+positions ``[0, last node]`` are taken in windows of ``WINDOW_WORDS`` int64 words (64 positions
+each); per window:
+
+1. union: the rows' ancestor words of the window, OR-reduced over the block's valid rows;
+2. compaction without scatter: ``bit[p]`` of each candidate position p, ``incl = cumsum(bit)``
+   and ``count = sum(bit)``; gathered slot j (< count) holds the position of the j-th set bit,
+   which is ``#{p : incl[p] <= j}`` (incl is non-decreasing): a ``[BLOCK_T, WINDOW]``
+   comparison summed over the window, no scatter, no sort;
+3. ``for c in range(0, count, BLOCK_T)`` (usually one trip, none for an empty window): K/V rows
+   gathered at ``prefix_len + idx[j]``, and each row's visibility of slot j, bit ``idx[j] % 64``
+   of its word ``idx[j] // 64``, re-read by a 2-D gather load of the (cache-resident) words.
+
+The only data-dependent control flow is the chunk loop's trip count, computed before it: no
+branch sits between the index computation and the K/V loads (v4's lesson: such a branch stops
+Triton from pipelining the loads).
 """
 
 import triton
@@ -38,6 +58,11 @@ def _attend_tile(
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
 def tree_attn_fwd_kernel(
     Q, K, V, PREFIX_LENS, WORDS, OUT, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qn,
@@ -48,7 +73,7 @@ def tree_attn_fwd_kernel(
     n_tree, seq_len, num_kv_heads, chunk, num_splits,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW_WORDS: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     WORD_BITS: tl.constexpr = 64
@@ -107,22 +132,45 @@ def tree_attn_fwd_kernel(
             acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
         )
 
-    # Tree part (last program of the split axis): 64 tree keys per tile, visibility from one int64 word per row.
+    # Tree part (last program of the split axis): the keys that some row of the block sees,
+    # gathered into tiles of BLOCK_T keys, window by window (see the module docstring).
     if pid_s == num_splits - 1:
-        offs_t = tl.arange(0, WORD_BITS)
+        WINDOW: tl.constexpr = WINDOW_WORDS * WORD_BITS
+        offs_ww = tl.arange(0, WINDOW_WORDS)
+        offs_p = tl.arange(0, WINDOW)
+        offs_j = tl.arange(0, BLOCK_T)
         n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
         w_ptrs = WORDS + b * stride_wb + qi * stride_wn
-        # A node's ancestors precede it: tiles past the block's last query hold no visible key.
+        # A node's ancestors precede it: words past the block's last query hold no visible key.
         last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
-        for w in range(0, tl.minimum(last_q // WORD_BITS + 1, n_words)):
-            words = tl.load(w_ptrs + w, mask=row_ok, other=0)
-            t = w * WORD_BITS + offs_t
-            t_ok = t < n_tree
-            kv = prefix_len + t
-            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-            visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
+        end_w = tl.minimum(last_q // WORD_BITS + 1, n_words)
+        for w0 in range(0, end_w, WINDOW_WORDS):
+            # 1. Union of the rows' ancestor words over the window.
+            w = w0 + offs_ww
+            words = tl.load(w_ptrs[:, None] + w[None, :], mask=row_ok[:, None] & (w < end_w)[None, :], other=0)
+            union = tl.reduce(words, 0, _bit_or)  # [WINDOW_WORDS] int64
+            # 2. Bit, exclusive rank and count of each candidate position p = w0 * 64 + offs_p.
+            sel = (offs_p // WORD_BITS)[None, :] == offs_ww[:, None]
+            shifted = union[:, None] >> (offs_p % WORD_BITS)[None, :].to(tl.int64)
+            bit = tl.sum(tl.where(sel, shifted & 1, 0), 0).to(tl.int32)  # [WINDOW] 0 / 1
+            bit = tl.where(w0 * WORD_BITS + offs_p < n_tree, bit, 0)
+            incl = tl.cumsum(bit, 0)  # 1 + rank of each set bit
+            count = tl.sum(bit, 0)
+            for c in range(0, count, BLOCK_T):
+                # 3. Slot j holds the (c + j)-th set bit: its position is how many p have fewer
+                # set bits up to and including them (incl is non-decreasing).
+                j = c + offs_j
+                j_ok = j < count
+                idx = tl.sum((incl[None, :] <= j[:, None]).to(tl.int32), 1)
+                t = w0 * WORD_BITS + tl.where(j_ok, idx, 0)
+                kv = prefix_len + t
+                kv_mask = j_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+                # Each row's bit for each gathered key (its word is L1/L2-resident: just loaded).
+                wv = tl.load(w_ptrs[:, None] + (t // WORD_BITS)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
+                visible = ((wv >> (t % WORD_BITS)[None, :].to(tl.int64)) & 1) != 0
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or empty prompt chunks
     o = acc / l_safe[:, None]

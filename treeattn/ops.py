@@ -29,6 +29,10 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
+    ``block_t`` is the width of the gathered tree tiles (16, 32, 64 or 128 keys): the last split's
+    programs attend only the tree keys that some row of their block sees, compacted into tiles of
+    ``block_t`` keys (a block of 16-32 depth-first nodes of a depth-8 tree sees <= 40 keys, one
+    tile of 64); narrower tiles are cheaper but overflow into a second tile more often.
     ``warp_specialize`` asks Triton to split the prompt loop's loads and math over warp groups
     (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
@@ -42,12 +46,15 @@ class KernelConfig:
     num_stages: int = 2
     num_splits: int | None = None
     warp_specialize: bool = False
+    block_t: int = 64
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
+        if self.block_t not in (16, 32, 64, 128):
+            raise ValueError(f"block_t: expected 16, 32, 64 or 128, got {self.block_t}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits: expected None or >= 1, got {self.num_splits}")
 
@@ -84,8 +91,10 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
 
 
 def _shared_bytes(cfg: KernelConfig, head_dim: int, esize: int) -> int:
-    """Estimated shared memory of one program: the Q tile plus ``num_stages`` K and V tiles."""
-    return esize * _next_pow2(max(16, head_dim)) * (cfg.block_m + 2 * cfg.block_n * cfg.num_stages)
+    """Estimated shared memory of one program: the Q tile plus ``num_stages`` K and V tiles of the
+    wider of the prompt loop (``block_n`` keys) and the tree loop (``block_t`` keys)."""
+    keys = max(cfg.block_n, cfg.block_t)
+    return esize * _next_pow2(max(16, head_dim)) * (cfg.block_m + 2 * keys * cfg.num_stages)
 
 
 def _shared_limit(device: torch.device) -> float:
@@ -96,17 +105,18 @@ def _shared_limit(device: torch.device) -> float:
 
 
 def _shrink(cfg: KernelConfig) -> KernelConfig:
-    """The next smaller config: fewer stages, then narrower KV tiles, then fewer rows."""
+    """The next smaller config: fewer stages, then narrower KV tiles (prompt and tree tiles no
+    wider than ``block_n``), then fewer rows."""
     if cfg.num_stages > 2:
         return replace(cfg, num_stages=cfg.num_stages - 1)
     if cfg.block_n > 32:
-        return replace(cfg, block_n=cfg.block_n // 2)
+        return replace(cfg, block_n=cfg.block_n // 2, block_t=min(cfg.block_t, cfg.block_n // 2))
     if cfg.block_m > 32:
-        return replace(cfg, block_m=cfg.block_m // 2, num_warps=4)
+        return replace(cfg, block_m=cfg.block_m // 2, num_warps=4, block_t=min(cfg.block_t, cfg.block_n))
     if cfg.num_stages > 1:
-        return replace(cfg, num_stages=1)
-    if cfg.block_n > 16 or cfg.block_m > 16:
-        return replace(cfg, block_n=16, block_m=16)
+        return replace(cfg, num_stages=1, block_t=min(cfg.block_t, cfg.block_n))
+    if cfg.block_n > 16 or cfg.block_m > 16 or cfg.block_t > 16:
+        return replace(cfg, block_n=16, block_m=16, block_t=16)
     raise ValueError(f"config: no smaller kernel config than {cfg} to fit the device's shared memory")
 
 
@@ -115,10 +125,10 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
     """(programs on the split axis, prompt tokens per split).
 
     ``cfg.num_splits`` or, by default, about one program per SM (but chunks of at least
-    ``min_chunk`` keys). The last split also attends the n tree keys, so the chunks are sized to
-    spread ``max_prefix + n`` keys evenly.
+    ``min_chunk`` keys). The last split also attends the gathered tree tiles of its row block, so
+    the chunks are sized to spread ``max_prefix`` + their keys (``_tree_keys_estimate``) evenly.
     """
-    work = max_prefix + n
+    work = max_prefix + _tree_keys_estimate(cfg, rows // max(n, 1), n)
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
@@ -129,6 +139,27 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
         return 1, max(max_prefix, 1)
     chunk = math.ceil(math.ceil(work / want) / cfg.block_n) * cfg.block_n
     return math.ceil(work / chunk), chunk
+
+
+def _tree_keys_estimate(cfg: KernelConfig, group: int, n: int) -> int:
+    """Tree keys (in whole gathered tiles) of the busiest program, estimated without reading the
+    tree (CUDA graphs): a row block holds ``block_m / group`` consecutive depth-first nodes, whose
+    ancestors in a tree of depth <= 8 add about 8 keys (measured on the benchmark's random trees of
+    256 nodes: <= 23 keys for 16 nodes, <= 39 for 32). A tree longer than one window of
+    ``_window_words`` words needs a tile in the root's window too. Deep or chain-like trees see
+    more; this only balances the chunks.
+    """
+    if n <= 0:
+        return 0
+    union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8)
+    windows = math.ceil(n / (64 * _window_words(n)))
+    return cfg.block_t * (math.ceil(union / cfg.block_t) + min(windows - 1, 1))
+
+
+def _window_words(n: int) -> int:
+    """Ancestor words per compaction window of the kernel's tree part: the whole tree up to 256
+    nodes (one window, so typically one gathered tile), else windows of 256 positions."""
+    return min(4, _next_pow2(max(1, math.ceil(n / 64))))
 
 
 def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
@@ -319,6 +350,7 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
         n, seq_len, hkv, chunk, splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_T=cfg.block_t, WINDOW_WORDS=_window_words(n),
         SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -81,6 +81,70 @@ def test_low_precision_within_twice_torch_error(dtype, hq, hkv, n, prefix):
     assert _rel(out, ref) <= 2 * torch_err + 1e-4
 
 
+# Gathered tree tiles: per row block, the union of its rows' ancestors is compacted into tiles of
+# block_t keys, window by window (256 positions). A star's union is the root plus the block's own
+# nodes; a chain's is every position up to the block's last node (many windows and tiles).
+GATHER_CASES = [
+    # n, Hq, Hkv, block_m, block_t, splits, prefix lens
+    (70, 4, 4, 32, 16, 1, [0, 37]),  # GQA 1: 32 nodes per block, several 16-key tiles
+    (70, 6, 2, 32, 32, 3, [0, 90]),  # GQA 3: blocks of 32 rows split nodes between blocks
+    (150, 4, 1, 64, 64, 2, [150, 0]),  # GQA 4: 16 nodes per block
+    (150, 4, 1, 128, 128, 1, [33, 5]),
+    (300, 4, 4, 64, 64, 1, [0, 200]),  # two windows
+    (300, 4, 1, 128, 32, 3, [260, 0]),
+    (300, 4, 4, 128, 16, 2, [7, 0]),
+]
+
+
+@pytest.mark.parametrize("n,hq,hkv,block_m,block_t,splits,prefix", GATHER_CASES)
+@pytest.mark.parametrize("kind", ["random", "star", "chain"])
+def test_gathered_tree_tiles_match_float64_reference(n, hq, hkv, block_m, block_t, splits, prefix, kind):
+    q, k, v, pl, mask = _inputs(2, hq, hkv, n, 32, prefix, torch.float32, kind, seed=n + block_t)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=block_m, block_n=64, num_splits=splits, block_t=block_t)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kind,block_t", [("chain", 128), ("random", 64)])
+def test_gathered_tree_tiles_past_a_thousand_nodes(kind, block_t):
+    """n > 1024: five windows; a chain's last blocks gather every earlier position."""
+    n = 1100
+    q, k, v, pl, mask = _inputs(1, 2, 2, n, 16, [40], torch.float32, kind, seed=11)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=128, block_n=64, num_splits=2, block_t=block_t)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_tree_keys_no_row_of_a_block_sees_are_never_read():
+    """White-box: a row block loads only the union of its rows' ancestors. Poisoning node 40's K/V
+    with NaN (a star: only node 40 sees it) leaves every row block without node 40 exact; v3's
+    64-key word tiles read it for every block of nodes 0..63."""
+    n, prompt = 70, 20
+    q, k, v, pl, mask = _inputs(1, 1, 1, n, 16, [prompt], torch.float32, kind="star", seed=2)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    k[:, :, prompt + 40] = float("nan")
+    v[:, :, prompt + 40] = float("nan")
+    cfg = KernelConfig(block_m=16, block_n=16, num_splits=1, block_t=16)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    clean = torch.ones(n, dtype=torch.bool)
+    clean[32:48] = False  # the block of node 40
+    assert torch.isnan(out[0, 0, 40]).all()
+    assert _rel(out[:, :, clean], ref[:, :, clean]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gathered_tree_tiles_low_precision(dtype):
+    q, k, v, pl, mask = _inputs(2, 8, 2, 70, 64, [60, 0], dtype, seed=3)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=64, block_n=64, num_splits=2, block_t=32)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    torch_err = _rel(tree_attention_ref(q, k, v, pl, mask, compute_dtype=dtype), ref)
+    assert out.dtype == dtype and _rel(out, ref) <= 2 * torch_err + 1e-4
+
+
 def test_chain_equals_causal_attention_over_prompt_and_chain():
     """A chain tree is ordinary causal decoding of n tokens after the prompt."""
     prompt, n, d = 77, 9, 64
@@ -185,6 +249,9 @@ def test_kernel_config_validation():
         KernelConfig(block_m=48)
     with pytest.raises(ValueError, match="num_splits: expected None or >= 1, got 0"):
         KernelConfig(num_splits=0)
+    for bad in (8, 48, 256):
+        with pytest.raises(ValueError, match=f"block_t: expected 16, 32, 64 or 128, got {bad}"):
+            KernelConfig(block_t=bad)
 
 
 def test_default_configs_fit_shared_memory_and_shrink_in_order():
