@@ -13,21 +13,22 @@ Tree part: gathered tree tiles. A row block holds consecutive depth-first nodes;
 their ancestors is small (a depth-8 tree: <= 24 keys for 16 nodes, <= 40 for 32, whatever n is),
 while scanning every 64-key word tile up to the block's last node costs up to n / 64 tile steps.
 So the last program compacts the union and attends only it, in tiles of ``BLOCK_T`` keys. The
-positions ``[0, last node]`` are taken in windows of ``WINDOW_WORDS`` int64 words (64 positions
-each); per window:
+words are read as int32 halves (32 positions each); the positions ``[0, last node]`` are taken in
+windows of ``2 * WINDOW_WORDS`` halves; per window:
 
-1. union: the rows' ancestor words of the window, OR-reduced over the block's valid rows;
-2. compaction without scatter: ``bit[p]`` of each candidate position p, ``incl = cumsum(bit)``
-   and ``count = sum(bit)``; gathered slot j (< count) holds the position of the j-th set bit,
-   which is ``#{p : incl[p] <= j}`` (incl is non-decreasing): a ``[BLOCK_T, WINDOW]``
-   comparison summed over the window, no scatter, no sort;
-3. ``for c in range(0, count, BLOCK_T)`` (usually one trip, none for an empty window): K/V rows
-   gathered at ``prefix_len + idx[j]``, and each row's visibility of slot j, bit ``idx[j] % 64``
-   of its word ``idx[j] // 64``, re-read by a 2-D gather load of the (cache-resident) words.
+1. union: the rows' ancestor halves of the window, OR-reduced over the block's valid rows (the
+   first window's halves are loaded before the prompt loop, so their latency hides behind it);
+2. compaction without scatter: ``bit[p]`` of each candidate position p and its inclusive rank
+   ``incl = cumsum(bit)``; gathered slot j (< count) holds the position of the j-th set bit,
+   which is ``#{p : incl[p] <= j}`` (incl is non-decreasing), i.e. the running sum of a
+   ``BLOCK_T``-bin histogram of ``incl`` (no scatter, no sort);
+3. ``for c in range(0, count, BLOCK_T)`` (usually one trip, none for an empty window; not
+   software-pipelined: one trip gains nothing from it): K/V rows gathered at
+   ``prefix_len + idx[j]``, and each row's visibility of slot j, bit ``idx[j] % 32`` of its half
+   ``idx[j] // 32``, re-read by a 2-D gather load of the (cache-resident) halves.
 
 The only data-dependent control flow is the chunk loop's trip count, computed before it: no
-branch sits between the index computation and the K/V loads (v4's lesson: such a branch stops
-Triton from pipelining the loads).
+branch sits between the index computation and the K/V loads (v4's lesson).
 """
 
 import triton
@@ -64,7 +65,7 @@ def _bit_or(a, b):
 
 @triton.jit
 def tree_attn_fwd_kernel(
-    Q, K, V, PREFIX_LENS, WORDS, OUT, PART_O, PART_LSE,
+    Q, K, V, PREFIX_LENS, WORDS32, OUT, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -105,6 +106,18 @@ def tree_attn_fwd_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
+    # The tree part's first window of ancestor words (int32 halves), loaded now so that their
+    # latency hides behind the prompt loop (only the last split attends the tree).
+    HALF: tl.constexpr = 32
+    HALVES: tl.constexpr = 2 * WINDOW_WORDS
+    offs_h = tl.arange(0, HALVES)
+    h_ptrs = WORDS32 + b * stride_wb + qi * stride_wn
+    # A node's ancestors precede it: halves past the block's last query hold no visible key.
+    last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
+    end_h = last_q // HALF + 1
+    first_end_h = tl.where(pid_s == num_splits - 1, end_h, 0)
+    halves0 = tl.load(h_ptrs[:, None] + offs_h[None, :], mask=row_ok[:, None] & (offs_h < first_end_h)[None, :], other=0)
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -133,43 +146,40 @@ def tree_attn_fwd_kernel(
         )
 
     # Tree part (last program of the split axis): the keys that some row of the block sees,
-    # gathered into tiles of BLOCK_T keys, window by window (see the module docstring).
+    # gathered into tiles of BLOCK_T keys, window by window (see the module docstring). The
+    # ancestor words are read as int32 halves (HALF = 32 positions each): 32-bit shifts, and
+    # half the registers for the per-key visibility.
     if pid_s == num_splits - 1:
-        WINDOW: tl.constexpr = WINDOW_WORDS * WORD_BITS
-        offs_ww = tl.arange(0, WINDOW_WORDS)
-        offs_p = tl.arange(0, WINDOW)
+        offs_b = tl.arange(0, HALF)
         offs_j = tl.arange(0, BLOCK_T)
-        n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
-        w_ptrs = WORDS + b * stride_wb + qi * stride_wn
-        # A node's ancestors precede it: words past the block's last query hold no visible key.
-        last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
-        end_w = tl.minimum(last_q // WORD_BITS + 1, n_words)
-        for w0 in range(0, end_w, WINDOW_WORDS):
-            # 1. Union of the rows' ancestor words over the window.
-            w = w0 + offs_ww
-            words = tl.load(w_ptrs[:, None] + w[None, :], mask=row_ok[:, None] & (w < end_w)[None, :], other=0)
-            union = tl.reduce(words, 0, _bit_or)  # [WINDOW_WORDS] int64
-            # 2. Bit, exclusive rank and count of each candidate position p = w0 * 64 + offs_p.
-            sel = (offs_p // WORD_BITS)[None, :] == offs_ww[:, None]
-            shifted = union[:, None] >> (offs_p % WORD_BITS)[None, :].to(tl.int64)
-            bit = tl.sum(tl.where(sel, shifted & 1, 0), 0).to(tl.int32)  # [WINDOW] 0 / 1
-            bit = tl.where(w0 * WORD_BITS + offs_p < n_tree, bit, 0)
-            incl = tl.cumsum(bit, 0)  # 1 + rank of each set bit
-            count = tl.sum(bit, 0)
-            for c in range(0, count, BLOCK_T):
-                # 3. Slot j holds the (c + j)-th set bit: its position is how many p have fewer
-                # set bits up to and including them (incl is non-decreasing).
+        for h0 in range(0, end_h, HALVES):
+            # 1. Union of the valid rows' ancestor halves over the window, limited to the tree.
+            h = h0 + offs_h
+            later = tl.load(h_ptrs[:, None] + h[None, :], mask=row_ok[:, None] & (h < end_h)[None, :] & (h0 > 0), other=0)
+            halves = tl.where(h0 == 0, halves0, later)
+            union = tl.reduce(halves, 0, _bit_or)  # [HALVES] int32
+            bits = (union[:, None] >> offs_b[None, :]) & 1  # [HALVES, HALF]
+            bits = tl.where((h[:, None] * HALF + offs_b[None, :]) < n_tree, bits, 0)
+            # 2. Inclusive rank of every candidate position p = h0 * HALF + offs_p (the number of
+            # set bits at or before p) and the window's count.
+            incl = tl.cumsum(tl.reshape(bits, [HALVES * HALF]), 0)
+            count = tl.sum(tl.sum(bits, 1), 0)
+            for c in tl.range(0, count, BLOCK_T, num_stages=1):
+                # 3. Slot j holds the (c + j)-th set bit, at position #{p : incl[p] <= c + j}
+                # (incl is non-decreasing): a histogram of incl - c over the slots (ranks below c
+                # in bin 0, ranks past the chunk left out), summed up.
+                x = incl - c
+                hist = tl.histogram(tl.maximum(x, 0), BLOCK_T, mask=x < BLOCK_T)
                 j = c + offs_j
                 j_ok = j < count
-                idx = tl.sum((incl[None, :] <= j[:, None]).to(tl.int32), 1)
-                t = w0 * WORD_BITS + tl.where(j_ok, idx, 0)
+                t = tl.where(j_ok, h0 * HALF + tl.cumsum(hist, 0), 0)
                 kv = prefix_len + t
                 kv_mask = j_ok[:, None] & d_ok[None, :]
                 k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
                 v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-                # Each row's bit for each gathered key (its word is L1/L2-resident: just loaded).
-                wv = tl.load(w_ptrs[:, None] + (t // WORD_BITS)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
-                visible = ((wv >> (t % WORD_BITS)[None, :].to(tl.int64)) & 1) != 0
+                # Each row's bit for each gathered key: a gather of the (cache-resident) halves.
+                wv = tl.load(h_ptrs[:, None] + (t // HALF)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
+                visible = ((wv >> (t % HALF)[None, :]) & 1) != 0
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or empty prompt chunks

@@ -330,7 +330,9 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
     words = tree_mask.words
     if words.stride(-1) != 1:
         words = words.contiguous()
-    stride_wb = 0 if tree_mask.batch_size == 1 else words.stride(0)
+    # Each int64 word as two int32 halves, low half (bits 0-31) first: CUDA and x86 are little-endian.
+    words32 = words.view(torch.int32)
+    stride_wb = 0 if tree_mask.batch_size == 1 else words32.stride(0)
     out = torch.empty_like(q)
     if splits > 1:
         part_o = torch.empty(batch * hq * n * splits * d, device=q.device, dtype=torch.float32)
@@ -341,11 +343,11 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
     tree_attn_fwd_kernel[grid](
-        q, k, v, prefix_lens, words, out, part_o, part_lse,
+        q, k, v, prefix_lens, words32, out, part_o, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        stride_wb, words.stride(1),
+        stride_wb, words32.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         n, seq_len, hkv, chunk, splits,
         scale * _LOG2E,
