@@ -122,12 +122,20 @@ def tree_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Prompt part: every row sees every key of [lo, hi). Full tiles first, then one masked tail.
+    # Prompt part: every row sees every key of the prompt. The full BLOCK_N tiles [0, p_full) are
+    # cut into chunks of ``chunk`` keys (a multiple of BLOCK_N when there are several splits), one
+    # per split; the last split runs up to p_full whatever ``chunk`` says. The ragged tail
+    # [p_full, prefix_len) (prefix_len % BLOCK_N keys, per sequence) is no tile of its own: the last
+    # split gathers it into the tree part's first tile(s), ahead of the tree union, when it has at
+    # most BLOCK_T keys; a longer one (only when BLOCK_T < BLOCK_N) gets v3's masked tile instead,
+    # which is never more tile steps than gathering it (see the module docstring).
+    is_last = pid_s == num_splits - 1
+    p_full = prefix_len // BLOCK_N * BLOCK_N
+    n_tail = prefix_len - p_full
     offs_n = tl.arange(0, BLOCK_N)
     lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, prefix_len)
-    hi_full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    for start in tl.range(lo, hi_full, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    hi = tl.where(is_last, p_full, tl.minimum(lo + chunk, p_full))
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         kv = start + offs_n
         if EVEN_D:
             k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :])
@@ -136,20 +144,26 @@ def tree_attn_fwd_kernel(
             k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=d_ok[None, :], other=0.0)
             v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
-    if hi_full < hi:
-        kv = hi_full + offs_n
-        kv_ok = kv < hi
-        k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
-        )
+    gather_tail = n_tail <= BLOCK_T
+    if BLOCK_T < BLOCK_N:
+        # A tail longer than BLOCK_T: one masked tile (a loop of 0 or 1 trips, its count computed
+        # before it: no branch in front of the loads).
+        tail_end = tl.where(is_last & (n_tail > BLOCK_T), prefix_len, p_full)
+        for start in tl.range(p_full, tail_end, BLOCK_N, num_stages=1):
+            kv = start + offs_n
+            kv_ok = kv < prefix_len
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
+            )
+    n_lead = tl.where(gather_tail, n_tail, 0)  # tail keys that lead the first window's gathered slots
 
     # Tree part (last program of the split axis): the keys that some row of the block sees,
     # gathered into tiles of BLOCK_T keys, window by window (see the module docstring). The
     # ancestor words are read as int32 halves (HALF = 32 positions each): 32-bit shifts, and
     # half the registers for the per-key visibility.
-    if pid_s == num_splits - 1:
+    if is_last:
         offs_b = tl.arange(0, HALF)
         offs_j = tl.arange(0, BLOCK_T)
         for h0 in range(0, end_h, HALVES):
@@ -164,22 +178,28 @@ def tree_attn_fwd_kernel(
             # set bits at or before p) and the window's count.
             incl = tl.cumsum(tl.reshape(bits, [HALVES * HALF]), 0)
             count = tl.sum(tl.sum(bits, 1), 0)
-            for c in tl.range(0, count, BLOCK_T, num_stages=1):
-                # 3. Slot j holds the (c + j)-th set bit, at position #{p : incl[p] <= c + j}
-                # (incl is non-decreasing): a histogram of incl - c over the slots (ranks below c
-                # in bin 0, ranks past the chunk left out), summed up.
-                x = incl - c
+            # The first window's slots start with the n_lead prompt-tail keys (seen by every row).
+            lead = tl.where(h0 == 0, n_lead, 0)
+            total = lead + count
+            for c in tl.range(0, total, BLOCK_T, num_stages=1):
+                # 3. Slot j >= lead holds the (j - lead)-th set bit, at position
+                # #{p : incl[p] <= j - lead} (incl is non-decreasing): a histogram of
+                # incl - (c - lead) over the slots (ranks below the chunk in bin 0, ranks past it left
+                # out), summed up. Slots j < lead are the tail's prompt keys p_full + j.
+                x = incl - (c - lead)
                 hist = tl.histogram(tl.maximum(x, 0), BLOCK_T, mask=x < BLOCK_T)
                 j = c + offs_j
-                j_ok = j < count
-                t = tl.where(j_ok, h0 * HALF + tl.cumsum(hist, 0), 0)
-                kv = prefix_len + t
+                j_ok = j < total
+                is_tail = j < lead
+                in_tree = j_ok & (j >= lead)
+                t = tl.where(in_tree, h0 * HALF + tl.cumsum(hist, 0), 0)
+                kv = tl.where(is_tail, p_full + j, prefix_len + t)
                 kv_mask = j_ok[:, None] & d_ok[None, :]
                 k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
                 v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-                # Each row's bit for each gathered key: a gather of the (cache-resident) halves.
-                wv = tl.load(h_ptrs[:, None] + (t // HALF)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
-                visible = ((wv >> (t % HALF)[None, :]) & 1) != 0
+                # Each row's bit for each gathered tree key: a gather of the (cache-resident) halves.
+                wv = tl.load(h_ptrs[:, None] + (t // HALF)[None, :], mask=row_ok[:, None] & in_tree[None, :], other=0)
+                visible = (((wv >> (t % HALF)[None, :]) & 1) != 0) | is_tail[None, :]
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or empty prompt chunks

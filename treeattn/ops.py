@@ -86,8 +86,25 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     esize = torch.finfo(dtype).bits // 8
     while _shared_bytes(cfg, head_dim, esize) > _shared_limit(device):
         cfg = _shrink(cfg)
+    cfg = _pick_block_t(cfg, group, n, seq_len - n)
     splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, n, device)
     return cfg, splits, chunk
+
+
+def _pick_block_t(cfg: KernelConfig, group: int, n: int, max_prefix: int) -> KernelConfig:
+    """``block_t`` 128 (at most ``block_n``, so no more shared memory) where it saves a tile step of
+    the last split over 64: when the prompt's tail (``max_prefix % block_n`` keys, the longest
+    sequence's: it has the most prompt tiles) and the tree union fit one 128-key gathered tile but
+    not one 64-key tile (4000/256 at 128x128: 32 + <= 40 keys). Else 64: the same number of steps,
+    half the matmul width (1024/256 at 64x128 has no tail: one 64-key tile of <= 24 keys).
+    """
+    tail = max_prefix % cfg.block_n
+    best = replace(cfg, block_t=min(64, cfg.block_n))
+    if cfg.block_n >= 128:
+        wide = replace(cfg, block_t=128)
+        if _tree_steps_estimate(wide, group, n, tail) < _tree_steps_estimate(best, group, n, tail):
+            best = wide
+    return best
 
 
 def _shared_bytes(cfg: KernelConfig, head_dim: int, esize: int) -> int:
@@ -125,35 +142,42 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
     """(programs on the split axis, prompt tokens per split).
 
     ``cfg.num_splits`` or, by default, about one program per SM (but chunks of at least
-    ``min_chunk`` keys). The last split also attends the gathered tree tiles of its row block, so
-    the chunks are sized to spread ``max_prefix`` + their keys (``_tree_keys_estimate``) evenly.
+    ``min_chunk`` keys). Balanced in tile steps (a step costs about the same whatever number of
+    its keys is real): every split runs its chunk of full ``block_n`` prompt tiles; the last one
+    also runs the tree part, whose gathered tiles carry the prompt's ragged tail
+    (``max_prefix % block_n`` keys) for free when it fits beside the tree union
+    (``_tree_steps_estimate``). With several splits the chunk is a whole number of ``block_n``
+    tiles (the kernel relies on it: only the last split has a tail).
     """
-    work = max_prefix + _tree_keys_estimate(cfg, rows // max(n, 1), n)
+    tiles = max_prefix // cfg.block_n
+    work = tiles + _tree_steps_estimate(cfg, rows // max(n, 1), n, max_prefix % cfg.block_n)
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
         per_split = math.ceil(rows / cfg.block_m) * batch * num_kv_heads
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-        want = min(round(sms / per_split), math.ceil(work / min_chunk))
-    if want <= 1 or max_prefix <= 0:
+        want = min(round(sms / per_split), math.ceil(work * cfg.block_n / min_chunk))
+    if want <= 1 or tiles <= 0:
         return 1, max(max_prefix, 1)
-    chunk = math.ceil(math.ceil(work / want) / cfg.block_n) * cfg.block_n
-    return math.ceil(work / chunk), chunk
+    steps = math.ceil(work / want)
+    return math.ceil(work / steps), steps * cfg.block_n
 
 
-def _tree_keys_estimate(cfg: KernelConfig, group: int, n: int) -> int:
-    """Tree keys (in whole gathered tiles) of the busiest program, estimated without reading the
-    tree (CUDA graphs): a row block holds ``block_m / group`` consecutive depth-first nodes, whose
-    ancestors in a tree of depth <= 8 add about 8 keys (measured on the benchmark's random trees of
-    256 nodes: <= 23 keys for 16 nodes, <= 39 for 32). A tree longer than one window of
-    ``_window_words`` words needs a tile in the root's window too. Deep or chain-like trees see
-    more; this only balances the chunks.
+def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int, tail: int) -> int:
+    """Tile steps of the last split past its full prompt tiles, estimated without reading the tree
+    (CUDA graphs): the gathered tiles of the prompt tail (``tail`` keys, when ``tail <= block_t``)
+    plus the tree union, or the tail's own masked tile plus the union's tiles.
+
+    A row block holds ``block_m / group`` consecutive depth-first nodes, whose ancestors in a tree
+    of depth <= 8 add about 8 keys (measured on the benchmark's random trees of 256 nodes: <= 23
+    keys for 16 nodes, <= 39 for 32). A tree longer than one window of ``_window_words`` words
+    needs a tile in the root's window too. Deep or chain-like trees see more; this only balances
+    the chunks and picks ``block_t``.
     """
-    if n <= 0:
-        return 0
-    union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8)
-    windows = math.ceil(n / (64 * _window_words(n)))
-    return cfg.block_t * (math.ceil(union / cfg.block_t) + min(windows - 1, 1))
+    union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8) if n > 0 else 0
+    windows = math.ceil(n / (64 * _window_words(n))) if n > 0 else 1
+    lead = tail if tail <= cfg.block_t else 0
+    return math.ceil((lead + union) / cfg.block_t) + min(windows - 1, 1) + int(tail > cfg.block_t)
 
 
 def _window_words(n: int) -> int:
