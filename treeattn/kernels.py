@@ -125,16 +125,15 @@ def tree_attn_fwd_kernel(
     # Prompt part: every row sees every key of the prompt. The full BLOCK_N tiles [0, p_full) are
     # cut into chunks of ``chunk`` keys (a multiple of BLOCK_N when there are several splits), one
     # per split; the last split runs up to p_full whatever ``chunk`` says. The ragged tail
-    # [p_full, prefix_len) (prefix_len % BLOCK_N keys, per sequence) is no tile of its own: the last
-    # split gathers it into the tree part's first tile(s), ahead of the tree union, when it has at
-    # most BLOCK_T keys; a longer one (only when BLOCK_T < BLOCK_N) gets v3's masked tile instead,
-    # which is never more tile steps than gathering it (see the module docstring).
+    # [p_full, prefix_len) (prefix_len % BLOCK_N keys, per sequence: data, not shape) gets no
+    # masked tile: the last split gathers it into the tree part's first slots (module docstring).
     is_last = pid_s == num_splits - 1
     p_full = prefix_len // BLOCK_N * BLOCK_N
-    n_tail = prefix_len - p_full
+    n_tail = tl.where(is_last, prefix_len - p_full, 0)
     offs_n = tl.arange(0, BLOCK_N)
     lo = pid_s * chunk
     hi = tl.where(is_last, p_full, tl.minimum(lo + chunk, p_full))
+    hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # v6's form: the same loop code on sm_90
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         kv = start + offs_n
         if EVEN_D:
@@ -144,20 +143,6 @@ def tree_attn_fwd_kernel(
             k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=d_ok[None, :], other=0.0)
             v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
-    gather_tail = n_tail <= BLOCK_T
-    if BLOCK_T < BLOCK_N:
-        # A tail longer than BLOCK_T: one masked tile (a loop of 0 or 1 trips, its count computed
-        # before it: no branch in front of the loads).
-        tail_end = tl.where(is_last & (n_tail > BLOCK_T), prefix_len, p_full)
-        for start in tl.range(p_full, tail_end, BLOCK_N, num_stages=1):
-            kv = start + offs_n
-            kv_ok = kv < prefix_len
-            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
-            )
-    n_lead = tl.where(gather_tail, n_tail, 0)  # tail keys that lead the first window's gathered slots
 
     # Tree part (last program of the split axis): the keys that some row of the block sees,
     # gathered into tiles of BLOCK_T keys, window by window (see the module docstring). The
@@ -178,8 +163,8 @@ def tree_attn_fwd_kernel(
             # set bits at or before p) and the window's count.
             incl = tl.cumsum(tl.reshape(bits, [HALVES * HALF]), 0)
             count = tl.sum(tl.sum(bits, 1), 0)
-            # The first window's slots start with the n_lead prompt-tail keys (seen by every row).
-            lead = tl.where(h0 == 0, n_lead, 0)
+            # The first window's slots start with the n_tail prompt-tail keys (seen by every row).
+            lead = tl.where(h0 == 0, n_tail, 0)
             total = lead + count
             for c in tl.range(0, total, BLOCK_T, num_stages=1):
                 # 3. Slot j >= lead holds the (j - lead)-th set bit, at position

@@ -165,19 +165,18 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
 
 def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int, tail: int) -> int:
     """Tile steps of the last split past its full prompt tiles, estimated without reading the tree
-    (CUDA graphs): the gathered tiles of the prompt tail (``tail`` keys, when ``tail <= block_t``)
-    plus the tree union, or the tail's own masked tile plus the union's tiles.
+    (CUDA graphs): the gathered tiles of ``block_t`` keys that hold the prompt tail (``tail``
+    keys) followed by the first window's tree union, plus one more tile for a tree longer than one
+    window of ``_window_words`` words (the root's window and the block's own).
 
     A row block holds ``block_m / group`` consecutive depth-first nodes, whose ancestors in a tree
     of depth <= 8 add about 8 keys (measured on the benchmark's random trees of 256 nodes: <= 23
-    keys for 16 nodes, <= 39 for 32). A tree longer than one window of ``_window_words`` words
-    needs a tile in the root's window too. Deep or chain-like trees see more; this only balances
-    the chunks and picks ``block_t``.
+    keys for 16 nodes, <= 39 for 32). Deep or chain-like trees see more; this only balances the
+    chunks and picks ``block_t``.
     """
     union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8) if n > 0 else 0
     windows = math.ceil(n / (64 * _window_words(n))) if n > 0 else 1
-    lead = tail if tail <= cfg.block_t else 0
-    return math.ceil((lead + union) / cfg.block_t) + min(windows - 1, 1) + int(tail > cfg.block_t)
+    return math.ceil((tail + union) / cfg.block_t) + min(windows - 1, 1)
 
 
 def _window_words(n: int) -> int:
