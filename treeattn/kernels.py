@@ -3,29 +3,45 @@
 Layout of the work: one program per (block of folded query rows, batch x KV head, prompt split).
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
-once per KV head for all tree queries. The prompt ``[0, prefix_len)`` is cut into chunks of
-``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys
-(the op sizes the chunks so that this evens out). With one split (``SPLIT=False``) the kernel
-writes the output; with several it writes normalized partial outputs and base-2 log-sum-exps that
+once per KV head for all tree queries. The prompt's full ``BLOCK_N`` tiles ``[0, p_full)``
+(``p_full = prefix_len - prefix_len % BLOCK_N``) are cut into chunks of ``chunk`` tokens (a whole
+number of tiles when there are several splits), one per program on the split axis, as a
+software-pipelined loop of unmasked tiles; the last program runs its tiles up to ``p_full`` and
+then attends the gathered tiles: the prompt's ragged tail and the tree keys (the op sizes the
+chunks so that this evens out). With one split (``SPLIT=False``) the kernel writes the output; with
+several it writes normalized partial outputs and base-2 log-sum-exps that
 ``tree_attn_merge_kernel`` combines.
 
-Tree part: gathered tree tiles. A row block holds consecutive depth-first nodes; the union of
-their ancestors is small (a depth-8 tree: <= 24 keys for 16 nodes, <= 40 for 32, whatever n is),
-while scanning every 64-key word tile up to the block's last node costs up to n / 64 tile steps.
-So the last program compacts the union and attends only it, in tiles of ``BLOCK_T`` keys. The
-words are read as int32 halves (32 positions each); the positions ``[0, last node]`` are taken in
-windows of ``2 * WINDOW_WORDS`` halves; per window:
+Gathered tiles (v6: the tree union; v7: the prompt tail in front of it). A row block holds
+consecutive depth-first nodes; the union of their ancestors is small (a depth-8 tree: <= 24 keys
+for 16 nodes, <= 40 for 32, whatever n is), while scanning every 64-key word tile up to the
+block's last node costs up to n / 64 tile steps. So the last program compacts the union and
+attends only it, in tiles of ``BLOCK_T`` keys. A tile step costs about the same whatever number of
+its keys is real, so the prompt's tail ``[p_full, prefix_len)`` (``prefix_len % BLOCK_N`` keys,
+different per sequence: data, not shape) takes no masked ``BLOCK_N`` tile of its own (v3-v6): its
+keys lead the first window's slots, visible to every row, and the union's keys follow. Tail and
+union in one tile is one step instead of two (4000/256 at 128x128: 32 + <= 40 keys in a tile of
+``BLOCK_T`` = 128); a tail longer than ``BLOCK_T`` (``BLOCK_T < BLOCK_N``) takes several chunks
+(the op picks ``BLOCK_T`` so that this does not cost a step; a separate masked tile for it cost
+registers: a 16-byte spill at 64x128/4 warps on sm_90). Non-last splits have no tail: their
+chunks end on tile boundaries (a shorter sequence of a batch just runs fewer tiles there).
+
+The ancestor words are read as int32 halves (32 positions each); the positions
+``[0, last node]`` are taken in windows of ``2 * WINDOW_WORDS`` halves; per window:
 
 1. union: the rows' ancestor halves of the window, OR-reduced over the block's valid rows (the
    first window's halves are loaded before the prompt loop, so their latency hides behind it);
 2. compaction without scatter: ``bit[p]`` of each candidate position p and its inclusive rank
-   ``incl = cumsum(bit)``; gathered slot j (< count) holds the position of the j-th set bit,
-   which is ``#{p : incl[p] <= j}`` (incl is non-decreasing), i.e. the running sum of a
-   ``BLOCK_T``-bin histogram of ``incl`` (no scatter, no sort);
-3. ``for c in range(0, count, BLOCK_T)`` (usually one trip, none for an empty window; not
-   software-pipelined: one trip gains nothing from it): K/V rows gathered at
-   ``prefix_len + idx[j]``, and each row's visibility of slot j, bit ``idx[j] % 32`` of its half
-   ``idx[j] // 32``, re-read by a 2-D gather load of the (cache-resident) halves.
+   ``incl = cumsum(bit)``; with ``lead`` tail slots first (the tail's length in the first window,
+   0 in the others), tree slot j (``lead <= j < lead + count``) holds the position of the
+   ``(j - lead)``-th set bit, which is ``#{p : incl[p] <= j - lead}`` (incl is non-decreasing),
+   i.e. the running sum of a ``BLOCK_T``-bin histogram of ``incl - (c - lead)`` for the chunk
+   starting at slot c (no scatter, no sort);
+3. ``for c in range(0, lead + count, BLOCK_T)`` (usually one trip, none for an empty window; not
+   software-pipelined: one trip gains nothing from it): K/V rows gathered at ``p_full + j`` for
+   tail slots and ``prefix_len + idx[j]`` for tree slots; tail slots are visible to every row,
+   and each row's visibility of tree slot j, bit ``idx[j] % 32`` of its half ``idx[j] // 32``, is
+   re-read by a 2-D gather load of the (cache-resident) halves.
 
 The only data-dependent control flow is the chunk loop's trip count, computed before it: no
 branch sits between the index computation and the K/V loads (v4's lesson).
@@ -144,8 +160,8 @@ def tree_attn_fwd_kernel(
             v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
 
-    # Tree part (last program of the split axis): the keys that some row of the block sees,
-    # gathered into tiles of BLOCK_T keys, window by window (see the module docstring). The
+    # Gathered part (last program of the split axis): the prompt tail, then the tree keys that some
+    # row of the block sees, in tiles of BLOCK_T keys, window by window (see the module docstring). The
     # ancestor words are read as int32 halves (HALF = 32 positions each): 32-bit shifts, and
     # half the registers for the per-key visibility.
     if is_last:

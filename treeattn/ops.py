@@ -29,10 +29,12 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
-    ``block_t`` is the width of the gathered tree tiles (16, 32, 64 or 128 keys): the last split's
-    programs attend only the tree keys that some row of their block sees, compacted into tiles of
-    ``block_t`` keys (a block of 16-32 depth-first nodes of a depth-8 tree sees <= 40 keys, one
-    tile of 64); narrower tiles are cheaper but overflow into a second tile more often.
+    ``block_t`` is the width of the gathered tiles (16, 32, 64 or 128 keys): the last split's
+    programs attend the prompt's ragged tail (``prefix_len % block_n`` keys) and the tree keys that
+    some row of their block sees, compacted into tiles of ``block_t`` keys (a block of 16-32
+    depth-first nodes of a depth-8 tree sees <= 40 keys); narrower tiles are cheaper but overflow
+    into a second tile more often. ``pick_config`` uses 128 where the tail and the union fit one
+    128-key tile but not one of 64, else 64.
     ``warp_specialize`` asks Triton to split the prompt loop's loads and math over warp groups
     (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
@@ -362,6 +364,8 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
         part_lse = torch.empty(batch * hq * n * splits, device=q.device, dtype=torch.float32)
     else:
         part_o = part_lse = out  # unused by the single-stage kernel
+    # The kernel's non-last splits have no ragged tail: their chunks must end on tile boundaries.
+    assert splits == 1 or chunk % cfg.block_n == 0, (splits, chunk, cfg.block_n)
     upcast = interpreter_enabled() and q.dtype != torch.float32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)

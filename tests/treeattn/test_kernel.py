@@ -135,6 +135,76 @@ def test_tree_keys_no_row_of_a_block_sees_are_never_read():
     assert _rel(out[:, :, clean], ref[:, :, clean]) < 1e-5
 
 
+# v7: the last split attends the prompt's ragged tail (prefix_len % block_n keys, per sequence) in
+# the tree part's gathered tiles, ahead of the tree union, instead of a masked block_n tile.
+TAIL_CASES = [
+    # n, Hq, Hkv, block_m, block_n, block_t, splits, prefix lens (batch 2: tails differ)
+    (20, 4, 2, 32, 64, 64, 1, [100, 64]),  # tail 36 + union fit one tile; the second has no tail
+    (20, 4, 1, 64, 128, 16, 3, [250, 128]),  # tail 122 > block_t: eight gathered chunks
+    (12, 2, 2, 16, 32, 32, 3, [200, 40]),  # the short sequence's last split has no prompt tile
+    (9, 4, 4, 32, 64, 32, 2, [0, 50]),  # prefix 0; a prompt shorter than one tile (all tail)
+    (260, 1, 1, 128, 64, 128, 2, [191, 64]),  # two windows: the tail leads the root's window
+    (40, 6, 2, 32, 32, 64, 1, [96, 31]),  # GQA 3 (a block splits a node's rows); one tail 0
+]
+
+
+@pytest.mark.parametrize("n,hq,hkv,block_m,block_n,block_t,splits,prefix", TAIL_CASES)
+@pytest.mark.parametrize("kind", ["random", "star", "chain"])
+def test_prompt_tail_in_gathered_tiles_matches_float64_reference(n, hq, hkv, block_m, block_n, block_t,
+                                                                 splits, prefix, kind):
+    q, k, v, pl, mask = _inputs(2, hq, hkv, n, 16, prefix, torch.float32, kind, seed=n + block_n)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=block_m, block_n=block_n, num_splits=splits, block_t=block_t)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+
+
+def test_prompt_tail_reads_only_its_keys():
+    """White-box: with the prompt tail (45 % 32 = 13 keys) and a star's union gathered into 16-key
+    chunks, NaN in every cache slot past the tree and in node 40's K/V (seen by node 40 only)
+    reaches node 40's row block only; every other row is exact."""
+    n, prompt, extra = 70, 45, 5
+    q, k, v, pl, mask = _inputs(1, 1, 1, n, 16, [prompt], torch.float32, kind="star", seed=4, extra=extra)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    for pos in [prompt + 40] + list(range(prompt + n, prompt + n + extra)):
+        k[:, :, pos] = float("nan")
+        v[:, :, pos] = float("nan")
+    cfg = KernelConfig(block_m=16, block_n=32, num_splits=1, block_t=16)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    clean = torch.ones(n, dtype=torch.bool)
+    clean[32:48] = False  # the block of node 40
+    assert torch.isnan(out[0, 0, 40]).all()
+    assert _rel(out[:, :, clean], ref[:, :, clean]) < 1e-5
+
+
+def test_splits_count_the_tail_inside_the_gathered_tile():
+    """Host side at the H100 shapes (132 SMs): 4000/256 picks 128-key gathered tiles (tail 32 +
+    union <= 40 in one step) and splits 31 full tiles + 1 gathered step as 16 / 15 + 1; cells
+    without a tail keep 64-key tiles; chunks are whole block_n tiles."""
+    from unittest import mock
+
+    from treeattn import ops
+
+    def steps(cfg, splits, chunk, prefix, n):
+        tiles = prefix // cfg.block_n
+        per = [min(chunk // cfg.block_n, max(tiles - i * chunk // cfg.block_n, 0)) for i in range(splits)]
+        per[-1] = max(tiles - (splits - 1) * chunk // cfg.block_n, 0)
+        per[-1] += ops._tree_steps_estimate(cfg, 4, n, prefix % cfg.block_n)
+        return per
+
+    with mock.patch.object(ops, "_num_sms", lambda _: 132):
+        cuda = torch.device("cuda", 0)
+        want = {(4000, 256): (128, 128, 2, [16, 16]), (1024, 256): (128, 64, 1, [9]),
+                (16000, 256): (128, 64, 2, [63, 63]), (4000, 64): (64, 64, 4, [16, 16, 16, 15])}
+        for (prefix, n), (block_n, block_t, splits, per) in want.items():
+            cfg, _, _ = ops.pick_config(1, 8, 4, n, prefix + n, 128, torch.device("cpu"))
+            got_splits, chunk = ops._splits(cfg, 1, 8, 4 * n, prefix, n, cuda)
+            assert (cfg.block_n, cfg.block_t, got_splits) == (block_n, block_t, splits)
+            assert chunk % cfg.block_n == 0 or got_splits == 1
+            assert steps(cfg, got_splits, chunk, prefix, n) == per
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gathered_tree_tiles_low_precision(dtype):
     q, k, v, pl, mask = _inputs(2, 8, 2, 70, 64, [60, 0], dtype, seed=3)
