@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ import torch
 from drafters._build import make_tree, root_only
 from drafters.base import BaseDrafter, DraftContext
 from specdec import hf
-from specdec.graphs import GraphedMaskedForward, model_devices
+from specdec.graphs import GraphedMaskedForward, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
@@ -125,25 +124,8 @@ class DraftModelDrafter(BaseDrafter):
         self.reuse_kv = reuse_kv
         self.vocab_size = hf.vocab_size(draft_model)
         self.device = hf.input_device(draft_model)
-        for name, val in (("static_shapes", static_shapes), ("cuda_graphs", cuda_graphs)):
-            if val is not None and not isinstance(val, bool):
-                raise ValueError(f"{name}: expected None, True or False, got {val!r}")
-        one_cuda = self.device.type == "cuda" and len(model_devices(draft_model)) == 1
-        if cuda_graphs and not one_cuda:
-            raise ValueError(f"cuda_graphs: True needs the draft model on one CUDA device, got {self.device}")
-        if cuda_graphs and static_shapes is False:
-            raise ValueError("cuda_graphs: True needs static_shapes, got static_shapes=False")
-        if static_shapes is None:
-            static_shapes = self.device.type == "cuda" or bool(cuda_graphs)
-        if cuda_graphs is None:
-            cuda_graphs = static_shapes and one_cuda and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0"
-        self.static_shapes = bool(static_shapes)
-        self.cuda_graphs = bool(cuda_graphs)
-        if not isinstance(compile, (bool, str)) or compile == "":
-            raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
-        if compile and not self.static_shapes:
-            raise ValueError("compile: needs static_shapes, got static_shapes=False")
-        self.compile = compile
+        self.static_shapes, self.cuda_graphs, self.compile = replay_modes(
+            draft_model, static_shapes, cuda_graphs, compile, "the draft model")
         #: rows of the fixed-shape draft forward: a frontier, or a catch-up chain of up to depth + 1 tokens
         self.static_width = max(topk, depth + 1)
         self._states: dict[int, _SeqState] = {}

@@ -20,8 +20,8 @@ after every section so that a run cut off by a time limit keeps what it measured
 ``spec``   (c) speculative decoding at ``--spec-tree-size`` t with the draft-model drafter and with
            prompt lookup, in each of ``--spec-modes``: eager, graphed, and (opt-in) ``compiled``
            (graphs of inductor-compiled forwards); for the draft model its per-depth forwards
-           follow the mode too (``DraftModelDrafter(static_shapes=, cuda_graphs=, compile=)``): per step, ms drafting, verifying (of which the target
-           forward), committing, and host overhead (the rest of the wall time, prefill excluded);
+           follow the mode too (``DraftModelDrafter(static_shapes=, cuda_graphs=, compile=)``).
+           Per step: ms drafting, verifying (of which the target forward), committing, and host overhead (the rest of the wall time, prefill excluded);
            draft tokens accepted and tokens emitted per step; tokens/s; identical completions.
 
 On CPU the "graph" rows run the same fixed-buffer code without a capture (``captured: false``).

@@ -17,7 +17,6 @@ part of the cache (cheaper on CPU).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import torch
 
 from drafters.base import DraftContext, Drafter
 from specdec import hf
-from specdec.graphs import GraphedForward, model_devices
+from specdec.graphs import GraphedForward, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
@@ -174,27 +173,8 @@ class SpecDecoder:
         self._wants_hidden = bool(getattr(drafter, "needs_hidden_states", False)) and self.tree_size > 0
         self.max_cache_len = max_cache_len
         self.device = hf.input_device(target)
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs: expected None, True or False, got {cuda_graphs!r}")
-        if cuda_graphs:
-            if self.device.type != "cuda":
-                raise ValueError(f"cuda_graphs: True needs the target on a CUDA device, got {self.device}")
-            if len(model_devices(target)) > 1:
-                raise ValueError("cuda_graphs: True needs the target on one device, got a model split across devices")
-            if static_shapes is False:
-                raise ValueError("cuda_graphs: True needs static_shapes (fixed [B, tree_size + 1] forwards), got False")
-        if static_shapes is None:
-            static_shapes = self.device.type == "cuda" or bool(cuda_graphs)
-        self.static_shapes = bool(static_shapes)
-        if cuda_graphs is None:  # SPECDEC_CUDA_GRAPHS=0 turns the default off (e.g. for the CLIs)
-            cuda_graphs = (self.static_shapes and self.device.type == "cuda" and len(model_devices(target)) == 1
-                           and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0")
-        self.cuda_graphs = bool(cuda_graphs)
-        if not isinstance(compile, (bool, str)) or compile == "":
-            raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
-        if compile and not self.static_shapes:
-            raise ValueError("compile: needs static_shapes (fixed [B, tree_size + 1] forwards), got static_shapes=False")
-        self.compile = compile
+        self.static_shapes, self.cuda_graphs, self.compile = replay_modes(
+            target, static_shapes, cuda_graphs, compile, "the target")
         self.attn_impl = attn_impl
         self._cache: KVCache | None = None
         self._graphs: dict[tuple[int, int], GraphedForward] = {}
@@ -431,7 +411,7 @@ class SpecDecoder:
                 hidden[b] = node_hidden[b, v.path[-1]].clone()  # next forward overwrites node_hidden
             if new:
                 streamed.append((b, list(new)))
-        _commit(cache, keep)
+        cache.commit(keep)  # nodes already in place (a first-child chain) are not copied
         self._sync()
         t3 = time.perf_counter()
         if on_tokens is not None:
@@ -479,19 +459,6 @@ class SpecDecoder:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _commit(cache: KVCache, paths: list) -> None:
-    """``cache.commit(paths)``, skipping the KV copies when every path is already in place.
-
-    A path ``(0, 1, ..., k)`` (plain decoding; a first-child chain of a depth-first tree) keeps
-    its nodes in the slots they were written to: only the lengths grow. This saves the commit's
-    per-layer gather / scatter launches on most steps.
-    """
-    if all(p is None or tuple(p) == tuple(range(len(p))) for p in paths):
-        cache.lengths = [length + len(p or ()) for length, p in zip(cache.lengths, paths)]
-        return
-    cache.commit(paths)
 
 
 class SpeculativeModel:
@@ -553,6 +520,6 @@ def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) 
     """``specdec.wrap(model, drafter).generate(input_ids, max_new_tokens=...)`` decodes speculatively.
 
     ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``static_shapes``, ``attn_impl``,
-    ``cuda_graphs``).
+    ``cuda_graphs``, ``compile``).
     """
     return SpeculativeModel(model, drafter, tree_size, **decoder_kwargs)

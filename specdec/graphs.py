@@ -43,6 +43,7 @@ it checks everything the graph depends on (what is copied where, output aliasing
 from __future__ import annotations
 
 import array
+import os
 import struct
 from collections.abc import Sequence
 
@@ -53,7 +54,7 @@ from specdec.kv import KVCache
 from specdec.tree import TokenTree
 from treeattn import TreeMask, num_words
 
-__all__ = ["GraphedForward", "GraphedMaskedForward", "InputLayout", "pack_trees"]
+__all__ = ["GraphedForward", "GraphedMaskedForward", "InputLayout", "pack_trees", "replay_modes"]
 
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
 _COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
@@ -180,15 +181,20 @@ class _Replayed:
         #: forwards run (eager calls or graph replays), for tests and accounting
         self.calls = 0
 
-    def _stage(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, "_Copy"]:
-        """A device input vector, its host staging vector (pinned on CUDA) and their copier."""
-        pin = self.device.type == "cuda"
-        host = torch.zeros(size, dtype=dtype, pin_memory=pin)
+    def _stage(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, "_Copy"]:
+        """A device input vector and its copier from a host staging vector (pinned on CUDA)."""
+        host = torch.zeros(size, dtype=dtype, pin_memory=self.device.type == "cuda")
         flat = torch.zeros(size, dtype=dtype, device=self.device)
-        return flat, host, _Copy(host, flat)
+        return flat, _Copy(host, flat)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
+        """The captured region: the model's forward over the fixed inputs (no host sync inside).
+
+        Subclasses set ``tokens``, ``positions`` (fixed ``[B, m]`` device tensors), ``state`` (a
+        ``hf.ForwardState`` / ``hf.MaskedState`` over fixed tensors) and ``return_hidden``.
+        """
+        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
+        return out if self.return_hidden else (out, None)
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The body, through ``torch.compile`` when asked (compiled on the first call, which the
@@ -306,7 +312,7 @@ class GraphedForward(_Replayed):
         self.n = n
         self.return_hidden = bool(return_hidden)
         self.layout = InputLayout(batch, n)
-        self._flat, self._host, self._copy = self._stage(self.layout.size, torch.int64)
+        self._flat, self._copy = self._stage(self.layout.size, torch.int64)
         view = lambda name: self.layout.view(self._flat, name)  # noqa: E731
         self.tokens, self.positions, self.slots = view("tokens"), view("positions"), view("slots")
         self.prefix_lens = view("prefix_lens")
@@ -344,11 +350,6 @@ class GraphedForward(_Replayed):
         self._copy.put(packed)
         self.state.refresh()
 
-    def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured region: the model's forward over the fixed inputs (no host sync inside)."""
-        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
-        return out if self.return_hidden else (out, None)
-
     def run(self, trees: Sequence[TokenTree], prefix_lens) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``load(trees, prefix_lens)`` then ``forward()``."""
         self.load(trees, prefix_lens)
@@ -382,8 +383,8 @@ class GraphedMaskedForward(_Replayed):
         self.m = m
         self.return_hidden = bool(return_hidden)
         cap = cache.capacity
-        self._ints, _, self._copy_ints = self._stage(batch * (3 * m + cap), torch.int64)
-        self._mask, _, self._copy_mask = self._stage(batch * m * cap, torch.bool)
+        self._ints, self._copy_ints = self._stage(batch * (3 * m + cap), torch.int64)
+        self._mask, self._copy_mask = self._stage(batch * m * cap, torch.bool)
         seg = batch * m
         self.tokens = self._ints[:seg].view(batch, m)
         self.positions = self._ints[seg : 2 * seg].view(batch, m)
@@ -430,10 +431,37 @@ class GraphedMaskedForward(_Replayed):
         self._copy_ints.put(torch.cat([ints.view(-1), keypos.view(-1)]))
         self._copy_mask.put(mask.view(-1))
 
-    def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured region: the model's forward over the fixed inputs (no host sync inside)."""
-        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
-        return out if self.return_hidden else (out, None)
+
+def replay_modes(model, static_shapes: bool | None, cuda_graphs: bool | None, compile: bool | str,
+                 name: str) -> tuple[bool, bool, bool | str]:  # fmt: skip
+    """Resolve and check the (static_shapes, cuda_graphs, compile) options of a user of these classes.
+
+    Defaults: static shapes on CUDA (or when graphs are asked for); CUDA graphs with static shapes
+    on one CUDA device, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``; no compile.
+    ``name`` says whose forward it is in the errors (e.g. "the target").
+    """
+    for arg, val in (("static_shapes", static_shapes), ("cuda_graphs", cuda_graphs)):
+        if val is not None and not isinstance(val, bool):
+            raise ValueError(f"{arg}: expected None, True or False, got {val!r}")
+    if not isinstance(compile, (bool, str)) or compile == "":
+        raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
+    device = hf.input_device(model)
+    one_device = len(model_devices(model)) == 1
+    if cuda_graphs:
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graphs: True needs {name} on a CUDA device, got {device}")
+        if not one_device:
+            raise ValueError(f"cuda_graphs: True needs {name} on one device, got a model split across devices")
+        if static_shapes is False:
+            raise ValueError("cuda_graphs: True needs static_shapes, got static_shapes=False")
+    if static_shapes is None:
+        static_shapes = device.type == "cuda" or bool(cuda_graphs)
+    if cuda_graphs is None:
+        cuda_graphs = (static_shapes and device.type == "cuda" and one_device
+                       and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0")  # fmt: skip
+    if compile and not static_shapes:
+        raise ValueError("compile: needs static_shapes, got static_shapes=False")
+    return bool(static_shapes), bool(cuda_graphs), compile
 
 
 def model_devices(model) -> set[torch.device]:

@@ -243,6 +243,8 @@ def _sweep_configs() -> list[KernelConfig | None]:
         cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
     for bm, bn, w in [(64, 64, 4), (64, 128, 4), (128, 128, 8)]:  # Triton's warp specialization
         cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, warp_specialize=True))
+    for bn in (64, 128):  # two programs per SM (2 stages fit twice in shared memory) over a 2-way split
+        cfgs.append(KernelConfig(block_m=64, block_n=bn, num_warps=4, num_stages=2, num_splits=2))
     for bm, bn, w in [(64, 64, 4), (64, 128, 4), (128, 128, 8)]:  # gathered tree tile widths besides 64
         for bt in (16, 32, 128):
             cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, block_t=bt))

@@ -250,7 +250,7 @@ def test_static_shapes_greedy_equals_target_generate_in_a_batch(family, compile)
 def test_argument_errors():
     with pytest.raises(ValueError, match=r"static_shapes: expected None, True or False, got 1"):
         DraftModelDrafter(_draft(), static_shapes=1)
-    with pytest.raises(ValueError, match=r"cuda_graphs: True needs the draft model on one CUDA device, got cpu"):
+    with pytest.raises(ValueError, match=r"cuda_graphs: True needs the draft model on a CUDA device, got cpu"):
         DraftModelDrafter(_draft(), cuda_graphs=True)
     with pytest.raises(ValueError, match=r"compile: needs static_shapes, got static_shapes=False"):
         DraftModelDrafter(_draft(), compile=True)

@@ -17,7 +17,6 @@ from torch._dynamo.utils import counters
 
 from drafters.base import DraftContext
 from specdec import KVCache, SpecDecoder, TokenTree
-from specdec import engine as engine_mod
 from specdec.graphs import GraphedForward, GraphedMaskedForward, InputLayout, pack_trees
 from specdec.hf import masked_forward, prefill, prepare_model, tree_forward
 from tests.specdec.helpers import VOCAB, OracleDrafter, RandomTreeDrafter, hf_greedy, tiny_model
@@ -254,17 +253,20 @@ def test_graph_path_hidden_states_equal_dynamic_path():
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
-def test_commit_skips_copies_for_paths_already_in_place(monkeypatch):
+def test_commit_copies_nothing_for_paths_already_in_place(monkeypatch):
+    """A first-child chain (0, 1, ..., k) stays where the forward wrote it: only lengths grow;
+    otherwise one copy per moving sequence covers every (stacked) layer."""
     model = _model("llama")
-    cache = KVCache(2, 32)
+    cache = KVCache(2, 32, num_layers=model.config.num_hidden_layers)
     prefill(model, _prompt(12, 0)[None].expand(2, -1), cache, impl="torch")
     cache.lengths = [5, 7]
     calls = []
-    monkeypatch.setattr(cache, "commit", lambda paths: calls.append(paths))
-    engine_mod._commit(cache, [(0, 1, 2), None])
+    real = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: calls.append(a[0]) or real(self, *a))
+    cache.commit([(0, 1, 2), None])
     assert cache.lengths == [8, 7] and not calls
-    engine_mod._commit(cache, [(0,), (0, 2)])
-    assert calls == [[(0,), (0, 2)]]
+    cache.commit([(0,), (0, 2)])
+    assert cache.lengths == [9, 9] and len(calls) == 1
 
 
 def test_cuda_graphs_argument_errors():
@@ -275,7 +277,7 @@ def test_cuda_graphs_argument_errors():
         SpecDecoder(model, None, cuda_graphs="yes")
     assert SpecDecoder(model, None).cuda_graphs is False  # CPU default: off, dynamic shapes
     assert SpecDecoder(model, None, static_shapes=True).cuda_graphs is False
-    with pytest.raises(ValueError, match=r"compile: needs static_shapes .*got static_shapes=False"):
+    with pytest.raises(ValueError, match=r"compile: needs static_shapes, got static_shapes=False"):
         SpecDecoder(model, None, compile=True)
     with pytest.raises(ValueError, match=r"compile: expected a bool or a torch.compile backend name, got ''"):
         SpecDecoder(model, None, static_shapes=True, compile="")
