@@ -3,14 +3,29 @@
 Layout of the work: one program per (block of folded query rows, batch x KV head, prompt split).
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
-once per KV head for all tree queries. The prompt's full ``BLOCK_N`` tiles ``[0, p_full)``
-(``p_full = prefix_len - prefix_len % BLOCK_N``) are cut into chunks of ``chunk`` tokens (a whole
-number of tiles when there are several splits), one per program on the split axis, as a
-software-pipelined loop of unmasked tiles; the last program runs its tiles up to ``p_full`` and
-then attends the gathered tiles: the prompt's ragged tail and the tree keys (the op sizes the
-chunks so that this evens out). With one split (``SPLIT=False``) the kernel writes the output; with
-several it writes normalized partial outputs and base-2 log-sum-exps that
-``tree_attn_merge_kernel`` combines.
+once per KV head for all tree queries. The prompt is cut into chunks of ``chunk`` tokens (a whole
+number of ``BLOCK_N`` tiles when there are several splits), one per program on the split axis, as
+a software-pipelined loop of unmasked tiles; the last program also attends the tree keys (the op
+sizes the chunks so that this evens out). Two constexpr switches (v8) pick how:
+
+* ``GATHER=True`` (v6/v7): the last program runs the full tiles ``[.., p_full)``
+  (``p_full = prefix_len - prefix_len % BLOCK_N``) and then the gathered tiles: the prompt's ragged
+  tail and the tree keys that some row of its block sees (below).
+* ``GATHER=False`` (v3, ``main``'s tree part): a split ends its chunk at ``min(lo + chunk,
+  prefix_len)`` with one masked tile for a ragged end; the last program then scans the tree in
+  64-key tiles, one int64 ancestor word per row as the mask, up to its block's last node. No
+  histogram / cumsum / gathers: less fixed latency where the tree is short or the prompt long.
+
+With one split (``SPLIT=False``) the kernel writes the output. With several it writes normalized
+partial outputs (fp32) and base-2 log-sum-exps, combined either by ``tree_attn_merge_kernel``
+(a second launch) or, with ``FUSED_MERGE=True``, by the last program of each (row block,
+batch x KV head) to finish: after its partial store every program takes a ticket from an int32
+counter of that row block (``atomic_add``, acq_rel at GPU scope, after a CTA barrier so that all
+its threads' stores are ordered before it); the program that draws ``num_splits - 1`` reads all
+splits' partials (``.cg``: from L2, never a stale L1 line), merges them by log-sum-exp, writes the
+output and re-arms the counter (the op zeroes the counters per call). No program waits on
+another, so any scheduling order is safe (the interpreter runs the programs one by one: the last
+split merges).
 
 Gathered tiles (v6: the tree union; v7: the prompt tail in front of it). A row block holds
 consecutive depth-first nodes; the union of their ancestors is small (a depth-8 tree: <= 24 keys
@@ -81,7 +96,7 @@ def _bit_or(a, b):
 
 @triton.jit
 def tree_attn_fwd_kernel(
-    Q, K, V, PREFIX_LENS, WORDS32, OUT, PART_O, PART_LSE,
+    Q, K, V, PREFIX_LENS, WORDS, OUT, PART_O, PART_LSE, COUNTERS,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -91,8 +106,10 @@ def tree_attn_fwd_kernel(
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW_WORDS: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    GATHER: tl.constexpr, SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
+    """``WORDS``: int64 ancestor words ``[B or 1, n, words]`` (strides in int64 elements)."""
     WORD_BITS: tl.constexpr = 64
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_m = tl.program_id(0)
@@ -121,35 +138,41 @@ def tree_attn_fwd_kernel(
     prefix_len = tl.minimum(tl.maximum(prefix_len, 0), seq_len - n_tree)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
+    is_last = pid_s == num_splits - 1
+    # A node's ancestors precede it: tree positions past the block's last query hold no visible key.
+    last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
 
-    # The tree part's first window of ancestor words (int32 halves), loaded now so that their
-    # latency hides behind the prompt loop (only the last split attends the tree).
     HALF: tl.constexpr = 32
     HALVES: tl.constexpr = 2 * WINDOW_WORDS
     offs_h = tl.arange(0, HALVES)
-    h_ptrs = WORDS32 + b * stride_wb + qi * stride_wn
-    # A node's ancestors precede it: halves past the block's last query hold no visible key.
-    last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
-    end_h = last_q // HALF + 1
-    first_end_h = tl.where(pid_s == num_splits - 1, end_h, 0)
-    halves0 = tl.load(h_ptrs[:, None] + offs_h[None, :], mask=row_ok[:, None] & (offs_h < first_end_h)[None, :], other=0)
+    if GATHER:
+        # The tree part's first window of ancestor words as int32 halves, loaded now so that their
+        # latency hides behind the prompt loop (only the last split attends the tree).
+        h_ptrs = WORDS.to(tl.pointer_type(tl.int32)) + b * (2 * stride_wb) + qi * (2 * stride_wn)
+        end_h = last_q // HALF + 1
+        first_end_h = tl.where(is_last, end_h, 0)
+        halves0 = tl.load(h_ptrs[:, None] + offs_h[None, :], mask=row_ok[:, None] & (offs_h < first_end_h)[None, :], other=0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Prompt part: every row sees every key of the prompt. The full BLOCK_N tiles [0, p_full) are
-    # cut into chunks of ``chunk`` keys (a multiple of BLOCK_N when there are several splits), one
-    # per split; the last split runs up to p_full whatever ``chunk`` says. The ragged tail
-    # [p_full, prefix_len) (prefix_len % BLOCK_N keys, per sequence: data, not shape) gets no
-    # masked tile: the last split gathers it into the tree part's first slots (module docstring).
-    is_last = pid_s == num_splits - 1
-    p_full = prefix_len // BLOCK_N * BLOCK_N
-    n_tail = tl.where(is_last, prefix_len - p_full, 0)
+    # Prompt part: every row sees every key of the prompt.
     offs_n = tl.arange(0, BLOCK_N)
     lo = pid_s * chunk
-    hi = tl.where(is_last, p_full, tl.minimum(lo + chunk, p_full))
-    hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # v6's form: the same loop code on sm_90
+    if GATHER:
+        # The full BLOCK_N tiles [0, p_full) are cut into the splits' chunks; the last split runs up
+        # to p_full whatever ``chunk`` says. The ragged tail [p_full, prefix_len) (prefix_len %
+        # BLOCK_N keys, per sequence: data, not shape) gets no masked tile: the last split gathers
+        # it into the tree part's first slots (module docstring).
+        p_full = prefix_len // BLOCK_N * BLOCK_N
+        n_tail = tl.where(is_last, prefix_len - p_full, 0)
+        hi = tl.where(is_last, p_full, tl.minimum(lo + chunk, p_full))
+        hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # v6's form: the same loop code on sm_90
+    else:
+        # v3: the split's keys [lo, min(lo + chunk, prefix_len)), full tiles then one masked tile.
+        hi_all = tl.minimum(lo + chunk, prefix_len)
+        hi = lo + tl.maximum(hi_all - lo, 0) // BLOCK_N * BLOCK_N
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         kv = start + offs_n
         if EVEN_D:
@@ -160,59 +183,120 @@ def tree_attn_fwd_kernel(
             v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
 
-    # Gathered part (last program of the split axis): the prompt tail, then the tree keys that some
-    # row of the block sees, in tiles of BLOCK_T keys, window by window (see the module docstring). The
-    # ancestor words are read as int32 halves (HALF = 32 positions each): 32-bit shifts, and
-    # half the registers for the per-key visibility.
-    if is_last:
-        offs_b = tl.arange(0, HALF)
-        offs_j = tl.arange(0, BLOCK_T)
-        for h0 in range(0, end_h, HALVES):
-            # 1. Union of the valid rows' ancestor halves over the window, limited to the tree.
-            h = h0 + offs_h
-            later = tl.load(h_ptrs[:, None] + h[None, :], mask=row_ok[:, None] & (h < end_h)[None, :] & (h0 > 0), other=0)
-            halves = tl.where(h0 == 0, halves0, later)
-            union = tl.reduce(halves, 0, _bit_or)  # [HALVES] int32
-            bits = (union[:, None] >> offs_b[None, :]) & 1  # [HALVES, HALF]
-            bits = tl.where((h[:, None] * HALF + offs_b[None, :]) < n_tree, bits, 0)
-            # 2. Inclusive rank of every candidate position p = h0 * HALF + offs_p (the number of
-            # set bits at or before p) and the window's count.
-            incl = tl.cumsum(tl.reshape(bits, [HALVES * HALF]), 0)
-            count = tl.sum(tl.sum(bits, 1), 0)
-            # The first window's slots start with the n_tail prompt-tail keys (seen by every row).
-            lead = tl.where(h0 == 0, n_tail, 0)
-            total = lead + count
-            for c in tl.range(0, total, BLOCK_T, num_stages=1):
-                # 3. Slot j >= lead holds the (j - lead)-th set bit, at position
-                # #{p : incl[p] <= j - lead} (incl is non-decreasing): a histogram of
-                # incl - (c - lead) over the slots (ranks below the chunk in bin 0, ranks past it left
-                # out), summed up. Slots j < lead are the tail's prompt keys p_full + j.
-                x = incl - (c - lead)
-                hist = tl.histogram(tl.maximum(x, 0), BLOCK_T, mask=x < BLOCK_T)
-                j = c + offs_j
-                j_ok = j < total
-                is_tail = j < lead
-                in_tree = j_ok & (j >= lead)
-                t = tl.where(in_tree, h0 * HALF + tl.cumsum(hist, 0), 0)
-                kv = tl.where(is_tail, p_full + j, prefix_len + t)
-                kv_mask = j_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-                # Each row's bit for each gathered tree key: a gather of the (cache-resident) halves.
-                wv = tl.load(h_ptrs[:, None] + (t // HALF)[None, :], mask=row_ok[:, None] & in_tree[None, :], other=0)
-                visible = (((wv >> (t % HALF)[None, :]) & 1) != 0) | is_tail[None, :]
+    if GATHER:
+        # Gathered part (last program of the split axis): the prompt tail, then the tree keys that
+        # some row of the block sees, in tiles of BLOCK_T keys, window by window (module docstring).
+        # The ancestor words are read as int32 halves (HALF = 32 positions each): 32-bit shifts, and
+        # half the registers for the per-key visibility.
+        if is_last:
+            offs_b = tl.arange(0, HALF)
+            offs_j = tl.arange(0, BLOCK_T)
+            for h0 in range(0, end_h, HALVES):
+                # 1. Union of the valid rows' ancestor halves over the window, limited to the tree.
+                h = h0 + offs_h
+                later = tl.load(h_ptrs[:, None] + h[None, :], mask=row_ok[:, None] & (h < end_h)[None, :] & (h0 > 0), other=0)
+                halves = tl.where(h0 == 0, halves0, later)
+                union = tl.reduce(halves, 0, _bit_or)  # [HALVES] int32
+                bits = (union[:, None] >> offs_b[None, :]) & 1  # [HALVES, HALF]
+                bits = tl.where((h[:, None] * HALF + offs_b[None, :]) < n_tree, bits, 0)
+                # 2. Inclusive rank of every candidate position p = h0 * HALF + offs_p (the number of
+                # set bits at or before p) and the window's count.
+                incl = tl.cumsum(tl.reshape(bits, [HALVES * HALF]), 0)
+                count = tl.sum(tl.sum(bits, 1), 0)
+                # The first window's slots start with the n_tail prompt-tail keys (seen by every row).
+                lead = tl.where(h0 == 0, n_tail, 0)
+                total = lead + count
+                for c in tl.range(0, total, BLOCK_T, num_stages=1):
+                    # 3. Slot j >= lead holds the (j - lead)-th set bit, at position
+                    # #{p : incl[p] <= j - lead} (incl is non-decreasing): a histogram of
+                    # incl - (c - lead) over the slots (ranks below the chunk in bin 0, ranks past it
+                    # left out), summed up. Slots j < lead are the tail's prompt keys p_full + j.
+                    x = incl - (c - lead)
+                    hist = tl.histogram(tl.maximum(x, 0), BLOCK_T, mask=x < BLOCK_T)
+                    j = c + offs_j
+                    j_ok = j < total
+                    is_tail = j < lead
+                    in_tree = j_ok & (j >= lead)
+                    t = tl.where(in_tree, h0 * HALF + tl.cumsum(hist, 0), 0)
+                    kv = tl.where(is_tail, p_full + j, prefix_len + t)
+                    kv_mask = j_ok[:, None] & d_ok[None, :]
+                    k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+                    v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+                    # Each row's bit for each gathered tree key: a gather of the (cache-resident) halves.
+                    wv = tl.load(h_ptrs[:, None] + (t // HALF)[None, :], mask=row_ok[:, None] & in_tree[None, :], other=0)
+                    visible = (((wv >> (t % HALF)[None, :]) & 1) != 0) | is_tail[None, :]
+                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
+    else:
+        # v3: the split's ragged end as one masked tile, then (last split) the tree in 64-key tiles,
+        # visibility from one int64 word per row.
+        if hi < hi_all:
+            kv = hi + offs_n
+            kv_ok = kv < hi_all
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
+            )
+        if is_last:
+            offs_t = tl.arange(0, WORD_BITS)
+            n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
+            w_ptrs = WORDS + b * stride_wb + qi * stride_wn
+            for w in range(0, tl.minimum(last_q // WORD_BITS + 1, n_words)):
+                words = tl.load(w_ptrs + w, mask=row_ok, other=0)
+                t = w * WORD_BITS + offs_t
+                t_ok = t < n_tree
+                kv = prefix_len + t
+                k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+                v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+                visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or empty prompt chunks
     o = acc / l_safe[:, None]
+    od_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        part_row = ((b * num_kv_heads * GROUP + qh) * n_tree + qi) * num_splits + pid_s
-        tl.store(PART_O + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(PART_LSE + part_row, lse, mask=row_ok)
+        part_base = ((b * num_kv_heads * GROUP + qh) * n_tree + qi) * num_splits
+        tl.store(PART_O + (part_base + pid_s)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=od_ok)
+        tl.store(PART_LSE + part_base + pid_s, lse, mask=row_ok)
+        if FUSED_MERGE:
+            # Every thread's partial stores before the ticket (release, cumulative over the CTA
+            # barrier); the last program to draw one merges (acquire) and re-arms the counter.
+            tl.debug_barrier()
+            counter = COUNTERS + pid_m * tl.num_programs(1) + pid_bh
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                # Log-sum-exp merge of every split's partial (this program's own too: holding it in
+                # registers across the ticket spilled at 128x128 / 8 warps, sm_90): the splits'
+                # base-2 LSEs first, then the weighted sum in column chunks of at most 64 (a
+                # one-pass online merge of whole rows spilled too), two splits per step (their
+                # loads in flight together; four lengthened the hot loops at 64x64).
+                m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for s in range(0, num_splits):
+                    lse_s = tl.load(PART_LSE + part_base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    m_new = tl.maximum(m_run, lse_s)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    l_run = l_run * tl.math.exp2(m_run - m_safe) + tl.math.exp2(lse_s - m_safe)
+                    m_run = m_new
+                m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
+                inv_l = 1.0 / tl.where(l_run == 0.0, 1.0, l_run)
+                out_rows = OUT + b * stride_ob + qh * stride_oh + qi * stride_on
+                MERGE_D: tl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
+                for d0 in tl.static_range(0, BLOCK_D, MERGE_D):
+                    offs_md = d0 + tl.arange(0, MERGE_D)
+                    md_ok = row_ok[:, None] & (offs_md < HEAD_DIM)[None, :]
+                    o_md = tl.zeros([BLOCK_M, MERGE_D], dtype=tl.float32)
+                    for s in tl.range(0, num_splits, loop_unroll_factor=2):
+                        lse_s = tl.load(PART_LSE + part_base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                        o_s = tl.load(PART_O + (part_base + s)[:, None] * HEAD_DIM + offs_md[None, :], mask=md_ok,
+                                      other=0.0, cache_modifier=".cg")
+                        o_md += o_s * (tl.math.exp2(lse_s - m_safe) * inv_l)[:, None]
+                    tl.store(out_rows[:, None] + offs_md[None, :], o_md.to(OUT.dtype.element_ty), mask=md_ok)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         out_ptrs = OUT + b * stride_ob + qh[:, None] * stride_oh + qi[:, None] * stride_on + offs_d[None, :]
-        tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=od_ok)
 
 
 @triton.jit

@@ -29,12 +29,16 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
-    ``block_t`` is the width of the gathered tiles (16, 32, 64 or 128 keys): the last split's
-    programs attend the prompt's ragged tail (``prefix_len % block_n`` keys) and the tree keys that
-    some row of their block sees, compacted into tiles of ``block_t`` keys (a block of 16-32
-    depth-first nodes of a depth-8 tree sees <= 40 keys); narrower tiles are cheaper but overflow
-    into a second tile more often. ``pick_config`` uses 128 where the tail and the union fit one
-    128-key tile but not one of 64, else 64.
+    ``gather`` picks the last split's tree part. True (v6/v7): it attends the prompt's ragged tail
+    (``prefix_len % block_n`` keys) and the tree keys that some row of its block sees, compacted
+    into tiles of ``block_t`` keys (16, 32, 64 or 128; a block of 16-32 depth-first nodes of a
+    depth-8 tree sees <= 40 keys); narrower tiles are cheaper but overflow into a second tile more
+    often; ``pick_config`` takes the smallest power of two that holds the estimated union. False
+    (v3): a masked tile for the tail, then every 64-key tile of the tree up to the block's last
+    node, masked by the ancestor words (``block_t`` unused).
+    ``fused_merge`` (with ``num_splits > 1`` only): the last program of each row block to finish
+    merges the splits' partial results itself instead of a second kernel (module docstring of
+    ``treeattn.kernels``).
     ``warp_specialize`` asks Triton to split the prompt loop's loads and math over warp groups
     (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
@@ -49,6 +53,8 @@ class KernelConfig:
     num_splits: int | None = None
     warp_specialize: bool = False
     block_t: int = 64
+    gather: bool = True
+    fused_merge: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -71,6 +77,11 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     """Choose (config, splits, chunk) for one call from the shapes (tuned on an H100 in bf16, see
     PERF.md), shrunk to fit the device's shared memory for wider dtypes and head dims.
 
+    Tree part (provisional, from the v3 / v7 H100 measurements until the v8 sweep): gathered tiles
+    for large trees under short prompts (n >= 256, prompt < 8192: 1024/256 and 4000/256 won with
+    them), v3's word tiles elsewhere (the gather's fixed latency lost at t <= 128 and at L = 16000).
+    Several splits merge in the kernel (``fused_merge``, provisional).
+
     Pure host arithmetic: no device sync, so it works inside CUDA-graph capture.
     """
     rows = group * n
@@ -88,25 +99,20 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     esize = torch.finfo(dtype).bits // 8
     while _shared_bytes(cfg, head_dim, esize) > _shared_limit(device):
         cfg = _shrink(cfg)
-    cfg = _pick_block_t(cfg, group, n, seq_len - n)
+    cfg = _pick_block_t(replace(cfg, gather=n >= 256 and seq_len - n < 8192), group, n)
     splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, n, device)
-    return cfg, splits, chunk
+    return replace(cfg, fused_merge=splits > 1), splits, chunk
 
 
-def _pick_block_t(cfg: KernelConfig, group: int, n: int, max_prefix: int) -> KernelConfig:
-    """``block_t`` 128 (at most ``block_n``, so no more shared memory) where it saves a tile step of
-    the last split over 64: when the prompt's tail (``max_prefix % block_n`` keys, the longest
-    sequence's: it has the most prompt tiles) and the tree union fit one 128-key gathered tile but
-    not one 64-key tile (4000/256 at 128x128: 32 + <= 40 keys). Else 64: the same number of steps,
-    half the matmul width (1024/256 at 64x128 has no tail: one 64-key tile of <= 24 keys).
+def _pick_block_t(cfg: KernelConfig, group: int, n: int) -> KernelConfig:
+    """The smallest power of two that holds the estimated tree union of a row block
+    (``block_m / group`` nodes + 8 ancestors, ``_tree_steps_estimate``), in [16, 64] and at most
+    ``block_n`` (no more shared memory than the prompt loop). 128 was never the best in the v7
+    sweep: a prompt tail that does not fit beside the union takes a second, narrow gathered step
+    (1024/256 at 64x128: 16 + 8 keys -> 32; 4000/256 at 128x128: 32 + 8 -> 64).
     """
-    tail = max_prefix % cfg.block_n
-    best = replace(cfg, block_t=min(64, cfg.block_n))
-    if cfg.block_n >= 128:
-        wide = replace(cfg, block_t=128)
-        if _tree_steps_estimate(wide, group, n, tail) < _tree_steps_estimate(best, group, n, tail):
-            best = wide
-    return best
+    union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8)
+    return replace(cfg, block_t=min(64, cfg.block_n, max(16, _next_pow2(max(union, 1)))))
 
 
 def _shared_bytes(cfg: KernelConfig, head_dim: int, esize: int) -> int:
@@ -144,23 +150,33 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
     """(programs on the split axis, prompt tokens per split).
 
     ``cfg.num_splits`` or, by default, about one program per SM (but chunks of at least
-    ``min_chunk`` keys). Balanced in tile steps (a step costs about the same whatever number of
-    its keys is real): every split runs its chunk of full ``block_n`` prompt tiles; the last one
-    also runs the tree part, whose gathered tiles carry the prompt's ragged tail
-    (``max_prefix % block_n`` keys) for free when it fits beside the tree union
-    (``_tree_steps_estimate``). With several splits the chunk is a whole number of ``block_n``
-    tiles (the kernel relies on it: only the last split has a tail).
+    ``min_chunk`` keys). With several splits the chunk is a whole number of ``block_n`` tiles (the
+    gathered kernel relies on it: only the last split has a tail).
+
+    ``cfg.gather``: balanced in tile steps (a step costs about the same whatever number of its
+    keys is real): every split runs its chunk of full ``block_n`` prompt tiles; the last one also
+    runs the tree part, whose gathered tiles carry the prompt's ragged tail (``max_prefix %
+    block_n`` keys), ``_tree_steps_estimate``. Else v3's rule, as measured on ``main``: the chunks
+    spread ``max_prefix + n`` keys evenly.
     """
-    tiles = max_prefix // cfg.block_n
-    work = tiles + _tree_steps_estimate(cfg, rows // max(n, 1), n, max_prefix % cfg.block_n)
+    if cfg.gather:
+        tiles = max_prefix // cfg.block_n
+        work = tiles + _tree_steps_estimate(cfg, rows // max(n, 1), n, max_prefix % cfg.block_n)
+        keys = work * cfg.block_n
+    else:
+        tiles = max_prefix  # > 0 iff there is a prompt to split
+        keys = work = max_prefix + n
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
         per_split = math.ceil(rows / cfg.block_m) * batch * num_kv_heads
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-        want = min(round(sms / per_split), math.ceil(work * cfg.block_n / min_chunk))
+        want = min(round(sms / per_split), math.ceil(keys / min_chunk))
     if want <= 1 or tiles <= 0:
         return 1, max(max_prefix, 1)
+    if not cfg.gather:
+        chunk = math.ceil(math.ceil(work / want) / cfg.block_n) * cfg.block_n
+        return math.ceil(work / chunk), chunk
     steps = math.ceil(work / want)
     return math.ceil(work / steps), steps * cfg.block_n
 
@@ -174,7 +190,7 @@ def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int, tail: int) -> in
     A row block holds ``block_m / group`` consecutive depth-first nodes, whose ancestors in a tree
     of depth <= 8 add about 8 keys (measured on the benchmark's random trees of 256 nodes: <= 23
     keys for 16 nodes, <= 39 for 32). Deep or chain-like trees see more; this only balances the
-    chunks and picks ``block_t``.
+    chunks (``_pick_block_t`` uses the same union estimate).
     """
     union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8) if n > 0 else 0
     windows = math.ceil(n / (64 * _window_words(n))) if n > 0 else 1
@@ -355,35 +371,40 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
     words = tree_mask.words
     if words.stride(-1) != 1:
         words = words.contiguous()
-    # Each int64 word as two int32 halves, low half (bits 0-31) first: CUDA and x86 are little-endian.
-    words32 = words.view(torch.int32)
-    stride_wb = 0 if tree_mask.batch_size == 1 else words32.stride(0)
+    # The gathered kernel reads each int64 word as two int32 halves, low half (bits 0-31) first:
+    # CUDA and x86 are little-endian.
+    stride_wb = 0 if tree_mask.batch_size == 1 else words.stride(0)
     out = torch.empty_like(q)
+    grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
+    fused = splits > 1 and cfg.fused_merge
     if splits > 1:
         part_o = torch.empty(batch * hq * n * splits * d, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(batch * hq * n * splits, device=q.device, dtype=torch.float32)
     else:
         part_o = part_lse = out  # unused by the single-stage kernel
+    # One ticket counter per (row block, batch x KV head), zeroed per call: safe under CUDA graphs
+    # and concurrent streams (the merging program also re-arms its counter).
+    counters = torch.zeros(grid[0] * grid[1], device=q.device, dtype=torch.int32) if fused else out
     # The kernel's non-last splits have no ragged tail: their chunks must end on tile boundaries.
     assert splits == 1 or chunk % cfg.block_n == 0, (splits, chunk, cfg.block_n)
     upcast = interpreter_enabled() and q.dtype != torch.float32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
     tree_attn_fwd_kernel[grid](
-        q, k, v, prefix_lens, words32, out, part_o, part_lse,
+        q, k, v, prefix_lens, words, out, part_o, part_lse, counters,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        stride_wb, words32.stride(1),
+        stride_wb, words.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         n, seq_len, hkv, chunk, splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_T=cfg.block_t, WINDOW_WORDS=_window_words(n),
-        SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
+        GATHER=cfg.gather, SPLIT=splits > 1, FUSED_MERGE=fused,
+        UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and not fused:
         rows = batch * hq * n
         block_s = _next_pow2(splits)
         block_r = max(1, 2048 // (block_s * block_d))  # keep the [R, S, D] tile at <= 2048 floats
