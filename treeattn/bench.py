@@ -213,6 +213,8 @@ def run_gpu(args) -> list[dict]:
                        tflops=flops / best_us * 1e-6, gbps=nbytes / best_us * 1e-3)
             rows.append(row)
             print(_fmt_row(row), flush=True)
+            if args.out:  # after every cell: a run cut short by a time limit keeps its finished cells
+                _write(args, rows)
             del sets, q, k, v, ref
             torch.cuda.empty_cache()
     print()
@@ -316,11 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = run_gpu(args) if torch.cuda.is_available() else run_cpu_demo(args)
     if args.out:
-        meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__, "args": vars(args)}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        _write(args, rows)
     return 0
+
+
+def _write(args, rows: list[dict]) -> None:
+    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "args": vars(args)}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
