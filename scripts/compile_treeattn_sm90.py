@@ -112,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
                 stack = re.search(r"(\d+) bytes stack frame", info)
                 line = (f"{cell}: grid {grid} splits {splits} | bm {cfg.block_m} bn {cfg.block_n} w {cfg.num_warps} "
                         f"st {cfg.num_stages} bt {getattr(cfg, 'block_t', '-')} gather {getattr(cfg, 'gather', '-')} "
-                        f"fused {getattr(cfg, 'fused_merge', False) and splits > 1} "
                         f"ws {cfg.warp_specialize} | regs {regs.group(1) if regs else '?'} "
                         f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'} "
                         f"stack {stack.group(1) if stack else '?'} shared {compiled.metadata.shared}")
@@ -125,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     ops_ = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass)]
                     ops_ = [o for o in ops_ if o != 'NOP']
                     line += (f" | SASS {len(ops_)} (HGMMA {sum(o == 'HGMMA' for o in ops_)}, "
-                             f"LDGSTS {sum(o == 'LDGSTS' for o in ops_)}, LDG {sum(o == 'LDG' for o in ops_)}, "
-                             f"ATOM {sum(o in ('ATOM', 'ATOMG', 'RED') for o in ops_)})")
+                             f"LDGSTS {sum(o == 'LDGSTS' for o in ops_)}, LDG {sum(o == 'LDG' for o in ops_)})")
                 print(line, flush=True)
     return 0
 

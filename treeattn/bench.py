@@ -239,20 +239,18 @@ def _time_config(sets, cfg, ref, args):
 
 
 def _sweep_configs() -> list[KernelConfig | None]:
-    """The auto config plus 23: per tile shape (64x128 / 4 warps, 128x128 / 8 warps over auto and
+    """The auto config plus 12: per tile shape (64x128 / 4 warps, 128x128 / 8 warps over auto and
     2 splits, 64x64 / 4 warps; 3 stages) the tree part (v3's word tiles or gathered tiles of 32 or
-    64 keys; 32 only at 64x64) times the merge (fused or a second kernel; the same kernel where a
-    cell gets one split), and 128x128 over 2 splits with warp specialization. Every field of a
-    config is recorded (``asdict``); the second phase varies the split count of the three best."""
+    64 keys; 32 only at 64x64), and 128x128 over 2 splits with warp specialization. Every field of
+    a config is recorded (``asdict``); the second phase varies the split count of the three best."""
     cfgs: list[KernelConfig | None] = [None]
     for bm, bn, w, splits, tree_tiles in [(64, 128, 4, None, (None, 32, 64)), (128, 128, 8, None, (None, 32, 64)),
                                           (128, 128, 8, 2, (None, 32, 64)), (64, 64, 4, None, (None, 32))]:
         for bt in tree_tiles:  # None: v3's word tiles
-            for fused in (True, False):
-                cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, num_splits=splits,
-                                         block_t=bt or 64, gather=bt is not None, fused_merge=fused))
+            cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, num_splits=splits,
+                                     block_t=bt or 64, gather=bt is not None))
     cfgs.append(KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, num_splits=2, block_t=64,
-                             gather=True, fused_merge=True, warp_specialize=True))
+                             gather=True, warp_specialize=True))
     return cfgs
 
 

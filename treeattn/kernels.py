@@ -6,7 +6,7 @@ The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r
 once per KV head for all tree queries. The prompt is cut into chunks of ``chunk`` tokens (a whole
 number of ``BLOCK_N`` tiles when there are several splits), one per program on the split axis, as
 a software-pipelined loop of unmasked tiles; the last program also attends the tree keys (the op
-sizes the chunks so that this evens out). Two constexpr switches (v8) pick how:
+sizes the chunks so that this evens out). A constexpr switch (v8) picks how:
 
 * ``GATHER=True`` (v6/v7): the last program runs the full tiles ``[.., p_full)``
   (``p_full = prefix_len - prefix_len % BLOCK_N``) and then the gathered tiles: the prompt's ragged
@@ -17,15 +17,8 @@ sizes the chunks so that this evens out). Two constexpr switches (v8) pick how:
   histogram / cumsum / gathers: less fixed latency where the tree is short or the prompt long.
 
 With one split (``SPLIT=False``) the kernel writes the output. With several it writes normalized
-partial outputs (fp32) and base-2 log-sum-exps, combined either by ``tree_attn_merge_kernel``
-(a second launch) or, with ``FUSED_MERGE=True``, by the last program of each (row block,
-batch x KV head) to finish: after its partial store every program takes a ticket from an int32
-counter of that row block (``atomic_add``, acq_rel at GPU scope, after a CTA barrier so that all
-its threads' stores are ordered before it); the program that draws ``num_splits - 1`` reads all
-splits' partials (``.cg``: from L2, never a stale L1 line), merges them by log-sum-exp, writes the
-output and re-arms the counter (the op zeroes the counters per call). No program waits on
-another, so any scheduling order is safe (the interpreter runs the programs one by one: the last
-split merges).
+partial outputs (fp32) and base-2 log-sum-exps, combined by ``tree_attn_merge_kernel`` (a second
+launch).
 
 Gathered tiles (v6: the tree union; v7: the prompt tail in front of it). A row block holds
 consecutive depth-first nodes; the union of their ancestors is small (a depth-8 tree: <= 24 keys
@@ -96,7 +89,7 @@ def _bit_or(a, b):
 
 @triton.jit
 def tree_attn_fwd_kernel(
-    Q, K, V, PREFIX_LENS, WORDS, OUT, PART_O, PART_LSE, COUNTERS,
+    Q, K, V, PREFIX_LENS, WORDS, OUT, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -106,7 +99,7 @@ def tree_attn_fwd_kernel(
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW_WORDS: tl.constexpr,
-    GATHER: tl.constexpr, SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    GATHER: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """``WORDS``: int64 ancestor words ``[B or 1, n, words]`` (strides in int64 elements)."""
@@ -259,41 +252,6 @@ def tree_attn_fwd_kernel(
         part_base = ((b * num_kv_heads * GROUP + qh) * n_tree + qi) * num_splits
         tl.store(PART_O + (part_base + pid_s)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=od_ok)
         tl.store(PART_LSE + part_base + pid_s, lse, mask=row_ok)
-        if FUSED_MERGE:
-            # Every thread's partial stores before the ticket (release, cumulative over the CTA
-            # barrier); the last program to draw one merges (acquire) and re-arms the counter.
-            tl.debug_barrier()
-            counter = COUNTERS + pid_m * tl.num_programs(1) + pid_bh
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                # Log-sum-exp merge of every split's partial (this program's own too: holding it in
-                # registers across the ticket spilled at 128x128 / 8 warps, sm_90): the splits'
-                # base-2 LSEs first, then the weighted sum in column chunks of at most 64 (a
-                # one-pass online merge of whole rows spilled too), two splits per step (their
-                # loads in flight together; four lengthened the hot loops at 64x64).
-                m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for s in range(0, num_splits):
-                    lse_s = tl.load(PART_LSE + part_base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    m_new = tl.maximum(m_run, lse_s)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    l_run = l_run * tl.math.exp2(m_run - m_safe) + tl.math.exp2(lse_s - m_safe)
-                    m_run = m_new
-                m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
-                inv_l = 1.0 / tl.where(l_run == 0.0, 1.0, l_run)
-                out_rows = OUT + b * stride_ob + qh * stride_oh + qi * stride_on
-                MERGE_D: tl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
-                for d0 in tl.static_range(0, BLOCK_D, MERGE_D):
-                    offs_md = d0 + tl.arange(0, MERGE_D)
-                    md_ok = row_ok[:, None] & (offs_md < HEAD_DIM)[None, :]
-                    o_md = tl.zeros([BLOCK_M, MERGE_D], dtype=tl.float32)
-                    for s in tl.range(0, num_splits, loop_unroll_factor=2):
-                        lse_s = tl.load(PART_LSE + part_base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                        o_s = tl.load(PART_O + (part_base + s)[:, None] * HEAD_DIM + offs_md[None, :], mask=md_ok,
-                                      other=0.0, cache_modifier=".cg")
-                        o_md += o_s * (tl.math.exp2(lse_s - m_safe) * inv_l)[:, None]
-                    tl.store(out_rows[:, None] + offs_md[None, :], o_md.to(OUT.dtype.element_ty), mask=md_ok)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         out_ptrs = OUT + b * stride_ob + qh[:, None] * stride_oh + qi[:, None] * stride_on + offs_d[None, :]
         tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=od_ok)

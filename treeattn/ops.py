@@ -36,9 +36,6 @@ class KernelConfig:
     often; ``pick_config`` takes the smallest power of two that holds the estimated union. False
     (v3): a masked tile for the tail, then every 64-key tile of the tree up to the block's last
     node, masked by the ancestor words (``block_t`` unused).
-    ``fused_merge`` (with ``num_splits > 1`` only): the last program of each row block to finish
-    merges the splits' partial results itself instead of a second kernel (module docstring of
-    ``treeattn.kernels``).
     ``warp_specialize`` asks Triton to split the prompt loop's loads and math over warp groups
     (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
@@ -54,7 +51,6 @@ class KernelConfig:
     warp_specialize: bool = False
     block_t: int = 64
     gather: bool = True
-    fused_merge: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -77,10 +73,13 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     """Choose (config, splits, chunk) for one call from the shapes (tuned on an H100 in bf16, see
     PERF.md), shrunk to fit the device's shared memory for wider dtypes and head dims.
 
-    Tree part (provisional, from the v3 / v7 H100 measurements until the v8 sweep): gathered tiles
-    for large trees under short prompts (n >= 256, prompt < 8192: 1024/256 and 4000/256 won with
-    them), v3's word tiles elsewhere (the gather's fixed latency lost at t <= 128 and at L = 16000).
-    Several splits merge in the kernel (``fused_merge``, provisional).
+    Tree part (measured on the H100, 2026-11-21): gathered tiles for large trees under short
+    prompts (n >= 256, prompt < 8192), v3's word tiles elsewhere. Gathered tiles won at 1024/256
+    (17.5-17.9 us vs 19.8-20.0 in v3 mode, same sweep) and 4000/256 (45.9-46.6 vs 47.3-47.8); the
+    gather's fixed latency loses at t <= 128 and at L = 16000. The default table with this rule
+    (us, t = 32/64/128/256): 1024: 11.1/11.3/15.8/17.6, 4000: 17.7/21.9/28.1/46.1,
+    16000: 35.3/45.5/73.1/132.0. Several splits are merged by a second kernel (an in-kernel merge
+    by the last program of each row block was slower in every cell with splits > 1).
 
     Pure host arithmetic: no device sync, so it works inside CUDA-graph capture.
     """
@@ -101,7 +100,7 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
         cfg = _shrink(cfg)
     cfg = _pick_block_t(replace(cfg, gather=n >= 256 and seq_len - n < 8192), group, n)
     splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, n, device)
-    return replace(cfg, fused_merge=splits > 1), splits, chunk
+    return cfg, splits, chunk
 
 
 def _pick_block_t(cfg: KernelConfig, group: int, n: int) -> KernelConfig:
@@ -376,21 +375,17 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
     stride_wb = 0 if tree_mask.batch_size == 1 else words.stride(0)
     out = torch.empty_like(q)
     grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
-    fused = splits > 1 and cfg.fused_merge
     if splits > 1:
         part_o = torch.empty(batch * hq * n * splits * d, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(batch * hq * n * splits, device=q.device, dtype=torch.float32)
     else:
         part_o = part_lse = out  # unused by the single-stage kernel
-    # One ticket counter per (row block, batch x KV head), zeroed per call: safe under CUDA graphs
-    # and concurrent streams (the merging program also re-arms its counter).
-    counters = torch.zeros(grid[0] * grid[1], device=q.device, dtype=torch.int32) if fused else out
     # The kernel's non-last splits have no ragged tail: their chunks must end on tile boundaries.
     assert splits == 1 or chunk % cfg.block_n == 0, (splits, chunk, cfg.block_n)
     upcast = interpreter_enabled() and q.dtype != torch.float32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     tree_attn_fwd_kernel[grid](
-        q, k, v, prefix_lens, words, out, part_o, part_lse, counters,
+        q, k, v, prefix_lens, words, out, part_o, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -400,11 +395,11 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_T=cfg.block_t, WINDOW_WORDS=_window_words(n),
-        GATHER=cfg.gather, SPLIT=splits > 1, FUSED_MERGE=fused,
+        GATHER=cfg.gather, SPLIT=splits > 1,
         UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         rows = batch * hq * n
         block_s = _next_pow2(splits)
         block_r = max(1, 2048 // (block_s * block_d))  # keep the [R, S, D] tile at <= 2048 floats

@@ -179,10 +179,10 @@ def test_prompt_tail_reads_only_its_keys():
 
 
 def test_default_configs_at_the_h100_shapes():
-    """Host side at the H100 shapes (132 SMs), v8's provisional rule: gathered tiles for t = 256
+    """Host side at the H100 shapes (132 SMs), v8's measured rule: gathered tiles for t = 256
     under prompts < 8192 (block_t: the smallest power of two >= block_m / group + 8, at most 64),
-    v3's word tiles and main's split rule elsewhere (same splits and chunks as main's v3); the
-    splits merge in the kernel. Gathered cells are balanced in tile steps, chunks whole tiles."""
+    v3's word tiles and main's split rule elsewhere (same splits and chunks as main's v3).
+    Gathered cells are balanced in tile steps, chunks whole tiles."""
     from unittest import mock
 
     from treeattn import ops
@@ -199,7 +199,7 @@ def test_default_configs_at_the_h100_shapes():
         gathered = {(4000, 256): (128, 128, 64, 2, [17, 16]), (1024, 256): (64, 128, 32, 1, [9])}
         for (prefix, n), (block_m, block_n, block_t, splits, per) in gathered.items():
             cfg, got_splits, chunk = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
-            assert cfg.gather and cfg.fused_merge == (splits > 1)
+            assert cfg.gather
             assert (cfg.block_m, cfg.block_n, cfg.block_t, got_splits) == (block_m, block_n, block_t, splits)
             assert chunk % cfg.block_n == 0 or got_splits == 1
             assert steps(cfg, got_splits, chunk, prefix, n) == per
@@ -209,78 +209,31 @@ def test_default_configs_at_the_h100_shapes():
               (16000, 128): (128, 128, 4, 4096), (16000, 256): (128, 128, 2, 8192)}
         for (prefix, n), want in v3.items():
             cfg, got_splits, chunk = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
-            assert not cfg.gather and cfg.fused_merge
+            assert not cfg.gather
             assert (cfg.block_m, cfg.block_n, got_splits, chunk) == want
 
 
-# v8: one kernel, two constexpr switches: the tree part (gathered tiles or v3's 64-key word tiles
-# with a masked prompt-tail tile) and the merge of the splits (second kernel or the last program
-# of each row block by ticket).
+# v8: one kernel, a constexpr switch for the tree part (gathered tiles or v3's 64-key word tiles
+# with a masked prompt-tail tile), times 1-3 splits (several: merged by the second kernel).
 V8_CASES = [
     # batch 2, Hq, Hkv, n, block_m, block_n, prefix lens, tree
     (8, 2, 45, 32, 32, [100, 37], "random"),  # GQA 4, tails 4 and 5, blocks split nothing evenly
     (4, 1, 300, 128, 64, [64, 128], "chain"),  # no tail; a chain gathers every earlier position
     (4, 1, 130, 64, 64, [0, 77], "star"),  # prefix 0: that sequence's prompt splits are all empty
 ]
-V8_MODES = [(g, f, s) for g in (True, False) for s in (1, 2, 3) for f in ((False,) if s == 1 else (True, False))]
+V8_MODES = [(g, s) for g in (True, False) for s in (1, 2, 3)]
 
 
-@pytest.mark.parametrize("gather,fused,splits", V8_MODES)
+@pytest.mark.parametrize("gather,splits", V8_MODES)
 @pytest.mark.parametrize("hq,hkv,n,block_m,block_n,prefix,kind", V8_CASES)
 def test_tree_part_and_merge_modes_match_float64_reference(hq, hkv, n, block_m, block_n, prefix, kind,
-                                                           gather, fused, splits):
+                                                           gather, splits):
     q, k, v, pl, mask = _inputs(2, hq, hkv, n, 16, prefix, torch.float32, kind, seed=n + splits)
     ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    cfg = KernelConfig(block_m=block_m, block_n=block_n, num_splits=splits, block_t=32, gather=gather,
-                       fused_merge=fused)
+    cfg = KernelConfig(block_m=block_m, block_n=block_n, num_splits=splits, block_t=32, gather=gather)
     out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-5
-
-
-@pytest.mark.parametrize("gather", [True, False])
-def test_fused_merge_low_precision(gather):
-    q, k, v, pl, mask = _inputs(2, 8, 2, 37, 32, [90, 13], torch.bfloat16, seed=9)
-    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    cfg = KernelConfig(block_m=32, block_n=32, num_splits=3, block_t=32, gather=gather, fused_merge=True)
-    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
-    torch_err = _rel(tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.bfloat16), ref)
-    assert out.dtype == torch.bfloat16 and _rel(out, ref) <= 2 * torch_err + 1e-4
-
-
-@pytest.mark.parametrize("d", [96, 256])
-def test_fused_merge_in_column_chunks(d):
-    """The fused merge sums the partials in chunks of 64 columns: a ragged last chunk (96 of 128)
-    and four chunks (256)."""
-    q, k, v, pl, mask = _inputs(2, 4, 1, 11, d, [80, 33], torch.float32, seed=d)
-    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    for gather in (True, False):
-        cfg = KernelConfig(block_m=32, block_n=16, num_splits=3, block_t=16, gather=gather, fused_merge=True)
-        out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
-        assert _rel(out, ref) < 1e-5
-
-
-def test_fused_merge_counters_are_zeroed_and_rearmed(monkeypatch):
-    """White-box: one int32 ticket counter per (row block, batch x KV head), zero before the launch
-    and zero again after it (the merging program re-arms it)."""
-    from treeattn import ops
-
-    made = []
-    real_zeros = torch.zeros
-
-    def zeros(*args, **kwargs):
-        t = real_zeros(*args, **kwargs)
-        if kwargs.get("dtype") == torch.int32:
-            made.append(t)
-        return t
-
-    monkeypatch.setattr(ops.torch, "zeros", zeros)
-    q, k, v, pl, mask = _inputs(2, 4, 2, 20, 16, [70, 50], torch.float32, seed=1)
-    cfg = KernelConfig(block_m=16, block_n=16, num_splits=3, fused_merge=True)
-    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
-    assert len(made) == 1 and made[0].numel() == math.ceil(2 * 20 / 16) * 2 * 2
-    assert (made[0] == 0).all()
-    assert _rel(out, tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)) < 1e-5
 
 
 def test_pick_block_t_smallest_power_of_two_holding_the_union():
