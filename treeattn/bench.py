@@ -186,7 +186,7 @@ def run_gpu(args) -> list[dict]:
                 top = sorted(timings, key=lambda x: x[0])[:3]
                 for cfg0 in [c or pick_config(shape.batch, shape.kv_heads, shape.heads // shape.kv_heads, t,
                                               L + t, shape.head_dim, q.device)[0] for _, c, _ in top]:
-                    for splits in (1, 2, 4, 8, 16, 32):
+                    for splits in (1, 2, 4, 8):  # 16 and 32 put these cells into a second wave
                         res = _time_config(sets, replace(cfg0, num_splits=splits), ref, args)
                         if res is not None:
                             timings.append(res)
@@ -213,6 +213,8 @@ def run_gpu(args) -> list[dict]:
                        tflops=flops / best_us * 1e-6, gbps=nbytes / best_us * 1e-3)
             rows.append(row)
             print(_fmt_row(row), flush=True)
+            if args.out:  # after every cell: a run cut short by a time limit keeps its finished cells
+                _write(args, rows)
             del sets, q, k, v, ref
             torch.cuda.empty_cache()
     print()
@@ -237,14 +239,18 @@ def _time_config(sets, cfg, ref, args):
 
 
 def _sweep_configs() -> list[KernelConfig | None]:
+    """The auto config plus 12: per tile shape (64x128 / 4 warps, 128x128 / 8 warps over auto and
+    2 splits, 64x64 / 4 warps; 3 stages) the tree part (v3's word tiles or gathered tiles of 32 or
+    64 keys; 32 only at 64x64), and 128x128 over 2 splits with warp specialization. Every field of
+    a config is recorded (``asdict``); the second phase varies the split count of the three best."""
     cfgs: list[KernelConfig | None] = [None]
-    for bm, bn, w, st in [(64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
-                          (128, 64, 8, 4)]:
-        cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
-    for bm, bn, w in [(64, 64, 4), (64, 128, 4), (128, 128, 8)]:  # Triton's warp specialization
-        cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, warp_specialize=True))
-    for bn in (64, 128):  # two programs per SM (2 stages fit twice in shared memory) over a 2-way split
-        cfgs.append(KernelConfig(block_m=64, block_n=bn, num_warps=4, num_stages=2, num_splits=2))
+    for bm, bn, w, splits, tree_tiles in [(64, 128, 4, None, (None, 32, 64)), (128, 128, 8, None, (None, 32, 64)),
+                                          (128, 128, 8, 2, (None, 32, 64)), (64, 64, 4, None, (None, 32))]:
+        for bt in tree_tiles:  # None: v3's word tiles
+            cfgs.append(KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=3, num_splits=splits,
+                                     block_t=bt or 64, gather=bt is not None))
+    cfgs.append(KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, num_splits=2, block_t=64,
+                             gather=True, warp_specialize=True))
     return cfgs
 
 
@@ -310,11 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = run_gpu(args) if torch.cuda.is_available() else run_cpu_demo(args)
     if args.out:
-        meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__, "args": vars(args)}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        _write(args, rows)
     return 0
+
+
+def _write(args, rows: list[dict]) -> None:
+    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "args": vars(args)}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

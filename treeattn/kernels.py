@@ -3,11 +3,56 @@
 Layout of the work: one program per (block of folded query rows, batch x KV head, prompt split).
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
-once per KV head for all tree queries. The prompt ``[0, prefix_len)`` is cut into chunks of
-``chunk`` tokens, one per program on the split axis; the last program also attends the tree keys,
-masked by the int64 ancestor words (the op sizes the chunks so that this evens out). With one
-split (``SPLIT=False``) the kernel writes the output; with several it writes normalized partial
-outputs and base-2 log-sum-exps that ``tree_attn_merge_kernel`` combines.
+once per KV head for all tree queries. The prompt is cut into chunks of ``chunk`` tokens (a whole
+number of ``BLOCK_N`` tiles when there are several splits), one per program on the split axis, as
+a software-pipelined loop of unmasked tiles; the last program also attends the tree keys (the op
+sizes the chunks so that this evens out). A constexpr switch (v8) picks how:
+
+* ``GATHER=True`` (v6/v7): the last program runs the full tiles ``[.., p_full)``
+  (``p_full = prefix_len - prefix_len % BLOCK_N``) and then the gathered tiles: the prompt's ragged
+  tail and the tree keys that some row of its block sees (below).
+* ``GATHER=False`` (v3, ``main``'s tree part): a split ends its chunk at ``min(lo + chunk,
+  prefix_len)`` with one masked tile for a ragged end; the last program then scans the tree in
+  64-key tiles, one int64 ancestor word per row as the mask, up to its block's last node. No
+  histogram / cumsum / gathers: less fixed latency where the tree is short or the prompt long.
+
+With one split (``SPLIT=False``) the kernel writes the output. With several it writes normalized
+partial outputs (fp32) and base-2 log-sum-exps, combined by ``tree_attn_merge_kernel`` (a second
+launch).
+
+Gathered tiles (v6: the tree union; v7: the prompt tail in front of it). A row block holds
+consecutive depth-first nodes; the union of their ancestors is small (a depth-8 tree: <= 24 keys
+for 16 nodes, <= 40 for 32, whatever n is), while scanning every 64-key word tile up to the
+block's last node costs up to n / 64 tile steps. So the last program compacts the union and
+attends only it, in tiles of ``BLOCK_T`` keys. A tile step costs about the same whatever number of
+its keys is real, so the prompt's tail ``[p_full, prefix_len)`` (``prefix_len % BLOCK_N`` keys,
+different per sequence: data, not shape) takes no masked ``BLOCK_N`` tile of its own (v3-v6): its
+keys lead the first window's slots, visible to every row, and the union's keys follow. Tail and
+union in one tile is one step instead of two (4000/256 at 128x128: 32 + <= 40 keys in a tile of
+``BLOCK_T`` = 128); a tail longer than ``BLOCK_T`` (``BLOCK_T < BLOCK_N``) takes several chunks
+(the op picks ``BLOCK_T`` so that this does not cost a step; a separate masked tile for it cost
+registers: a 16-byte spill at 64x128/4 warps on sm_90). Non-last splits have no tail: their
+chunks end on tile boundaries (a shorter sequence of a batch just runs fewer tiles there).
+
+The ancestor words are read as int32 halves (32 positions each); the positions
+``[0, last node]`` are taken in windows of ``2 * WINDOW_WORDS`` halves; per window:
+
+1. union: the rows' ancestor halves of the window, OR-reduced over the block's valid rows (the
+   first window's halves are loaded before the prompt loop, so their latency hides behind it);
+2. compaction without scatter: ``bit[p]`` of each candidate position p and its inclusive rank
+   ``incl = cumsum(bit)``; with ``lead`` tail slots first (the tail's length in the first window,
+   0 in the others), tree slot j (``lead <= j < lead + count``) holds the position of the
+   ``(j - lead)``-th set bit, which is ``#{p : incl[p] <= j - lead}`` (incl is non-decreasing),
+   i.e. the running sum of a ``BLOCK_T``-bin histogram of ``incl - (c - lead)`` for the chunk
+   starting at slot c (no scatter, no sort);
+3. ``for c in range(0, lead + count, BLOCK_T)`` (usually one trip, none for an empty window; not
+   software-pipelined: one trip gains nothing from it): K/V rows gathered at ``p_full + j`` for
+   tail slots and ``prefix_len + idx[j]`` for tree slots; tail slots are visible to every row,
+   and each row's visibility of tree slot j, bit ``idx[j] % 32`` of its half ``idx[j] // 32``, is
+   re-read by a 2-D gather load of the (cache-resident) halves.
+
+The only data-dependent control flow is the chunk loop's trip count, computed before it: no
+branch sits between the index computation and the K/V loads (v4's lesson).
 """
 
 import triton
@@ -38,6 +83,11 @@ def _attend_tile(
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
 def tree_attn_fwd_kernel(
     Q, K, V, PREFIX_LENS, WORDS, OUT, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qn,
@@ -48,9 +98,11 @@ def tree_attn_fwd_kernel(
     n_tree, seq_len, num_kv_heads, chunk, num_splits,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW_WORDS: tl.constexpr,
+    GATHER: tl.constexpr, SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
+    """``WORDS``: int64 ancestor words ``[B or 1, n, words]`` (strides in int64 elements)."""
     WORD_BITS: tl.constexpr = 64
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_m = tl.program_id(0)
@@ -79,17 +131,42 @@ def tree_attn_fwd_kernel(
     prefix_len = tl.minimum(tl.maximum(prefix_len, 0), seq_len - n_tree)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
+    is_last = pid_s == num_splits - 1
+    # A node's ancestors precede it: tree positions past the block's last query hold no visible key.
+    last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
+
+    HALF: tl.constexpr = 32
+    HALVES: tl.constexpr = 2 * WINDOW_WORDS
+    offs_h = tl.arange(0, HALVES)
+    if GATHER:
+        # The tree part's first window of ancestor words as int32 halves, loaded now so that their
+        # latency hides behind the prompt loop (only the last split attends the tree).
+        h_ptrs = WORDS.to(tl.pointer_type(tl.int32)) + b * (2 * stride_wb) + qi * (2 * stride_wn)
+        end_h = last_q // HALF + 1
+        first_end_h = tl.where(is_last, end_h, 0)
+        halves0 = tl.load(h_ptrs[:, None] + offs_h[None, :], mask=row_ok[:, None] & (offs_h < first_end_h)[None, :], other=0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Prompt part: every row sees every key of [lo, hi). Full tiles first, then one masked tail.
+    # Prompt part: every row sees every key of the prompt.
     offs_n = tl.arange(0, BLOCK_N)
     lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, prefix_len)
-    hi_full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    for start in tl.range(lo, hi_full, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    if GATHER:
+        # The full BLOCK_N tiles [0, p_full) are cut into the splits' chunks; the last split runs up
+        # to p_full whatever ``chunk`` says. The ragged tail [p_full, prefix_len) (prefix_len %
+        # BLOCK_N keys, per sequence: data, not shape) gets no masked tile: the last split gathers
+        # it into the tree part's first slots (module docstring).
+        p_full = prefix_len // BLOCK_N * BLOCK_N
+        n_tail = tl.where(is_last, prefix_len - p_full, 0)
+        hi = tl.where(is_last, p_full, tl.minimum(lo + chunk, p_full))
+        hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # v6's form: the same loop code on sm_90
+    else:
+        # v3: the split's keys [lo, min(lo + chunk, prefix_len)), full tiles then one masked tile.
+        hi_all = tl.minimum(lo + chunk, prefix_len)
+        hi = lo + tl.maximum(hi_all - lo, 0) // BLOCK_N * BLOCK_N
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         kv = start + offs_n
         if EVEN_D:
             k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :])
@@ -98,42 +175,86 @@ def tree_attn_fwd_kernel(
             k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=d_ok[None, :], other=0.0)
             v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
-    if hi_full < hi:
-        kv = hi_full + offs_n
-        kv_ok = kv < hi
-        k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
-        )
 
-    # Tree part (last program of the split axis): 64 tree keys per tile, visibility from one int64 word per row.
-    if pid_s == num_splits - 1:
-        offs_t = tl.arange(0, WORD_BITS)
-        n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
-        w_ptrs = WORDS + b * stride_wb + qi * stride_wn
-        # A node's ancestors precede it: tiles past the block's last query hold no visible key.
-        last_q = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
-        for w in range(0, tl.minimum(last_q // WORD_BITS + 1, n_words)):
-            words = tl.load(w_ptrs + w, mask=row_ok, other=0)
-            t = w * WORD_BITS + offs_t
-            t_ok = t < n_tree
-            kv = prefix_len + t
-            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-            visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
+    if GATHER:
+        # Gathered part (last program of the split axis): the prompt tail, then the tree keys that
+        # some row of the block sees, in tiles of BLOCK_T keys, window by window (module docstring).
+        # The ancestor words are read as int32 halves (HALF = 32 positions each): 32-bit shifts, and
+        # half the registers for the per-key visibility.
+        if is_last:
+            offs_b = tl.arange(0, HALF)
+            offs_j = tl.arange(0, BLOCK_T)
+            for h0 in range(0, end_h, HALVES):
+                # 1. Union of the valid rows' ancestor halves over the window, limited to the tree.
+                h = h0 + offs_h
+                later = tl.load(h_ptrs[:, None] + h[None, :], mask=row_ok[:, None] & (h < end_h)[None, :] & (h0 > 0), other=0)
+                halves = tl.where(h0 == 0, halves0, later)
+                union = tl.reduce(halves, 0, _bit_or)  # [HALVES] int32
+                bits = (union[:, None] >> offs_b[None, :]) & 1  # [HALVES, HALF]
+                bits = tl.where((h[:, None] * HALF + offs_b[None, :]) < n_tree, bits, 0)
+                # 2. Inclusive rank of every candidate position p = h0 * HALF + offs_p (the number of
+                # set bits at or before p) and the window's count.
+                incl = tl.cumsum(tl.reshape(bits, [HALVES * HALF]), 0)
+                count = tl.sum(tl.sum(bits, 1), 0)
+                # The first window's slots start with the n_tail prompt-tail keys (seen by every row).
+                lead = tl.where(h0 == 0, n_tail, 0)
+                total = lead + count
+                for c in tl.range(0, total, BLOCK_T, num_stages=1):
+                    # 3. Slot j >= lead holds the (j - lead)-th set bit, at position
+                    # #{p : incl[p] <= j - lead} (incl is non-decreasing): a histogram of
+                    # incl - (c - lead) over the slots (ranks below the chunk in bin 0, ranks past it
+                    # left out), summed up. Slots j < lead are the tail's prompt keys p_full + j.
+                    x = incl - (c - lead)
+                    hist = tl.histogram(tl.maximum(x, 0), BLOCK_T, mask=x < BLOCK_T)
+                    j = c + offs_j
+                    j_ok = j < total
+                    is_tail = j < lead
+                    in_tree = j_ok & (j >= lead)
+                    t = tl.where(in_tree, h0 * HALF + tl.cumsum(hist, 0), 0)
+                    kv = tl.where(is_tail, p_full + j, prefix_len + t)
+                    kv_mask = j_ok[:, None] & d_ok[None, :]
+                    k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+                    v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+                    # Each row's bit for each gathered tree key: a gather of the (cache-resident) halves.
+                    wv = tl.load(h_ptrs[:, None] + (t // HALF)[None, :], mask=row_ok[:, None] & in_tree[None, :], other=0)
+                    visible = (((wv >> (t % HALF)[None, :]) & 1) != 0) | is_tail[None, :]
+                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
+    else:
+        # v3: the split's ragged end as one masked tile, then (last split) the tree in 64-key tiles,
+        # visibility from one int64 word per row.
+        if hi < hi_all:
+            kv = hi + offs_n
+            kv_ok = kv < hi_all
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
+            )
+        if is_last:
+            offs_t = tl.arange(0, WORD_BITS)
+            n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
+            w_ptrs = WORDS + b * stride_wb + qi * stride_wn
+            for w in range(0, tl.minimum(last_q // WORD_BITS + 1, n_words)):
+                words = tl.load(w_ptrs + w, mask=row_ok, other=0)
+                t = w * WORD_BITS + offs_t
+                t_ok = t < n_tree
+                kv = prefix_len + t
+                k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+                v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+                visible = ((words[:, None] >> offs_t[None, :].to(tl.int64)) & 1) != 0
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or empty prompt chunks
     o = acc / l_safe[:, None]
+    od_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        part_row = ((b * num_kv_heads * GROUP + qh) * n_tree + qi) * num_splits + pid_s
-        tl.store(PART_O + part_row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(PART_LSE + part_row, lse, mask=row_ok)
+        part_base = ((b * num_kv_heads * GROUP + qh) * n_tree + qi) * num_splits
+        tl.store(PART_O + (part_base + pid_s)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=od_ok)
+        tl.store(PART_LSE + part_base + pid_s, lse, mask=row_ok)
     else:
         out_ptrs = OUT + b * stride_ob + qh[:, None] * stride_oh + qi[:, None] * stride_on + offs_d[None, :]
-        tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=od_ok)
 
 
 @triton.jit

@@ -29,6 +29,13 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
+    ``gather`` picks the last split's tree part. True (v6/v7): it attends the prompt's ragged tail
+    (``prefix_len % block_n`` keys) and the tree keys that some row of its block sees, compacted
+    into tiles of ``block_t`` keys (16, 32, 64 or 128; a block of 16-32 depth-first nodes of a
+    depth-8 tree sees <= 40 keys); narrower tiles are cheaper but overflow into a second tile more
+    often; ``pick_config`` takes the smallest power of two that holds the estimated union. False
+    (v3): a masked tile for the tail, then every 64-key tile of the tree up to the block's last
+    node, masked by the ancestor words (``block_t`` unused).
     ``warp_specialize`` asks Triton to split the prompt loop's loads and math over warp groups
     (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
@@ -42,12 +49,16 @@ class KernelConfig:
     num_stages: int = 2
     num_splits: int | None = None
     warp_specialize: bool = False
+    block_t: int = 64
+    gather: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             val = getattr(self, name)
             if val < 16 or val & (val - 1):
                 raise ValueError(f"{name}: expected a power of two >= 16, got {val}")
+        if self.block_t not in (16, 32, 64, 128):
+            raise ValueError(f"block_t: expected 16, 32, 64 or 128, got {self.block_t}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits: expected None or >= 1, got {self.num_splits}")
 
@@ -61,6 +72,14 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
                 device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[KernelConfig, int, int]:
     """Choose (config, splits, chunk) for one call from the shapes (tuned on an H100 in bf16, see
     PERF.md), shrunk to fit the device's shared memory for wider dtypes and head dims.
+
+    Tree part (measured on the H100, 2026-11-21): gathered tiles for large trees under short
+    prompts (n >= 256, prompt < 8192), v3's word tiles elsewhere. Gathered tiles won at 1024/256
+    (17.5-17.9 us vs 19.8-20.0 in v3 mode, same sweep) and 4000/256 (45.9-46.6 vs 47.3-47.8); the
+    gather's fixed latency loses at t <= 128 and at L = 16000. The default table with this rule
+    (us, t = 32/64/128/256): 1024: 11.1/11.3/15.8/17.6, 4000: 17.7/21.9/28.1/46.1,
+    16000: 35.3/45.5/73.1/132.0. Several splits are merged by a second kernel (an in-kernel merge
+    by the last program of each row block was slower in every cell with splits > 1).
 
     Pure host arithmetic: no device sync, so it works inside CUDA-graph capture.
     """
@@ -79,13 +98,27 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     esize = torch.finfo(dtype).bits // 8
     while _shared_bytes(cfg, head_dim, esize) > _shared_limit(device):
         cfg = _shrink(cfg)
+    cfg = _pick_block_t(replace(cfg, gather=n >= 256 and seq_len - n < 8192), group, n)
     splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, n, device)
     return cfg, splits, chunk
 
 
+def _pick_block_t(cfg: KernelConfig, group: int, n: int) -> KernelConfig:
+    """The smallest power of two that holds the estimated tree union of a row block
+    (``block_m / group`` nodes + 8 ancestors, ``_tree_steps_estimate``), in [16, 64] and at most
+    ``block_n`` (no more shared memory than the prompt loop). 128 was never the best in the v7
+    sweep: a prompt tail that does not fit beside the union takes a second, narrow gathered step
+    (1024/256 at 64x128: 16 + 8 keys -> 32; 4000/256 at 128x128: 32 + 8 -> 64).
+    """
+    union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8)
+    return replace(cfg, block_t=min(64, cfg.block_n, max(16, _next_pow2(max(union, 1)))))
+
+
 def _shared_bytes(cfg: KernelConfig, head_dim: int, esize: int) -> int:
-    """Estimated shared memory of one program: the Q tile plus ``num_stages`` K and V tiles."""
-    return esize * _next_pow2(max(16, head_dim)) * (cfg.block_m + 2 * cfg.block_n * cfg.num_stages)
+    """Estimated shared memory of one program: the Q tile plus ``num_stages`` K and V tiles of the
+    wider of the prompt loop (``block_n`` keys) and the tree loop (``block_t`` keys)."""
+    keys = max(cfg.block_n, cfg.block_t)
+    return esize * _next_pow2(max(16, head_dim)) * (cfg.block_m + 2 * keys * cfg.num_stages)
 
 
 def _shared_limit(device: torch.device) -> float:
@@ -96,17 +129,18 @@ def _shared_limit(device: torch.device) -> float:
 
 
 def _shrink(cfg: KernelConfig) -> KernelConfig:
-    """The next smaller config: fewer stages, then narrower KV tiles, then fewer rows."""
+    """The next smaller config: fewer stages, then narrower KV tiles (prompt and tree tiles no
+    wider than ``block_n``), then fewer rows."""
     if cfg.num_stages > 2:
         return replace(cfg, num_stages=cfg.num_stages - 1)
     if cfg.block_n > 32:
-        return replace(cfg, block_n=cfg.block_n // 2)
+        return replace(cfg, block_n=cfg.block_n // 2, block_t=min(cfg.block_t, cfg.block_n // 2))
     if cfg.block_m > 32:
-        return replace(cfg, block_m=cfg.block_m // 2, num_warps=4)
+        return replace(cfg, block_m=cfg.block_m // 2, num_warps=4, block_t=min(cfg.block_t, cfg.block_n))
     if cfg.num_stages > 1:
-        return replace(cfg, num_stages=1)
-    if cfg.block_n > 16 or cfg.block_m > 16:
-        return replace(cfg, block_n=16, block_m=16)
+        return replace(cfg, num_stages=1, block_t=min(cfg.block_t, cfg.block_n))
+    if cfg.block_n > 16 or cfg.block_m > 16 or cfg.block_t > 16:
+        return replace(cfg, block_n=16, block_m=16, block_t=16)
     raise ValueError(f"config: no smaller kernel config than {cfg} to fit the device's shared memory")
 
 
@@ -115,20 +149,57 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
     """(programs on the split axis, prompt tokens per split).
 
     ``cfg.num_splits`` or, by default, about one program per SM (but chunks of at least
-    ``min_chunk`` keys). The last split also attends the n tree keys, so the chunks are sized to
+    ``min_chunk`` keys). With several splits the chunk is a whole number of ``block_n`` tiles (the
+    gathered kernel relies on it: only the last split has a tail).
+
+    ``cfg.gather``: balanced in tile steps (a step costs about the same whatever number of its
+    keys is real): every split runs its chunk of full ``block_n`` prompt tiles; the last one also
+    runs the tree part, whose gathered tiles carry the prompt's ragged tail (``max_prefix %
+    block_n`` keys), ``_tree_steps_estimate``. Else v3's rule, as measured on ``main``: the chunks
     spread ``max_prefix + n`` keys evenly.
     """
-    work = max_prefix + n
+    if cfg.gather:
+        tiles = max_prefix // cfg.block_n
+        work = tiles + _tree_steps_estimate(cfg, rows // max(n, 1), n, max_prefix % cfg.block_n)
+        keys = work * cfg.block_n
+    else:
+        tiles = max_prefix  # > 0 iff there is a prompt to split
+        keys = work = max_prefix + n
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
         per_split = math.ceil(rows / cfg.block_m) * batch * num_kv_heads
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-        want = min(round(sms / per_split), math.ceil(work / min_chunk))
-    if want <= 1 or max_prefix <= 0:
+        want = min(round(sms / per_split), math.ceil(keys / min_chunk))
+    if want <= 1 or tiles <= 0:
         return 1, max(max_prefix, 1)
-    chunk = math.ceil(math.ceil(work / want) / cfg.block_n) * cfg.block_n
-    return math.ceil(work / chunk), chunk
+    if not cfg.gather:
+        chunk = math.ceil(math.ceil(work / want) / cfg.block_n) * cfg.block_n
+        return math.ceil(work / chunk), chunk
+    steps = math.ceil(work / want)
+    return math.ceil(work / steps), steps * cfg.block_n
+
+
+def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int, tail: int) -> int:
+    """Tile steps of the last split past its full prompt tiles, estimated without reading the tree
+    (CUDA graphs): the gathered tiles of ``block_t`` keys that hold the prompt tail (``tail``
+    keys) followed by the first window's tree union, plus one more tile for a tree longer than one
+    window of ``_window_words`` words (the root's window and the block's own).
+
+    A row block holds ``block_m / group`` consecutive depth-first nodes, whose ancestors in a tree
+    of depth <= 8 add about 8 keys (measured on the benchmark's random trees of 256 nodes: <= 23
+    keys for 16 nodes, <= 39 for 32). Deep or chain-like trees see more; this only balances the
+    chunks (``_pick_block_t`` uses the same union estimate).
+    """
+    union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8) if n > 0 else 0
+    windows = math.ceil(n / (64 * _window_words(n))) if n > 0 else 1
+    return math.ceil((tail + union) / cfg.block_t) + min(windows - 1, 1)
+
+
+def _window_words(n: int) -> int:
+    """Ancestor words per compaction window of the kernel's tree part: the whole tree up to 256
+    nodes (one window, so typically one gathered tile), else windows of 256 positions."""
+    return min(4, _next_pow2(max(1, math.ceil(n / 64))))
 
 
 def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
@@ -299,16 +370,20 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
     words = tree_mask.words
     if words.stride(-1) != 1:
         words = words.contiguous()
+    # The gathered kernel reads each int64 word as two int32 halves, low half (bits 0-31) first:
+    # CUDA and x86 are little-endian.
     stride_wb = 0 if tree_mask.batch_size == 1 else words.stride(0)
     out = torch.empty_like(q)
+    grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
     if splits > 1:
         part_o = torch.empty(batch * hq * n * splits * d, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(batch * hq * n * splits, device=q.device, dtype=torch.float32)
     else:
         part_o = part_lse = out  # unused by the single-stage kernel
+    # The kernel's non-last splits have no ragged tail: their chunks must end on tile boundaries.
+    assert splits == 1 or chunk % cfg.block_n == 0, (splits, chunk, cfg.block_n)
     upcast = interpreter_enabled() and q.dtype != torch.float32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
     tree_attn_fwd_kernel[grid](
         q, k, v, prefix_lens, words, out, part_o, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -319,7 +394,9 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
         n, seq_len, hkv, chunk, splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
+        BLOCK_T=cfg.block_t, WINDOW_WORDS=_window_words(n),
+        GATHER=cfg.gather, SPLIT=splits > 1,
+        UPCAST=upcast, DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -81,6 +81,181 @@ def test_low_precision_within_twice_torch_error(dtype, hq, hkv, n, prefix):
     assert _rel(out, ref) <= 2 * torch_err + 1e-4
 
 
+# Gathered tree tiles: per row block, the union of its rows' ancestors is compacted into tiles of
+# block_t keys, window by window (256 positions). A star's union is the root plus the block's own
+# nodes; a chain's is every position up to the block's last node (many windows and tiles).
+GATHER_CASES = [
+    # n, Hq, Hkv, block_m, block_t, splits, prefix lens
+    (70, 4, 4, 32, 16, 1, [0, 37]),  # GQA 1: 32 nodes per block, several 16-key tiles
+    (70, 6, 2, 32, 32, 3, [0, 90]),  # GQA 3: blocks of 32 rows split nodes between blocks
+    (150, 4, 1, 64, 64, 2, [150, 0]),  # GQA 4: 16 nodes per block
+    (150, 4, 1, 128, 128, 1, [33, 5]),
+    (300, 4, 4, 64, 64, 1, [0, 200]),  # two windows
+    (300, 4, 1, 128, 32, 3, [260, 0]),
+    (300, 4, 4, 128, 16, 2, [7, 0]),
+]
+
+
+@pytest.mark.parametrize("n,hq,hkv,block_m,block_t,splits,prefix", GATHER_CASES)
+@pytest.mark.parametrize("kind", ["random", "star", "chain"])
+def test_gathered_tree_tiles_match_float64_reference(n, hq, hkv, block_m, block_t, splits, prefix, kind):
+    q, k, v, pl, mask = _inputs(2, hq, hkv, n, 32, prefix, torch.float32, kind, seed=n + block_t)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=block_m, block_n=64, num_splits=splits, block_t=block_t)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kind,block_t", [("chain", 128), ("random", 64)])
+def test_gathered_tree_tiles_past_a_thousand_nodes(kind, block_t):
+    """n > 1024: five windows; a chain's last blocks gather every earlier position."""
+    n = 1100
+    q, k, v, pl, mask = _inputs(1, 2, 2, n, 16, [40], torch.float32, kind, seed=11)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=128, block_n=64, num_splits=2, block_t=block_t)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_tree_keys_no_row_of_a_block_sees_are_never_read():
+    """White-box: a row block loads only the union of its rows' ancestors. Poisoning node 40's K/V
+    with NaN (a star: only node 40 sees it) leaves every row block without node 40 exact; v3's
+    64-key word tiles read it for every block of nodes 0..63."""
+    n, prompt = 70, 20
+    q, k, v, pl, mask = _inputs(1, 1, 1, n, 16, [prompt], torch.float32, kind="star", seed=2)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    k[:, :, prompt + 40] = float("nan")
+    v[:, :, prompt + 40] = float("nan")
+    cfg = KernelConfig(block_m=16, block_n=16, num_splits=1, block_t=16)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    clean = torch.ones(n, dtype=torch.bool)
+    clean[32:48] = False  # the block of node 40
+    assert torch.isnan(out[0, 0, 40]).all()
+    assert _rel(out[:, :, clean], ref[:, :, clean]) < 1e-5
+
+
+# v7: the last split attends the prompt's ragged tail (prefix_len % block_n keys, per sequence) in
+# the tree part's gathered tiles, ahead of the tree union, instead of a masked block_n tile.
+TAIL_CASES = [
+    # n, Hq, Hkv, block_m, block_n, block_t, splits, prefix lens (batch 2: tails differ)
+    (20, 4, 2, 32, 64, 64, 1, [100, 64]),  # tail 36 + union fit one tile; the second has no tail
+    (20, 4, 1, 64, 128, 16, 3, [250, 128]),  # tail 122 > block_t: eight gathered chunks
+    (12, 2, 2, 16, 32, 32, 3, [200, 40]),  # the short sequence's last split has no prompt tile
+    (9, 4, 4, 32, 64, 32, 2, [0, 50]),  # prefix 0; a prompt shorter than one tile (all tail)
+    (260, 1, 1, 128, 64, 128, 2, [191, 64]),  # two windows: the tail leads the root's window
+    (40, 6, 2, 32, 32, 64, 1, [96, 31]),  # GQA 3 (a block splits a node's rows); one tail 0
+]
+
+
+@pytest.mark.parametrize("n,hq,hkv,block_m,block_n,block_t,splits,prefix", TAIL_CASES)
+@pytest.mark.parametrize("kind", ["random", "star", "chain"])
+def test_prompt_tail_in_gathered_tiles_matches_float64_reference(n, hq, hkv, block_m, block_n, block_t,
+                                                                 splits, prefix, kind):
+    q, k, v, pl, mask = _inputs(2, hq, hkv, n, 16, prefix, torch.float32, kind, seed=n + block_n)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=block_m, block_n=block_n, num_splits=splits, block_t=block_t)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+
+
+def test_prompt_tail_reads_only_its_keys():
+    """White-box: with the prompt tail (45 % 32 = 13 keys) and a star's union gathered into 16-key
+    chunks, NaN in every cache slot past the tree and in node 40's K/V (seen by node 40 only)
+    reaches node 40's row block only; every other row is exact."""
+    n, prompt, extra = 70, 45, 5
+    q, k, v, pl, mask = _inputs(1, 1, 1, n, 16, [prompt], torch.float32, kind="star", seed=4, extra=extra)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    for pos in [prompt + 40] + list(range(prompt + n, prompt + n + extra)):
+        k[:, :, pos] = float("nan")
+        v[:, :, pos] = float("nan")
+    cfg = KernelConfig(block_m=16, block_n=32, num_splits=1, block_t=16)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    clean = torch.ones(n, dtype=torch.bool)
+    clean[32:48] = False  # the block of node 40
+    assert torch.isnan(out[0, 0, 40]).all()
+    assert _rel(out[:, :, clean], ref[:, :, clean]) < 1e-5
+
+
+def test_default_configs_at_the_h100_shapes():
+    """Host side at the H100 shapes (132 SMs), v8's measured rule: gathered tiles for t = 256
+    under prompts < 8192 (block_t: the smallest power of two >= block_m / group + 8, at most 64),
+    v3's word tiles and main's split rule elsewhere (same splits and chunks as main's v3).
+    Gathered cells are balanced in tile steps, chunks whole tiles."""
+    from unittest import mock
+
+    from treeattn import ops
+
+    def steps(cfg, splits, chunk, prefix, n):
+        tiles = prefix // cfg.block_n
+        per = [min(chunk // cfg.block_n, max(tiles - i * chunk // cfg.block_n, 0)) for i in range(splits)]
+        per[-1] = max(tiles - (splits - 1) * chunk // cfg.block_n, 0)
+        per[-1] += ops._tree_steps_estimate(cfg, 4, n, prefix % cfg.block_n)
+        return per
+
+    cuda = torch.device("cuda", 0)
+    with mock.patch.object(ops, "_num_sms", lambda _: 132), mock.patch.object(ops, "_shared_limit", lambda _: 232448):
+        gathered = {(4000, 256): (128, 128, 64, 2, [17, 16]), (1024, 256): (64, 128, 32, 1, [9])}
+        for (prefix, n), (block_m, block_n, block_t, splits, per) in gathered.items():
+            cfg, got_splits, chunk = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
+            assert cfg.gather
+            assert (cfg.block_m, cfg.block_n, cfg.block_t, got_splits) == (block_m, block_n, block_t, splits)
+            assert chunk % cfg.block_n == 0 or got_splits == 1
+            assert steps(cfg, got_splits, chunk, prefix, n) == per
+        # (block_m, block_n, splits, chunk) as main's v3 picks them
+        v3 = {(1024, 64): (64, 64, 4, 320), (1024, 128): (64, 64, 2, 576), (4000, 64): (64, 64, 4, 1024),
+              (4000, 128): (128, 128, 4, 1152), (16000, 64): (128, 128, 8, 2048),
+              (16000, 128): (128, 128, 4, 4096), (16000, 256): (128, 128, 2, 8192)}
+        for (prefix, n), want in v3.items():
+            cfg, got_splits, chunk = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
+            assert not cfg.gather
+            assert (cfg.block_m, cfg.block_n, got_splits, chunk) == want
+
+
+# v8: one kernel, a constexpr switch for the tree part (gathered tiles or v3's 64-key word tiles
+# with a masked prompt-tail tile), times 1-3 splits (several: merged by the second kernel).
+V8_CASES = [
+    # batch 2, Hq, Hkv, n, block_m, block_n, prefix lens, tree
+    (8, 2, 45, 32, 32, [100, 37], "random"),  # GQA 4, tails 4 and 5, blocks split nothing evenly
+    (4, 1, 300, 128, 64, [64, 128], "chain"),  # no tail; a chain gathers every earlier position
+    (4, 1, 130, 64, 64, [0, 77], "star"),  # prefix 0: that sequence's prompt splits are all empty
+]
+V8_MODES = [(g, s) for g in (True, False) for s in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("gather,splits", V8_MODES)
+@pytest.mark.parametrize("hq,hkv,n,block_m,block_n,prefix,kind", V8_CASES)
+def test_tree_part_and_merge_modes_match_float64_reference(hq, hkv, n, block_m, block_n, prefix, kind,
+                                                           gather, splits):
+    q, k, v, pl, mask = _inputs(2, hq, hkv, n, 16, prefix, torch.float32, kind, seed=n + splits)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=block_m, block_n=block_n, num_splits=splits, block_t=32, gather=gather)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+
+
+def test_pick_block_t_smallest_power_of_two_holding_the_union():
+    from treeattn.ops import _pick_block_t
+
+    cases = [((64, 128), 4, 256, 32), ((128, 128), 4, 256, 64), ((128, 128), 1, 256, 64), ((16, 64), 4, 256, 16),
+             ((64, 32), 4, 256, 32), ((128, 128), 4, 5, 16), ((32, 64), 1, 300, 64)]
+    for (bm, bn), group, n, want in cases:
+        cfg = _pick_block_t(KernelConfig(block_m=bm, block_n=bn, block_t=128), group, n)
+        assert cfg.block_t == want, (bm, bn, group, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gathered_tree_tiles_low_precision(dtype):
+    q, k, v, pl, mask = _inputs(2, 8, 2, 70, 64, [60, 0], dtype, seed=3)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=64, block_n=64, num_splits=2, block_t=32)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    torch_err = _rel(tree_attention_ref(q, k, v, pl, mask, compute_dtype=dtype), ref)
+    assert out.dtype == dtype and _rel(out, ref) <= 2 * torch_err + 1e-4
+
+
 def test_chain_equals_causal_attention_over_prompt_and_chain():
     """A chain tree is ordinary causal decoding of n tokens after the prompt."""
     prompt, n, d = 77, 9, 64
@@ -185,6 +360,9 @@ def test_kernel_config_validation():
         KernelConfig(block_m=48)
     with pytest.raises(ValueError, match="num_splits: expected None or >= 1, got 0"):
         KernelConfig(num_splits=0)
+    for bad in (8, 48, 256):
+        with pytest.raises(ValueError, match=f"block_t: expected 16, 32, 64 or 128, got {bad}"):
+            KernelConfig(block_t=bad)
 
 
 def test_default_configs_fit_shared_memory_and_shrink_in_order():
