@@ -118,16 +118,19 @@ def test_gathered_tree_tiles_past_a_thousand_nodes(kind, block_t):
     assert _rel(out, ref) < 1e-5
 
 
-def test_tree_keys_no_row_of_a_block_sees_are_never_read():
-    """White-box: a row block loads only the union of its rows' ancestors. Poisoning node 40's K/V
-    with NaN (a star: only node 40 sees it) leaves every row block without node 40 exact; v3's
-    64-key word tiles read it for every block of nodes 0..63."""
-    n, prompt = 70, 20
-    q, k, v, pl, mask = _inputs(1, 1, 1, n, 16, [prompt], torch.float32, kind="star", seed=2)
+@pytest.mark.parametrize("prompt,extra,block_n,seed", [(20, 3, 16, 2), (45, 5, 32, 4)])
+def test_keys_no_row_of_a_block_sees_are_never_read(prompt, extra, block_n, seed):
+    """White-box: a row block loads only the union of its rows' ancestors and, with a prompt tail
+    (45 % 32 = 13 keys), only the tail's own keys. NaN in node 40's K/V (a star: only node 40 sees
+    it) and in every cache slot past the tree reaches node 40's row block only; every other row is
+    exact (v3's 64-key word tiles read node 40 for every block of nodes 0..63)."""
+    n = 70
+    q, k, v, pl, mask = _inputs(1, 1, 1, n, 16, [prompt], torch.float32, kind="star", seed=seed, extra=extra)
     ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    k[:, :, prompt + 40] = float("nan")
-    v[:, :, prompt + 40] = float("nan")
-    cfg = KernelConfig(block_m=16, block_n=16, num_splits=1, block_t=16)
+    for pos in [prompt + 40] + list(range(prompt + n, prompt + n + extra)):
+        k[:, :, pos] = float("nan")
+        v[:, :, pos] = float("nan")
+    cfg = KernelConfig(block_m=16, block_n=block_n, num_splits=1, block_t=16)
     out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
     clean = torch.ones(n, dtype=torch.bool)
     clean[32:48] = False  # the block of node 40
@@ -158,24 +161,6 @@ def test_prompt_tail_in_gathered_tiles_matches_float64_reference(n, hq, hkv, blo
     out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-5
-
-
-def test_prompt_tail_reads_only_its_keys():
-    """White-box: with the prompt tail (45 % 32 = 13 keys) and a star's union gathered into 16-key
-    chunks, NaN in every cache slot past the tree and in node 40's K/V (seen by node 40 only)
-    reaches node 40's row block only; every other row is exact."""
-    n, prompt, extra = 70, 45, 5
-    q, k, v, pl, mask = _inputs(1, 1, 1, n, 16, [prompt], torch.float32, kind="star", seed=4, extra=extra)
-    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
-    for pos in [prompt + 40] + list(range(prompt + n, prompt + n + extra)):
-        k[:, :, pos] = float("nan")
-        v[:, :, pos] = float("nan")
-    cfg = KernelConfig(block_m=16, block_n=32, num_splits=1, block_t=16)
-    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
-    clean = torch.ones(n, dtype=torch.bool)
-    clean[32:48] = False  # the block of node 40
-    assert torch.isnan(out[0, 0, 40]).all()
-    assert _rel(out[:, :, clean], ref[:, :, clean]) < 1e-5
 
 
 def test_default_configs_at_the_h100_shapes():
