@@ -110,7 +110,7 @@ def _pick_block_t(cfg: KernelConfig, group: int, n: int) -> KernelConfig:
     sweep: a prompt tail that does not fit beside the union takes a second, narrow gathered step
     (1024/256 at 64x128: 16 + 8 keys -> 32; 4000/256 at 128x128: 32 + 8 -> 64).
     """
-    union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8)
+    union = _union_estimate(cfg, group, n)
     return replace(cfg, block_t=min(64, cfg.block_n, max(16, _next_pow2(max(union, 1)))))
 
 
@@ -191,9 +191,14 @@ def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int, tail: int) -> in
     keys for 16 nodes, <= 39 for 32). Deep or chain-like trees see more; this only balances the
     chunks (``_pick_block_t`` uses the same union estimate).
     """
-    union = min(n, math.ceil(cfg.block_m / max(group, 1)) + 8) if n > 0 else 0
+    union = _union_estimate(cfg, group, n)
     windows = math.ceil(n / (64 * _window_words(n))) if n > 0 else 1
     return math.ceil((tail + union) / cfg.block_t) + min(windows - 1, 1)
+
+
+def _union_estimate(cfg: KernelConfig, group: int, n: int) -> int:
+    """Keys of a row block's tree union: its ``block_m / group`` nodes + ~8 ancestors (depth <= 8)."""
+    return min(n, math.ceil(cfg.block_m / max(group, 1)) + 8) if n > 0 else 0
 
 
 def _window_words(n: int) -> int:
