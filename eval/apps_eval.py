@@ -381,12 +381,14 @@ class MethodOutput:
         steps: per-step arrays (engine methods): ``nodes``, ``depth``, ``accepted``, ``emitted``,
             ``draft_s``, ``verify_s``, ``commit_s``.
         tree_samples: a few proposed trees' parents lists (engine methods with a drafter).
+        prefill_s: seconds of the engine's prompt prefill inside ``wall_s`` (engine methods).
     """
 
     token_ids: list[int]
     wall_s: float
     steps: dict[str, list] | None = None
     tree_samples: list[list[int]] | None = None
+    prefill_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -586,7 +588,7 @@ class Session:
                 samples = [real[i] for i in pick]
         else:
             steps["depth"] = [0] * len(out.steps)
-        return MethodOutput(self._finish(out.new_tokens(0).tolist()), wall, steps, samples)
+        return MethodOutput(self._finish(out.new_tokens(0).tolist()), wall, steps, samples, out.prefill_s)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -897,6 +899,8 @@ def _result_fields(res: MethodOutput, tokenizer: Any) -> dict[str, Any]:
                       mean_accepted=sum(steps["accepted"]) / num if num else None, steps=steps)  # fmt: skip
     if res.tree_samples is not None:
         fields["tree_samples"] = res.tree_samples
+    if res.prefill_s is not None:
+        fields["prefill_s"] = res.prefill_s
     return fields
 
 

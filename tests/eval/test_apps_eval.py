@@ -81,6 +81,8 @@ def test_end_to_end_records_and_resume(pair, tmp_path):
         assert all(0 < n <= r["tree_size"] and 1 <= d <= n for n, d in zip(s["nodes"], s["depth"]))
         assert all(a <= d for a, d in zip(s["accepted"], s["depth"]))
         assert r["tau"] == pytest.approx(r["new_tokens"] / r["num_steps"])
+        timed = r["prefill_s"] + sum(s["draft_s"]) + sum(s["verify_s"]) + sum(s["commit_s"])
+        assert 0 < r["prefill_s"] and timed <= r["wall_s"]  # the phases lie inside the generate call
         assert 1 <= len(r["tree_samples"]) <= E.TREE_SAMPLES and r["tree_samples"][0][0] == -1
     plain = [r for r in recs if r["method"] == "specdec-plain"]
     assert all(r["tree_size"] is None and r["num_steps"] == r["new_tokens"] for r in plain)
