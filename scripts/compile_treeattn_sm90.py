@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         pl = torch.full((1,), L, dtype=torch.int32)
         with mock.patch.object(ops, "_num_sms", lambda _: args.sms), \
                 mock.patch.object(ops, "_shared_limit", lambda _: 232448):
-            base, _, _ = ops.pick_config(1, 8, 4, t, L + t, 128, torch.device("cuda", 0))
+            base, _ = ops.pick_config(1, 8, 4, t, L + t, 128, torch.device("cuda", 0))
             for ov in overrides:
                 cfg = replace(base, **ov)
-                splits, chunk = ops._splits(cfg, 1, 8, 4 * t, L, t, torch.device("cuda", 0))
+                plan = ops._splits(cfg, 1, 8, 4 * t, L, t, torch.device("cuda", 0))
                 calls: list = []
                 with mock.patch.object(kernels, "tree_attn_fwd_kernel", Recorder()), \
                         mock.patch.object(kernels, "tree_attn_merge_kernel", Recorder()):
-                    ops._launch(q, k, k, pl, mask, 128**-0.5, cfg, splits, chunk)
+                    ops._launch(q, k, k, pl, mask, 128**-0.5, cfg, plan)
                 grid, a, kw = calls[0]
                 bound, spec, opts = binder(*a, **kw)
                 options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, opts)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                               options=options.__dict__)
                 except Exception as exc:  # report and go on with the other configs
-                    print(f"{cell} {asdict(cfg)} splits {splits}: COMPILE ERROR {type(exc).__name__}: {exc}")
+                    print(f"{cell} {asdict(cfg)} splits {plan.count}: COMPILE ERROR {type(exc).__name__}: {exc}")
                     continue
                 with tempfile.TemporaryDirectory() as tmp:
                     ptx = os.path.join(tmp, "k.ptx")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 regs = re.search(r"Used (\d+) registers", info)
                 spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
                 stack = re.search(r"(\d+) bytes stack frame", info)
-                line = (f"{cell}: grid {grid} splits {splits} | bm {cfg.block_m} bn {cfg.block_n} w {cfg.num_warps} "
+                line = (f"{cell}: grid {grid} splits {plan.count} | bm {cfg.block_m} bn {cfg.block_n} w {cfg.num_warps} "
                         f"st {cfg.num_stages} bt {getattr(cfg, 'block_t', '-')} gather {getattr(cfg, 'gather', '-')} "
                         f"ws {cfg.warp_specialize} | regs {regs.group(1) if regs else '?'} "
                         f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'} "

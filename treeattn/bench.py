@@ -239,10 +239,11 @@ def _time_config(sets, cfg, ref, args):
 
 
 def _sweep_configs() -> list[KernelConfig | None]:
-    """The auto config plus 12: per tile shape (64x128 / 4 warps, 128x128 / 8 warps over auto and
+    """The auto config plus 14: per tile shape (64x128 / 4 warps, 128x128 / 8 warps over auto and
     2 splits, 64x64 / 4 warps; 3 stages) the tree part (v3's word tiles or gathered tiles of 32 or
-    64 keys; 32 only at 64x64), and 128x128 over 2 splits with warp specialization. Every field of
-    a config is recorded (``asdict``); the second phase varies the split count of the three best."""
+    64 keys; 32 only at 64x64), 128x128 over 2 splits with warp specialization, and 64x64 split
+    for two programs per SM with float32 and 16-bit partials. Every field of a config is recorded
+    (``asdict``); the second phase varies the split count of the three best."""
     cfgs: list[KernelConfig | None] = [None]
     for bm, bn, w, splits, tree_tiles in [(64, 128, 4, None, (None, 32, 64)), (128, 128, 8, None, (None, 32, 64)),
                                           (128, 128, 8, 2, (None, 32, 64)), (64, 64, 4, None, (None, 32))]:
@@ -251,6 +252,9 @@ def _sweep_configs() -> list[KernelConfig | None]:
                                      block_t=bt or 64, gather=bt is not None))
     cfgs.append(KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, num_splits=2, block_t=64,
                              gather=True, warp_specialize=True))
+    for partials in (False, True):
+        cfgs.append(KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, block_t=32, programs_per_sm=2,
+                                 partials_in_input_dtype=partials))
     return cfgs
 
 

@@ -3,36 +3,36 @@
 Layout of the work: one program per (block of folded query rows, batch x KV head, prompt split).
 The ``GROUP`` query heads that share a KV head are folded into the rows (row ``r`` is tree node
 ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``), so every prompt KV tile is loaded
-once per KV head for all tree queries. The prompt is cut into chunks of ``chunk`` tokens (a whole
-number of ``BLOCK_N`` tiles when there are several splits), one per program on the split axis, as
-a software-pipelined loop of unmasked tiles; the last program also attends the tree keys (the op
-sizes the chunks so that this evens out). A constexpr switch (v8) picks how:
+once per KV head for all tree queries. The prompt is cut into key ranges, one per program on the
+split axis, each run as a software-pipelined loop of unmasked ``BLOCK_N`` tiles; the last program
+also attends the tree keys (the op sizes the ranges so that this evens out, ``ops._splits``). A
+constexpr switch (v8) picks how:
 
-* ``GATHER=True`` (v6/v7): the last program runs the full tiles ``[.., p_full)``
-  (``p_full = prefix_len - prefix_len % BLOCK_N``) and then the gathered tiles: the prompt's ragged
-  tail and the tree keys that some row of its block sees (below).
-* ``GATHER=False`` (v3, ``main``'s tree part): a split ends its chunk at ``min(lo + chunk,
-  prefix_len)`` with one masked tile for a ragged end; the last program then scans the tree in
+* ``GATHER=True`` (v6/v7/v10): the last program takes the prompt's first ``first`` keys (whole
+  tiles) and then the gathered tiles: the tree keys that some row of its block sees (below). The
+  other programs split ``[first, prefix_len)`` in chunks of ``chunk`` keys, the one that reaches
+  the prompt's ragged end with one masked tile for it (v10; before, the last program gathered that
+  tail ahead of the tree keys, a second gathered step at 4000/256). With one split (or a short
+  sequence of a batch, whose prompt ends inside ``[0, first)``) the last program's range holds the
+  ragged end, and its tail ``[hi, prefix_len)`` leads the gathered slots (v7).
+* ``GATHER=False`` (v3, ``main``'s tree part): split i takes ``[i * chunk, min((i + 1) * chunk,
+  prefix_len))``, one masked tile for a ragged end; the last program then scans the tree in
   64-key tiles, one int64 ancestor word per row as the mask, up to its block's last node. No
   histogram / cumsum / gathers: less fixed latency where the tree is short or the prompt long.
 
 With one split (``SPLIT=False``) the kernel writes the output. With several it writes normalized
-partial outputs (fp32) and base-2 log-sum-exps, combined by ``tree_attn_merge_kernel`` (a second
-launch).
+partial outputs (fp32, or the input dtype: ``PART_O``'s dtype) and base-2 log-sum-exps (fp32),
+combined by ``tree_attn_merge_kernel`` (a second launch).
 
-Gathered tiles (v6: the tree union; v7: the prompt tail in front of it). A row block holds
+Gathered tiles (v6: the tree union; v7: a prompt tail in front of it). A row block holds
 consecutive depth-first nodes; the union of their ancestors is small (a depth-8 tree: <= 24 keys
 for 16 nodes, <= 40 for 32, whatever n is), while scanning every 64-key word tile up to the
 block's last node costs up to n / 64 tile steps. So the last program compacts the union and
-attends only it, in tiles of ``BLOCK_T`` keys. A tile step costs about the same whatever number of
-its keys is real, so the prompt's tail ``[p_full, prefix_len)`` (``prefix_len % BLOCK_N`` keys,
-different per sequence: data, not shape) takes no masked ``BLOCK_N`` tile of its own (v3-v6): its
-keys lead the first window's slots, visible to every row, and the union's keys follow. Tail and
-union in one tile is one step instead of two (4000/256 at 128x128: 32 + <= 40 keys in a tile of
-``BLOCK_T`` = 128); a tail longer than ``BLOCK_T`` (``BLOCK_T < BLOCK_N``) takes several chunks
-(the op picks ``BLOCK_T`` so that this does not cost a step; a separate masked tile for it cost
-registers: a 16-byte spill at 64x128/4 warps on sm_90). Non-last splits have no tail: their
-chunks end on tile boundaries (a shorter sequence of a batch just runs fewer tiles there).
+attends only it, in tiles of ``BLOCK_T`` keys. Where the last program's range holds the prompt's
+ragged end (``prefix_len % BLOCK_N`` keys, different per sequence: data, not shape), those keys
+take no masked tile of their own: they lead the first window's slots, visible to every row, and
+the union's keys follow; a tail longer than ``BLOCK_T`` takes several chunks (a separate masked
+tile in the one-split kernel cost registers: a 16-byte spill at 64x128/4 warps on sm_90).
 
 The ancestor words are read as int32 halves (32 positions each); the positions
 ``[0, last node]`` are taken in windows of ``2 * WINDOW_WORDS`` halves; per window:
@@ -46,7 +46,7 @@ The ancestor words are read as int32 halves (32 positions each); the positions
    i.e. the running sum of a ``BLOCK_T``-bin histogram of ``incl - (c - lead)`` for the chunk
    starting at slot c (no scatter, no sort);
 3. ``for c in range(0, lead + count, BLOCK_T)`` (usually one trip, none for an empty window; not
-   software-pipelined: one trip gains nothing from it): K/V rows gathered at ``p_full + j`` for
+   software-pipelined: a pipelined loop measured 30 % slower at 4000/256): K/V rows gathered at ``hi + j`` for
    tail slots and ``prefix_len + idx[j]`` for tree slots; tail slots are visible to every row,
    and each row's visibility of tree slot j, bit ``idx[j] % 32`` of its half ``idx[j] // 32``, is
    re-read by a 2-D gather load of the (cache-resident) halves.
@@ -95,7 +95,7 @@ def tree_attn_fwd_kernel(
     stride_vb, stride_vh, stride_vs,
     stride_wb, stride_wn,
     stride_ob, stride_oh, stride_on,
-    n_tree, seq_len, num_kv_heads, chunk, num_splits,
+    n_tree, seq_len, num_kv_heads, chunk, first, num_splits,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, WINDOW_WORDS: tl.constexpr,
@@ -152,20 +152,23 @@ def tree_attn_fwd_kernel(
 
     # Prompt part: every row sees every key of the prompt.
     offs_n = tl.arange(0, BLOCK_N)
-    lo = pid_s * chunk
     if GATHER:
-        # The full BLOCK_N tiles [0, p_full) are cut into the splits' chunks; the last split runs up
-        # to p_full whatever ``chunk`` says. The ragged tail [p_full, prefix_len) (prefix_len %
-        # BLOCK_N keys, per sequence: data, not shape) gets no masked tile: the last split gathers
-        # it into the tree part's first slots (module docstring).
-        p_full = prefix_len // BLOCK_N * BLOCK_N
-        n_tail = tl.where(is_last, prefix_len - p_full, 0)
-        hi = tl.where(is_last, p_full, tl.minimum(lo + chunk, p_full))
-        hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # v6's form: the same loop code on sm_90
+        # The last split (it also attends the tree) takes the prompt's first ``first`` keys (whole
+        # tiles); split i < last takes [first + i * chunk, first + (i + 1) * chunk), clipped to the
+        # prompt, the prompt's ragged end as one masked tile. A last split whose range holds the
+        # prompt's end (one split, or a short sequence of the batch) gathers its ragged tail
+        # [hi, prefix_len) into the tree part's first slots instead (module docstring).
+        lo = tl.where(is_last, 0, first + pid_s * chunk)
+        hi_all = tl.minimum(tl.where(is_last, first, lo + chunk), prefix_len)
+        hi = lo + tl.maximum(hi_all - lo, 0) // BLOCK_N * BLOCK_N
+        n_tail = tl.where(is_last, hi_all - hi, 0)
+        masked_end = tl.where(is_last, hi, hi_all)
     else:
         # v3: the split's keys [lo, min(lo + chunk, prefix_len)), full tiles then one masked tile.
+        lo = pid_s * chunk
         hi_all = tl.minimum(lo + chunk, prefix_len)
         hi = lo + tl.maximum(hi_all - lo, 0) // BLOCK_N * BLOCK_N
+        masked_end = hi_all
     for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         kv = start + offs_n
         if EVEN_D:
@@ -175,6 +178,18 @@ def tree_attn_fwd_kernel(
             k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=d_ok[None, :], other=0.0)
             v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
+
+    # The split's ragged end [hi, masked_end) as one masked tile (v3 mode; a non-last split in
+    # GATHER mode, which only exists with several splits: no such tile in the one-split kernel).
+    if (not GATHER) or SPLIT:
+        if hi < masked_end:
+            kv = hi + offs_n
+            kv_ok = kv < masked_end
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
+            )
 
     if GATHER:
         # Gathered part (last program of the split axis): the prompt tail, then the tree keys that
@@ -211,7 +226,7 @@ def tree_attn_fwd_kernel(
                     is_tail = j < lead
                     in_tree = j_ok & (j >= lead)
                     t = tl.where(in_tree, h0 * HALF + tl.cumsum(hist, 0), 0)
-                    kv = tl.where(is_tail, p_full + j, prefix_len + t)
+                    kv = tl.where(is_tail, hi + j, prefix_len + t)
                     kv_mask = j_ok[:, None] & d_ok[None, :]
                     k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
                     v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -220,16 +235,7 @@ def tree_attn_fwd_kernel(
                     visible = (((wv >> (t % HALF)[None, :]) & 1) != 0) | is_tail[None, :]
                     acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, True, UPCAST, DOT_PRECISION)
     else:
-        # v3: the split's ragged end as one masked tile, then (last split) the tree in 64-key tiles,
-        # visibility from one int64 word per row.
-        if hi < hi_all:
-            kv = hi + offs_n
-            kv_ok = kv < hi_all
-            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION
-            )
+        # v3: (last split) the tree in 64-key tiles, visibility from one int64 word per row.
         if is_last:
             offs_t = tl.arange(0, WORD_BITS)
             n_words = (n_tree + WORD_BITS - 1) // WORD_BITS
@@ -250,7 +256,8 @@ def tree_attn_fwd_kernel(
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         part_base = ((b * num_kv_heads * GROUP + qh) * n_tree + qi) * num_splits
-        tl.store(PART_O + (part_base + pid_s)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=od_ok)
+        tl.store(PART_O + (part_base + pid_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                 o.to(PART_O.dtype.element_ty), mask=od_ok)
         tl.store(PART_LSE + part_base + pid_s, lse, mask=row_ok)
     else:
         out_ptrs = OUT + b * stride_ob + qh[:, None] * stride_oh + qi[:, None] * stride_on + offs_d[None, :]
@@ -278,7 +285,7 @@ def tree_attn_merge_kernel(
     wgt = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
     l = tl.sum(wgt, 1)
     o_mask = rs_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :]
-    o = tl.load(PART_O + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=o_mask, other=0.0)
+    o = tl.load(PART_O + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=o_mask, other=0.0).to(tl.float32)
     out = tl.sum(o * wgt[:, :, None], 1) / tl.where(l == 0.0, 1.0, l)[:, None]
     b = rows // (num_heads * n_tree)
     h = (rows // n_tree) % num_heads

@@ -6,6 +6,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,9 @@ def interpreter_enabled() -> bool:
 class KernelConfig:
     """Launch parameters of the Triton kernel.
 
-    ``gather`` picks the last split's tree part. True (v6/v7): it attends the prompt's ragged tail
-    (``prefix_len % block_n`` keys) and the tree keys that some row of its block sees, compacted
-    into tiles of ``block_t`` keys (16, 32, 64 or 128; a block of 16-32 depth-first nodes of a
+    ``gather`` picks the last split's tree part. True (v6/v7/v10): it attends the tree keys that
+    some row of its block sees (with one split also the prompt's ragged tail), compacted into
+    tiles of ``block_t`` keys (16, 32, 64 or 128; a block of 16-32 depth-first nodes of a
     depth-8 tree sees <= 40 keys); narrower tiles are cheaper but overflow into a second tile more
     often; ``pick_config`` takes the smallest power of two that holds the estimated union. False
     (v3): a masked tile for the tail, then every 64-key tile of the tree up to the block's last
@@ -40,7 +41,16 @@ class KernelConfig:
     (Triton >= 3.4; an experiment for the benchmark's sweep, off by default).
     ``num_splits`` is how many programs share one prompt (flash-decoding split; ``None``: chosen
     from the shapes). 1 runs a single stage that writes the output directly; more add a merge of
-    the partial results by log-sum-exp.
+    the partial results by log-sum-exp. ``programs_per_sm``: how many programs of this config the
+    default split count assumes an SM runs at once (2 for 64x64 tiles / 4 warps: 112 KB of shared
+    memory and <= 255 registers per thread fit twice; one program's softmax then overlaps the
+    other's matmuls).
+    ``partials_in_input_dtype``: with several splits, store the normalized partial outputs in the
+    input dtype instead of float32 (the log-sum-exps stay float32). A partial output is a convex
+    combination of V rows, so it cannot overflow the input dtype; for 16-bit inputs this adds one
+    rounding per split (bf16: relative error 2.8e-3 instead of 2.3e-3 at 4000/256, SDPA's own is
+    2.3e-3) and halves the partials' traffic (4000/256 at 64x64, 2 splits: 44.6 -> 42.0 us). Only
+    measured with 2 splits (at 4 the merge kernel ran 2x slower on 16-bit partials, 4000/128).
     """
 
     block_m: int = 128
@@ -51,6 +61,8 @@ class KernelConfig:
     warp_specialize: bool = False
     block_t: int = 64
     gather: bool = True
+    partials_in_input_dtype: bool = False
+    programs_per_sm: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -61,6 +73,8 @@ class KernelConfig:
             raise ValueError(f"block_t: expected 16, 32, 64 or 128, got {self.block_t}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits: expected None or >= 1, got {self.num_splits}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm: expected >= 1, got {self.programs_per_sm}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,17 +83,19 @@ def _num_sms(device_index: int) -> int:
 
 
 def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int, head_dim: int,
-                device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[KernelConfig, int, int]:
-    """Choose (config, splits, chunk) for one call from the shapes (tuned on an H100 in bf16, see
+                device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[KernelConfig, SplitPlan]:
+    """Choose (config, split plan) for one call from the shapes (tuned on an H100 in bf16, see
     PERF.md), shrunk to fit the device's shared memory for wider dtypes and head dims.
 
     Tree part (measured on the H100, 2026-11-21): gathered tiles for large trees under short
     prompts (n >= 256, prompt < 8192), v3's word tiles elsewhere. Gathered tiles won at 1024/256
     (17.5-17.9 us vs 19.8-20.0 in v3 mode, same sweep) and 4000/256 (45.9-46.6 vs 47.3-47.8); the
-    gather's fixed latency loses at t <= 128 and at L = 16000. The default table with this rule
-    (us, t = 32/64/128/256): 1024: 11.1/11.3/15.8/17.6, 4000: 17.7/21.9/28.1/46.1,
-    16000: 35.3/45.5/73.1/132.0. Several splits are merged by a second kernel (an in-kernel merge
-    by the last program of each row block was slower in every cell with splits > 1).
+    gather's fixed latency loses at t <= 128 and at L = 16000. Where those gathered cells have
+    >= 512 rows over a prompt >= 2048 (v10): 64x64 tiles, two programs per SM, 16-bit partials
+    (4000/256: 42.0 us vs 46.7 for 128x128 / 8 warps in the same run; 2000/256 26.9 vs 30.9,
+    6000/256 57.5 vs 62.3). Several splits are merged by a second kernel (an in-kernel merge by
+    the last program of each row block was slower in every cell with splits > 1). PERF.md has
+    the tables.
 
     Pure host arithmetic: no device sync, so it works inside CUDA-graph capture.
     """
@@ -89,6 +105,11 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
         cfg = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     elif seq_len >= 8192:
         cfg = big if rows >= 256 else KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+    elif seq_len >= 2048 and rows >= 512 and n >= 256:
+        # The gathered regime's large cells (4000/256): 64x64 tiles, whose 112 KB of shared memory
+        # let two programs share an SM, one's softmax overlapping the other's matmuls.
+        cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2,
+                           partials_in_input_dtype=True)
     elif seq_len >= 2048 and rows >= 512:
         cfg = big
     elif rows > 512:
@@ -98,9 +119,12 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     esize = torch.finfo(dtype).bits // 8
     while _shared_bytes(cfg, head_dim, esize) > _shared_limit(device):
         cfg = _shrink(cfg)
+    # Several programs per SM only while their shared memory fits side by side (an SM has the
+    # per-block limit + 1 KB; each program reserves 1 KB): not for fp32 or d > 128.
+    if cfg.programs_per_sm * (_shared_bytes(cfg, head_dim, esize) + 1024) > _shared_limit(device) + 1024:
+        cfg = replace(cfg, programs_per_sm=1)
     cfg = _pick_block_t(replace(cfg, gather=n >= 256 and seq_len - n < 8192), group, n)
-    splits, chunk = _splits(cfg, batch, num_kv_heads, rows, seq_len - n, n, device)
-    return cfg, splits, chunk
+    return cfg, _splits(cfg, batch, num_kv_heads, rows, seq_len - n, n, device)
 
 
 def _pick_block_t(cfg: KernelConfig, group: int, n: int) -> KernelConfig:
@@ -144,46 +168,67 @@ def _shrink(cfg: KernelConfig) -> KernelConfig:
     raise ValueError(f"config: no smaller kernel config than {cfg} to fit the device's shared memory")
 
 
+class SplitPlan(NamedTuple):
+    """How one call cuts the prompt over the split axis (``count`` programs per row block)."""
+
+    count: int
+    chunk: int  # prompt keys per split (v3 mode: every split; GATHER mode: the non-last ones)
+    first: int  # GATHER mode: the last split's keys [0, first), whole tiles (0 in v3 mode)
+
+
+# What one gathered tree step costs in prompt-tile steps on the last split (measured on the H100
+# by per-program timestamps, 2026-11-21: 3.9 us per gathered step against 2.0 us per 128x128
+# prompt tile at 4000/256, 3.0 against 1.6 at 64x128 for 1024/256): the chain from the union's
+# compaction over gathered, unpipelined loads to the tile's two matmuls.
+_GATHER_STEP_TILES = 2
+
+
 def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_prefix: int, n: int,
-            device: torch.device, min_chunk: int = 256) -> tuple[int, int]:
-    """(programs on the split axis, prompt tokens per split).
+            device: torch.device, min_chunk: int = 256) -> SplitPlan:
+    """Cut the prompt over the split axis: ``cfg.num_splits`` programs or, by default, about one
+    program per SM (but chunks of at least ``min_chunk`` keys).
 
-    ``cfg.num_splits`` or, by default, about one program per SM (but chunks of at least
-    ``min_chunk`` keys). With several splits the chunk is a whole number of ``block_n`` tiles (the
-    gathered kernel relies on it: only the last split has a tail).
-
-    ``cfg.gather``: balanced in tile steps (a step costs about the same whatever number of its
-    keys is real): every split runs its chunk of full ``block_n`` prompt tiles; the last one also
-    runs the tree part, whose gathered tiles carry the prompt's ragged tail (``max_prefix %
-    block_n`` keys), ``_tree_steps_estimate``. Else v3's rule, as measured on ``main``: the chunks
-    spread ``max_prefix + n`` keys evenly.
+    ``cfg.gather`` (balanced in tile steps; a step costs about the same whatever number of its keys
+    is real): the last split runs ``first`` keys of full prompt tiles from the start, then the
+    gathered tree steps (``_tree_steps_estimate``, each worth ``_GATHER_STEP_TILES`` tiles); the
+    other splits share the rest in chunks of whole tiles, the prompt's ragged end (``max_prefix %
+    block_n`` keys) as one masked tile in the one that reaches it. With one split the program runs
+    the whole prompt and gathers the ragged tail with the tree. Else v3's rule, as measured on
+    ``main``: the chunks spread ``max_prefix + n`` keys evenly, the last split adding the tree.
     """
+    bn = cfg.block_n
+    tiles = max_prefix // bn
+    ragged = int(max_prefix % bn > 0)
+    one = SplitPlan(1, max(max_prefix, 1), math.ceil(max_prefix / bn) * bn if cfg.gather else 0)
     if cfg.gather:
-        tiles = max_prefix // cfg.block_n
-        work = tiles + _tree_steps_estimate(cfg, rows // max(n, 1), n, max_prefix % cfg.block_n)
-        keys = work * cfg.block_n
+        tree = _GATHER_STEP_TILES * _tree_steps_estimate(cfg, rows // max(n, 1), n, 0)
+        work = tiles + ragged + tree
+        keys = work * bn
     else:
-        tiles = max_prefix  # > 0 iff there is a prompt to split
         keys = work = max_prefix + n
     if cfg.num_splits is not None:
         want = cfg.num_splits
     else:
         per_split = math.ceil(rows / cfg.block_m) * batch * num_kv_heads
         sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-        want = min(round(sms / per_split), math.ceil(keys / min_chunk))
-    if want <= 1 or tiles <= 0:
-        return 1, max(max_prefix, 1)
+        want = min(round(sms * cfg.programs_per_sm / per_split), math.ceil(keys / min_chunk))
+    if want <= 1 or max_prefix <= 0:
+        return one
     if not cfg.gather:
-        chunk = math.ceil(math.ceil(work / want) / cfg.block_n) * cfg.block_n
-        return math.ceil(work / chunk), chunk
-    steps = math.ceil(work / want)
-    return math.ceil(work / steps), steps * cfg.block_n
+        chunk = math.ceil(math.ceil(work / want) / bn) * bn
+        return SplitPlan(math.ceil(work / chunk), chunk, 0)
+    first_tiles = max(0, min(tiles, math.ceil(work / want) - tree))
+    rest = tiles - first_tiles + ragged  # tile steps of the other splits, the masked one included
+    if rest <= 0:
+        return one
+    chunk_tiles = math.ceil(rest / (want - 1))
+    return SplitPlan(1 + math.ceil(rest / chunk_tiles), chunk_tiles * bn, first_tiles * bn)
 
 
 def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int, tail: int) -> int:
-    """Tile steps of the last split past its full prompt tiles, estimated without reading the tree
-    (CUDA graphs): the gathered tiles of ``block_t`` keys that hold the prompt tail (``tail``
-    keys) followed by the first window's tree union, plus one more tile for a tree longer than one
+    """Gathered tile steps of the last split past its prompt tiles, estimated without reading the
+    tree (CUDA graphs): the tiles of ``block_t`` keys that hold the prompt tail (``tail`` keys)
+    followed by the first window's tree union, plus one more tile for a tree longer than one
     window of ``_window_words`` words (the root's window and the block's own).
 
     A row block holds ``block_m / group`` consecutive depth-first nodes, whose ancestors in a tree
@@ -351,13 +396,13 @@ def _tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, config):
     hkv, seq_len = k.shape[1], k.shape[2]
     group = hq // hkv
     if config is None:
-        cfg, splits, chunk = pick_config(batch, hkv, group, n, seq_len, d, q.device, q.dtype)
+        cfg, plan = pick_config(batch, hkv, group, n, seq_len, d, q.device, q.dtype)
     else:
         cfg = config
-        splits, chunk = _splits(cfg, batch, hkv, group * n, seq_len - n, n, q.device)
+        plan = _splits(cfg, batch, hkv, group * n, seq_len - n, n, q.device)
     while True:
         try:
-            return _launch(q, k, v, prefix_lens, tree_mask, scale, cfg, splits, chunk)
+            return _launch(q, k, v, prefix_lens, tree_mask, scale, cfg, plan)
         except OutOfResources:
             if config is not None:  # an explicit config is run as given
                 raise
@@ -365,7 +410,7 @@ def _tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, config):
             splits, chunk = _splits(cfg, batch, hkv, group * n, seq_len - n, n, q.device)
 
 
-def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: int, chunk: int):
+def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, plan: SplitPlan):
     from treeattn.kernels import tree_attn_fwd_kernel, tree_attn_merge_kernel
 
     batch, hq, n, d = q.shape
@@ -379,14 +424,16 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
     # CUDA and x86 are little-endian.
     stride_wb = 0 if tree_mask.batch_size == 1 else words.stride(0)
     out = torch.empty_like(q)
+    splits = plan.count
     grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
     if splits > 1:
-        part_o = torch.empty(batch * hq * n * splits * d, device=q.device, dtype=torch.float32)
+        part_dtype = q.dtype if cfg.partials_in_input_dtype else torch.float32
+        part_o = torch.empty(batch * hq * n * splits * d, device=q.device, dtype=part_dtype)
         part_lse = torch.empty(batch * hq * n * splits, device=q.device, dtype=torch.float32)
     else:
         part_o = part_lse = out  # unused by the single-stage kernel
-    # The kernel's non-last splits have no ragged tail: their chunks must end on tile boundaries.
-    assert splits == 1 or chunk % cfg.block_n == 0, (splits, chunk, cfg.block_n)
+    # GATHER mode: the last split's prompt keys [0, first) are whole tiles.
+    assert not cfg.gather or splits == 1 or plan.first % cfg.block_n == 0, (plan, cfg.block_n)
     upcast = interpreter_enabled() and q.dtype != torch.float32
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     tree_attn_fwd_kernel[grid](
@@ -396,7 +443,7 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, splits: i
         v.stride(0), v.stride(1), v.stride(2),
         stride_wb, words.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        n, seq_len, hkv, chunk, splits,
+        n, seq_len, hkv, plan.chunk, plan.first, splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_T=cfg.block_t, WINDOW_WORDS=_window_words(n),

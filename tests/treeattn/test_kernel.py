@@ -164,38 +164,78 @@ def test_prompt_tail_in_gathered_tiles_matches_float64_reference(n, hq, hkv, blo
 
 
 def test_default_configs_at_the_h100_shapes():
-    """Host side at the H100 shapes (132 SMs), v8's measured rule: gathered tiles for t = 256
-    under prompts < 8192 (block_t: the smallest power of two >= block_m / group + 8, at most 64),
-    v3's word tiles and main's split rule elsewhere (same splits and chunks as main's v3).
-    Gathered cells are balanced in tile steps, chunks whole tiles."""
+    """Host side at the H100 shapes (132 SMs), the measured rules: gathered tiles for t = 256 under
+    prompts < 8192 (block_t: the smallest power of two >= block_m / group + 8, at most 64), at
+    4000/256 with 64x64 tiles, two programs per SM and 16-bit partials (v10); v3's word tiles and
+    main's split rule elsewhere (same splits and chunks as main's v3). Gathered cells are balanced
+    in tile steps (a gathered step worth two prompt tiles, the masked ragged-end tile one)."""
     from unittest import mock
 
     from treeattn import ops
 
-    def steps(cfg, splits, chunk, prefix, n):
-        tiles = prefix // cfg.block_n
-        per = [min(chunk // cfg.block_n, max(tiles - i * chunk // cfg.block_n, 0)) for i in range(splits)]
-        per[-1] = max(tiles - (splits - 1) * chunk // cfg.block_n, 0)
-        per[-1] += ops._tree_steps_estimate(cfg, 4, n, prefix % cfg.block_n)
-        return per
-
     cuda = torch.device("cuda", 0)
     with mock.patch.object(ops, "_num_sms", lambda _: 132), mock.patch.object(ops, "_shared_limit", lambda _: 232448):
-        gathered = {(4000, 256): (128, 128, 64, 2, [17, 16]), (1024, 256): (64, 128, 32, 1, [9])}
-        for (prefix, n), (block_m, block_n, block_t, splits, per) in gathered.items():
-            cfg, got_splits, chunk = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
+        # (block_m, block_n, block_t, programs per SM, 16-bit partials, plan)
+        gathered = {(4000, 256): (64, 64, 32, 2, True, ops.SplitPlan(2, 2048, 1984)),
+                    (1024, 256): (64, 128, 32, 1, False, ops.SplitPlan(1, 1024, 1024))}
+        for (prefix, n), (block_m, block_n, block_t, per_sm, partials, plan) in gathered.items():
+            cfg, got = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
             assert cfg.gather
-            assert (cfg.block_m, cfg.block_n, cfg.block_t, got_splits) == (block_m, block_n, block_t, splits)
-            assert chunk % cfg.block_n == 0 or got_splits == 1
-            assert steps(cfg, got_splits, chunk, prefix, n) == per
+            assert (cfg.block_m, cfg.block_n, cfg.block_t) == (block_m, block_n, block_t)
+            assert (cfg.programs_per_sm, cfg.partials_in_input_dtype, got) == (per_sm, partials, plan)
+        # 4000/256: the last split runs 31 prompt tiles + one gathered step (worth 2), the other 31
+        # full tiles + the masked 32-key end: 33 vs 32 tile steps.
+        cfg, plan = ops.pick_config(1, 8, 4, 256, 4256, 128, cuda)
+        assert plan.first // 64 + 2 * ops._tree_steps_estimate(cfg, 4, 256, 0) == 33
+        assert math.ceil((4000 - plan.first) / 64) == 32
         # (block_m, block_n, splits, chunk) as main's v3 picks them
         v3 = {(1024, 64): (64, 64, 4, 320), (1024, 128): (64, 64, 2, 576), (4000, 64): (64, 64, 4, 1024),
               (4000, 128): (128, 128, 4, 1152), (16000, 64): (128, 128, 8, 2048),
               (16000, 128): (128, 128, 4, 4096), (16000, 256): (128, 128, 2, 8192)}
         for (prefix, n), want in v3.items():
-            cfg, got_splits, chunk = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
-            assert not cfg.gather
-            assert (cfg.block_m, cfg.block_n, got_splits, chunk) == want
+            cfg, plan = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
+            assert not cfg.gather and plan.first == 0
+            assert (cfg.block_m, cfg.block_n, plan.count, plan.chunk) == want
+
+
+@pytest.mark.parametrize("block_n,block_t,group,n", [(64, 32, 4, 256), (128, 64, 4, 256), (32, 16, 1, 40)])
+@pytest.mark.parametrize("splits", [None, 2, 3, 5])
+def test_gathered_split_plan_covers_the_prompt_once(block_n, block_t, group, n, splits):
+    """GATHER mode: the last split's [0, first) (whole tiles) and the others' chunks [first + i *
+    chunk, ...) clipped to the prompt partition it, for prompts that do and don't divide the tile."""
+    from treeattn import ops
+
+    cfg = KernelConfig(block_m=64, block_n=block_n, block_t=block_t, num_splits=splits)
+    for max_prefix in (0, 1, block_n - 1, block_n, 3 * block_n + 7, 1000, 4000):
+        plan = ops._splits(cfg, 1, 8, group * n, max_prefix, n, torch.device("cpu"))
+        assert plan.count >= 1 and plan.first % block_n == 0
+        if plan.count == 1:
+            assert plan.first >= max_prefix  # one program: the whole prompt, its tail gathered
+            continue
+        assert plan.chunk % block_n == 0 and plan.first <= max_prefix
+        ranges = [(0, plan.first)] + [(plan.first + i * plan.chunk, min(plan.first + (i + 1) * plan.chunk, max_prefix))
+                                      for i in range(plan.count - 1)]
+        covered = [p for lo, hi in ranges for p in range(lo, hi)]
+        assert covered == list(range(max_prefix)), (max_prefix, plan)
+        assert all(hi > lo for lo, hi in ranges[1:])  # no split without work
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("gather,splits", [(True, 2), (False, 2), (True, 3)])
+def test_partials_in_input_dtype(dtype, gather, splits):
+    """16-bit partials add one rounding per split: within twice the plain-PyTorch low-precision
+    error; fp32 inputs are unaffected (their partials are float32 either way)."""
+    q, k, v, pl, mask = _inputs(2, 8, 2, 70, 64, [130, 61], dtype, seed=5)
+    ref = tree_attention_ref(q, k, v, pl, mask, compute_dtype=torch.float64)
+    cfg = KernelConfig(block_m=64, block_n=32, num_splits=splits, block_t=32, gather=gather,
+                       partials_in_input_dtype=True)
+    out = tree_attention(q, k, v, pl, mask, impl="triton", config=cfg)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    if dtype == torch.float32:
+        assert _rel(out, ref) < 1e-5
+    else:
+        torch_err = _rel(tree_attention_ref(q, k, v, pl, mask, compute_dtype=dtype), ref)
+        assert _rel(out, ref) <= 2 * torch_err + 1e-4
 
 
 # v8: one kernel, a constexpr switch for the tree part (gathered tiles or v3's 64-key word tiles
@@ -345,22 +385,34 @@ def test_kernel_config_validation():
         KernelConfig(block_m=48)
     with pytest.raises(ValueError, match="num_splits: expected None or >= 1, got 0"):
         KernelConfig(num_splits=0)
+    with pytest.raises(ValueError, match="programs_per_sm: expected >= 1, got 0"):
+        KernelConfig(programs_per_sm=0)
     for bad in (8, 48, 256):
         with pytest.raises(ValueError, match=f"block_t: expected 16, 32, 64 or 128, got {bad}"):
             KernelConfig(block_t=bad)
 
 
 def test_default_configs_fit_shared_memory_and_shrink_in_order():
+    from unittest import mock
+
     from treeattn.ops import _shared_bytes, _shrink, pick_config
 
     h100 = 232448
     for dtype in (torch.bfloat16, torch.float32):
         for d in (64, 80, 128, 256):
             for n, seq in ((32, 1100), (256, 1300), (64, 16100), (256, 16300)):
-                cfg, splits, chunk = pick_config(1, 8, 4, n, seq, d, torch.device("cpu"), dtype)
-                assert splits >= 1 and chunk >= 1
+                cfg, plan = pick_config(1, 8, 4, n, seq, d, torch.device("cpu"), dtype)
+                assert plan.count >= 1 and plan.chunk >= 1
                 if dtype == torch.bfloat16 and d <= 128:
                     assert _shared_bytes(cfg, d, 2) <= h100
+        # two programs per SM (4000/256) only where two fit: bf16 at d <= 128, fp32 at d = 64 (at 128
+        # it shrinks to 2 stages of 164 KB; d > 128 takes its own config)
+        with mock.patch("treeattn.ops._shared_limit", lambda _: h100), mock.patch("treeattn.ops._num_sms", lambda _: 132):
+            for d in (64, 128, 256):
+                cfg, _ = pick_config(1, 8, 4, 256, 4256, d, torch.device("cuda", 0), dtype)
+                fits = 2 * (_shared_bytes(cfg, d, dtype.itemsize) + 1024) <= h100 + 1024
+                assert cfg.programs_per_sm == (2 if d <= 128 and fits else 1)
+                assert fits == (dtype == torch.bfloat16 or d == 64)
     seen = [KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)]
     while True:
         try:
