@@ -68,9 +68,13 @@ def roofline(shape: BenchShape, mask: TreeMask, dtype: torch.dtype, peak_flops: 
     return max(flops / peak_flops, nbytes / bandwidth), flops, nbytes
 
 
-def _baselines(q, k, v, prefix_lens, mask):
+BASELINES = ("eager", "sdpa", "sdpa_repeat_kv", "flex")
+
+
+def _baselines(q, k, v, prefix_lens, mask, names=BASELINES):
     """Callables for eager (HF/Medusa: repeat_kv, matmul, additive dense mask, fp32 softmax),
-    SDPA with a dense boolean mask, and FlexAttention with a tree block mask."""
+    SDPA with a dense boolean mask, SDPA over repeated K/V, and FlexAttention with a tree block
+    mask; only those in ``names``."""
     group = q.shape[1] // k.shape[1]
     seq_len = k.shape[2]
     scale = q.shape[-1] ** -0.5
@@ -92,7 +96,10 @@ def _baselines(q, k, v, prefix_lens, mask):
         vr = v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, kr, vr, attn_mask=dense)
 
-    fns = {"eager": eager, "sdpa": sdpa, "sdpa_repeat_kv": sdpa_repeat}
+    fns = {name: fn for name, fn in (("eager", eager), ("sdpa", sdpa), ("sdpa_repeat_kv", sdpa_repeat))
+           if name in names}
+    if "flex" not in names:
+        return fns
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -122,10 +129,14 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref).norm() / ref.norm()).item()
 
 
+_SPIN_CYCLES = 500_000  # ~0.25 ms at the H100's 1.98 GHz
+
+
 def time_rotating_graph(calls, replays: int = 20) -> float:
     """Median µs of one call: the calls (one per input set) are captured in one CUDA graph and
     replayed; rotating inputs larger than L2 keeps every call's K/V cold, as in decoding, and the
-    graph removes host launch overhead for every method alike."""
+    graph removes host launch overhead for every method alike (the clock starts once the graph is
+    queued behind a GPU-side spin)."""
     for fn in calls:  # compile / autotune outside the capture
         fn()
     torch.cuda.synchronize()
@@ -144,6 +155,10 @@ def time_rotating_graph(calls, replays: int = 20) -> float:
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # A GPU-side spin (~0.25 ms) ahead of the start event, so that the host has queued the graph
+        # before the clock starts: otherwise the graph's submission latency (tens of us, more when
+        # other processes load the CPU, e.g. torch.compile's workers) is timed as GPU time.
+        torch.cuda._sleep(_SPIN_CYCLES)
         start.record()
         graph.replay()
         end.record()
@@ -193,11 +208,14 @@ def run_gpu(args) -> list[dict]:
                 row["sweep"] = [[us, asdict(c) if c else "auto"] for us, c, _ in timings]
             if args.sweep:
                 row["auto_us"] = next((us for us, c, _ in timings if c is None), None)
+            # torch.compile (the flex baseline) points Triton at torch's ptxas for every kernel
+            # compiled after it in this process; the SASS and the timings differ (PERF.md, v10).
+            row["ptxas"] = os.environ.get("TRITON_PTXAS_PATH", "triton's bundled")
             best_us, best_cfg, row["err_triton"] = min(timings, key=lambda x: x[0])
             row["triton_us"] = best_us
             row["triton_config"] = asdict(best_cfg) if best_cfg else "auto"
-            if not args.skip_baselines:
-                per_set = [_baselines(*s) for s in sets]
+            if args.baselines:
+                per_set = [_baselines(*s, names=args.baselines) for s in sets]
                 for name in per_set[0]:
                     try:
                         row[f"err_{name}"] = _rel_err(per_set[0][name](), ref)
@@ -314,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-depth", type=int, default=8, help="depth limit of the random trees")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--sweep", action="store_true", help="also try a grid of kernel configs, keep the best per cell")
-    p.add_argument("--skip-baselines", action="store_true", help="time the kernel only")
+    p.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
+                   help="baselines to time (default: all; none: the kernel only)")
+    p.add_argument("--skip-baselines", action="store_const", const=[], dest="baselines",
+                   help="time the kernel only (same as --baselines with no names)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)

@@ -49,8 +49,10 @@ class KernelConfig:
     input dtype instead of float32 (the log-sum-exps stay float32). A partial output is a convex
     combination of V rows, so it cannot overflow the input dtype; for 16-bit inputs this adds one
     rounding per split (bf16: relative error 2.8e-3 instead of 2.3e-3 at 4000/256, SDPA's own is
-    2.3e-3) and halves the partials' traffic (4000/256 at 64x64, 2 splits: 44.6 -> 42.0 us). Only
-    measured with 2 splits (at 4 the merge kernel ran 2x slower on 16-bit partials, 4000/128).
+    2.3e-3) and halves the partials' traffic. Off by default: at 4000/256 (64x64, 2 splits) it
+    gained 43.4 -> 41.9 us when Triton's bundled ptxas (12.8) compiled the kernel but lost 43.7 ->
+    44.7 with torch's (13.0; set once torch.compile has run in the process), and at 4 splits the
+    merge kernel ran 2x slower on 16-bit partials (4000/128).
     """
 
     block_m: int = 128
@@ -91,9 +93,8 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     prompts (n >= 256, prompt < 8192), v3's word tiles elsewhere. Gathered tiles won at 1024/256
     (17.5-17.9 us vs 19.8-20.0 in v3 mode, same sweep) and 4000/256 (45.9-46.6 vs 47.3-47.8); the
     gather's fixed latency loses at t <= 128 and at L = 16000. Where those gathered cells have
-    >= 512 rows over a prompt >= 2048 (v10): 64x64 tiles, two programs per SM, 16-bit partials
-    (4000/256: 42.0 us vs 46.7 for 128x128 / 8 warps in the same run; 2000/256 26.9 vs 30.9,
-    6000/256 57.5 vs 62.3). Several splits are merged by a second kernel (an in-kernel merge by
+    >= 512 rows over a prompt >= 2048 (v10): 64x64 tiles, two programs per SM (4000/256: 43.3-43.7
+    us vs 45.6-46.4 for 128x128 / 8 warps, with either ptxas; PERF.md). Several splits are merged by a second kernel (an in-kernel merge by
     the last program of each row block was slower in every cell with splits > 1). PERF.md has
     the tables.
 
@@ -108,8 +109,7 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     elif seq_len >= 2048 and rows >= 512 and n >= 256:
         # The gathered regime's large cells (4000/256): 64x64 tiles, whose 112 KB of shared memory
         # let two programs share an SM, one's softmax overlapping the other's matmuls.
-        cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2,
-                           partials_in_input_dtype=True)
+        cfg = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
     elif seq_len >= 2048 and rows >= 512:
         cfg = big
     elif rows > 512:

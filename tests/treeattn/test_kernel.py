@@ -166,7 +166,7 @@ def test_prompt_tail_in_gathered_tiles_matches_float64_reference(n, hq, hkv, blo
 def test_default_configs_at_the_h100_shapes():
     """Host side at the H100 shapes (132 SMs), the measured rules: gathered tiles for t = 256 under
     prompts < 8192 (block_t: the smallest power of two >= block_m / group + 8, at most 64), at
-    4000/256 with 64x64 tiles, two programs per SM and 16-bit partials (v10); v3's word tiles and
+    4000/256 with 64x64 tiles and two programs per SM (v10); v3's word tiles and
     main's split rule elsewhere (same splits and chunks as main's v3). Gathered cells are balanced
     in tile steps (a gathered step worth two prompt tiles, the masked ragged-end tile one)."""
     from unittest import mock
@@ -176,7 +176,7 @@ def test_default_configs_at_the_h100_shapes():
     cuda = torch.device("cuda", 0)
     with mock.patch.object(ops, "_num_sms", lambda _: 132), mock.patch.object(ops, "_shared_limit", lambda _: 232448):
         # (block_m, block_n, block_t, programs per SM, 16-bit partials, plan)
-        gathered = {(4000, 256): (64, 64, 32, 2, True, ops.SplitPlan(2, 2048, 1984)),
+        gathered = {(4000, 256): (64, 64, 32, 2, False, ops.SplitPlan(2, 2048, 1984)),
                     (1024, 256): (64, 128, 32, 1, False, ops.SplitPlan(1, 1024, 1024))}
         for (prefix, n), (block_m, block_n, block_t, per_sm, partials, plan) in gathered.items():
             cfg, got = ops.pick_config(1, 8, 4, n, prefix + n, 128, cuda)
