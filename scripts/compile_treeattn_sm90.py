@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 stack = re.search(r"(\d+) bytes stack frame", info)
                 line = (f"{cell}: grid {grid} splits {plan.count} | bm {cfg.block_m} bn {cfg.block_n} w {cfg.num_warps} "
                         f"st {cfg.num_stages} bt {getattr(cfg, 'block_t', '-')} gather {getattr(cfg, 'gather', '-')} "
-                        f"ws {cfg.warp_specialize} | regs {regs.group(1) if regs else '?'} "
+                        f"ws {cfg.warp_specialize} per_sm {cfg.programs_per_sm} p16 {cfg.partials_in_input_dtype} | regs {regs.group(1) if regs else '?'} "
                         f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'} "
                         f"stack {stack.group(1) if stack else '?'} shared {compiled.metadata.shared}")
                 if sass and args.dump:

@@ -94,9 +94,9 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     (17.5-17.9 us vs 19.8-20.0 in v3 mode, same sweep) and 4000/256 (45.9-46.6 vs 47.3-47.8); the
     gather's fixed latency loses at t <= 128 and at L = 16000. Where those gathered cells have
     >= 512 rows over a prompt >= 2048 (v10): 64x64 tiles, two programs per SM (4000/256: 43.3-43.7
-    us vs 45.6-46.4 for 128x128 / 8 warps, with either ptxas; PERF.md). Several splits are merged by a second kernel (an in-kernel merge by
-    the last program of each row block was slower in every cell with splits > 1). PERF.md has
-    the tables.
+    us vs 45.6-46.4 for 128x128 / 8 warps, with either ptxas). Several splits are merged by a
+    second kernel (an in-kernel merge by the last program of each row block was slower in every
+    cell with splits > 1). PERF.md has the tables.
 
     Pure host arithmetic: no device sync, so it works inside CUDA-graph capture.
     """
@@ -120,7 +120,7 @@ def pick_config(batch: int, num_kv_heads: int, group: int, n: int, seq_len: int,
     while _shared_bytes(cfg, head_dim, esize) > _shared_limit(device):
         cfg = _shrink(cfg)
     # Several programs per SM only while their shared memory fits side by side (an SM has the
-    # per-block limit + 1 KB; each program reserves 1 KB): not for fp32 or d > 128.
+    # per-block limit + 1 KB; each program reserves 1 KB): not for fp32 at d = 128.
     if cfg.programs_per_sm * (_shared_bytes(cfg, head_dim, esize) + 1024) > _shared_limit(device) + 1024:
         cfg = replace(cfg, programs_per_sm=1)
     cfg = _pick_block_t(replace(cfg, gather=n >= 256 and seq_len - n < 8192), group, n)
@@ -201,7 +201,7 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
     ragged = int(max_prefix % bn > 0)
     one = SplitPlan(1, max(max_prefix, 1), math.ceil(max_prefix / bn) * bn if cfg.gather else 0)
     if cfg.gather:
-        tree = _GATHER_STEP_TILES * _tree_steps_estimate(cfg, rows // max(n, 1), n, 0)
+        tree = _GATHER_STEP_TILES * _tree_steps_estimate(cfg, rows // max(n, 1), n)
         work = tiles + ragged + tree
         keys = work * bn
     else:
@@ -225,11 +225,11 @@ def _splits(cfg: KernelConfig, batch: int, num_kv_heads: int, rows: int, max_pre
     return SplitPlan(1 + math.ceil(rest / chunk_tiles), chunk_tiles * bn, first_tiles * bn)
 
 
-def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int, tail: int) -> int:
+def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int) -> int:
     """Gathered tile steps of the last split past its prompt tiles, estimated without reading the
-    tree (CUDA graphs): the tiles of ``block_t`` keys that hold the prompt tail (``tail`` keys)
-    followed by the first window's tree union, plus one more tile for a tree longer than one
-    window of ``_window_words`` words (the root's window and the block's own).
+    tree (CUDA graphs): the tiles of ``block_t`` keys that hold the first window's tree union,
+    plus one more tile for a tree longer than one window of ``_window_words`` words (the root's
+    window and the block's own).
 
     A row block holds ``block_m / group`` consecutive depth-first nodes, whose ancestors in a tree
     of depth <= 8 add about 8 keys (measured on the benchmark's random trees of 256 nodes: <= 23
@@ -238,7 +238,7 @@ def _tree_steps_estimate(cfg: KernelConfig, group: int, n: int, tail: int) -> in
     """
     union = _union_estimate(cfg, group, n)
     windows = math.ceil(n / (64 * _window_words(n))) if n > 0 else 1
-    return math.ceil((tail + union) / cfg.block_t) + min(windows - 1, 1)
+    return math.ceil(union / cfg.block_t) + min(windows - 1, 1)
 
 
 def _union_estimate(cfg: KernelConfig, group: int, n: int) -> int:

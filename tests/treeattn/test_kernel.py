@@ -186,7 +186,7 @@ def test_default_configs_at_the_h100_shapes():
         # 4000/256: the last split runs 31 prompt tiles + one gathered step (worth 2), the other 31
         # full tiles + the masked 32-key end: 33 vs 32 tile steps.
         cfg, plan = ops.pick_config(1, 8, 4, 256, 4256, 128, cuda)
-        assert plan.first // 64 + 2 * ops._tree_steps_estimate(cfg, 4, 256, 0) == 33
+        assert plan.first // 64 + 2 * ops._tree_steps_estimate(cfg, 4, 256) == 33
         assert math.ceil((4000 - plan.first) / 64) == 32
         # (block_m, block_n, splits, chunk) as main's v3 picks them
         v3 = {(1024, 64): (64, 64, 4, 320), (1024, 128): (64, 64, 2, 576), (4000, 64): (64, 64, 4, 1024),
