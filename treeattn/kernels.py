@@ -46,8 +46,8 @@ The ancestor words are read as int32 halves (32 positions each); the positions
    i.e. the running sum of a ``BLOCK_T``-bin histogram of ``incl - (c - lead)`` for the chunk
    starting at slot c (no scatter, no sort);
 3. ``for c in range(0, lead + count, BLOCK_T)`` (usually one trip, none for an empty window; not
-   software-pipelined: a pipelined loop measured 30 % slower at 4000/256): K/V rows gathered at ``hi + j`` for
-   tail slots and ``prefix_len + idx[j]`` for tree slots; tail slots are visible to every row,
+   software-pipelined: a pipelined loop measured 30 % slower at 4000/256): K/V rows gathered at
+   ``hi + j`` for tail slots and ``prefix_len + idx[j]`` for tree slots; tail slots are visible to every row,
    and each row's visibility of tree slot j, bit ``idx[j] % 32`` of its half ``idx[j] // 32``, is
    re-read by a 2-D gather load of the (cache-resident) halves.
 
