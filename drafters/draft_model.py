@@ -173,10 +173,16 @@ class DraftModelDrafter(BaseDrafter):
 
         logits = self._catch_up(st, tokens)  # [1, V]: the root's next-token logits
         frontier = [0]
+        left = budget  # sampled children: nodes still allowed below the levels kept so far
         for d in range(1, depth + 1):
+            cap = None
+            if proposal != "topk":  # decided before any of this level's draws is looked at
+                after = depth - d  # levels that may follow this one
+                cap = left - min(after * frontier_width * width, left * after // (after + 1))
             new = self._add_children(frontier, logits, width, sampling, proposal, context.generator,
-                                     tok, par, score, dep, exp, children, rows, d)
-            if d == depth or not new:
+                                     tok, par, score, dep, exp, children, rows, d, cap)
+            left -= len(new)
+            if d == depth or not new or (proposal != "topk" and left <= 0):
                 break
             frontier = sorted(new, key=lambda i: (-score[i], i))[:frontier_width]
             for i in frontier:
@@ -185,7 +191,9 @@ class DraftModelDrafter(BaseDrafter):
                 exp_depth.append(d)
             logits = self._expand(st, base, frontier, d, tok, exp, exp_anc, exp_depth)
 
-        keep = _best_first(children, score, dep, budget)
+        # Sampled children were pruned level by level as they were drawn (the pool is the tree);
+        # top-k children are pruned here, best-first over the whole pool.
+        keep = _best_first(children, score, dep, budget) if proposal == "topk" else list(range(len(tok)))
         index = {old: new for new, old in enumerate(keep)}
         tree_tokens = [tok[i] for i in keep]
         tree_parents = [-1] + [index[par[i]] for i in keep[1:]]
@@ -292,29 +300,33 @@ class DraftModelDrafter(BaseDrafter):
         return logits[:, :m]
 
     def _add_children(self, frontier, logits, width, sampling, proposal, generator,
-                      tok, par, score, dep, exp, children, rows, d) -> list[int]:
-        """Add ``width`` children under each frontier node; return the new pool indices."""
+                      tok, par, score, dep, exp, children, rows, d, cap=None) -> list[int]:
+        """Add up to ``width`` children under each frontier node; return the new pool indices.
+
+        ``cap`` (sampled children only): at most this many new nodes in all, allotted before the
+        draws are looked at (see ``_allot``); each node keeps a prefix of its draws.
+        """
         logits = logits.float()
         if sampling is None:
             logq = torch.log_softmax(logits, dim=-1)
         else:
             logq = torch.log_softmax(warp_logits(logits, sampling), dim=-1)
+        counts = [width] * len(frontier)
         if proposal == "topk":
             vals, idx = torch.topk(logq, width, dim=-1)
-        elif proposal == "no_replacement":
-            idx = _gumbel_top_k(logq, width, generator)  # sequential draws without replacement, in order
+        else:
+            counts = _allot([score[i] for i in frontier], torch.topk(logq, width, dim=-1).values.tolist(), cap)
+            if proposal == "no_replacement":
+                idx = _gumbel_top_k(logq, width, generator)  # sequential draws without replacement, in order
+            else:  # iid
+                idx = _multinomial(logq.exp(), width, generator)
             vals = logq.gather(1, idx)
-        else:  # iid
-            probs = logq.exp()
-            idx = _multinomial(probs, width, generator)
-            vals = logq.gather(1, idx)
-        if proposal != "topk":
             for q, i in enumerate(frontier):
                 rows[i] = logq[q].exp()
         new = []
         for q, (vrow, irow) in enumerate(zip(vals.tolist(), idx.tolist())):
             parent = frontier[q]
-            for v, t in zip(vrow, irow):
+            for v, t in zip(vrow[: counts[q]], irow[: counts[q]]):
                 if proposal != "topk" and v == -math.inf:
                     break  # no mass left to draw from (top-k / top-p filtered)
                 node = len(tok)
@@ -327,6 +339,31 @@ class DraftModelDrafter(BaseDrafter):
                 children[parent].append(node)
                 new.append(node)
         return new
+
+
+def _allot(parent_scores: list[float], ranked_logq: list[list[float]], cap: int) -> list[int]:
+    """How many of its sampled children each frontier node keeps, ``cap`` in all.
+
+    Lossless stochastic verification of a node's sampled children needs their number to be fixed
+    before they are drawn: keeping a child because of its own drawn value (or a later sibling
+    because an earlier one scored low) biases the draws the verifier sees. So a node's k-th child
+    slot is valued by what is known before drawing -- the node's score plus its draft
+    distribution's k-th largest log-probability -- and the ``cap`` best slots are kept.
+
+    Args:
+        parent_scores: cumulative draft log-probability of each frontier node.
+        ranked_logq: per frontier node, its draft's ``width`` largest log-probabilities, descending.
+        cap: slots to keep in all (>= 0).
+
+    Returns:
+        per frontier node, the number of its first draws to keep.
+    """
+    slots = [(-(s + v), q, k) for q, (s, row) in enumerate(zip(parent_scores, ranked_logq))
+             for k, v in enumerate(row) if v > -math.inf]
+    counts = [0] * len(parent_scores)
+    for _, q, _ in heapq.nsmallest(max(cap, 0), slots):  # ties: earlier node, then earlier slot
+        counts[q] += 1
+    return counts
 
 
 def _best_first(children: list[list[int]], score: list[float], dep: list[int], budget: int) -> list[int]:

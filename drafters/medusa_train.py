@@ -23,7 +23,6 @@ Pipeline (``python -m drafters.medusa_train`` or ``specdec train-medusa``):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drafters.medusa import MedusaHeads
+from specdec import cliargs
 
 __all__ = [
     "Example",
@@ -369,35 +369,33 @@ def _dtype(name: str) -> torch.dtype:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``specdec train-medusa``: self-distill the target on MBPP and train Medusa heads."""
-    parser = argparse.ArgumentParser(
+    parser = cliargs.ArgumentParser(
         prog="specdec train-medusa",
         description="Train Medusa heads on the frozen target's own answers to MBPP prompts (self-distillation).",
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
-    parser.add_argument("--data", default=None, help=f"MBPP jsonl (default ${_MBPP_ENV} or ../shared/data/mbpp)")
-    parser.add_argument("--out", required=True, help="output directory (heads, config, self-distillation cache)")
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-positions", type=int, default=2048, help="answer positions per step (subsampled)")
-    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N MBPP problems")
-    parser.add_argument("--heldout", type=int, default=48, help="problems held out for the accuracy report")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="answer length of the self-distillation")
-    parser.add_argument("--gen-batch-size", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0, help="self-distillation sampling (0 = greedy)")
+    parser.add_argument("--data", type=cliargs.existing_path, default=None, help=f"MBPP jsonl (default ${_MBPP_ENV} or ../shared/data/mbpp)")
+    parser.add_argument("--out", type=cliargs.output_dir, required=True, help="output directory (heads, config, self-distillation cache)")
+    parser.add_argument("--num-heads", type=cliargs.int_at_least(1), default=4)
+    parser.add_argument("--num-layers", type=cliargs.int_at_least(1), default=1, help="residual blocks per head")
+    parser.add_argument("--steps", type=cliargs.int_at_least(0), default=1000)
+    parser.add_argument("--lr", type=cliargs.float_in(0.0, low_open=True), default=1e-3)
+    parser.add_argument("--batch-size", type=cliargs.int_at_least(1), default=8)
+    parser.add_argument("--max-positions", type=cliargs.int_at_least(1), default=2048, help="answer positions per step (subsampled)")
+    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None, help="use only the first N MBPP problems")
+    parser.add_argument("--heldout", type=cliargs.int_at_least(0), default=48, help="problems held out for the accuracy report")
+    parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=256, help="answer length of the self-distillation")
+    parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=16)
+    parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")
     parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="target dtype (default bf16 on cuda, fp32 on cpu); heads train in fp32")
-    parser.add_argument("--table-ranks", type=int, default=16,
+    parser.add_argument("--table-ranks", type=cliargs.int_at_least(1), default=16,
                         help="ranks of the held-out acceptance table saved with the heads (tree building)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if ns.table_ranks < 1:
-        raise ValueError(f"--table-ranks: expected >= 1, got {ns.table_ranks}")
 
     from specdec import models
 

@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec import cliargs
+
 __all__ = [
     "BASELINE_METHODS",
     "DEFAULT_METHODS",
@@ -925,7 +927,7 @@ def _write(sink, rec: Mapping[str, Any]) -> None:
 
 
 def _parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cliargs.ArgumentParser(
         prog=prog,
         description=(
             "Sweep tree sizes: run the evaluation, time attention alone on the proposed trees (CUDA), "
@@ -940,10 +942,10 @@ def _parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
         p.add_argument("dataset", choices=["apps", "humaneval"], help="which problems")
     else:
         p.add_argument("--dataset", choices=["apps", "humaneval"], default="apps", help="which problems")
-    p.add_argument("--problems", type=int, default=8, help="number of problems (0 = all)")
+    p.add_argument("--problems", type=cliargs.int_at_least(0), default=8, help="number of problems (0 = all)")
     p.add_argument("--difficulty", nargs="+", choices=["introductory", "interview", "competition"],
                    help="APPS difficulties to keep")
-    p.add_argument("--data", dest="data_path", default=None, help="APPS / HumanEval file (default: the loaders' own)")
+    p.add_argument("--data", dest="data_path", type=cliargs.existing_path, default=None, help="APPS / HumanEval file (default: the loaders' own)")
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="target model: default name, HF id, directory or .gguf")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model for hf-assisted and the drafter ('' = none)")
     p.add_argument("--drafter", default="model",
@@ -952,29 +954,29 @@ def _parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
     p.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument of the drafter factory, repeatable (VALUE parsed as JSON if it can "
                    "be, else a string), e.g. --drafter-option depth=4 or --drafter-option heads=DIR")
-    p.add_argument("--tree-sizes", type=int, nargs="+", default=[32, 64, 128, 256] if sweep else [64],
+    p.add_argument("--tree-sizes", type=cliargs.int_at_least(1), nargs="+", default=[32, 64, 128, 256] if sweep else [64],
                    help="node budgets t of the specdec method")
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                    help=f"methods to run: {', '.join(METHODS)}")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared with target-only)")
+    p.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=128)
+    p.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="0 = greedy (outputs compared with target-only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--out", default="results/sweep.jsonl" if sweep else None,
+    p.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--out", type=cliargs.output_file, default="results/sweep.jsonl" if sweep else None,
                    help="results JSONL (appended; reruns skip what it holds). Default results/<dataset>.jsonl")
-    p.add_argument("--pad-prompt-to", type=int, default=None,
+    p.add_argument("--pad-prompt-to", type=cliargs.int_at_least(1), default=None,
                    help="prepend few-shot problems until every prompt has at least N tokens (e.g. 4000)")
     p.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto", help="the engine's attention")
     p.add_argument("--compile", action="store_true",
                    help="the engine's target forward through torch.compile (inductor) before its CUDA graph")
-    p.add_argument("--warmup", type=int, default=1, help="untimed generations per method before timing")
+    p.add_argument("--warmup", type=cliargs.int_at_least(0), default=1, help="untimed generations per method before timing")
     p.add_argument("--home", default=None, help="model store root (default $SPECDEC_HOME)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     if sweep:
         p.add_argument("--report-only", action="store_true", help="only rebuild table / CSV / plot from --out")
         p.add_argument("--no-attn", action="store_true", help="skip the attention-only timings")
-        p.add_argument("--attn-trees", type=int, default=8, help="trees per tree size for the attention timings")
+        p.add_argument("--attn-trees", type=cliargs.int_at_least(1), default=8, help="trees per tree size for the attention timings")
     return p
 
 
@@ -1041,12 +1043,8 @@ def main_eval(argv: Sequence[str] | None = None) -> int:
     from eval import report
 
     ns = _parser("specdec eval", sweep=False).parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        cfg = _config_from(ns, ns.dataset)
-        result = run_eval(cfg)
-    except ValueError as e:
-        print(f"specdec eval: error: {e}", file=sys.stderr)
-        return 2
+    cfg = _config_from(ns, ns.dataset)
+    result = run_eval(cfg)
     rows = report.summarize(result.records)
     print(report.format_table(rows))
     print(f"{result.new} new record(s), {result.skipped} already in {cfg.out}")
@@ -1058,15 +1056,8 @@ def main_sweep(argv: Sequence[str] | None = None) -> int:
     from eval import attn_timing, report
 
     ns = _parser("specdec sweep", sweep=True).parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        cfg = _config_from(ns, ns.dataset)
-        if ns.report_only:
-            result = _result_from_file(cfg.out)
-        else:
-            result = run_eval(cfg)
-    except ValueError as e:
-        print(f"specdec sweep: error: {e}", file=sys.stderr)
-        return 2
+    cfg = _config_from(ns, ns.dataset)
+    result = _result_from_file(cfg.out) if ns.report_only else run_eval(cfg)
     stem = Path(cfg.out).with_suffix("")
     attn_rows = None
     attn_path = Path(f"{stem}.attn.jsonl")

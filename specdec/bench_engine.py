@@ -46,6 +46,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from specdec import cliargs
+
 SECTIONS = ("plain", "verify", "spec")
 PLAIN_METHODS = ("hf", "hf-static", "engine-eager", "engine-graph", "engine-compiled")
 DRAFTERS = ("model", "lookup")
@@ -593,7 +595,7 @@ def _csv(kind: Callable[[str], Any], allowed: Sequence[str] | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cliargs.ArgumentParser(
         prog="specdec bench-engine",
         description="The engine's own speed: (a) plain decode tokens/s (engine eager / CUDA graph vs HF default "
         "and static cache), (b) one verify forward per tree size, (c) per-step breakdown of speculative "
@@ -601,26 +603,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"default model name, HF id, local dir or .gguf (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for the 'model' drafter (default {DEFAULT_DRAFT})")
-    p.add_argument("--data", default=None, help="APPS .json/.jsonl file (default: $SPECDEC_APPS or the shared 150-row file)")
-    p.add_argument("--problems", type=int, default=4, help="APPS problems (first unique ones in file order; default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree-sizes", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256],
+    p.add_argument("--data", type=cliargs.existing_path, default=None, help="APPS .json/.jsonl file (default: $SPECDEC_APPS or the shared 150-row file)")
+    p.add_argument("--problems", type=cliargs.int_at_least(1), default=4, help="APPS problems (first unique ones in file order; default 4)")
+    p.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=128)
+    p.add_argument("--tree-sizes", type=cliargs.int_at_least(1), nargs="+", default=[1, 16, 32, 64, 128, 256],
                    help="(b) nodes per verify forward, root included (default 1 16 32 64 128 256; 1 is always measured)")
-    p.add_argument("--spec-tree-size", type=int, default=64, help="(c) draft nodes per step besides the root (default 64)")
+    p.add_argument("--spec-tree-size", type=cliargs.int_at_least(0), default=64, help="(c) draft nodes per step besides the root (default 64)")
     p.add_argument("--sections", type=_csv(str, SECTIONS), default=SECTIONS, help="comma list (default plain,verify,spec)")
     p.add_argument("--plain-methods", type=_csv(str, PLAIN_METHODS), default=PLAIN_METHODS,
                    help="(a) comma list (default hf,hf-static,engine-eager,engine-graph,engine-compiled)")
     p.add_argument("--drafters", type=_csv(str, DRAFTERS), default=DRAFTERS, help="(c) comma list (default model,lookup)")
     p.add_argument("--spec-modes", type=_csv(str, SPEC_MODES), default=("eager", "graph"),
                    help="(c) comma list of eager, graph, compiled (default eager,graph)")
-    p.add_argument("--reps", type=int, default=20, help="(b) timed forwards per tree size and mode (default 20)")
+    p.add_argument("--reps", type=cliargs.int_at_least(1), default=20, help="(b) timed forwards per tree size and mode (default 20)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto",
                    help="tree attention implementation (auto: Triton on CUDA)")
     p.add_argument("--no-progress", action="store_true", help="no model fetch/convert progress bars")
-    p.add_argument("--out", default=None, help="write the results as JSON here (rewritten after every section)")
+    p.add_argument("--out", type=cliargs.output_file, default=None, help="write the results as JSON here (rewritten after every section)")
     return p
 
 

@@ -1,15 +1,22 @@
-"""The ``specdec`` command line. Each subcommand parses its flags and calls library code."""
+"""The ``specdec`` command line. Each subcommand parses its flags and calls library code.
+
+Errors in the user's input or environment end a command with one line,
+``specdec <cmd>: error: ...``, and exit status 2 (``specdec.cliargs``); ``--debug`` anywhere
+before the subcommand's own arguments shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from specdec import cliargs
+
 
 def _bench_attn(argv: list[str]) -> int:
     from treeattn import bench
 
-    return bench.main(argv)
+    return bench.main(argv, parser_class=cliargs.ArgumentParser)
 
 
 def _models(argv: list[str]) -> int:
@@ -63,11 +70,17 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding with token trees.")
+    debug = False
+    while argv and argv[0] == "--debug":
+        debug, argv = True, argv[1:]
+    if len(argv) > 1 and argv[1] == "--debug":  # specdec CMD --debug ...
+        debug, argv = True, argv[:1] + argv[2:]
+    parser = cliargs.ArgumentParser(prog="specdec", description="Speculative decoding with token trees.",
+                                    epilog="--debug (before or right after COMMAND): show tracebacks")
     parser.add_argument("command", choices=sorted(SUBCOMMANDS), help="; ".join(f"{k}: {v[0]}" for k, v in SUBCOMMANDS.items()))
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the subcommand (see specdec COMMAND --help)")
     ns = parser.parse_args(argv[:1] if argv else argv)
-    return int(SUBCOMMANDS[ns.command][1](argv[1:]) or 0)
+    return cliargs.run(f"specdec {ns.command}", SUBCOMMANDS[ns.command][1], argv[1:], debug=debug)
 
 
 if __name__ == "__main__":

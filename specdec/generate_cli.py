@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from specdec import cliargs
+
 __all__ = ["GenerateResult", "build_parser", "main", "run_generate"]
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -231,7 +233,7 @@ def _sync(device) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cliargs.ArgumentParser(
         prog="specdec generate",
         description="Speculative decoding of one prompt: prints the completion and a one-line summary "
         "(tokens/s, mean accepted tokens per step, speedup estimate) on stderr.",
@@ -241,15 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
     parser.add_argument("--drafter", choices=["model", "medusa", "lookup"], default="model",
                         help="draft LM tree (default), Medusa heads (--heads) or prompt lookup")
-    parser.add_argument("--heads", default=None, help="Medusa heads directory (specdec train-medusa --out)")
-    parser.add_argument("--tree-size", type=int, default=None, help="draft nodes per step (default 64 on cuda, 16 on cpu)")
-    parser.add_argument("--depth", type=int, default=None, help="draft-model tree depth (default 3)")
-    parser.add_argument("--topk", type=int, default=None, help="draft-model frontier width (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--heads", type=cliargs.existing_path, default=None, help="Medusa heads directory (specdec train-medusa --out)")
+    parser.add_argument("--tree-size", type=cliargs.int_at_least(0), default=None, help="draft nodes per step (default 64 on cuda, 16 on cpu)")
+    parser.add_argument("--depth", type=cliargs.int_at_least(1), default=None, help="draft-model tree depth (default 3)")
+    parser.add_argument("--topk", type=cliargs.int_at_least(1), default=None, help="draft-model frontier width (default 8)")
+    parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=256)
+    parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="0 = greedy (default); > 0 samples losslessly")
+    parser.add_argument("--top-p", type=cliargs.float_in(0.0, 1.0, low_open=True), default=1.0,
+                        help="nucleus sampling mass in (0, 1] (default 1 = off)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--stream", action="store_true", help="print tokens as each step accepts them")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

