@@ -256,12 +256,31 @@ class _Replayed:
                     self._run()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            _clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 logits, hidden = self._run()
+            _clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
             if list(self.cache.layer_indices) != layers:
                 raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
         self.graph = graph
         self.logits, self.hidden = logits, hidden
+
+
+def _clear_cublas_workspaces() -> None:
+    """Drop PyTorch's cached cuBLAS workspaces (one per cuBLAS handle and stream).
+
+    A GEMM captured in a CUDA graph keeps the address of the workspace that was cached for the
+    capture stream when it was recorded. If that workspace had been allocated earlier -- inside
+    another graph's private memory pool during its capture, or in the general pool -- the graph
+    depends on memory it does not own: once the workspace cache is cleared (torch.compile's
+    CUDA-graph trees clear it around every recording, e.g. under HF ``generate`` with the static
+    cache) and the owning pool is released, replaying the graph reads and writes freed device
+    memory ("unspecified launch failure", issue 13). Clearing right before a capture makes the
+    capture allocate a fresh workspace inside its own pool, which lives as long as the graph.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 class _Copy:

@@ -584,3 +584,25 @@ def test_cuda_graph_batch_sequence_around_hf_static_generate(grow, graphs, dtype
         for b, p in enumerate(prompts):
             alone = solo.generate([p], out.lengths[b] - len(p))
             assert out.sequences[b, : out.lengths[b]].tolist() == alone.sequences[0].tolist()
+
+
+@cuda_only
+def test_cuda_graph_replay_after_cublas_workspaces_are_cleared():
+    """The cause of issue 13's crash without HF in the way: a graph captured after another one
+    whose capture had allocated the cuBLAS workspace, the first graph destroyed, the workspace
+    cache cleared (as torch.compile's CUDA-graph trees do) and the memory released -- replaying the
+    second graph must not touch freed memory, and must still equal an eager forward."""
+    target = _qwen_like(2, 512, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prompts = lambda *ns: [torch.randint(3, 512, (n,), generator=gen) for n in ns]  # noqa: E731
+    dec = SpecDecoder(target, RandomTreeDrafter(seed=0, vocab=512), tree_size=16)
+    dec.generate(prompts(10, 14), 4)  # batch 2: its graph's capture allocates the workspace
+    second = prompts(300, 200, 250)
+    dec.generate(second, 4)  # batch 3: a new cache, the batch-2 graph is dropped
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    out = dec.generate(second, 24)  # replays the batch-3 graph
+    torch.cuda.synchronize()
+    eager = SpecDecoder(target, RandomTreeDrafter(seed=0, vocab=512), tree_size=16, cuda_graphs=False)
+    assert out.sequences.tolist() == eager.generate(second, 24).sequences.tolist()
