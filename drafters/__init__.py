@@ -1,4 +1,4 @@
-"""Drafters: propose token trees for the target to verify (protocol in ``drafters.base``).
+"""Drafters: propose token trees for the target to verify (protocol in ``specdec.drafting``).
 
 - ``DraftModelDrafter`` (``drafters.draft_model``): a small draft LM, EAGLE-2-style dynamic tree;
 - ``MedusaDrafter`` / ``MedusaHeads`` (``drafters.medusa``): heads on the target's hidden state over
@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from drafters.base import BaseDrafter, DraftContext, Drafter
+from specdec.drafting import BaseDrafter, DraftContext, Drafter
 
 __all__ = [
     "DRAFTERS",

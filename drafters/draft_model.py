@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from drafters._build import make_tree, root_only
-from drafters.base import BaseDrafter, DraftContext
+from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
 from specdec.graphs import GraphedMaskedForward, replay_modes
 from specdec.kv import KVCache

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafters._build import make_tree, root_only
-from drafters.base import BaseDrafter, DraftContext
+from specdec.drafting import BaseDrafter, DraftContext
 from specdec.tree import TokenTree
 
 __all__ = ["LookupDrafter"]

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from drafters._build import root_only
-from drafters.base import BaseDrafter, DraftContext
+from specdec.drafting import BaseDrafter, DraftContext
 from drafters.trees import AcceptanceTable, Topology, static_tree, truncate_choices, validate_choices
 from specdec.tree import TokenTree
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drafters.medusa import MedusaHeads
-from specdec import cliargs
+from specdec.cli import args as cliargs
 
 __all__ = [
     "Example",

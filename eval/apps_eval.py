@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec import cliargs
+from specdec.cli import args as cliargs
 
 __all__ = [
     "BASELINE_METHODS",

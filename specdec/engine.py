@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import DraftContext, Drafter
+from specdec.drafting import DraftContext, Drafter
 from specdec import hf
 from specdec.graphs import GraphedForward, replay_modes
 from specdec.kv import KVCache
@@ -117,7 +117,7 @@ class SpecDecoder:
         target: the target causal LM (any dtype, CPU / CUDA / ``device_map="auto"``); its attention
             is routed through specdec's function (``hf.prepare_model``), which leaves its ordinary
             forward / generate unchanged.
-        drafter: a ``drafters.base.Drafter``, or None for plain decoding.
+        drafter: a ``specdec.drafting.Drafter``, or None for plain decoding.
         tree_size: node budget per step besides the root (0 = plain decoding).
         max_cache_len: fixed KV capacity per sequence, reused across calls (a request that does not
             fit raises); None sizes the cache per call to prompt + max_new_tokens + tree_size.
@@ -160,7 +160,7 @@ class SpecDecoder:
         if drafter is not None:
             for attr in ("propose", "reset", "update"):
                 if not callable(getattr(drafter, attr, None)):
-                    raise ValueError(f"drafter: expected the drafters.base.Drafter protocol, missing {attr}()")
+                    raise ValueError(f"drafter: expected the specdec.drafting.Drafter protocol, missing {attr}()")
             dv = getattr(drafter, "vocab_size", None)
             if dv is not None and dv != self.vocab_size:
                 raise ValueError(

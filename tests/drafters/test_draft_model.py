@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from drafters.base import BaseDrafter, DraftContext
+from specdec.drafting import BaseDrafter, DraftContext
 from drafters.draft_model import DraftModelDrafter
 from specdec import SpecDecoder, TokenTree
 from specdec.sampling import SamplingConfig, logits_to_probs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import DraftContext
+from specdec.drafting import DraftContext
 from drafters.lookup import LookupDrafter
 from specdec import SpecDecoder
 from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model, token_paths

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from drafters.base import DraftContext
+from specdec.drafting import DraftContext
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from drafters.medusa_train import (
     Example,

@@ -292,7 +292,7 @@ def test_drafter_option_parsing():
 def test_recording_drafter_delegates(loaded):
     import torch
 
-    from drafters.base import DraftContext
+    from specdec.drafting import DraftContext
 
     inner = tiny.make_drafter(loaded[2], 4)
     rec = E.RecordingDrafter(inner)

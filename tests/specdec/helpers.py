@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from drafters.base import BaseDrafter, DraftContext
+from specdec.drafting import BaseDrafter, DraftContext
 from specdec.sampling import logits_to_probs
 from specdec.tree import TokenTree
 

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from specdec import bench_engine, cli
+from specdec import cli
+from specdec.cli import bench_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

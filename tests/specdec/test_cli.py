@@ -105,7 +105,7 @@ def test_real_process_exit_status_and_stderr(tmp_path):
 
 
 def test_bugs_keep_their_traceback():
-    from specdec import cliargs
+    from specdec.cli import args as cliargs
 
     def handler(argv):
         raise KeyError("a bug")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specdec
-from drafters.base import BaseDrafter, DraftContext
+from specdec.drafting import BaseDrafter, DraftContext
 from specdec import SpecDecoder, TokenTree
 from tests.specdec.helpers import (
     VOCAB,
@@ -284,7 +284,7 @@ def test_construction_errors():
     model = _model("llama")
     with pytest.raises(ValueError, match=r"drafter: expected the target's vocabulary size 160, got vocab_size=999"):
         SpecDecoder(model, RandomTreeDrafter(vocab=999))
-    with pytest.raises(ValueError, match=r"drafter: expected the drafters.base.Drafter protocol, missing propose"):
+    with pytest.raises(ValueError, match=r"drafter: expected the specdec.drafting.Drafter protocol, missing propose"):
         SpecDecoder(model, object())
     with pytest.raises(ValueError, match=r"tree_size: expected an int >= 0, got -1"):
         SpecDecoder(model, RandomTreeDrafter(), tree_size=-1)

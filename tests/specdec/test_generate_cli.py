@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import cli, models
-from specdec.generate_cli import encode, run_generate
+from specdec.cli.generate import encode, run_generate
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from drafters.base import DraftContext
+from specdec.drafting import DraftContext
 from specdec import KVCache, SpecDecoder, TokenTree
 from specdec.graphs import GraphedForward, GraphedMaskedForward, InputLayout, pack_trees
 from specdec.hf import masked_forward, prefill, prepare_model, tree_forward
@@ -508,7 +508,7 @@ def test_cuda_graph_bench_engine_runs(tmp_path):
     """bench-engine on CUDA with tiny saved models: captured rows, well-formed JSON."""
     import json
 
-    from specdec import bench_engine
+    from specdec.cli import bench_engine
     from tests.eval.tiny import apps_rows, save_pair
 
     target, draft = save_pair(tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import BaseDrafter, DraftContext
+from specdec.drafting import BaseDrafter, DraftContext
 from specdec import KVCache, SpecDecoder
 from specdec.hf import masked_forward, prefill, prepare_model, tree_forward
 from tests.specdec.helpers import VOCAB, OracleDrafter, hf_greedy, tiny_model

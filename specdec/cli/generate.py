@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from specdec import cliargs
+from specdec.cli import args as cliargs
 
 __all__ = ["GenerateResult", "build_parser", "main", "run_generate"]
 

@@ -1,7 +1,7 @@
 """The ``specdec`` command line. Each subcommand parses its flags and calls library code.
 
 Errors in the user's input or environment end a command with one line,
-``specdec <cmd>: error: ...``, and exit status 2 (``specdec.cliargs``); ``--debug`` anywhere
+``specdec <cmd>: error: ...``, and exit status 2 (``specdec.cli.args``); ``--debug`` anywhere
 before the subcommand's own arguments shows the traceback instead.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec import cliargs
+from specdec.cli import args as cliargs
 
 
 def _bench_attn(argv: list[str]) -> int:
@@ -20,7 +20,7 @@ def _bench_attn(argv: list[str]) -> int:
 
 
 def _models(argv: list[str]) -> int:
-    from specdec import models
+    from specdec.cli import models
 
     return models.main(argv)
 
@@ -38,13 +38,13 @@ def _sweep(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
-    from specdec import generate_cli
+    from specdec.cli import generate as generate_cli
 
     return generate_cli.main(argv)
 
 
 def _bench_engine(argv: list[str]) -> int:
-    from specdec import bench_engine
+    from specdec.cli import bench_engine
 
     return bench_engine.main(argv)
 
@@ -82,6 +82,3 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv[:1] if argv else argv)
     return cliargs.run(f"specdec {ns.command}", SUBCOMMANDS[ns.command][1], argv[1:], debug=debug)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

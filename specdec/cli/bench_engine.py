@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdec import cliargs
+from specdec.cli import args as cliargs
 
 SECTIONS = ("plain", "verify", "spec")
 PLAIN_METHODS = ("hf", "hf-static", "engine-eager", "engine-graph", "engine-compiled")

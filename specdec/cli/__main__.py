@@ -1,0 +1,7 @@
+"""``python -m specdec.cli``: the ``specdec`` command."""
+
+import sys
+
+from specdec.cli import main
+
+sys.exit(main())
