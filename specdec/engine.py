@@ -6,35 +6,93 @@ autoregressive decoding through the same path (every tree is just its root): the
 matches ``model.generate``.
 
 Shapes: with ``static_shapes=True`` (the default on CUDA) every tree forward has the same
-``[B, tree_size + 1]`` input (trees padded with dummy nodes that no real node attends to) and
-attends over the whole preallocated cache, so the forward has fixed shapes and buffer addresses.
-It runs through ``specdec.graphs.GraphedForward``: inputs copied in place into fixed buffers each
-step, and with ``cuda_graphs`` (the default on CUDA) the forward recorded once per (batch size,
-n) as a CUDA graph and replayed; without, the same code runs eagerly on the same buffers.
-Otherwise trees are padded only to the batch's largest tree and attention reads only the filled
-part of the cache (cheaper on CPU).
+``[B, tree_size + 1]`` input (trees padded with dummy nodes that no real node attends to, also
+when every tree is just its root) and attends over the whole preallocated cache, so the
+forward has fixed shapes and buffer addresses. It runs through ``specdec.graphs.GraphedForward``:
+inputs copied in place into fixed buffers each step, and with ``cuda_graphs`` (the default on
+CUDA) the forward recorded once per (batch size, cache) as a CUDA graph and replayed; without,
+the same code runs eagerly on the same buffers. Otherwise trees are padded only to the batch's
+largest tree and attention reads only the filled part of the cache (cheaper on CPU).
+
+KV capacity: a fixed-shape forward is built for one cache (its capacity S is part of its shapes,
+its buffers' addresses part of its graph), so with static shapes the decoder keeps its caches:
+one ``KVCache`` per (batch size, capacity), each with its forwards. The capacity of a request
+needing ``need = longest prompt + max_new_tokens + tree_size`` slots per sequence is the smallest
+of ``cache_buckets`` that holds it (default ``default_cache_buckets``: powers of two from
+``MIN_CACHE_BUCKET`` = 1024, then the target's context + tree_size), or ``max_cache_len`` when
+given. Every request that fits a bucket used before (a shorter one too) reuses that bucket's
+cache and forwards: no new capture, no recompile. ``SpecDecoder.warmup`` builds them all ahead
+of time; ``SpecDecoder.release`` drops them. With dynamic shapes and neither option each call
+gets a cache of exactly ``need`` slots, dropped afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
 from specdec.drafting import DraftContext, Drafter
 from specdec import hf
-from specdec.graphs import GraphedForward, replay_modes
+from specdec.graphs import GraphedForward, configure_compile_cache, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
 from specdec.verify import Verdict, verify_greedy, verify_stochastic
 from treeattn import TreeMask
 
-__all__ = ["GenerationOutput", "SpecDecoder", "SpeculativeModel", "StepStats", "wrap"]
+__all__ = [
+    "MIN_CACHE_BUCKET",
+    "GenerationOutput",
+    "SpecDecoder",
+    "SpeculativeModel",
+    "StepStats",
+    "WarmupEntry",
+    "WarmupReport",
+    "default_cache_buckets",
+    "wrap",
+]
 
-_CAPACITY_STEP = 256  # with CUDA graphs and no max_cache_len, the kept cache grows in these steps
+#: The smallest KV capacity (slots per sequence) of the default cache buckets.
+MIN_CACHE_BUCKET = 1024
+_UNBOUNDED_TOP = 1 << 20  # the largest default bucket of a target that declares no context length
+
+_log = logging.getLogger(__name__)
+
+#: A target forward over one step's trees, inputs ready: returns (logits [B, n, V], hidden [B, n, H] or None).
+_Forward = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def default_cache_buckets(max_positions: int | None, tree_size: int) -> tuple[int, ...]:
+    """The default KV capacities (slots per sequence) a decoder with static shapes picks from.
+
+    Powers of two from ``MIN_CACHE_BUCKET`` below the target's context length ``max_positions``,
+    then ``max_positions + tree_size`` (the most a request can need: the context plus one tree);
+    for a target without a declared context, powers of two up to 2**20. E.g. a 32768-position
+    target at ``tree_size=64``: 1024, 2048, 4096, 8192, 16384, 32832; a 4096-position one: 1024,
+    2048, 4160. A request uses the smallest bucket it fits, so it allocates at most about twice the
+    slots it needs, and a decoder meets at most ``log2(context / 1024) + 1`` capacities, each
+    captured / compiled once.
+    """
+    if max_positions is not None and (not isinstance(max_positions, int) or max_positions < 1):
+        raise ValueError(f"max_positions: expected None or an int >= 1, got {max_positions!r}")
+    if not isinstance(tree_size, int) or tree_size < 0:
+        raise ValueError(f"tree_size: expected an int >= 0, got {tree_size!r}")
+    limit = _UNBOUNDED_TOP if max_positions is None else max_positions
+    out = []
+    size = MIN_CACHE_BUCKET
+    while size < limit:
+        out.append(size)
+        size *= 2
+    out.append(size if max_positions is None else max_positions + tree_size)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -45,10 +103,11 @@ class StepStats:
         nodes_proposed: per sequence, draft nodes besides the root (0 for finished sequences).
         tokens_accepted: per sequence, accepted draft tokens (the bonus token not counted).
         tokens_emitted: per sequence, tokens appended this step (after eos / max_new_tokens cuts).
-        draft_s: seconds in ``drafter.propose`` (+ ``update``).
+        draft_s: seconds in ``drafter.propose`` (+ ``update``; device synchronized).
         verify_s: seconds in the target's tree forward and the verification (tree inputs built on
             the host, the forward, the accept decision).
-        commit_s: seconds in the KV commit and bookkeeping.
+        commit_s: seconds in accepting the verdicts (appending the tokens, eos / max_new_tokens
+            cuts) and the KV commit (device synchronized). The ``on_tokens`` callback is in no phase.
         forward_s: the part of ``verify_s`` from handing the inputs to the device to the forward's
             end (device synchronized): the target forward itself.
     """
@@ -110,6 +169,106 @@ class GenerationOutput:
         }
 
 
+@dataclass(frozen=True)
+class WarmupEntry:
+    """One fixed-shape target forward made ready by ``SpecDecoder.warmup``.
+
+    Attributes:
+        batch_size: B.
+        capacity: the cache's slots per sequence S.
+        n: tree nodes per sequence (root included): ``tree_size + 1``.
+        seconds: the whole entry (cache, prefill, the forward's first run and capture), device
+            synchronized.
+        prefill_s: the prefill of a short dummy prompt into the cache (allocates its buffers the
+            first time; runs the eager prefill path).
+        first_run_s: the forward's first run: with ``compile``, torch.compile of this shape (long
+            the first time, short with a warm on-disk cache); None if the forward had run before
+            (or with dynamic shapes).
+        capture_s: the CUDA-graph capture after it; None without CUDA graphs or if done before.
+        built: whether this warm-up made the fixed-shape forward (False: it existed already, or
+            shapes are dynamic).
+    """
+
+    batch_size: int
+    capacity: int
+    n: int
+    seconds: float
+    prefill_s: float
+    first_run_s: float | None
+    capture_s: float | None
+    built: bool
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What ``SpecDecoder.warmup`` did.
+
+    Attributes:
+        entries: one per (batch size, capacity), in the order they were warmed.
+        drafter_s: seconds in the drafter's own ``warmup`` (0.0 if it has none).
+        total_s: seconds of the whole call.
+        compile_cache: the directory of torch.compile's on-disk caches (``compile`` with inductor),
+            else None.
+    """
+
+    entries: tuple[WarmupEntry, ...]
+    drafter_s: float
+    total_s: float
+    compile_cache: str | None = None
+
+
+class _PhaseTimer:
+    """Seconds per phase of one step: ``with timer("verify"): ...`` adds the block's duration.
+
+    Each phase ends with a device sync, so the device work it queued is counted in it (not in the
+    next phase). Phases may nest (``forward`` inside ``verify``); a name used twice adds up.
+    """
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self._sync = sync
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[phase] += time.perf_counter() - start
+
+
+@dataclass(eq=False)
+class _Run:
+    """The state of one ``generate`` call, updated step by step (host side).
+
+    Attributes:
+        prompts: B prompts, int64 ``[L_b]``.
+        seqs: int64 ``[B, T]``: committed tokens per sequence (prompt included); the last one,
+            ``seqs[b, lens[b] - 1]``, is the next tree's root.
+        lens: committed tokens per sequence.
+        done: per sequence, finished (eos or max_new_tokens).
+        hidden: per sequence, the target's final hidden state that predicted the root (drafters
+            with ``needs_hidden_states``), or None.
+        cache: the target's KV cache (holds every committed token's KV but the root's).
+        sampling, generator, eos, max_new_tokens, on_tokens: ``generate``'s arguments.
+    """
+
+    prompts: list[torch.Tensor]
+    seqs: torch.Tensor
+    lens: list[int]
+    done: list[bool]
+    hidden: list[torch.Tensor | None]
+    cache: KVCache
+    sampling: SamplingConfig | None
+    generator: torch.Generator | None
+    eos: set[int]
+    max_new_tokens: int
+    on_tokens: Callable[[int, list[int]], None] | None
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 class SpecDecoder:
     """Speculative decoding of a HuggingFace causal LM with token trees.
 
@@ -119,22 +278,39 @@ class SpecDecoder:
             forward / generate unchanged.
         drafter: a ``specdec.drafting.Drafter``, or None for plain decoding.
         tree_size: node budget per step besides the root (0 = plain decoding).
-        max_cache_len: fixed KV capacity per sequence, reused across calls (a request that does not
-            fit raises); None sizes the cache per call to prompt + max_new_tokens + tree_size.
+        max_cache_len: one fixed KV capacity per sequence, chosen up front and reused across calls
+            (a request that does not fit raises); None: ``cache_buckets`` with static shapes, else a
+            cache of exactly prompt + max_new_tokens + tree_size slots per call.
+        cache_buckets: the KV capacities (slots per sequence, each >= tree_size + 2) a request may
+            get when ``max_cache_len`` is None: the smallest that holds it (one that fits none
+            raises). Default None: ``default_cache_buckets(target's context, tree_size)`` with
+            static shapes (powers of two from ``MIN_CACHE_BUCKET``), no buckets with dynamic
+            shapes. One cache per (batch size, bucket) used is kept with its forwards (see
+            ``caches``, ``release``).
         static_shapes: fixed ``[B, tree_size + 1]`` tree forwards over the whole cache through
             ``specdec.graphs.GraphedForward`` (default: True when the target is on CUDA, or when
             ``cuda_graphs`` is True).
         attn_impl: ``treeattn.tree_attention``'s ``impl`` ("auto", "triton", "torch").
         cuda_graphs: replay the target's tree forward as a CUDA graph, captured once per (batch
-            size, tree size) and per cache (default None: on when the target is on one CUDA device
-            and shapes are static, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``; False on
-            CPU). Needs static shapes. With ``max_cache_len=None``
-            the cache is then kept across calls (grown, and the graphs recaptured, only when a
-            request does not fit), so that the graphs are reused.
+            size, cache) (default None: on when the target is on one CUDA device and shapes are
+            static, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``; False on CPU). Needs
+            static shapes.
         compile: run the fixed-shape tree forward through ``torch.compile`` before it is captured
             (True: inductor, or a backend name; needs static shapes): fuses the layers'
             elementwise kernels; the tree attention stays one custom op. The first forward of
-            each shape compiles (tens of seconds for a real model). Default False.
+            each (batch size, cache capacity) compiles (tens of seconds for a real model the first
+            time; inductor's on-disk cache, ``specdec.graphs.configure_compile_cache``, makes later
+            processes faster). Default False.
+
+    Kept state and memory: with static shapes, ``max_cache_len`` or ``cache_buckets`` the decoder
+    keeps one ``KVCache`` per (batch size, capacity) it has used (``caches``) and, with static shapes, one
+    ``GraphedForward`` per cache (``forwards``; with ``cuda_graphs`` its graph and the graph's
+    private memory pool: the ``[B, n, V]`` logits and the forward's temporaries). A cache holds
+    ``2 * layers * B * kv_heads * S * head_dim`` elements of the model's dtype once written
+    (``KVCache.nbytes``): for Qwen2.5-1.5B in bf16 (28 layers, 2 KV heads of 128) 28 KiB per slot
+    and sequence, 56 MiB at S = 2048, 0.9 GiB at S = 32832, 1.7 GiB for all six default buckets
+    (tree_size 64) per sequence of batch size.
+    ``release()`` drops them. Call ``warmup()`` before timing to build them ahead of time.
     """
 
     def __init__(
@@ -144,6 +320,7 @@ class SpecDecoder:
         tree_size: int = 64,
         *,
         max_cache_len: int | None = None,
+        cache_buckets: Sequence[int] | None = None,
         static_shapes: bool | None = None,
         attn_impl: str = "auto",
         cuda_graphs: bool | None = None,
@@ -156,6 +333,8 @@ class SpecDecoder:
             raise ValueError(f"attn_impl: expected 'auto', 'triton' or 'torch', got {attn_impl!r}")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 2):
             raise ValueError(f"max_cache_len: expected None or an int >= 2, got {max_cache_len!r}")
+        if cache_buckets is not None and max_cache_len is not None:
+            raise ValueError(f"cache_buckets: expected None when max_cache_len is given, got {cache_buckets!r}")
         self.vocab_size = hf.vocab_size(target)
         if drafter is not None:
             for attr in ("propose", "reset", "update"):
@@ -176,9 +355,73 @@ class SpecDecoder:
         self.static_shapes, self.cuda_graphs, self.compile = replay_modes(
             target, static_shapes, cuda_graphs, compile, "the target")
         self.attn_impl = attn_impl
-        self._cache: KVCache | None = None
-        self._graphs: dict[tuple[int, int], GraphedForward] = {}
+        #: the capacities requests pick from (increasing), or None (max_cache_len, or exact sizes)
+        self.cache_buckets: tuple[int, ...] | None = None
+        if cache_buckets is not None:
+            self.cache_buckets = _checked_buckets(cache_buckets, self.tree_size + 2)
+        elif max_cache_len is None and self.static_shapes:
+            self.cache_buckets = default_cache_buckets(hf.max_positions(target), self.tree_size)
+        self._caches: dict[tuple[int, int], KVCache] = {}  # (batch, capacity) -> kept cache
+        self._graphs: dict[tuple[int, int, int], GraphedForward] = {}  # (batch, capacity, n) -> forward
         self._num_layers = hf.num_layers(target)  # the KV cache keeps all layers in one tensor
+
+    # ------------------------------------------------------------------ kept state
+
+    @property
+    def caches(self) -> Mapping[tuple[int, int], KVCache]:
+        """The kept KV caches by (batch size, capacity) (read-only view)."""
+        return MappingProxyType(self._caches)
+
+    @property
+    def forwards(self) -> Mapping[tuple[int, int, int], GraphedForward]:
+        """The kept fixed-shape forwards by (batch size, capacity, n) (read-only view)."""
+        return MappingProxyType(self._graphs)
+
+    def release(self, batch_size: int | None = None) -> None:
+        """Drop the kept caches and their forwards (CUDA graphs): all, or those of ``batch_size``.
+
+        Their device memory goes back to PyTorch's caching allocator (``torch.cuda.empty_cache()``
+        returns it to the driver); compiled code stays in torch.compile's caches. A later request
+        re-creates what it needs (a new capture; no recompile within this process).
+        """
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                       or batch_size < 1):  # fmt: skip
+            raise ValueError(f"batch_size: expected None or an int >= 1, got {batch_size!r}")
+        def kept(key: tuple[int, ...]) -> bool:
+            return batch_size is not None and key[0] != batch_size
+
+        self._caches = {key: cache for key, cache in self._caches.items() if kept(key)}
+        self._graphs = {key: graphed for key, graphed in self._graphs.items() if kept(key)}
+
+    def _capacity(self, need: int, arg: str = "max_new_tokens",
+                  what: str = "prompt + max_new_tokens + tree_size") -> int:  # fmt: skip
+        """The cache capacity of a request needing ``need`` slots per sequence (ValueError naming
+        ``arg`` if none fits)."""
+        if self.max_cache_len is not None:
+            if need > self.max_cache_len:
+                raise ValueError(
+                    f"{arg}: {what} needs {need} cache slots per sequence, max_cache_len is {self.max_cache_len}"
+                )
+            return self.max_cache_len
+        if self.cache_buckets is None:
+            return need
+        for capacity in self.cache_buckets:
+            if need <= capacity:
+                return capacity
+        raise ValueError(
+            f"{arg}: {what} needs {need} cache slots per sequence, the largest of cache_buckets is "
+            f"{self.cache_buckets[-1]}"
+        )
+
+    def _cache_for(self, batch: int, capacity: int) -> KVCache:
+        """The (emptied) cache of ``batch`` sequences and ``capacity`` slots: the kept one, if kept."""
+        if self.max_cache_len is None and self.cache_buckets is None:
+            return KVCache(batch, capacity, num_layers=self._num_layers)  # exact size, not kept
+        cache = self._caches.get((batch, capacity))
+        if cache is None:
+            cache = self._caches[(batch, capacity)] = KVCache(batch, capacity, num_layers=self._num_layers)
+        cache.reset()
+        return cache
 
     # ------------------------------------------------------------------ inputs
 
@@ -225,25 +468,6 @@ class SpecDecoder:
         if not out:
             raise ValueError("input_ids: expected at least one prompt, got none")
         return out
-
-    def _get_cache(self, batch: int, need: int) -> KVCache:
-        if self.max_cache_len is None:
-            if not self.cuda_graphs:
-                return KVCache(batch, need, num_layers=self._num_layers)
-            # Graphs record the cache's buffer addresses: keep one cache while requests fit.
-            if self._cache is None or self._cache.batch_size != batch or self._cache.capacity < need:
-                self._cache = KVCache(batch, -(-need // _CAPACITY_STEP) * _CAPACITY_STEP, num_layers=self._num_layers)
-            self._cache.reset()
-            return self._cache
-        if need > self.max_cache_len:
-            raise ValueError(
-                f"max_new_tokens: prompt + max_new_tokens + tree_size needs {need} cache slots per sequence, "
-                f"max_cache_len is {self.max_cache_len}"
-            )
-        if self._cache is None or self._cache.batch_size != batch:
-            self._cache = KVCache(batch, self.max_cache_len, num_layers=self._num_layers)
-        self._cache.reset()
-        return self._cache
 
     # ------------------------------------------------------------------ generate
 
@@ -295,154 +519,317 @@ class SpecDecoder:
                 f"max_new_tokens: prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"target's context of {limit} positions"
             )
-        cache = self._get_cache(batch, longest + max_new_tokens + self.tree_size)
-
-        # Committed tokens per sequence (host), prompt included; the last one is the next root.
-        seqs = torch.zeros(batch, longest + max_new_tokens + self.tree_size + 1, dtype=torch.int64)
-        lens = [len(p) for p in prompts]
+        need = longest + max_new_tokens + self.tree_size
+        cache = self._cache_for(batch, self._capacity(need))
+        seqs = torch.zeros(batch, need + 1, dtype=torch.int64)
         for b, p in enumerate(prompts):
             seqs[b, : len(p)] = p
-        # hidden[b]: the target's final hidden state at the token before sequence b's root (the
-        # state that predicted the root), for drafters with needs_hidden_states; None if unknown.
-        hidden: list[torch.Tensor | None] = [None] * batch
+        run = _Run(prompts, seqs, [len(p) for p in prompts], [False] * batch, [None] * batch, cache, sampling,
+                   generator, eos, max_new_tokens, on_tokens)  # fmt: skip
+
+        timer = _PhaseTimer(self._sync)
         self._sync()
-        t0 = time.perf_counter()
+        with timer("prefill"):
+            run.hidden = self._prefill(cache, seqs, run.lens)
+        if self.drafter is not None:
+            self.drafter.reset([p.clone() for p in prompts])
+        steps: list[StepStats] = []
+        while not all(run.done):
+            steps.append(self._step(run))
+
+        out = torch.full((batch, max(run.lens)), pad_token_id, dtype=torch.int64)
+        for b, n in enumerate(run.lens):
+            out[b, :n] = seqs[b, :n]
+        return GenerationOutput(out, tuple(run.lens), tuple(len(p) for p in prompts), steps, timer.seconds["prefill"])
+
+    def _prefill(self, cache: KVCache, seqs: torch.Tensor, lens: Sequence[int]) -> list[torch.Tensor | None]:
+        """Write each sequence's prompt but its last token (the first root) into ``cache``.
+
+        Args:
+            cache: the emptied cache; its lengths become ``lens[b] - 1``.
+            seqs: int64 ``[B, >= max(lens)]``, the prompts, right-padded.
+            lens: the prompt lengths.
+
+        Returns:
+            Per sequence, the target's final hidden state at its second-to-last prompt token (the
+            state that predicted the root) for drafters with ``needs_hidden_states``; else Nones.
+        """
+        batch, longest = len(lens), max(lens)
+        hidden: list[torch.Tensor | None] = [None] * batch
         if longest > 1:
             at = torch.tensor([max(n - 2, 0) for n in lens]) if self._wants_hidden else None
             h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, hidden_at=at)
             if h is not None:
                 hidden = [h[b] if lens[b] > 1 else None for b in range(batch)]
-        self._sync()
-        prefill_s = time.perf_counter() - t0
         cache.lengths = [n - 1 for n in lens]
-        if self.drafter is not None:
-            self.drafter.reset([p.clone() for p in prompts])
+        return hidden
 
-        done = [False] * batch
-        steps: list[StepStats] = []
-        while not all(done):
-            steps.append(self._step(seqs, lens, done, cache, sampling, generator, eos, max_new_tokens, prompts,
-                                    hidden, on_tokens))
+    # ------------------------------------------------------------------ one step
 
-        width = max(lens)
-        out = torch.full((batch, width), pad_token_id, dtype=torch.int64)
-        for b in range(batch):
-            out[b, : lens[b]] = seqs[b, : lens[b]]
-        return GenerationOutput(out, tuple(lens), tuple(len(p) for p in prompts), steps, prefill_s)
+    def _step(self, run: _Run) -> StepStats:
+        """One step over the batch: draft -> tree forward -> verify -> accept and commit -> drafter update."""
+        timer = _PhaseTimer(self._sync)
+        with timer("draft"):
+            trees, contexts = self._draft(run)
+        with timer("verify"):
+            forward = self._tree_forward(run.cache, trees)
+            with timer("forward"):
+                logits, node_hidden = forward()
+            verdicts = self._verify(run, trees, logits)
+        with timer("commit"):
+            new_tokens, paths = self._accept(run, trees, verdicts, node_hidden)
+            run.cache.commit(paths)  # nodes already in place (a first-child chain) are not copied
+        if run.on_tokens is not None:
+            for b, new in enumerate(new_tokens):
+                if new:
+                    run.on_tokens(b, new)
+        with timer("draft"):
+            if self.drafter is not None:
+                for b, v in enumerate(verdicts):
+                    if contexts[b] is not None:
+                        self.drafter.update(contexts[b], trees[b], v)
+        return StepStats(
+            nodes_proposed=tuple(t.n - 1 for t in trees),
+            tokens_accepted=tuple(0 if v is None else v.num_accepted for v in verdicts),
+            tokens_emitted=tuple(len(new) for new in new_tokens),
+            draft_s=timer.seconds["draft"],
+            verify_s=timer.seconds["verify"],
+            commit_s=timer.seconds["commit"],
+            forward_s=timer.seconds["forward"],
+        )
 
-    def _step(self, seqs, lens, done, cache, sampling, generator, eos, max_new_tokens, prompts, hidden,
-              on_tokens) -> StepStats:
-        batch = len(lens)
-        t0 = time.perf_counter()
+    def _draft(self, run: _Run) -> tuple[list[TokenTree], list[DraftContext | None]]:
+        """Per sequence, the drafter's tree (root-only when finished or without a drafter) and the
+        context it was asked with (None when it was not asked)."""
         trees: list[TokenTree] = []
         contexts: list[DraftContext | None] = []
-        for b in range(batch):
-            root = seqs[b, lens[b] - 1 : lens[b]]
-            if done[b] or self.drafter is None or self.tree_size == 0:
-                trees.append(TokenTree(root.clone(), torch.tensor([-1])))
+        for b, n in enumerate(run.lens):
+            if run.done[b] or self.drafter is None or self.tree_size == 0:
+                trees.append(TokenTree(run.seqs[b, n - 1 : n].clone(), torch.tensor([-1])))
                 contexts.append(None)
                 continue
-            ctx = DraftContext(seqs[b, : lens[b]], self.tree_size, b, sampling, generator, hidden[b])
+            ctx = DraftContext(run.seqs[b, :n], self.tree_size, b, run.sampling, run.generator, run.hidden[b])
             trees.append(self._checked_tree(self.drafter.propose(ctx), ctx))
             contexts.append(ctx)
-        self._sync()
-        t1 = time.perf_counter()
+        return trees, contexts
 
+    def _tree_forward(self, cache: KVCache, trees: list[TokenTree]) -> _Forward:
+        """The target's forward over the B trees as a call, its inputs prepared on the host.
+
+        The call returns ``(logits [B, n, V], hidden [B, n, H] or None)``; node i of tree b is row
+        ``[b, i]`` (rows past a tree's size are padding). n is ``tree_size + 1`` with static shapes
+        (the fixed-shape forward of this batch size and cache, made on first use), else the
+        largest tree's size. Node i's KV goes to slot ``cache.lengths[b] + i``.
+        """
+        batch = len(trees)
         n = self.tree_size + 1 if self.static_shapes else max(t.n for t in trees)
         cache.check_room(n)
         if self.static_shapes:
             graphed = self._graphed(cache, batch, n)
-            tf0 = time.perf_counter()
-            graphed.load(trees, cache.lengths)  # padding nodes hang off the root
-            logits, node_hidden = graphed.forward()
-        else:
-            tokens = torch.zeros(batch, n, dtype=torch.int64)
-            parents = torch.zeros(batch, n, dtype=torch.int64)  # padding nodes hang off the root
-            for b, t in enumerate(trees):
-                tokens[b, : t.n] = t.tokens.cpu()
-                parents[b, : t.n] = t.parents.cpu()
-            parents[:, 0] = -1
-            mask = TreeMask.from_parents(parents)
-            prefix = torch.tensor(cache.lengths, dtype=torch.int64)
-            kv_len = max(cache.lengths) + n
-            tf0 = time.perf_counter()
+            return lambda: graphed.run(trees, cache.lengths)  # padding nodes hang off the root
+        tokens = torch.zeros(batch, n, dtype=torch.int64)
+        parents = torch.zeros(batch, n, dtype=torch.int64)  # padding nodes hang off the root
+        for b, t in enumerate(trees):
+            tokens[b, : t.n] = t.tokens.cpu()
+            parents[b, : t.n] = t.parents.cpu()
+        parents[:, 0] = -1
+        mask = TreeMask.from_parents(parents)
+        prefix = torch.tensor(cache.lengths, dtype=torch.int64)
+        kv_len = max(cache.lengths) + n
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             out = hf.tree_forward(self.target, tokens, mask, prefix, cache, kv_len=kv_len, impl=self.attn_impl,
-                                  return_hidden=self._wants_hidden)
-            logits, node_hidden = out if self._wants_hidden else (out, None)
-        self._sync()
-        forward_s = time.perf_counter() - tf0
+                                  return_hidden=self._wants_hidden)  # fmt: skip
+            return out if self._wants_hidden else (out, None)
+
+        return forward
+
+    def _verify(self, run: _Run, trees: list[TokenTree], logits: torch.Tensor) -> list[Verdict | None]:
+        """Per sequence, the accepted path and bonus token (None for finished sequences)."""
         verdicts: list[Verdict | None] = []
         for b, t in enumerate(trees):
-            if done[b]:
+            if run.done[b]:
                 verdicts.append(None)
-            elif sampling is None:
+            elif run.sampling is None:
                 verdicts.append(verify_greedy(t, logits[b, : t.n]))
             else:
-                probs = logits_to_probs(logits[b, : t.n], sampling)
-                verdicts.append(verify_stochastic(t, probs, generator))
-        self._sync()
-        t2 = time.perf_counter()
+                probs = logits_to_probs(logits[b, : t.n], run.sampling)
+                verdicts.append(verify_stochastic(t, probs, run.generator))
+        return verdicts
 
-        emitted, accepted, streamed = [], [], []
-        keep: list[tuple[int, ...] | None] = []  # per sequence, the accepted nodes whose KV is committed
+    def _accept(self, run: _Run, trees: list[TokenTree], verdicts: list[Verdict | None],
+                node_hidden: torch.Tensor | None) -> tuple[list[list[int]], list[tuple[int, ...] | None]]:  # fmt: skip
+        """Append each verdict's tokens (cut at eos and max_new_tokens) to ``run``.
+
+        Returns:
+            Per sequence, the tokens appended, and the tree nodes whose KV the cache keeps: the
+            root and the accepted nodes whose tokens were kept (a path cut by max_new_tokens or
+            eos commits only its kept part; the cache always holds a sequence's tokens but its
+            last), None for finished sequences.
+        """
+        appended: list[list[int]] = []
+        paths: list[tuple[int, ...] | None] = []
         for b, v in enumerate(verdicts):
             if v is None:
-                emitted.append(0)
-                accepted.append(0)
-                keep.append(None)
+                appended.append([])
+                paths.append(None)
                 continue
-            new = v.new_tokens(trees[b])
-            room = len(prompts[b]) + max_new_tokens - lens[b]
-            new = new[:room]
+            room = len(run.prompts[b]) + run.max_new_tokens - run.lens[b]
+            new = v.new_tokens(trees[b])[:room]
             for j, tok in enumerate(new):
-                if tok in eos:
+                if tok in run.eos:
                     new = new[: j + 1]
                     break
-            seqs[b, lens[b] : lens[b] + len(new)] = torch.tensor(new, dtype=torch.int64)
-            lens[b] += len(new)
-            if lens[b] - len(prompts[b]) >= max_new_tokens or (new and new[-1] in eos):
-                done[b] = True
-            emitted.append(len(new))
-            accepted.append(v.num_accepted)
-            # The root and the accepted nodes whose tokens were kept (a path cut by max_new_tokens or
-            # eos commits only its kept part): the cache always holds a sequence's tokens but its last.
-            keep.append(v.path[: len(new)])
+            run.seqs[b, run.lens[b] : run.lens[b] + len(new)] = torch.tensor(new, dtype=torch.int64)
+            run.lens[b] += len(new)
+            if run.lens[b] - len(run.prompts[b]) >= run.max_new_tokens or (new and new[-1] in run.eos):
+                run.done[b] = True
+            appended.append(new)
+            paths.append(v.path[: len(new)])
             if node_hidden is not None:  # predicted the bonus token, the next root; copied: the
-                hidden[b] = node_hidden[b, v.path[-1]].clone()  # next forward overwrites node_hidden
-            if new:
-                streamed.append((b, list(new)))
-        cache.commit(keep)  # nodes already in place (a first-child chain) are not copied
-        self._sync()
-        t3 = time.perf_counter()
-        if on_tokens is not None:
-            for b, new in streamed:
-                on_tokens(b, new)
-        if self.drafter is not None:
-            for b, v in enumerate(verdicts):
-                if contexts[b] is not None:
-                    self.drafter.update(contexts[b], trees[b], v)
-        t4 = time.perf_counter()
-        return StepStats(
-            nodes_proposed=tuple(t.n - 1 for t in trees),
-            tokens_accepted=tuple(accepted),
-            tokens_emitted=tuple(emitted),
-            draft_s=(t1 - t0) + (t4 - t3),
-            verify_s=t2 - t1,
-            commit_s=t3 - t2,
-            forward_s=forward_s,
-        )
+                run.hidden[b] = node_hidden[b, v.path[-1]].clone()  # next forward overwrites node_hidden
+        return appended, paths
 
     def _graphed(self, cache: KVCache, batch: int, n: int) -> GraphedForward:
-        """The fixed-buffer forward of shape ``[batch, n]`` over ``cache`` (captured on first use)."""
-        if any(g.cache is not cache for g in self._graphs.values()):  # a new cache: old graphs are stale
-            self._graphs = {k: g for k, g in self._graphs.items() if g.cache is cache}
-        graphed = self._graphs.get((batch, n))
-        if graphed is None:
-            graphed = self._graphs[(batch, n)] = GraphedForward(
+        """The fixed-buffer forward of shape ``[batch, n]`` over ``cache`` (made on first use; its
+        first run captures / compiles)."""
+        key = (batch, cache.capacity, n)
+        graphed = self._graphs.get(key)
+        if graphed is None or graphed.cache is not cache:
+            _log.info("specdec: new target forward [B=%d, n=%d] over a %d-slot cache (cuda_graphs=%s, compile=%s); "
+                      "SpecDecoder.warmup() builds these before timing", batch, n, cache.capacity,
+                      self.cuda_graphs, self.compile)  # fmt: skip
+            graphed = self._graphs[key] = GraphedForward(
                 self.target, cache, batch, n, impl=self.attn_impl, return_hidden=self._wants_hidden,
                 capture=self.cuda_graphs, compile=self.compile,
             )  # fmt: skip
         return graphed
+
+    # ------------------------------------------------------------------ warm-up
+
+    @torch.no_grad()
+    def warmup(
+        self,
+        batch_sizes: Sequence[int] = (1,),
+        max_len: int | None = None,
+        *,
+        log: Callable[[str], None] | None = _stderr,
+    ) -> WarmupReport:
+        """Make every target forward that later ``generate`` calls will use, before timing them.
+
+        For each batch size B and each capacity S a request of at most ``max_len`` tokens per
+        sequence can get (every bucket of ``cache_buckets`` up to the one holding ``max_len +
+        tree_size``: a shorter request gets a smaller one; ``max_cache_len`` when set):
+
+        1. the kept KV cache ``[B, S]`` is made and a prefill of a 2-token dummy prompt per
+           sequence allocates its buffers (and runs the eager prefill path once);
+        2. the fixed-shape ``[B, tree_size + 1]`` tree forward over that cache is made and run
+           once on dummy trees: compiled first with ``compile`` (inductor: tens of seconds per
+           shape for a real model, seconds with a warm on-disk cache, see
+           ``specdec.graphs.configure_compile_cache``), then captured with ``cuda_graphs``.
+
+        ``[B, tree_size + 1]`` is the only forward shape ``generate`` runs with static shapes
+        (steps whose trees are all root-only, e.g. plain decoding at ``tree_size=0``, run it too).
+        The dummy KV is never read: every ``generate`` prefills its prompts from slot 0. Then, if
+        the drafter has a ``warmup`` method, ``drafter.warmup(batch_sizes=..., max_len=..., log=...)``
+        is called (e.g. to capture a draft model's forwards). A later ``generate`` within these
+        batch sizes and ``max_len`` makes no new forward (no capture, no compile). With dynamic
+        shapes there are no fixed-shape forwards (and no kept caches without ``max_cache_len`` or
+        ``cache_buckets``): the warm-up runs the prefill and one tree forward per (B, S), which
+        compiles the kernels those use first.
+
+        Memory: every warmed cache stays allocated (see the class docstring), e.g. all six default
+        buckets of Qwen2.5-1.5B in bf16 take 1.7 GiB per sequence of batch size.
+
+        Args:
+            batch_sizes: the batch sizes (numbers of prompts per call) to come.
+            max_len: the most tokens per sequence the calls to come reach (longest prompt +
+                max_new_tokens); None: every bucket (up to the target's context).
+            log: called with progress messages (default: print to stderr); None: silent.
+
+        Returns:
+            ``WarmupReport``: per (B, S), the seconds of its prefill, compile (``first_run_s``) and
+            capture.
+        """
+        if isinstance(batch_sizes, int) or not isinstance(batch_sizes, Sequence) or not batch_sizes or any(
+                not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):  # fmt: skip
+            raise ValueError(f"batch_sizes: expected a non-empty sequence of ints >= 1, got {batch_sizes!r}")
+        if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2):
+            raise ValueError(f"max_len: expected None or an int >= 2 (prompt + max_new_tokens), got {max_len!r}")
+        limit = hf.max_positions(self.target)
+        if max_len is not None and limit is not None and max_len > limit:
+            raise ValueError(f"max_len: expected at most the target's context of {limit} positions, got {max_len}")
+        if log is not None and not callable(log):
+            raise ValueError(f"log: expected a callable or None, got {type(log).__name__}")
+        say = log or (lambda message: None)
+        capacities = self._warm_capacities(max_len)
+        batch_sizes = sorted(set(batch_sizes))
+        n = self.tree_size + 1
+        cache_dir = None
+        if self.compile in (True, "inductor"):
+            cache_dir = configure_compile_cache()
+        how = [f"torch.compile ({'inductor' if self.compile is True else self.compile})"] if self.compile else []
+        how += ["CUDA graphs"] if self.cuda_graphs else (["fixed shapes, eager"] if self.static_shapes else ["eager"])
+        say(f"specdec warmup: target forwards [B, {n}] for B in {batch_sizes} over caches of {capacities} slots "
+            f"({', '.join(how)}){f'; compile cache {cache_dir}' if cache_dir else ''}")  # fmt: skip
+        start = time.perf_counter()
+        entries = []
+        for batch in batch_sizes:
+            for capacity in capacities:
+                say(f"  B={batch} S={capacity} n={n} ...")
+                entry = self._warm_one(batch, capacity, n)
+                entries.append(entry)
+                parts = [f"{entry.seconds:.1f} s"]
+                if entry.first_run_s is not None and self.compile:
+                    parts.append(f"compile {entry.first_run_s:.1f} s")
+                if entry.capture_s is not None:
+                    parts.append(f"capture {entry.capture_s:.1f} s")
+                if self.static_shapes and not entry.built:
+                    parts.append("already built")
+                say(f"  B={batch} S={capacity} n={n}: {', '.join(parts)}")
+        drafter_s = 0.0
+        drafter_warmup = getattr(self.drafter, "warmup", None)
+        if callable(drafter_warmup):
+            say(f"specdec warmup: the drafter ({type(self.drafter).__name__})")
+            t0 = time.perf_counter()
+            drafter_warmup(batch_sizes=tuple(batch_sizes), max_len=max_len, log=log)
+            self._sync()
+            drafter_s = time.perf_counter() - t0
+        total = time.perf_counter() - start
+        say(f"specdec warmup: done in {total:.1f} s")
+        return WarmupReport(tuple(entries), drafter_s, total, cache_dir)
+
+    def _warm_capacities(self, max_len: int | None) -> list[int]:
+        """The cache capacities requests of at most ``max_len`` tokens per sequence can get."""
+        if max_len is None:
+            if self.max_cache_len is not None:
+                return [self.max_cache_len]
+            return list(self.cache_buckets) if self.cache_buckets is not None else [self.tree_size + 2]
+        top = self._capacity(max_len + self.tree_size, "max_len", "max_len + tree_size")
+        if self.cache_buckets is None:
+            return [top]
+        return [c for c in self.cache_buckets if c <= top]
+
+    def _warm_one(self, batch: int, capacity: int, n: int) -> WarmupEntry:
+        """Prefill a dummy prompt into the ``[batch, capacity]`` cache and run its tree forward once."""
+        key = (batch, capacity, n)
+        existing = self._graphs.get(key)
+        timer = _PhaseTimer(self._sync)
+        self._sync()
+        with timer("all"):
+            cache = self._cache_for(batch, capacity)
+            with timer("prefill"):
+                self._prefill(cache, torch.zeros(batch, 2, dtype=torch.int64), [2] * batch)
+            chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
+            self._tree_forward(cache, [chain] * batch)()
+            cache.reset()
+        graphed = self._graphs.get(key)  # None with dynamic shapes
+        first = graphed is not None and graphed.calls == 1  # this was its first run: timings are ours
+        return WarmupEntry(batch, capacity, n, timer.seconds["all"], timer.seconds["prefill"],
+                           graphed.first_run_s if first else None, graphed.capture_s if first else None,
+                           built=graphed is not None and graphed is not existing)  # fmt: skip
+
+    # ------------------------------------------------------------------ checks
 
     def _checked_tree(self, tree, ctx: DraftContext) -> TokenTree:
         if not isinstance(tree, TokenTree):
@@ -473,6 +860,10 @@ class SpeculativeModel:
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
+
+    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, **kwargs) -> WarmupReport:
+        """``SpecDecoder.warmup``: build every forward later ``generate`` calls use, before timing."""
+        return self.decoder.warmup(batch_sizes, max_len, **kwargs)
 
     def generate(
         self,
@@ -519,7 +910,18 @@ class SpeculativeModel:
 def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) -> SpeculativeModel:
     """``specdec.wrap(model, drafter).generate(input_ids, max_new_tokens=...)`` decodes speculatively.
 
-    ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``static_shapes``, ``attn_impl``,
-    ``cuda_graphs``, ``compile``).
+    ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``cache_buckets``, ``static_shapes``,
+    ``attn_impl``, ``cuda_graphs``, ``compile``).
     """
     return SpeculativeModel(model, drafter, tree_size, **decoder_kwargs)
+
+
+def _checked_buckets(buckets, least: int) -> tuple[int, ...]:
+    """``cache_buckets`` sorted, or ValueError unless it is a non-empty sequence of ints >= least."""
+    ok = isinstance(buckets, Sequence) and not isinstance(buckets, str) and len(buckets) > 0 and all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= least for b in buckets)  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"cache_buckets: expected a non-empty sequence of ints >= {least} (tree_size + 2), got {buckets!r}"
+        )
+    return tuple(sorted(set(buckets)))

@@ -38,6 +38,13 @@ buffers if needed and compiles the kernels, and ``warmup`` more on a side stream
 pattern) and replays it; ``capture=False`` ("eager replay", any device) calls the body each time
 and copies its results into the same fixed output tensors. The eager mode is what CPU tests run:
 it checks everything the graph depends on (what is copied where, output aliasing) but the capture.
+
+Compiling (``compile=...``): the body goes through ``torch.compile`` (``dynamic=False``: every
+shape, the cache capacity S included, is baked in, so each (B, n, S) compiles once). Before the
+first inductor compile of the process, ``configure_compile_cache`` points inductor's on-disk caches
+at a persistent directory (``$SPECDEC_HOME/compile-cache`` unless ``TORCHINDUCTOR_CACHE_DIR`` is
+set) and makes sure the FX graph cache and the AOT autograd cache are on, so that a later process
+compiling the same shapes loads the compiled code from disk instead of regenerating it.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from __future__ import annotations
 import array
 import os
 import struct
+import time
 from collections.abc import Sequence
 
 import torch
@@ -54,10 +62,56 @@ from specdec.kv import KVCache
 from specdec.tree import TokenTree
 from treeattn import TreeMask, num_words
 
-__all__ = ["GraphedForward", "GraphedMaskedForward", "InputLayout", "pack_trees", "replay_modes"]
+__all__ = [
+    "GraphedForward",
+    "GraphedMaskedForward",
+    "InputLayout",
+    "configure_compile_cache",
+    "pack_trees",
+    "replay_modes",
+]
 
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
 _COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
+_compile_cache_dir: str | None = None  # set by the first configure_compile_cache() of the process
+
+
+def configure_compile_cache() -> str:
+    """Make torch.compile's inductor caches persistent; return the directory they use.
+
+    Called before the first inductor compile of a ``GraphedForward`` / ``GraphedMaskedForward``
+    (never at import time); later calls only return the directory. It
+
+    - sets ``TORCHINDUCTOR_CACHE_DIR`` to ``$SPECDEC_HOME/compile-cache`` (``SPECDEC_HOME`` defaults to
+      ``~/.cache/specdec``, see ``specdec.models.specdec_home``) unless it is already set -- by the
+      user, or by an inductor compile earlier in this process (torch's own default is
+      ``/tmp/torchinductor_$USER``, which does not survive a reboot or a fresh container). Inductor
+      keeps its FX graph cache, AOT autograd cache and the Triton kernels it generates
+      (``<dir>/triton``, unless ``TRITON_CACHE_DIR`` is set) under it. The tree-attention kernel
+      is not inductor's: Triton caches it in its own directory (``~/.triton/cache``).
+    - turns inductor's FX graph cache (``torch._inductor.config.fx_graph_cache``) and the AOT
+      autograd cache (``torch._functorch.config.enable_autograd_cache``) on -- the default in
+      recent torch -- unless the environment decides (``TORCHINDUCTOR_FX_GRAPH_CACHE`` /
+      ``TORCHINDUCTOR_AUTOGRAD_CACHE`` set, e.g. to 0 to turn them off).
+
+    With both caches warm, a new process still traces the model with dynamo (seconds) but skips
+    inductor's code generation and kernel compilation, and CUDA graphs are re-captured (fast).
+    """
+    global _compile_cache_dir
+    if _compile_cache_dir is None:
+        if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+            from specdec.models import specdec_home
+
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(specdec_home() / "compile-cache")
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        if "TORCHINDUCTOR_FX_GRAPH_CACHE" not in os.environ:
+            inductor_config.fx_graph_cache = True
+        if "TORCHINDUCTOR_AUTOGRAD_CACHE" not in os.environ:
+            functorch_config.enable_autograd_cache = True
+        _compile_cache_dir = os.path.abspath(os.environ["TORCHINDUCTOR_CACHE_DIR"])  # as inductor reads it
+    return _compile_cache_dir
 
 
 class InputLayout:
@@ -180,6 +234,13 @@ class _Replayed:
         self.graph = None  # torch.cuda.CUDAGraph once captured
         #: forwards run (eager calls or graph replays), for tests and accounting
         self.calls = 0
+        #: seconds of the body's first run (device synchronized): with ``compile``, the
+        #: torch.compile of this shape (tracing, code generation or a cache hit, kernel builds);
+        #: without, one eager forward (plus any first-use kernel compilation). None before it ran.
+        self.first_run_s: float | None = None
+        #: seconds of the capture after that first run (side-stream warm-up forwards and the
+        #: recording); None without ``capture`` or before it.
+        self.capture_s: float | None = None
 
     def _stage(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, "_Copy"]:
         """A device input vector and its copier from a host staging vector (pinned on CUDA)."""
@@ -203,9 +264,11 @@ class _Replayed:
         if self.compile is None:
             return self._body()
         if self._compiled is None:
+            if self.compile == "inductor":
+                configure_compile_cache()
             # Every instance compiles the same code object for its own shapes and buffers; dynamo's
             # default of 8 variants per code object would silently leave later instances
-            # uncompiled (e.g. a sweep over tree sizes and batch sizes).
+            # uncompiled (e.g. a sweep over tree sizes, batch sizes and cache capacities).
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)
             self._compiled = torch.compile(self._body, backend=self.compile, fullgraph=False, dynamic=False)
@@ -222,7 +285,11 @@ class _Replayed:
                 self._capture()
             self.graph.replay()
         else:
+            first = self.first_run_s is None
+            start = self._clock() if first else 0.0
             logits, hidden = self._run()
+            if first:
+                self.first_run_s = self._clock() - start
             if self.logits is None:
                 self.logits, self.hidden = logits, hidden
             else:
@@ -245,7 +312,9 @@ class _Replayed:
         """
         device = self.device
         with torch.cuda.device(device):
+            start = self._clock()
             self._run()  # allocates the cache's buffers (first forward) on this stream; compiles kernels
+            self.first_run_s = self._clock() - start
             layers = list(self.cache.layer_indices)
             if not layers:
                 raise RuntimeError("cache: the warm-up forward wrote no KV buffers; cannot capture the forward")
@@ -262,8 +331,15 @@ class _Replayed:
             _clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
             if list(self.cache.layer_indices) != layers:
                 raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
+            self.capture_s = self._clock() - start - self.first_run_s
         self.graph = graph
         self.logits, self.hidden = logits, hidden
+
+    def _clock(self) -> float:
+        """``time.perf_counter()`` after the device has finished its queued work."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
 
 def _clear_cublas_workspaces() -> None:

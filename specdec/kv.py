@@ -53,6 +53,16 @@ class KVCache:
     def layer_indices(self) -> list[int]:
         return sorted(self._keys)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the KV buffers allocated so far (0 before the first write): ``2 * layers * B *
+        Hkv * capacity * D * element size``, the stacked tensor counted once."""
+        total = 0 if self._stack is None else self._stack.numel() * self._stack.element_size()
+        for layer_idx, key in self._keys.items():
+            if layer_idx not in self._stacked:
+                total += sum(t.numel() * t.element_size() for t in (key, self._values[layer_idx]))
+        return total
+
     def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``[B, Hkv, capacity, D]`` key and value buffers of a layer that has written."""
         if layer_idx not in self._keys:

