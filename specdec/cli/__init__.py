@@ -49,6 +49,12 @@ def _bench_engine(argv: list[str]) -> int:
     return bench_engine.main(argv)
 
 
+def _bench_stalls(argv: list[str]) -> int:
+    from specdec.cli import bench_stalls
+
+    return bench_stalls.main(argv)
+
+
 def _train_medusa(argv: list[str]) -> int:
     from drafters import medusa_train
 
@@ -60,6 +66,8 @@ SUBCOMMANDS = {
     "bench-attn": ("benchmark the tree-attention kernel against SDPA / eager / FlexAttention", _bench_attn),
     "bench-engine": ("engine speed: plain decode (eager / CUDA graph) vs HF, verify cost per tree size, "
                      "per-step breakdown", _bench_engine),
+    "bench-stalls": ("stalls after warm-up over APPS prompts, and a process's time to its first token",
+                     _bench_stalls),
     "eval": ("evaluate speculative decoding vs HF baselines on APPS / HumanEval (JSONL, resumable)", _eval),
     "sweep": ("tree-size sweep: evaluation + attention-only timings -> table, CSV, plot", _sweep),
     "generate": ("speculative decoding of one prompt (draft model, Medusa heads or prompt lookup)", _generate),
