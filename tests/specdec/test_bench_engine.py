@@ -83,7 +83,8 @@ def test_bench_engine_sections_and_errors(tiny, tmp_path, monkeypatch, capsys):
     assert res["plain"][0]["reference"] == "engine-eager" and res["plain"][0]["identical"] is None
     assert res["plain"][1] == {"method": "engine-graph", "error": "RuntimeError: boom"}  # reported, the run goes on
     assert "engine-graph   error: RuntimeError: boom" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"sections: expected some of \('plain', 'verify', 'spec'\), got \['x'\]"):
+    with pytest.raises(ValueError, match=r"sections: expected some of \('plain', 'verify', 'spec', 'batch', 'profile', "
+                       r"'scale'\), got \['x'\]"):  # fmt: skip
         bench_engine.BenchConfig(sections=("x",))
     with pytest.raises(ValueError, match=r"tree_sizes: expected node counts >= 1, got \[0\]"):
         bench_engine.BenchConfig(tree_sizes=(0,))
@@ -102,3 +103,261 @@ def test_bench_engine_compiled_spec_mode(tiny, tmp_path):
     assert row["mode"] == "compiled" and row["steps"] > 0 and row["tokens_per_step"] >= 1.0
     with pytest.raises(ValueError, match=r"spec_modes: expected some of \('eager', 'graph', 'compiled'\), got \['jit'\]"):
         bench_engine.BenchConfig(spec_modes=("jit",))
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 13: batch, profile and scale sections
+
+
+@pytest.fixture(scope="module")
+def medusa_dir(tmp_path_factory):
+    """Fresh (identity) Medusa heads for the tiny target: they predict the LM head's own next token."""
+    from drafters.medusa import MedusaHeads
+
+    return MedusaHeads(64, num_heads=2).save(tmp_path_factory.mktemp("medusa") / "heads")
+
+
+def _tiny_argv(tiny, out, *extra):
+    target, _, data = tiny
+    return ["bench-engine", "--target", str(target), "--data", str(data), "--device", "cpu", "--attn-impl", "torch",
+            "--no-progress", "--reps", "2", "--out", str(out), *extra]  # fmt: skip
+
+
+def test_bench_engine_batch_section(tiny, medusa_dir, tmp_path, capsys):
+    out = tmp_path / "batch.json"
+    argv = _tiny_argv(tiny, out, "--sections", "batch", "--problems", "3", "--max-new-tokens", "6",
+                      "--spec-tree-size", "5", "--batch-sizes", "1", "2", "--batch-drafter", "medusa,lookup",
+                      "--medusa-heads", str(medusa_dir))  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "(d) batch throughput" in printed and "(d) batch throughput, with hf-static" in printed
+    res = json.loads(out.read_text())
+    assert "plain" not in res and "profile" not in res and "scale" not in res
+    rows = res["batch"]
+    assert [(r["method"], r["batch"]) for r in rows] == [("medusa", 1), ("medusa", 2), ("lookup", 1), ("lookup", 2),
+                                                         ("hf-static", 1), ("hf-static", 2)]  # HF last: it compiles
+    for r in rows:
+        assert "error" not in r, r
+        # 3 problems: 3 calls of one row, 2 calls of two rows (problems 0 1 | 2 0: rows cycle)
+        assert (r["calls"], r["rows"]) == ((3, 3) if r["batch"] == 1 else (2, 4))
+        assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0 and r["row_tokens_per_s"] > 0 and r["warmup_s"] >= 0
+        assert math.isclose(r["tokens_per_s"], r["new_tokens"] / r["seconds"])
+        assert math.isclose(r["row_tokens_per_s"], r["tokens_per_s"] / r["batch"])
+        assert r["reference"] == "medusa B=1" and r["identical"] == r["rows"]  # fp32 greedy: every row is the target's
+        assert not r["captured"]
+        if r["method"] == "hf-static":
+            assert r["mode"] is None and r["tokens_per_step"] is None and r["steps"] is None
+        else:
+            assert r["mode"] == "graph" and r["tree_size"] == 5 and r["steps"] > 0 and r["step_ms"] > 0
+            assert 1.0 <= r["tokens_per_step"] == pytest.approx(1.0 + r["accepted_per_step"])
+
+
+def test_bench_engine_profile_section(tiny, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    argv = _tiny_argv(tiny, out, "--sections", "profile", "--problems", "1", "--profile-tree-size", "6",
+                      "--profile-modes", "graph", "--profile-reps", "2", "--profile-top", "4", "--bandwidth-gbs", "100")
+    assert cli.main(argv) == 0
+    assert "(e) kernel profile of one verify forward" in capsys.readouterr().out
+    prof = json.loads(out.read_text())["profile"]
+    assert (prof["tree_size"], prof["nodes"], prof["layers"], prof["reps"]) == (6, 7, 2, 2)
+    # The tiny Qwen2 (tests/eval/tiny.py), fp32, untied: per layer q, k, v (+ biases) 3 * (64 * 64 / 2^(k, v)) ...
+    per_layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    params = 2 * per_layer + 2 * 300 * 64 + 64
+    floor = prof["floor"]
+    assert (floor["params"], floor["param_bytes"], floor["embedding_bytes"]) == (params, 4 * params, 4 * 300 * 64)
+    assert floor["streamed_bytes"] == 4 * (params - 300 * 64)
+    assert floor["kv_bytes"] == 2 * 2 * 2 * 16 * prof["prefix_len"] * 4  # layers x (k, v) x kv heads x d x tokens x fp32
+    assert floor["floor_ms"] == pytest.approx(floor["streamed_bytes"] / 100e9 * 1e3)
+    assert prof["bandwidth"]["flag_gbs"] == 100 and prof["bandwidth"]["measured_gbs"] > 0
+    (row,) = prof["rows"]
+    assert "error" not in row, row
+    assert row["mode"] == "graph" and row["source"] == "cpu ops" and row["captured_ms"] is None
+    assert row["wall_ms"] == row["uncaptured_ms"] > 0 and row["kernel_ms"] > 0
+    assert row["kernels_per_layer"] == pytest.approx(row["kernels_per_forward"] / 2)
+    cats = row["categories"]
+    assert list(cats) == ["gemm", "attention", "other"]
+    assert cats["gemm"]["kernels"] >= 2 * 7  # at least the layers' seven projections (+ the LM head)
+    assert sum(c["kernels"] for c in cats.values()) == pytest.approx(row["kernels_per_forward"])
+    assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
+    assert len(row["top"]) == 4 and row["top"][0]["ms"] >= row["top"][-1]["ms"]
+
+
+def test_bench_engine_scale_section(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    argv = ["bench-engine", "--sections", "scale", "--device", "cpu", "--attn-impl", "torch", "--scale-config", "tiny",
+            "--scale-prompts", "24", "40", "--scale-new-tokens", "4", "--scale-tree-sizes", "2", "64", "--reps", "2",
+            "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0  # no --target: the section builds its own model
+    assert "(f) the engine at scale" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert "capacity" not in res and res["env"]["dtype"] == "float32"
+    sc = res["scale"]
+    assert sc["config"] == "tiny" and sc["bandwidth"]["flag_gbs"] == 3000.0
+    assert [p["prompt_len"] for p in sc["prompts"]] == [24, 40]
+    for p in sc["prompts"]:  # tiny: 2 layers, 2 KV heads of 16, fp32
+        assert p["kv_bytes"] == 2 * 2 * 2 * 16 * p["prompt_len"] * 4 and p["capacity"] % 256 == 0
+        assert p["floor_ms"] == pytest.approx(p["streamed_bytes"] / 3000e9 * 1e3)
+        assert p["floor_kv_ms"] == pytest.approx((p["streamed_bytes"] + p["kv_bytes"]) / 3000e9 * 1e3)
+    assert [(r["prompt_len"], r["method"]) for r in sc["decode"]] == [(24, "engine-graph"), (24, "hf-static"),
+                                                                      (40, "engine-graph"), (40, "hf-static")]  # fmt: skip
+    floors = {p["prompt_len"]: p for p in sc["prompts"]}
+    for r in sc["decode"]:
+        assert "error" not in r, r
+        assert r["ms_per_token"] > 0 and r["new_tokens"] == 4 and r["prefill_ms"] > 0
+        assert r["x_floor"] == pytest.approx(r["ms_per_token"] / floors[r["prompt_len"]]["floor_ms"])
+        assert r["x_floor_measured"] == pytest.approx(r["ms_per_token"] / floors[r["prompt_len"]]["floor_measured_ms"])
+    assert all(isinstance(r["identical_to_engine_graph"], bool) for r in sc["decode"] if r["method"] == "hf-static")
+    assert [(r["prompt_len"], r["t"], r["nodes"]) for r in sc["verify"]] == [
+        (24, 0, 1), (24, 2, 3), (24, 64, 65), (40, 0, 1), (40, 2, 3), (40, 64, 65)]  # fmt: skip
+    assert all(r["ms"] > 0 and not r["captured"] for r in sc["verify"])
+    for bar in sc["bars"]:
+        v = {r["t"]: r for r in sc["verify"] if r["prompt_len"] == bar["prompt_len"]}
+        assert v[0]["x_t0"] == 1.0 and bar["verify_t64_x_t0"] == pytest.approx(v[64]["ms"] / v[0]["ms"])
+        assert set(bar) == {"prompt_len", "engine-graph_x_floor", "engine-graph_x_floor_measured", "hf-static_x_floor",
+                            "hf-static_x_floor_measured", "verify_t64_x_t0"}  # fmt: skip
+
+
+def test_floor_arithmetic_by_hand():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from specdec.cli.profile_step import floor_ms, kv_bytes, measure_copy_bandwidth, weight_bytes
+
+    # Llama-3-8B shapes on the meta device (sizes only): 32 layers of q 4096^2, k / v 4096 x 1024, o 4096^2, three
+    # 4096 x 14336 MLP matrices and two norms; embedding and LM head 128256 x 4096 (untied); the final norm.
+    model = bench_engine.build_scale_model("llama3-8b", "meta", torch.bfloat16, max_positions=16896)
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert layer == 218_112_000
+    w = weight_bytes(model)
+    assert w["params"] == 32 * layer + 2 * 128256 * 4096 + 4096 == 8_030_261_248
+    assert w["param_bytes"] == 2 * 8_030_261_248 and w["embedding_bytes"] == 2 * 128256 * 4096 == 1_050_673_152
+    assert w["streamed_bytes"] == 15_009_849_344  # the embedding table is gathered, not streamed
+    assert floor_ms(w["streamed_bytes"], 3000) == pytest.approx(5.003283, rel=1e-6)  # ms per decode step at 3 TB/s
+    assert kv_bytes(model, 16384) == 32 * 2 * 8 * 128 * 16384 * 2 == 2 << 30  # a 16k-token cache: 2 GiB
+    assert model.config.max_position_embeddings == 17408 and model.config.rope_parameters["rope_theta"] == 500000.0
+
+    # A tied model: the one table is the LM head's weight, streamed every forward.
+    cfg = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=10, tie_word_embeddings=True)  # fmt: skip
+    with torch.device("meta"):
+        tied = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # embedding 80 + q 64 + k 32 + v 32 + o 64 + MLP 3 * 128 + norms 3 * 8 = 680 parameters, 4 bytes each
+    assert weight_bytes(tied) == {"params": 680, "param_bytes": 2720, "embedding_bytes": 0, "streamed_bytes": 2720}
+    assert floor_ms(2720, 1.0) == pytest.approx(0.00272)  # 2720 bytes at 1 GB/s
+    assert kv_bytes(tied, 100) == 1 * 2 * 1 * 4 * 100 * 4
+    with pytest.raises(ValueError, match=r"gbs: expected a bandwidth > 0, got 0"):
+        floor_ms(1, 0)
+    bw = measure_copy_bandwidth("cpu", nbytes=1 << 20, reps=2)
+    assert bw["gbs"] > 0 and bw["bytes"] == 1 << 20 and bw["reps"] == 2
+
+
+def test_build_scale_model_values_are_small_and_finite():
+    import torch
+
+    model = bench_engine.build_scale_model("tiny", "cpu", torch.float32, max_positions=2048, seed=3)
+    assert model.config.max_position_embeddings == 2048 and model.generation_config.eos_token_id is None
+    w = model.model.layers[0].mlp.up_proj.weight.detach()
+    assert torch.isfinite(w).all() and 0.015 < float(w.std()) < 0.025
+    assert bool((model.model.norm.weight == 1).all())
+    with torch.no_grad():
+        logits = model(torch.arange(8)[None]).logits
+    assert torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match=r"name: expected one of \('llama3-8b', 'tiny'\), got 'gpt'"):
+        bench_engine.build_scale_model("gpt", "cpu", torch.float32)
+
+
+def test_summarize_kernels_categories_and_names():
+    from specdec.cli.profile_step import category, short_name, summarize_kernels
+
+    gemm = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>(Params)"
+    assert short_name(gemm) == "cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8"
+    elementwise = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)"
+    assert short_name(elementwise) == "at::native::vectorized_elementwise_kernel<>"
+    assert short_name("x" * 100, width=10) == "x" * 9 + "~"
+    names = {gemm: "gemm", "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT": "gemm", "tree_attn_fwd_kernel": "attention",
+             "tree_attn_merge_kernel": "attention", "triton_poi_fused_add_mul_0": "other", elementwise: "other",
+             "Memset (Device)": "other", "aten::mm": "gemm", "aten::addmm": "gemm", "aten::add": "other",
+             "flash_fwd_kernel": "attention", "triton_tem_fused_mm_0": "gemm"}  # fmt: skip
+    assert {n: category(n) for n in names} == names
+    # two forwards, each: 2 GEMMs of 10 us, one tree-attention kernel of 30 us, 4 elementwise of 1 us
+    one = [(gemm, 10.0), ("nvjet_tst_x", 10.0), ("tree_attn_fwd_kernel", 30.0)] + [(elementwise, 1.0)] * 4
+    s = summarize_kernels(one * 2, reps=2, top=2)
+    assert s["kernels_per_forward"] == 7 and s["kernel_ms"] == pytest.approx(0.054)
+    assert s["categories"]["gemm"] == pytest.approx({"kernels": 2, "ms": 0.020, "share": 20 / 54})
+    assert s["categories"]["attention"] == pytest.approx({"kernels": 1, "ms": 0.030, "share": 30 / 54})
+    assert s["categories"]["other"] == pytest.approx({"kernels": 4, "ms": 0.004, "share": 4 / 54})
+    top = s["top"]
+    assert [t["name"] for t in top] == ["tree_attn_fwd_kernel", short_name(gemm)]
+    assert top[0] == pytest.approx({"name": "tree_attn_fwd_kernel", "category": "attention", "count": 1.0,
+                                    "us_each": 30.0, "ms": 0.030, "share": 30 / 54})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--sections", "batch"], "medusa_heads: the batch section's 'medusa' drafter needs trained heads"),
+        (["--batch-sizes", "0"], "argument --batch-sizes: expected an int >= 1, got 0"),
+        (["--batch-drafter", "model"], "argument --batch-drafter: expected some of medusa, lookup, got model"),
+        (["--medusa-heads", "/nonexistent/heads"], "argument --medusa-heads: no such file or directory"),
+        (["--bandwidth-gbs", "0"], r"argument --bandwidth-gbs: expected a number in (0, inf), got 0"),
+        (["--scale-config", "gpt"], "argument --scale-config: invalid choice: 'gpt'"),
+        (["--scale-prompts", "1"], "argument --scale-prompts: expected an int >= 2, got 1"),
+        (["--scale-new-tokens", "1"], "argument --scale-new-tokens: expected an int >= 2, got 1"),
+        (["--scale-parts", "verify,plain"], "argument --scale-parts: expected some of engine-graph, engine-compiled, "
+                                            "hf-static, verify, got plain"),
+        (["--profile-modes", "eager"], "argument --profile-modes: expected some of graph, compiled, got eager"),
+        (["--profile-tree-size", "-1"], "argument --profile-tree-size: expected an int >= 0, got -1"),
+    ],
+)
+def test_bench_engine_new_flags_one_line_errors(extra, message, capsys):
+    argv = ["bench-engine", "--device", "cpu", *extra]
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec bench-engine: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_bench_engine_medusa_heads_must_be_a_heads_directory(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench-engine", "--medusa-heads", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --medusa-heads: expected a Medusa heads directory with medusa_config.json and " in err
+    with pytest.raises(ValueError, match=r"scale_prompts: expected prompt lengths >= 2, got \[1\]"):
+        bench_engine.BenchConfig(scale_prompts=(1,))
+    with pytest.raises(ValueError, match=r"batch_drafters: expected at least one drafter"):
+        bench_engine.BenchConfig(sections=("batch",), batch_drafters=(), batch_skip_hf=True)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_bench_engine_new_sections_on_cuda(tiny, medusa_dir, tmp_path):
+    """The issue-13 sections on a GPU with tiny models (fp32): captured forwards, a kernel profile that
+    sees the tree-attention kernel of every layer, batch rows equal to the B = 1 rows, the scale bars."""
+    target, _, data = tiny
+    out = tmp_path / "cuda.json"
+    cfg = bench_engine.BenchConfig(target=str(target), data=str(data), problems=3, max_new_tokens=8, spec_tree_size=6,
+                                   sections=("batch", "profile", "scale"), batch_sizes=(1, 2),
+                                   batch_drafters=("medusa", "lookup"), medusa_heads=str(medusa_dir),
+                                   batch_skip_hf=True, profile_tree_size=6, profile_modes=("graph",), reps=3,
+                                   scale_config="tiny", scale_prompts=(64,), scale_new_tokens=4,
+                                   scale_tree_sizes=(4, 64), scale_parts=("engine-graph", "verify"), device="cuda",
+                                   dtype="fp32", progress=False, out=str(out))  # fmt: skip
+    bench_engine.run_bench(cfg, log=lambda msg: None)
+    res = json.loads(out.read_text())
+    for r in res["batch"]:
+        assert "error" not in r, r
+        assert r["captured"] and r["identical"] == r["rows"]
+    (row,) = res["profile"]["rows"]
+    assert "error" not in row, row
+    assert row["captured_ms"] > 0 and row["uncaptured_ms"] > 0 and row["unit"] == "gpu kernels"
+    assert row["source"] in ("graph replay", "uncaptured forward")
+    assert row["categories"]["attention"]["kernels"] >= 2  # the tree-attention kernel in each of the 2 layers
+    assert row["categories"]["gemm"]["kernels"] >= 2 * 7
+    assert 0 < row["kernel_ms"] and res["profile"]["bandwidth"]["measured_gbs"] > 0
+    sc = res["scale"]
+    assert all("error" not in r and r["captured"] for r in sc["decode"] + sc["verify"])
+    assert sc["bars"][0]["verify_t64_x_t0"] > 0
