@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# On the device machine: the measurements of issue 13 (engine step, stalls, stress, scale), one step
+# per argument so a session can split them over calls (each call <= 10 minutes). Needs the 1.5B
+# target staged and converted (scripts/device/setup_models.sh qwen2.5-coder-1.5b) for the steps
+# marked (Qwen) and .evaldata/apps_selected150.jsonl; `tests`, `stress` and `scale*` need no files.
+#   bash scripts/device/issue13.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k
+set -uo pipefail
+export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
+out=${OUT:-/tmp}
+apps=(--data .evaldata/apps_selected150.jsonl --no-progress)
+for s in "$@"; do
+  echo "== $s $(date +%T)" >> "$out/steps.log"
+  case $s in
+    tests)  # the CUDA tests of the engine, warm-up, graphs, stress harness and benchmark
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/specdec tests/eval/test_stress.py -k "cuda" \
+        > "$out/pytest_cuda.txt" 2>&1 ;;
+    stress)  # >= 200 generate calls, tiny random models, fp32, graphs / compile on and off, HF generate between
+      timeout 400 python3 scripts/device/stress.py --models tiny --calls 240 --seed 0 --device cuda --dtype fp32 \
+        --budget-s 330 --out "$out/stress.json" > "$out/stress.log" 2>&1 ;;
+    profile)  # (Qwen) kernels of one 65-node verify forward, graphed and compiled
+      timeout 400 python3 -m specdec.cli bench-engine --sections profile --dtype bf16 --device cuda --problems 1 \
+        "${apps[@]}" --profile-tree-size 64 --out "$out/profile.json" > "$out/profile.log" 2>&1 ;;
+    plain)  # (Qwen) plain decode tokens/s, graphed and compiled; one verify forward per tree size
+      timeout 400 python3 -m specdec.cli bench-engine --sections plain,verify --plain-methods engine-graph,engine-compiled \
+        --dtype bf16 --device cuda --problems 4 --max-new-tokens 128 "${apps[@]}" --out "$out/plain.json" \
+        > "$out/plain.log" 2>&1 ;;
+    batch)  # (Qwen) throughput at bs 1..16, prompt lookup t = 64 vs HF static
+      timeout 500 python3 -m specdec.cli bench-engine --sections batch --batch-drafter lookup --dtype bf16 --device cuda \
+        --problems 8 --max-new-tokens 128 "${apps[@]}" --batch-sizes 1 2 4 8 16 --out "$out/batch.json" \
+        > "$out/batch.log" 2>&1 ;;
+    stalls)  # (Qwen) 50 APPS problems after warm-up, compiled, HF static alongside (cold compile cache)
+      timeout 560 python3 -m specdec.cli bench-stalls --device cuda --dtype bf16 --compile --problems 50 --hf-static \
+        "${apps[@]}" --out "$out/stalls.json" > "$out/stalls.log" 2>&1 ;;
+    ttft)  # (Qwen) two fresh processes to their first token; the second reads the compile cache
+      for i in 1 2; do
+        timeout 200 python3 -m specdec.cli bench-stalls --mode first-token --device cuda --dtype bf16 --compile \
+          "${apps[@]}" --out "$out/ttft$i.json" > "$out/ttft$i.log" 2>&1
+      done ;;
+    scale1k|scale16k)  # Llama-3-8B shapes, random weights
+      L=$([ "$s" = scale1k ] && echo 1024 || echo 16384)
+      timeout 560 python3 -m specdec.cli bench-engine --sections scale --device cuda --scale-prompts "$L" \
+        --scale-parts engine-graph,hf-static,verify --out "$out/$s.json" > "$out/$s.log" 2>&1 ;;
+    *) echo "unknown step $s" >&2; exit 2 ;;
+  esac
+  echo "   rc=$? $(date +%T)" >> "$out/steps.log"
+done
