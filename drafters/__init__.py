@@ -3,6 +3,8 @@
 - ``DraftModelDrafter`` (``drafters.draft_model``): a small draft LM, EAGLE-2-style dynamic tree;
 - ``MedusaDrafter`` / ``MedusaHeads`` (``drafters.medusa``): heads on the target's hidden state over
   a static topology; trained by ``python -m drafters.medusa_train`` (``specdec train-medusa``);
+- ``EagleDrafter`` / ``EagleHead`` (``drafters.eagle``): an EAGLE head (fc + one decoder layer on the
+  target's features) growing an EAGLE-2-style dynamic tree; trained by ``specdec train-eagle``;
 - ``LookupDrafter`` (``drafters.lookup``): n-gram matches in the prompt and generated text;
 - ``drafters.trees``: static topologies (Medusa "choices") built from acceptance estimates.
 
@@ -23,6 +25,8 @@ __all__ = [
     "DraftContext",
     "DraftModelDrafter",
     "Drafter",
+    "EagleDrafter",
+    "EagleHead",
     "LookupDrafter",
     "MedusaDrafter",
     "MedusaHeads",
@@ -30,10 +34,12 @@ __all__ = [
 ]
 
 #: Names accepted by ``make_drafter``.
-DRAFTERS = ("model", "medusa", "lookup")
+DRAFTERS = ("model", "medusa", "lookup", "eagle")
 
 _LAZY = {
     "DraftModelDrafter": "drafters.draft_model",
+    "EagleDrafter": "drafters.eagle",
+    "EagleHead": "drafters.eagle",
     "LookupDrafter": "drafters.lookup",
     "MedusaDrafter": "drafters.medusa",
     "MedusaHeads": "drafters.medusa",
@@ -63,16 +69,17 @@ def make_drafter(
 
     Args:
         name: ``"model"`` (needs ``draft_model``), ``"medusa"`` (needs ``target`` and ``heads``: a
-            ``MedusaHeads`` or the directory it was saved to) or ``"lookup"``.
-        target: the target model (Medusa's LM head and hidden states).
+            ``MedusaHeads`` or the directory it was saved to), ``"eagle"`` (needs ``target`` and
+            ``heads``: an ``EagleHead`` or its directory) or ``"lookup"``.
+        target: the target model (Medusa's / EAGLE's LM head and hidden states).
         draft_model: the draft LM (``draft`` is accepted as an alias).
-        heads: Medusa heads or their directory.
+        heads: Medusa heads / an EAGLE head, or their directory.
         tree_size: optional per-drafter cap on nodes per step (the engine's budget applies anyway;
             passed to drafters that take it).
         tokenizer, device, dtype: accepted for uniform call sites; ``device`` / ``dtype`` place
-            Medusa heads loaded from a directory (default: the target's LM head's).
-        options: constructor options of the drafter (e.g. ``depth``, ``topk`` for ``"model"``;
-            ``choices`` for ``"medusa"``; ``max_ngram``, ``max_depth`` for ``"lookup"``).
+            Medusa / EAGLE heads loaded from a directory (default: the target's LM head's).
+        options: constructor options of the drafter (e.g. ``depth``, ``topk`` for ``"model"`` and
+            ``"eagle"``; ``choices`` for ``"medusa"``; ``max_ngram``, ``max_depth`` for ``"lookup"``).
     """
     del tokenizer  # no drafter needs it yet
     if name == "model":
@@ -93,6 +100,19 @@ def make_drafter(
             lm = target.get_output_embeddings().weight
             heads = MedusaHeads.load(heads, device=device or lm.device, dtype=dtype or lm.dtype)
         return MedusaDrafter(target, heads, **options)
+    if name == "eagle":
+        from drafters.eagle import EagleDrafter, EagleHead
+
+        if target is None:
+            raise ValueError("target: the 'eagle' drafter needs the target model, got None")
+        if heads is None:
+            raise ValueError("heads: the 'eagle' drafter needs an EagleHead or its directory, got None")
+        if isinstance(heads, EagleHead):
+            heads.config.check(target, "heads")
+        else:
+            lm = target.get_output_embeddings().weight
+            heads = EagleHead.load(heads, target, device=device or lm.device, dtype=dtype or lm.dtype, name="heads")
+        return EagleDrafter(target, heads, tree_size=tree_size, **options)
     if name == "lookup":
         from drafters.lookup import LookupDrafter
 

@@ -1,7 +1,9 @@
-"""Helpers shared by the drafters: turn nodes in creation order into a depth-first ``TokenTree``."""
+"""Helpers shared by the drafters: turn nodes in creation order into a depth-first ``TokenTree``;
+pick a dynamic tree's best nodes (``best_first``, EAGLE-2's re-ranking)."""
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import torch
@@ -9,7 +11,7 @@ import torch
 from specdec.tree import TokenTree
 from treeattn.layout import depth_first_order
 
-__all__ = ["make_tree", "root_only"]
+__all__ = ["best_first", "make_tree", "root_only"]
 
 
 def make_tree(
@@ -39,3 +41,28 @@ def make_tree(
 def root_only(root: int) -> TokenTree:
     """The tree with just the root (plain decoding for this step)."""
     return TokenTree(torch.tensor([root], dtype=torch.int64), torch.tensor([-1], dtype=torch.int64))
+
+
+def best_first(children: list[list[int]], score: list[float], dep: list[int], budget: int) -> list[int]:
+    """Pick ``budget`` nodes best-first by cumulative score; each node's children form a prefix.
+
+    A node becomes a candidate once its parent and its previous sibling are picked, so the result
+    is ancestor-closed and keeps every node's children as a prefix of their order (draw order for
+    sampled children; descending score for top-k children, where this equals the global top-k).
+    Returns pool indices in pick order (root first; parents and earlier siblings before a node).
+    """
+    picked = [0]
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, node, parent, sibling rank)
+    if children[0]:
+        first = children[0][0]
+        heapq.heappush(heap, (-score[first], dep[first], first, 0, 0))
+    while heap and len(picked) <= budget:
+        _, _, node, parent, rank = heapq.heappop(heap)
+        picked.append(node)
+        if rank + 1 < len(children[parent]):
+            sib = children[parent][rank + 1]
+            heapq.heappush(heap, (-score[sib], dep[sib], sib, parent, rank + 1))
+        if children[node]:
+            c = children[node][0]
+            heapq.heappush(heap, (-score[c], dep[c], c, node, 0))
+    return picked

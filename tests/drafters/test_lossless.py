@@ -22,6 +22,7 @@ import torch
 import drafters
 from drafters import draft_model as draft_model_mod
 from drafters.draft_model import DraftModelDrafter
+from drafters.eagle import EagleDrafter, EagleHead
 from drafters.lookup import LookupDrafter
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from specdec import SpecDecoder
@@ -73,12 +74,25 @@ def _medusa_heads() -> MedusaHeads:
     return heads
 
 
+@functools.lru_cache(maxsize=None)
+def _eagle_head() -> EagleHead:
+    torch.manual_seed(0)
+    head = EagleHead(_target())
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return head
+
+
 #: drafter name -> {case id: factory}; every proposal kind each drafter offers under sampling.
 CASES = {
     "model": {f"model-{kind}": functools.partial(lambda kind: DraftModelDrafter(
         _draft(), tree_size=6, sampling_proposal=kind), kind) for kind in draft_model_mod.SAMPLING_PROPOSALS},
     "medusa": {"medusa": lambda: MedusaDrafter(_target(), _medusa_heads())},
     "lookup": {"lookup": lambda: LookupDrafter(max_ngram=2, max_depth=4)},
+    # deterministic top-k children only (EAGLE-2); the head reads the target's hidden states
+    "eagle": {"eagle": lambda: EagleDrafter(_target(), _eagle_head(), depth=3, topk=3)},
 }
 
 

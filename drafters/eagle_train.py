@@ -1,0 +1,434 @@
+"""Train an EAGLE head by self-distillation: the frozen target's own answers to MBPP prompts.
+
+Pipeline (``python -m drafters.eagle_train`` or ``specdec train-eagle``):
+
+1. **Prompts and answers**: exactly ``drafters.medusa_train``'s data (MBPP from ``--data`` /
+   ``$SPECDEC_MBPP`` / ``../shared/data/mbpp/mbpp.jsonl``; never APPS or HumanEval): the target
+   answers every prompt itself (greedy by default); the token ids are cached in
+   ``OUT/selfdistill.jsonl`` (``--cache`` elsewhere: a ``train-medusa`` run's cache made with the
+   same settings is reused as is). The last ``--heldout`` problems are held out.
+2. **Features**: the target's final hidden states ``f_p`` (the LM head's input) of prompt + answer,
+   computed per batch without gradients.
+3. **Loss** (EAGLE-1 + EAGLE-3's training-time test). Unrolled step s = 1..U simulates a draft
+   node at depth s - 1 below a root at position i: step 1 reads the real pair
+   ``(f_{i-1}, t_i)``; step s > 1 reads ``(y^{s-1}_i, t_{i+s-1})``, the head's own output of step
+   s - 1, and attends to the real pairs at positions <= i (step 1's keys) plus its own chain (the
+   keys of steps 2..s at the same i) -- the attention pattern of a path in the draft tree. Step s
+   at i predicts ``f_{i+s-1}`` and so the token ``t_{i+s}``::
+
+       loss_s = reg_weight * smooth_l1(y^s_i, f_{i+s-1}) + ce_weight * CE(p_target(t_{i+s}), lm_head(y^s_i))
+
+   with the target's own next-token distribution as the soft label (EAGLE's classification loss),
+   over the positions whose predicted token belongs to the answer (the CE on a random subset of
+   at most ``max_positions`` of them per step: the ``[N, V]`` logits dominate memory), weighted by
+   ``step_decay^(s-1)``. Gradients flow through the unrolled chain. Only ``fc`` and the layer train
+   (float32 weights, bf16 autocast on CUDA); the target (embedding, LM head included) is frozen.
+   AdamW, linear warm-up, cosine decay, gradient clipping.
+4. **Report**: held-out top-1 per unrolled depth (does the head's argmax at step s equal the
+   target's token ``t_{i+s}``?) before and after training; ``OUT/eagle_head.safetensors`` +
+   ``OUT/eagle_config.json`` (``EagleHead.load(OUT, target)``).
+
+Budget: with the defaults (974 MBPP problems, 192-token answers generated 120 at a time, 1500
+steps of 8 sequences and 3 unrolled steps) the run is sized to take about 6 minutes on one H100
+for Qwen2.5-Coder-1.5B in bf16, data generation included (an estimate from ``train-medusa``'s ~4
+minutes for the same data and 1000 steps of a similar LM-head cost; not yet measured).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from drafters.eagle import EagleHead, TargetParts
+from drafters.medusa_train import (
+    Example,
+    _batch,
+    encode_prompt,
+    load_examples,
+    load_mbpp,
+    mbpp_prompt,
+    save_examples,
+    self_distill,
+    target_hidden_states,
+)
+from specdec.cli import args as cliargs
+
+__all__ = [
+    "EagleTrainConfig",
+    "UnrolledAttention",
+    "evaluate_eagle",
+    "main",
+    "train_eagle",
+    "unrolled_features",
+]
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    """Optimization settings of :func:`train_eagle`.
+
+    Attributes:
+        steps: optimizer steps.
+        lr: peak learning rate (AdamW).
+        batch_size: sequences per step.
+        unroll: unrolled steps U of the training-time test (1 = plain EAGLE-1 teacher forcing).
+        max_positions: at most this many positions per unrolled step enter the cross-entropy.
+        reg_weight, ce_weight: weights of the feature regression (smooth L1) and the
+            cross-entropy (EAGLE-1: 1.0 and 0.1).
+        step_decay: unrolled step s is weighted ``step_decay ** (s - 1)``.
+        warmup: fraction of the steps spent warming up linearly.
+        weight_decay: AdamW weight decay.
+        grad_clip: gradient-norm clipping.
+        seed: sampling of batches and positions.
+    """
+
+    steps: int = 1500
+    lr: float = 5e-4
+    batch_size: int = 8
+    unroll: int = 3
+    max_positions: int = 2048
+    reg_weight: float = 1.0
+    ce_weight: float = 0.1
+    step_decay: float = 0.8
+    warmup: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "unroll", "max_positions"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
+        for name in ("lr", "grad_clip", "step_decay"):
+            val = getattr(self, name)
+            if not (val > 0 and math.isfinite(val)):
+                raise ValueError(f"{name}: expected a finite float > 0, got {val!r}")
+        for name in ("reg_weight", "ce_weight", "weight_decay"):
+            val = getattr(self, name)
+            if not (val >= 0 and math.isfinite(val)):
+                raise ValueError(f"{name}: expected a finite float >= 0, got {val!r}")
+        if self.reg_weight == 0 and self.ce_weight == 0:
+            raise ValueError("ce_weight: expected reg_weight or ce_weight > 0, got both 0")
+        if not 0 <= self.warmup < 1:
+            raise ValueError(f"warmup: expected a fraction in [0, 1), got {self.warmup!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the unrolled forward
+
+
+class UnrolledAttention:
+    """Attention state of one unrolled forward (EAGLE-3's training-time test), passed as ``specdec_state=``.
+
+    The head is called once per unrolled step s = 1, 2, ...; each call's layer hands its query /
+    key / value ``[B, H*, T, D]`` (row i = the chain rooted at position i) to :meth:`attend`, which
+    keeps the keys / values of every step. Step s's query at row i attends to step 1's keys at rows
+    ``1 <= j <= i`` (the real pairs up to the root) and to steps 2..s's keys at row i (its own chain),
+    as a node at depth s - 1 of a draft tree does. Differentiable (no in-place writes).
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
+        """``query [B, Hq, T, D]``, ``key / value [B, Hkv, T, D]`` -> ``([B, T, Hq, D], None)``."""
+        self.keys.append(key)
+        self.values.append(value)
+        step = len(self.keys)
+        group = query.shape[1] // key.shape[1]
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        q = query.float()
+        k1 = self.keys[0].float().repeat_interleave(group, dim=1)
+        v1 = self.values[0].float().repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k1.transpose(-1, -2)) * scale  # [B, Hq, T, T]
+        diag = [(q * k.float().repeat_interleave(group, dim=1)).sum(-1) * scale for k in self.keys[1:]]
+        scores = torch.cat([scores] + [d[..., None] for d in diag], dim=-1)  # [B, Hq, T, T + step - 1]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        n = query.shape[2]
+        rows = torch.arange(n, device=query.device)
+        # step-1 key j for the chain rooted at row i: 1 <= j <= i (row 0 has no feature before it,
+        # as the drafter never has a pair at position 0; it sees only itself so its softmax is finite)
+        visible = (rows[None, :] <= rows[:, None]) & ((rows[None, :] >= 1) | (rows[:, None] == 0))
+        if sliding_window is not None:  # the query sits at position i + step - 1
+            visible = visible & ((rows[:, None] + step - 1 - rows[None, :]) < sliding_window)
+        visible = torch.cat([visible, visible.new_ones(n, step - 1)], dim=1)
+        probs = scores.masked_fill(~visible, -math.inf).softmax(dim=-1)
+        out = torch.matmul(probs[..., :n], v1)
+        for j, v in enumerate(self.values[1:]):
+            out = out + probs[..., n + j, None] * v.float().repeat_interleave(group, dim=1)
+        return out.to(query.dtype).transpose(1, 2), None
+
+
+def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` along dim 1 moved by ``k`` (``out[:, i] = x[:, i + k]``), zero-filled."""
+    if k == 0:
+        return x
+    out = torch.zeros_like(x)
+    n = x.shape[1]
+    if k > 0:
+        out[:, : max(n - k, 0)] = x[:, k:]
+    else:
+        out[:, -k:] = x[:, : n + k]
+    return out
+
+
+def unrolled_features(head: EagleHead, parts: TargetParts, ids: torch.Tensor, feats: torch.Tensor,
+                      unroll: int) -> list[torch.Tensor]:  # fmt: skip
+    """The head's outputs of ``unroll`` unrolled steps.
+
+    Args:
+        head, parts: the head and the target's frozen modules.
+        ids: int64 ``[B, T]`` (right-padded sequences).
+        feats: ``[B, T, H]``, the target's features ``f``.
+        unroll: steps U.
+
+    Returns:
+        U tensors ``[B, T, H]``: entry s-1, row i is ``y^s_i``, the head's prediction of
+        ``f_{i+s-1}`` along the chain rooted at position i (step 1 reads ``(f_{i-1}, t_i)``, step
+        s reads ``(y^{s-1}_i, t_{i+s-1})``). Rows whose inputs fall outside a sequence are garbage.
+    """
+    state = UnrolledAttention()
+    rows = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    prev = _shift(feats, -1)  # f_{i-1}
+    outs = []
+    for s in range(1, unroll + 1):
+        y = head(parts, _shift(ids, s - 1), prev, rows + (s - 1), state)
+        outs.append(y)
+        prev = y
+    return outs
+
+
+def _valid(lens: list[int], plens: list[int], width: int, step: int) -> torch.Tensor:
+    """bool ``[B, width]``: rows i where step ``step`` predicts an answer token that exists:
+    ``1 <= i``, ``i + step <= len - 1`` and ``i + step >= prompt_len``."""
+    i = torch.arange(width)
+    out = torch.zeros(len(lens), width, dtype=torch.bool)
+    for b, (n, p) in enumerate(zip(lens, plens)):
+        out[b] = (i >= 1) & (i + step <= n - 1) & (i + step >= p)
+    return out
+
+
+def _step_terms(target, head, parts, examples, unroll, max_positions, gen, device):
+    """Per unrolled step s (1-based): ``(s, pred [N, H], feat [N, H], labels [N], pick)`` at the
+    step's valid rows; ``pick`` indexes the (at most ``max_positions``) rows the cross-entropy uses."""
+    ids, mask, lens, plens = _batch(examples, device)
+    feats = target_hidden_states(target, ids, mask)
+    outs = unrolled_features(head, parts, ids, feats, unroll)
+    for s, y in enumerate(outs, start=1):
+        valid = _valid(lens, plens, ids.shape[1], s).to(ids.device)
+        if not bool(valid.any()):
+            continue
+        pred = y[valid]
+        feat = _shift(feats, s - 1)[valid]
+        labels = _shift(ids, s)[valid]
+        n = pred.shape[0]
+        pick = torch.randperm(n, generator=gen)[:max_positions].to(pred.device) if n > max_positions else None
+        yield s, pred, feat, labels, pick
+
+
+def _loss(parts, pred, feat, pick, config: EagleTrainConfig) -> torch.Tensor:
+    """EAGLE's loss of one step: smooth L1 on the features + CE against the target's distribution."""
+    loss = pred.new_zeros((), dtype=torch.float32)
+    if config.reg_weight > 0:
+        loss = loss + config.reg_weight * F.smooth_l1_loss(pred.float(), feat.float())
+    if config.ce_weight > 0:
+        p, f = (pred, feat) if pick is None else (pred[pick], feat[pick])
+        with torch.no_grad():
+            target_p = parts.logits(f).float().softmax(-1)
+        logq = parts.logits(p).float().log_softmax(-1)
+        loss = loss + config.ce_weight * -(target_p * logq).sum(-1).mean()
+    return loss
+
+
+def _autocast(device: torch.device, enabled: bool | None):
+    """bf16 autocast on CUDA by default (the head's weights stay float32), a no-op elsewhere."""
+    on = device.type == "cuda" if enabled is None else enabled
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: EagleTrainConfig = EagleTrainConfig(),
+                progress: bool = True, amp: bool | None = None) -> list[float]:  # fmt: skip
+    """Train ``head`` in place on ``examples`` (target frozen); return every step's loss.
+
+    ``amp``: run the forwards under bf16 autocast (default: on CUDA), as the drafter later runs
+    the head in the target's dtype; the head's parameters and optimizer state stay float32.
+    """
+    if not examples:
+        raise ValueError("examples: expected at least one training sequence, got none")
+    device = target.get_input_embeddings().weight.device
+    for p in target.parameters():
+        p.requires_grad_(False)
+    parts = TargetParts.of(target)
+    head.train()
+    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    warm = max(1, int(config.warmup * config.steps))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        frac = (step - warm) / max(1, config.steps - warm)
+        return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    gen = torch.Generator().manual_seed(config.seed)
+    losses: list[float] = []
+    bar = tqdm(range(config.steps), desc="train eagle", unit="step", disable=not progress)
+    for _ in bar:
+        pick = torch.randint(len(examples), (config.batch_size,), generator=gen).tolist()
+        opt.zero_grad(set_to_none=True)
+        total = None
+        with _autocast(device, amp):
+            for s, pred, feat, _, rows in _step_terms(target, head, parts, [examples[i] for i in pick], config.unroll,
+                                                      config.max_positions, gen, device):  # fmt: skip
+                term = config.step_decay ** (s - 1) * _loss(parts, pred, feat, rows, config)
+                total = term if total is None else total + term
+        if total is None:  # no answer position in this batch
+            losses.append(float("nan"))
+            continue
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(float(total.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    head.eval()
+    return losses
+
+
+@torch.no_grad()
+def evaluate_eagle(target, head: EagleHead, examples: Sequence[Example], unroll: int = 3,
+                   batch_size: int = 8, amp: bool | None = None) -> list[float]:  # fmt: skip
+    """Top-1 accuracy per unrolled depth on ``examples``.
+
+    Entry s-1: over the answer positions, how often the head's most likely token at unrolled step
+    s (a draft node at depth s, reading its own features from steps < s) is the target's token
+    ``t_{i+s}``. Depth 1 is the root's best child: an upper bound on the first acceptance (all
+    earlier features real, as with the full catch-up). ``amp`` as in :func:`train_eagle`.
+    """
+    if unroll < 1:
+        raise ValueError(f"unroll: expected >= 1, got {unroll}")
+    device = target.get_input_embeddings().weight.device
+    parts = TargetParts.of(target)
+    was_training = head.training
+    head.eval()
+    hits, seen = [0] * unroll, [0] * unroll
+    for start in range(0, len(examples), batch_size):
+        with _autocast(device, amp):
+            for s, pred, _, labels, _ in _step_terms(target, head, parts, examples[start : start + batch_size],
+                                                     unroll, 1 << 62, None, device):  # fmt: skip
+                top = parts.logits(pred).argmax(-1)
+                hits[s - 1] += int((top == labels.to(top.device)).sum())
+                seen[s - 1] += len(labels)
+    head.train(was_training)
+    return [h / n if n else 0.0 for h, n in zip(hits, seen)]
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``specdec train-eagle``: self-distill the target on MBPP and train an EAGLE head."""
+    d = EagleTrainConfig()
+    parser = cliargs.ArgumentParser(
+        prog="specdec train-eagle",
+        description="Train an EAGLE head (fc + one decoder layer on the target's hidden states) on the frozen "
+                    "target's own answers to MBPP prompts (self-distillation). The defaults take about 6 minutes "
+                    "on one H100 for Qwen2.5-Coder-1.5B (bf16), data generation included.",
+    )  # fmt: skip
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
+    parser.add_argument("--data", type=cliargs.existing_path, default=None, help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp)")
+    parser.add_argument("--out", type=cliargs.output_dir, required=True, help="output directory (head, config, self-distillation cache)")
+    parser.add_argument("--cache", type=cliargs.output_file, default=None,
+                        help="self-distillation cache (default OUT/selfdistill.jsonl; a train-medusa cache made with "
+                             "the same settings is reused)")  # fmt: skip
+    parser.add_argument("--steps", type=cliargs.int_at_least(0), default=d.steps)
+    parser.add_argument("--lr", type=cliargs.float_in(0.0, low_open=True), default=d.lr)
+    parser.add_argument("--batch-size", type=cliargs.int_at_least(1), default=d.batch_size)
+    parser.add_argument("--unroll", type=cliargs.int_at_least(1), default=d.unroll, help="unrolled steps of the training-time test")
+    parser.add_argument("--max-positions", type=cliargs.int_at_least(1), default=d.max_positions, help="positions per unrolled step in the cross-entropy")
+    parser.add_argument("--reg-weight", type=cliargs.float_in(0.0), default=d.reg_weight, help="smooth-L1 feature loss weight")
+    parser.add_argument("--ce-weight", type=cliargs.float_in(0.0), default=d.ce_weight, help="cross-entropy weight")
+    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None, help="use only the first N MBPP problems")
+    parser.add_argument("--heldout", type=cliargs.int_at_least(0), default=48, help="problems held out for the accuracy report")
+    parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=192, help="answer length of the self-distillation")
+    parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=120)
+    parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")
+    parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
+    parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="target dtype (default bf16 on cuda, fp32 on cpu); the head trains in fp32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    from specdec import models
+
+    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _dtype(ns.dtype or ("bf16" if device.type == "cuda" else "fp32"))
+    progress = not ns.no_progress
+    rows = load_mbpp(ns.data)
+    if ns.num_prompts is not None:
+        rows = rows[: ns.num_prompts]
+    if not 0 <= ns.heldout < len(rows):
+        raise ValueError(f"--heldout: expected 0 <= heldout < the {len(rows)} problems used, got {ns.heldout}")
+    cfg = EagleTrainConfig(steps=max(ns.steps, 1), lr=ns.lr, batch_size=ns.batch_size, unroll=ns.unroll,
+                           max_positions=ns.max_positions, reg_weight=ns.reg_weight, ce_weight=ns.ce_weight,
+                           seed=ns.seed)  # fmt: skip
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = models.load_tokenizer(ns.target, progress=progress)
+    target = models.load_model(ns.target, dtype=dtype, device=device, progress=progress)
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    eos = eos if eos is not None else tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    prompts = [encode_prompt(tok, mbpp_prompt(r), chat=not ns.no_chat) for r in rows]
+
+    # the same cache key as train-medusa: its answers serve both
+    meta = {"target": str(ns.target), "dtype": str(dtype), "max_new_tokens": ns.max_new_tokens,
+            "temperature": ns.temperature, "chat": not ns.no_chat, "prompts": len(prompts), "seed": ns.seed}  # fmt: skip
+    cache = Path(ns.cache) if ns.cache else out / "selfdistill.jsonl"
+    examples = load_examples(cache, meta)
+    if examples is None:
+        examples = self_distill(target, prompts, ns.max_new_tokens, ns.gen_batch_size, eos, pad, ns.temperature,
+                                ns.seed, progress)  # fmt: skip
+        save_examples(examples, cache, meta)
+    else:
+        print(f"self-distillation data: {len(examples)} cached answers from {cache}")
+    split = len(examples) - ns.heldout
+    train, heldout = examples[:split], examples[split:]
+
+    torch.manual_seed(ns.seed)
+    head = EagleHead(target).to(device)
+    before = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout else []
+    losses = train_eagle(target, head, train, cfg, progress=progress) if ns.steps > 0 else []
+    after = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout else []
+    head.save(out, target=str(ns.target), train={**asdict(cfg), "steps": ns.steps}, train_examples=len(train),
+              heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
+              final_loss=losses[-1] if losses else None,
+              notes="self-distilled on MBPP; held-out top-1 per unrolled depth, all earlier features real")  # fmt: skip
+    if losses:
+        print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} ({len(losses)} steps)")
+    for s, (b, a) in enumerate(zip(before, after), start=1):
+        print(f"depth {s} (unrolled step {s}): held-out top-1 {b:.3f} -> {a:.3f}")
+    print(f"saved {out / 'eagle_head.safetensors'} and {out / 'eagle_config.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
