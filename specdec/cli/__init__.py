@@ -44,9 +44,9 @@ def _generate(argv: list[str]) -> int:
 
 
 def _bench_engine(argv: list[str]) -> int:
-    from specdec.cli import bench_engine
+    from specdec.cli import bench
 
-    return bench_engine.main(argv)
+    return bench.main(argv)
 
 
 def _bench_stalls(argv: list[str]) -> int:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from specdec import cli
-from specdec.cli import bench_engine
+from specdec.cli import bench
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,18 +66,18 @@ def test_bench_engine_cli_writes_well_formed_json(tiny, tmp_path, capsys):
 def test_bench_engine_sections_and_errors(tiny, tmp_path, monkeypatch, capsys):
     target, draft, data = tiny
     out = tmp_path / "plain.json"
-    real = bench_engine.run_plain_method
+    real = bench.plain.run_plain_method
 
     def failing(setup, method, log):
         if method == "engine-graph":
             raise RuntimeError("boom")
         return real(setup, method, log)
 
-    monkeypatch.setattr(bench_engine, "run_plain_method", failing)
-    cfg = bench_engine.BenchConfig(target=str(target), data=str(data), problems=1, max_new_tokens=4,
-                                   sections=("plain",), plain_methods=("engine-eager", "engine-graph"), device="cpu",
-                                   attn_impl="torch", progress=False, out=str(out))  # fmt: skip
-    res = bench_engine.run_bench(cfg, log=lambda msg: None)
+    monkeypatch.setattr(bench.plain, "run_plain_method", failing)
+    cfg = bench.BenchConfig(target=str(target), data=str(data), problems=1, max_new_tokens=4,
+                            sections=("plain",), plain_methods=("engine-eager", "engine-graph"), device="cpu",
+                            attn_impl="torch", progress=False, out=str(out))  # fmt: skip
+    res = bench.run_bench(cfg, log=lambda msg: None)
     assert json.loads(out.read_text())["plain"] == json.loads(json.dumps(res["plain"]))
     assert "verify" not in res and "spec" not in res
     assert res["plain"][0]["reference"] == "engine-eager" and res["plain"][0]["identical"] is None
@@ -85,24 +85,24 @@ def test_bench_engine_sections_and_errors(tiny, tmp_path, monkeypatch, capsys):
     assert "engine-graph   error: RuntimeError: boom" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"sections: expected some of \('plain', 'verify', 'spec', 'batch', 'profile', "
                        r"'scale'\), got \['x'\]"):  # fmt: skip
-        bench_engine.BenchConfig(sections=("x",))
+        bench.BenchConfig(sections=("x",))
     with pytest.raises(ValueError, match=r"tree_sizes: expected node counts >= 1, got \[0\]"):
-        bench_engine.BenchConfig(tree_sizes=(0,))
+        bench.BenchConfig(tree_sizes=(0,))
     with pytest.raises(SystemExit):
-        bench_engine.main(["--sections", "plain,bogus"])
+        bench.main(["--sections", "plain,bogus"])
 
 
 def test_bench_engine_compiled_spec_mode(tiny, tmp_path):
     """(c) in the opt-in 'compiled' mode: target and draft forwards through inductor (CPU here)."""
     target, draft, data = tiny
-    cfg = bench_engine.BenchConfig(target=str(target), draft=str(draft), data=str(data), problems=1, max_new_tokens=6,
-                                   sections=("spec",), drafters=("model",), spec_modes=("compiled",),
-                                   spec_tree_size=5, device="cpu", attn_impl="torch", progress=False)  # fmt: skip
-    (row,) = bench_engine.run_bench(cfg, log=lambda msg: None)["spec"]
+    cfg = bench.BenchConfig(target=str(target), draft=str(draft), data=str(data), problems=1, max_new_tokens=6,
+                            sections=("spec",), drafters=("model",), spec_modes=("compiled",),
+                            spec_tree_size=5, device="cpu", attn_impl="torch", progress=False)  # fmt: skip
+    (row,) = bench.run_bench(cfg, log=lambda msg: None)["spec"]
     assert "error" not in row, row
     assert row["mode"] == "compiled" and row["steps"] > 0 and row["tokens_per_step"] >= 1.0
     with pytest.raises(ValueError, match=r"spec_modes: expected some of \('eager', 'graph', 'compiled'\), got \['jit'\]"):
-        bench_engine.BenchConfig(spec_modes=("jit",))
+        bench.BenchConfig(spec_modes=("jit",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,11 +221,11 @@ def test_floor_arithmetic_by_hand():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from specdec.cli.profile_step import floor_ms, kv_bytes, measure_copy_bandwidth, weight_bytes
+    from specdec.cli.bench.floor import floor_ms, kv_bytes, measure_copy_bandwidth, weight_bytes
 
     # Llama-3-8B shapes on the meta device (sizes only): 32 layers of q 4096^2, k / v 4096 x 1024, o 4096^2, three
     # 4096 x 14336 MLP matrices and two norms; embedding and LM head 128256 x 4096 (untied); the final norm.
-    model = bench_engine.build_scale_model("llama3-8b", "meta", torch.bfloat16, max_positions=16896)
+    model = bench.build_scale_model("llama3-8b", "meta", torch.bfloat16, max_positions=16896)
     layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     assert layer == 218_112_000
     w = weight_bytes(model)
@@ -254,7 +254,7 @@ def test_floor_arithmetic_by_hand():
 def test_build_scale_model_values_are_small_and_finite():
     import torch
 
-    model = bench_engine.build_scale_model("tiny", "cpu", torch.float32, max_positions=2048, seed=3)
+    model = bench.build_scale_model("tiny", "cpu", torch.float32, max_positions=2048, seed=3)
     assert model.config.max_position_embeddings == 2048 and model.generation_config.eos_token_id is None
     w = model.model.layers[0].mlp.up_proj.weight.detach()
     assert torch.isfinite(w).all() and 0.015 < float(w.std()) < 0.025
@@ -263,11 +263,11 @@ def test_build_scale_model_values_are_small_and_finite():
         logits = model(torch.arange(8)[None]).logits
     assert torch.isfinite(logits).all()
     with pytest.raises(ValueError, match=r"name: expected one of \('llama3-8b', 'tiny'\), got 'gpt'"):
-        bench_engine.build_scale_model("gpt", "cpu", torch.float32)
+        bench.build_scale_model("gpt", "cpu", torch.float32)
 
 
 def test_summarize_kernels_categories_and_names():
-    from specdec.cli.profile_step import category, short_name, summarize_kernels
+    from specdec.cli.bench.kernels import category, short_name, summarize_kernels
 
     gemm = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>(Params)"
     assert short_name(gemm) == "cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8"
@@ -328,9 +328,9 @@ def test_bench_engine_medusa_heads_must_be_a_heads_directory(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "argument --medusa-heads: expected a Medusa heads directory with medusa_config.json and " in err
     with pytest.raises(ValueError, match=r"scale_prompts: expected prompt lengths >= 2, got \[1\]"):
-        bench_engine.BenchConfig(scale_prompts=(1,))
+        bench.BenchConfig(scale_prompts=(1,))
     with pytest.raises(ValueError, match=r"batch_drafters: expected at least one drafter"):
-        bench_engine.BenchConfig(sections=("batch",), batch_drafters=(), batch_skip_hf=True)
+        bench.BenchConfig(sections=("batch",), batch_drafters=(), batch_skip_hf=True)
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
@@ -339,14 +339,14 @@ def test_bench_engine_new_sections_on_cuda(tiny, medusa_dir, tmp_path):
     sees the tree-attention kernel of every layer, batch rows equal to the B = 1 rows, the scale bars."""
     target, _, data = tiny
     out = tmp_path / "cuda.json"
-    cfg = bench_engine.BenchConfig(target=str(target), data=str(data), problems=3, max_new_tokens=8, spec_tree_size=6,
-                                   sections=("batch", "profile", "scale"), batch_sizes=(1, 2),
-                                   batch_drafters=("medusa", "lookup"), medusa_heads=str(medusa_dir),
-                                   batch_skip_hf=True, profile_tree_size=6, profile_modes=("graph",), reps=3,
-                                   scale_config="tiny", scale_prompts=(64,), scale_new_tokens=4,
-                                   scale_tree_sizes=(4, 64), scale_parts=("engine-graph", "verify"), device="cuda",
-                                   dtype="fp32", progress=False, out=str(out))  # fmt: skip
-    bench_engine.run_bench(cfg, log=lambda msg: None)
+    cfg = bench.BenchConfig(target=str(target), data=str(data), problems=3, max_new_tokens=8, spec_tree_size=6,
+                            sections=("batch", "profile", "scale"), batch_sizes=(1, 2),
+                            batch_drafters=("medusa", "lookup"), medusa_heads=str(medusa_dir),
+                            batch_skip_hf=True, profile_tree_size=6, profile_modes=("graph",), reps=3,
+                            scale_config="tiny", scale_prompts=(64,), scale_new_tokens=4,
+                            scale_tree_sizes=(4, 64), scale_parts=("engine-graph", "verify"), device="cuda",
+                            dtype="fp32", progress=False, out=str(out))  # fmt: skip
+    bench.run_bench(cfg, log=lambda msg: None)
     res = json.loads(out.read_text())
     for r in res["batch"]:
         assert "error" not in r, r

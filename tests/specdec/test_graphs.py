@@ -512,7 +512,7 @@ def test_cuda_graph_bench_engine_runs(tmp_path):
     """bench-engine on CUDA with tiny saved models: captured rows, well-formed JSON."""
     import json
 
-    from specdec.cli import bench_engine
+    from specdec.cli import bench as bench_engine
     from tests.eval.tiny import apps_rows, save_pair
 
     target, draft = save_pair(tmp_path)
