@@ -24,6 +24,17 @@ given. Every request that fits a bucket used before (a shorter one too) reuses t
 cache and forwards: no new capture, no recompile. ``SpecDecoder.warmup`` builds them all ahead
 of time; ``SpecDecoder.release`` drops them. With dynamic shapes and neither option each call
 gets a cache of exactly ``need`` slots, dropped afterwards.
+
+Prompt prefill: every call first writes each prompt's KV but its last token (the first root) into
+the cache. With static shapes and a cache of at least ``prefill_width`` slots (default
+``DEFAULT_PREFILL_WIDTH`` = 256) this runs as chunks of up to ``prefill_width`` prompt tokens, each
+one chain-shaped tree (a chain tree is causal attention) through a second fixed-shape
+``GraphedForward`` ``[B, prefill_width]`` per (batch size, cache) -- captured as a CUDA graph like
+the tree forward, never compiled -- instead of one eager HF forward whose host time (about 1.5 ms of
+Python per layer) dominates the prefill of short prompts on a GPU. With dynamic shapes, on a GPU
+without CUDA graphs, with ``prefill_width=0`` / None, or for a cache smaller than
+``prefill_width``, the prompts go through one eager forward (``hf.prefill``, SDPA). See
+``SpecDecoder._chunked_prefill`` for the chunking rules.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from specdec.verify import Verdict, verify_greedy, verify_stochastic
 from treeattn import TreeMask
 
 __all__ = [
+    "DEFAULT_PREFILL_WIDTH",
     "MIN_CACHE_BUCKET",
     "GenerationOutput",
     "SpecDecoder",
@@ -62,6 +74,8 @@ __all__ = [
 
 #: The smallest KV capacity (slots per sequence) of the default cache buckets.
 MIN_CACHE_BUCKET = 1024
+#: Prompt tokens per chunk of the fixed-shape prompt prefill (``SpecDecoder(prefill_width=...)``'s default).
+DEFAULT_PREFILL_WIDTH = 256
 _UNBOUNDED_TOP = 1 << 20  # the largest default bucket of a target that declares no context length
 
 _log = logging.getLogger(__name__)
@@ -180,13 +194,22 @@ class WarmupEntry:
         seconds: the whole entry (cache, prefill, the forward's first run and capture), device
             synchronized.
         prefill_s: the prefill of a short dummy prompt into the cache (allocates its buffers the
-            first time; runs the eager prefill path).
+            first time): one chunk through the fixed-shape prefill forward (its first run and
+            capture included when this warm-up made it), or the eager prefill path.
         first_run_s: the forward's first run: with ``compile``, torch.compile of this shape (long
             the first time, short with a warm on-disk cache); None if the forward had run before
             (or with dynamic shapes).
         capture_s: the CUDA-graph capture after it; None without CUDA graphs or if done before.
         built: whether this warm-up made the fixed-shape forward (False: it existed already, or
             shapes are dynamic).
+        prefill_n: prompt tokens per chunk of this (B, S)'s fixed-shape prefill forward
+            (``prefill_width``); None: prompts of this cache are prefilled eagerly (dynamic shapes,
+            a GPU without CUDA graphs, ``prefill_width`` off, or S < ``prefill_width``).
+        prefill_first_run_s: that forward's first run (one eager forward; never compiled); None if
+            it had run before or there is none.
+        prefill_capture_s: its CUDA-graph capture; None without CUDA graphs, if done before, or
+            without that forward.
+        prefill_built: whether this warm-up made that forward.
     """
 
     batch_size: int
@@ -197,6 +220,10 @@ class WarmupEntry:
     first_run_s: float | None
     capture_s: float | None
     built: bool
+    prefill_n: int | None = None
+    prefill_first_run_s: float | None = None
+    prefill_capture_s: float | None = None
+    prefill_built: bool = False
 
 
 @dataclass(frozen=True)
@@ -300,7 +327,18 @@ class SpecDecoder:
             elementwise kernels; the tree attention stays one custom op. The first forward of
             each (batch size, cache capacity) compiles (tens of seconds for a real model the first
             time; inductor's on-disk cache, ``specdec.graphs.configure_compile_cache``, makes later
-            processes faster). Default False.
+            processes faster). Default False. The prompt-prefill forward is never compiled (it
+            would add another long compile per cache bucket for a once-per-call forward).
+        prefill_width: with static shapes, prompt tokens per chunk of the fixed-shape prompt
+            prefill (default ``DEFAULT_PREFILL_WIDTH`` = 256): each call prefills its prompts as
+            ``ceil(longest prompt / prefill_width)`` (at most one more near a full cache)
+            chain-shaped trees through one ``[B, prefill_width]`` ``GraphedForward`` per (batch
+            size, cache), replayed as a CUDA graph with ``cuda_graphs`` (not compiled, even with
+            ``compile``); caches of fewer slots than ``prefill_width`` prefill eagerly. 0 or None:
+            always the eager prefill (one HF forward with SDPA). Ignored (eager prefill, the
+            attribute ``prefill_width`` is 0) with dynamic shapes, and on a GPU without CUDA graphs
+            (e.g. a model split across devices), where every chunk would be a host-bound eager
+            forward; on CPU, static shapes chunk the prefill through the eager replay (what tests run).
 
     Kept state and memory: with static shapes, ``max_cache_len`` or ``cache_buckets`` the decoder
     keeps one ``KVCache`` per (batch size, capacity) it has used (``caches``) and, with static shapes, one
@@ -309,7 +347,11 @@ class SpecDecoder:
     ``2 * layers * B * kv_heads * S * head_dim`` elements of the model's dtype once written
     (``KVCache.nbytes``): for Qwen2.5-1.5B in bf16 (28 layers, 2 KV heads of 128) 28 KiB per slot
     and sequence, 56 MiB at S = 2048, 0.9 GiB at S = 32832, 1.7 GiB for all six default buckets
-    (tree_size 64) per sequence of batch size.
+    (tree_size 64) per sequence of batch size. The prompt-prefill forward of a cache
+    (``prefill_forwards``) keeps logits of one position per sequence (``[B, 1, V]``), or of all
+    ``prefill_width`` positions (``[B, prefill_width, V]``, 74 MiB per sequence for Qwen2.5's
+    151936-token vocabulary in bf16) with a drafter that reads hidden states, plus, with CUDA graphs,
+    its graph's pool of activations.
     ``release()`` drops them. Call ``warmup()`` before timing to build them ahead of time.
     """
 
@@ -325,6 +367,7 @@ class SpecDecoder:
         attn_impl: str = "auto",
         cuda_graphs: bool | None = None,
         compile: bool | str = False,
+        prefill_width: int | None = DEFAULT_PREFILL_WIDTH,
     ) -> None:
         hf.prepare_model(target, "target")
         if not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0:
@@ -335,6 +378,11 @@ class SpecDecoder:
             raise ValueError(f"max_cache_len: expected None or an int >= 2, got {max_cache_len!r}")
         if cache_buckets is not None and max_cache_len is not None:
             raise ValueError(f"cache_buckets: expected None when max_cache_len is given, got {cache_buckets!r}")
+        if prefill_width is not None and (not isinstance(prefill_width, int) or isinstance(prefill_width, bool)
+                                          or prefill_width < 0):  # fmt: skip
+            raise ValueError(
+                f"prefill_width: expected None or an int >= 0 (0 or None: the eager prefill), got {prefill_width!r}"
+            )
         self.vocab_size = hf.vocab_size(target)
         if drafter is not None:
             for attr in ("propose", "reset", "update"):
@@ -355,6 +403,11 @@ class SpecDecoder:
         self.static_shapes, self.cuda_graphs, self.compile = replay_modes(
             target, static_shapes, cuda_graphs, compile, "the target")
         self.attn_impl = attn_impl
+        # Without CUDA graphs on a GPU (a model split across devices, SPECDEC_CUDA_GRAPHS=0) every chunk
+        # would be a host-bound eager forward, and several cost more than the one eager prefill.
+        chunked = self.static_shapes and (self.cuda_graphs or self.device.type != "cuda")
+        #: prompt tokens per chunk of the fixed-shape prefill in effect; 0: the eager prefill
+        self.prefill_width: int = (prefill_width or 0) if chunked else 0
         #: the capacities requests pick from (increasing), or None (max_cache_len, or exact sizes)
         self.cache_buckets: tuple[int, ...] | None = None
         if cache_buckets is not None:
@@ -363,6 +416,7 @@ class SpecDecoder:
             self.cache_buckets = default_cache_buckets(hf.max_positions(target), self.tree_size)
         self._caches: dict[tuple[int, int], KVCache] = {}  # (batch, capacity) -> kept cache
         self._graphs: dict[tuple[int, int, int], GraphedForward] = {}  # (batch, capacity, n) -> forward
+        self._prefill_graphs: dict[tuple[int, int], GraphedForward] = {}  # (batch, capacity) -> prefill forward
         self._num_layers = hf.num_layers(target)  # the KV cache keeps all layers in one tensor
 
     # ------------------------------------------------------------------ kept state
@@ -374,11 +428,18 @@ class SpecDecoder:
 
     @property
     def forwards(self) -> Mapping[tuple[int, int, int], GraphedForward]:
-        """The kept fixed-shape forwards by (batch size, capacity, n) (read-only view)."""
+        """The kept fixed-shape tree forwards by (batch size, capacity, n) (read-only view)."""
         return MappingProxyType(self._graphs)
 
+    @property
+    def prefill_forwards(self) -> Mapping[tuple[int, int], GraphedForward]:
+        """The kept fixed-shape prompt-prefill forwards (``[B, prefill_width]``) by (batch size,
+        capacity) (read-only view)."""
+        return MappingProxyType(self._prefill_graphs)
+
     def release(self, batch_size: int | None = None) -> None:
-        """Drop the kept caches and their forwards (CUDA graphs): all, or those of ``batch_size``.
+        """Drop the kept caches and their forwards (tree and prefill forwards, their CUDA graphs):
+        all, or those of ``batch_size``.
 
         Their device memory goes back to PyTorch's caching allocator (``torch.cuda.empty_cache()``
         returns it to the driver); compiled code stays in torch.compile's caches. A later request
@@ -392,6 +453,7 @@ class SpecDecoder:
 
         self._caches = {key: cache for key, cache in self._caches.items() if kept(key)}
         self._graphs = {key: graphed for key, graphed in self._graphs.items() if kept(key)}
+        self._prefill_graphs = {key: graphed for key, graphed in self._prefill_graphs.items() if kept(key)}
 
     def _capacity(self, need: int, arg: str = "max_new_tokens",
                   what: str = "prompt + max_new_tokens + tree_size") -> int:  # fmt: skip
@@ -545,6 +607,10 @@ class SpecDecoder:
     def _prefill(self, cache: KVCache, seqs: torch.Tensor, lens: Sequence[int]) -> list[torch.Tensor | None]:
         """Write each sequence's prompt but its last token (the first root) into ``cache``.
 
+        Through the fixed-shape chunked prefill (``_chunked_prefill``) when this cache has a
+        prefill forward (static shapes, ``prefill_width`` on and at most the capacity), else one
+        eager forward (``hf.prefill``).
+
         Args:
             cache: the emptied cache; its lengths become ``lens[b] - 1``.
             seqs: int64 ``[B, >= max(lens)]``, the prompts, right-padded.
@@ -552,16 +618,95 @@ class SpecDecoder:
 
         Returns:
             Per sequence, the target's final hidden state at its second-to-last prompt token (the
-            state that predicted the root) for drafters with ``needs_hidden_states``; else Nones.
+            state that predicted the root) for drafters with ``needs_hidden_states``; else Nones
+            (also for one-token prompts).
         """
         batch, longest = len(lens), max(lens)
         hidden: list[torch.Tensor | None] = [None] * batch
         if longest > 1:
-            at = torch.tensor([max(n - 2, 0) for n in lens]) if self._wants_hidden else None
-            h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, hidden_at=at)
-            if h is not None:
-                hidden = [h[b] if lens[b] > 1 else None for b in range(batch)]
+            graphed = self._prefill_forward(cache, batch)
+            if graphed is not None:
+                hidden = self._chunked_prefill(graphed, seqs, lens)
+            else:
+                at = torch.tensor([max(n - 2, 0) for n in lens]) if self._wants_hidden else None
+                h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, hidden_at=at)
+                if h is not None:
+                    hidden = [h[b] if lens[b] > 1 else None for b in range(batch)]
         cache.lengths = [n - 1 for n in lens]
+        return hidden
+
+    def _prefill_forward(self, cache: KVCache, batch: int) -> GraphedForward | None:
+        """The fixed-shape ``[batch, prefill_width]`` prompt-prefill forward over ``cache`` (made on
+        first use; its first run captures with ``cuda_graphs``), or None: prefill eagerly (dynamic
+        shapes, a GPU without CUDA graphs, ``prefill_width`` off, or a cache of fewer slots than
+        ``prefill_width``).
+
+        It is a plain ``GraphedForward`` (chain trees are causal attention), never compiled: a
+        compile per (batch size, bucket) would cost as much as the tree forward's for a forward
+        run once or a few times per call. It keeps the logits of one node per sequence (nobody reads
+        them) and, for drafters with ``needs_hidden_states``, the hidden states of all nodes.
+        """
+        width = self.prefill_width
+        if not width or width > cache.capacity:
+            return None
+        key = (batch, cache.capacity)
+        graphed = self._prefill_graphs.get(key)
+        if graphed is None or graphed.cache is not cache:
+            _log.info("specdec: new prompt-prefill forward [B=%d, n=%d] over a %d-slot cache (cuda_graphs=%s, "
+                      "not compiled); SpecDecoder.warmup() builds these before timing", batch, width, cache.capacity,
+                      self.cuda_graphs)  # fmt: skip
+            graphed = self._prefill_graphs[key] = GraphedForward(
+                self.target, cache, batch, width, impl=self.attn_impl, return_hidden=self._wants_hidden,
+                capture=self.cuda_graphs, compile=False, logits_to_keep=0 if self._wants_hidden else 1,
+            )  # fmt: skip
+        return graphed
+
+    def _chunked_prefill(self, graphed: GraphedForward, seqs: torch.Tensor,
+                         lens: Sequence[int]) -> list[torch.Tensor | None]:  # fmt: skip
+        """Prefill positions ``[0, lens[b] - 1)`` of every sequence as chain trees of at most
+        W = ``graphed.n`` tokens through the fixed-shape forward ``graphed`` (KV only; lengths are
+        left to the caller).
+
+        Chunks: ``_prefill_chunks(longest - 1, W, S)`` -- ``[0, W), [W, 2W), ...``, except that no
+        chunk starts past ``S - W`` (see there: every load fits the cache). In the chunk
+        ``[start, stop)``, sequence b with ``end_b = lens[b] - 1 > start`` gets the chain of its
+        tokens ``[start, min(stop, end_b))`` loaded at prefix ``start``: node i has position and
+        slot ``start + i`` and attends to slots ``[0, start)`` (written by the earlier chunks) and to
+        nodes 0..i (its chain ancestors) -- exactly causal attention over the prompt. The padding
+        nodes after a short chain (the forward always writes W slots) hang off the root: no chain
+        node attends to them, and they write slots ``>= min(stop, end_b)``, i.e. past the tokens
+        prefilled so far: slots of later chunks (rewritten there before anything reads them: every
+        layer writes its new KV before attending) or past the prompt (scratch until decoding
+        writes its trees there). A sequence with nothing left (``end_b <= start``, e.g. a one-token
+        prompt) gets a one-node dummy tree (token 0) loaded at its final length ``end_b``: it
+        writes slots ``[end_b, end_b + W)``, all past its prompt's KV (the first decoding tree
+        overwrites them), and ``end_b <= start <= S - W`` keeps it inside the cache. So no chunk
+        ever overwrites a committed slot, and each committed slot holds the KV a causal forward
+        over the whole prompt would (up to rounding).
+
+        Hidden states (drafters with ``needs_hidden_states``): position ``lens[b] - 2`` lies in
+        exactly one chunk, where it is node ``lens[b] - 2 - start`` of sequence b; it is copied
+        (``clone``, queued on the same stream) before the next chunk's forward overwrites the
+        output buffer.
+        """
+        batch, width, capacity = graphed.batch, graphed.n, graphed.cache.capacity
+        ends = [n - 1 for n in lens]
+        hidden: list[torch.Tensor | None] = [None] * batch
+        dummy = TokenTree(torch.zeros(1, dtype=torch.int64), torch.tensor([-1]))
+        for start, stop in _prefill_chunks(max(ends), width, capacity):
+            trees, prefix = [], []
+            for b, end in enumerate(ends):
+                if end > start:
+                    trees.append(TokenTree.chain(seqs[b, start : min(stop, end)]))
+                    prefix.append(start)
+                else:
+                    trees.append(dummy)
+                    prefix.append(end)
+            _, h = graphed.run(trees, prefix)
+            if self._wants_hidden:
+                for b, end in enumerate(ends):
+                    if start <= end - 1 < stop:
+                        hidden[b] = h[b, end - 1 - start].clone()
         return hidden
 
     # ------------------------------------------------------------------ one step
@@ -722,14 +867,17 @@ class SpecDecoder:
         tree_size``: a shorter request gets a smaller one; ``max_cache_len`` when set):
 
         1. the kept KV cache ``[B, S]`` is made and a prefill of a 2-token dummy prompt per
-           sequence allocates its buffers (and runs the eager prefill path once);
+           sequence allocates its buffers: with static shapes and ``S >= prefill_width``, through
+           the fixed-shape ``[B, prefill_width]`` prompt-prefill forward, made and run once here
+           (captured with ``cuda_graphs``; never compiled); else through the eager prefill path;
         2. the fixed-shape ``[B, tree_size + 1]`` tree forward over that cache is made and run
            once on dummy trees: compiled first with ``compile`` (inductor: tens of seconds per
            shape for a real model, seconds with a warm on-disk cache, see
            ``specdec.graphs.configure_compile_cache``), then captured with ``cuda_graphs``.
 
-        ``[B, tree_size + 1]`` is the only forward shape ``generate`` runs with static shapes
-        (steps whose trees are all root-only, e.g. plain decoding at ``tree_size=0``, run it too).
+        ``[B, tree_size + 1]`` and the prefill's ``[B, prefill_width]`` are the only forward shapes
+        ``generate`` runs with static shapes (steps whose trees are all root-only, e.g. plain
+        decoding at ``tree_size=0``, run the former too; prompts of any length, the latter).
         The dummy KV is never read: every ``generate`` prefills its prompts from slot 0. Then, if
         the drafter has a ``warmup`` method, ``drafter.warmup(batch_sizes=..., max_len=..., log=...)``
         is called (e.g. to capture a draft model's forwards). A later ``generate`` within these
@@ -749,7 +897,7 @@ class SpecDecoder:
 
         Returns:
             ``WarmupReport``: per (B, S), the seconds of its prefill, compile (``first_run_s``) and
-            capture.
+            capture, and of the prefill forward's first run and capture.
         """
         if isinstance(batch_sizes, int) or not isinstance(batch_sizes, Sequence) or not batch_sizes or any(
                 not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):  # fmt: skip
@@ -772,6 +920,11 @@ class SpecDecoder:
         how += ["CUDA graphs"] if self.cuda_graphs else (["fixed shapes, eager"] if self.static_shapes else ["eager"])
         say(f"specdec warmup: target forwards [B, {n}] for B in {batch_sizes} over caches of {capacities} slots "
             f"({', '.join(how)}){f'; compile cache {cache_dir}' if cache_dir else ''}")  # fmt: skip
+        width = self.prefill_width
+        if width and any(c >= width for c in capacities):
+            say(f"specdec warmup: prompt prefill in chunks of {width} tokens, forwards [B, {width}] "
+                f"({'CUDA graphs' if self.cuda_graphs else 'fixed shapes, eager'}, not compiled) for caches of "
+                f">= {width} slots")  # fmt: skip
         start = time.perf_counter()
         entries = []
         for batch in batch_sizes:
@@ -784,6 +937,8 @@ class SpecDecoder:
                     parts.append(f"compile {entry.first_run_s:.1f} s")
                 if entry.capture_s is not None:
                     parts.append(f"capture {entry.capture_s:.1f} s")
+                if entry.prefill_capture_s is not None:
+                    parts.append(f"prefill capture {entry.prefill_capture_s:.1f} s")
                 if self.static_shapes and not entry.built:
                     parts.append("already built")
                 say(f"  B={batch} S={capacity} n={n}: {', '.join(parts)}")
@@ -811,9 +966,11 @@ class SpecDecoder:
         return [c for c in self.cache_buckets if c <= top]
 
     def _warm_one(self, batch: int, capacity: int, n: int) -> WarmupEntry:
-        """Prefill a dummy prompt into the ``[batch, capacity]`` cache and run its tree forward once."""
+        """Prefill a dummy prompt into the ``[batch, capacity]`` cache (through its prefill forward, if
+        any) and run its tree forward once."""
         key = (batch, capacity, n)
         existing = self._graphs.get(key)
+        existing_prefill = self._prefill_graphs.get((batch, capacity))
         timer = _PhaseTimer(self._sync)
         self._sync()
         with timer("all"):
@@ -825,9 +982,15 @@ class SpecDecoder:
             cache.reset()
         graphed = self._graphs.get(key)  # None with dynamic shapes
         first = graphed is not None and graphed.calls == 1  # this was its first run: timings are ours
+        pre = self._prefill_graphs.get((batch, capacity))  # None: an eager prefill
+        pre_first = pre is not None and pre.calls == 1
         return WarmupEntry(batch, capacity, n, timer.seconds["all"], timer.seconds["prefill"],
                            graphed.first_run_s if first else None, graphed.capture_s if first else None,
-                           built=graphed is not None and graphed is not existing)  # fmt: skip
+                           built=graphed is not None and graphed is not existing,
+                           prefill_n=None if pre is None else pre.n,
+                           prefill_first_run_s=pre.first_run_s if pre_first else None,
+                           prefill_capture_s=pre.capture_s if pre_first else None,
+                           prefill_built=pre is not None and pre is not existing_prefill)  # fmt: skip
 
     # ------------------------------------------------------------------ checks
 
@@ -911,9 +1074,40 @@ def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) 
     """``specdec.wrap(model, drafter).generate(input_ids, max_new_tokens=...)`` decodes speculatively.
 
     ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``cache_buckets``, ``static_shapes``,
-    ``attn_impl``, ``cuda_graphs``, ``compile``).
+    ``attn_impl``, ``cuda_graphs``, ``compile``, ``prefill_width``).
     """
     return SpeculativeModel(model, drafter, tree_size, **decoder_kwargs)
+
+
+def _prefill_chunks(total: int, width: int, capacity: int) -> list[tuple[int, int]]:
+    """The chunks ``[start, stop)`` that prefill prompt positions ``[0, total)`` through a fixed
+    forward of ``width`` nodes over a cache of ``capacity`` slots (``width <= capacity``, ``total
+    <= capacity``).
+
+    A chunk loaded at prefix ``start`` writes slots ``[start, start + width)``, so it needs
+    ``start <= last = capacity - width``. Rule (W = width): a chunk takes all the rest if that is
+    at most W tokens, else it stops at ``min(start + W, last)``. So the starts are 0, W, 2W, ...
+    until one would pass ``last``; that one is clamped to ``last``, and the chunk before it is
+    shorter than W.
+
+    Proof that every chunk fits the cache, has 1..W tokens, and the chunks tile ``[0, total)`` in
+    order: by induction, every start satisfies ``start <= last`` (true for 0). If ``total - start
+    <= W`` the chunk ``[start, total)`` is the last one (``start <= last``: it fits). Otherwise
+    ``start < last`` (``start == last`` would give ``total - start <= capacity - last = W``), so
+    the stop ``min(start + W, last)`` is larger than start, at most ``start + W``, and, as the next
+    start, at most ``last``. Count: ``ceil(total / W)`` chunks, one more when a W-aligned start
+    passes ``last`` before the end (a request nearly filling its cache).
+    """
+    if not 1 <= width <= capacity or not 0 <= total <= capacity:
+        raise ValueError(f"width, total: expected 1 <= width <= capacity {capacity} and 0 <= total <= capacity, "
+                         f"got width {width}, total {total}")  # fmt: skip
+    chunks = []
+    start, last = 0, capacity - width
+    while start < total:
+        stop = total if total - start <= width else min(start + width, last)
+        chunks.append((start, stop))
+        start = stop
+    return chunks
 
 
 def _checked_buckets(buckets, least: int) -> tuple[int, ...]:

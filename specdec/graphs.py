@@ -231,6 +231,7 @@ class _Replayed:
         self._compiled = None
         self.logits: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
+        self.logits_to_keep = 0  # the body's logits_to_keep (hf.run_state): 0 = every input row
         self.graph = None  # torch.cuda.CUDAGraph once captured
         #: forwards run (eager calls or graph replays), for tests and accounting
         self.calls = 0
@@ -254,7 +255,8 @@ class _Replayed:
         Subclasses set ``tokens``, ``positions`` (fixed ``[B, m]`` device tensors), ``state`` (a
         ``hf.ForwardState`` / ``hf.MaskedState`` over fixed tensors) and ``return_hidden``.
         """
-        out = hf.run_state(self.model, self.tokens, self.positions, self.state, return_hidden=self.return_hidden)
+        out = hf.run_state(self.model, self.tokens, self.positions, self.state,
+                           logits_to_keep=self.logits_to_keep, return_hidden=self.return_hidden)
         return out if self.return_hidden else (out, None)
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -395,16 +397,24 @@ class GraphedForward(_Replayed):
         warmup: side-stream forwards before the capture (after one on the current stream).
         compile: run the body through ``torch.compile`` (True: inductor; or a backend name), e.g.
             to fuse the layers' elementwise kernels before the capture.
+        logits_to_keep: 0 (default) = logits (and hidden states) of all n nodes; k in [1, n] = of
+            the last k nodes only (``hf.run_state``'s semantics), e.g. 1 for a chunked prompt
+            prefill that only writes KV: the LM head and the ``[B, n, V]`` logits buffer shrink to k rows.
 
     Use: ``load(trees, prefix_lens)`` then ``forward()`` (or ``run`` for both) returns
-    ``(logits [B, n, V], hidden [B, n, H] or None)`` -- the same tensor objects every call.
+    ``(logits [B, n, V], hidden [B, n, H] or None)`` (k rows instead of n with ``logits_to_keep``)
+    -- the same tensor objects every call.
     """
 
     def __init__(self, model, cache: KVCache, batch: int, n: int, *, impl: str = "auto",
                  return_hidden: bool = False, capture: bool = False, warmup: int = 2,
-                 compile: bool | str = False) -> None:  # fmt: skip
+                 compile: bool | str = False, logits_to_keep: int = 0) -> None:  # fmt: skip
         super().__init__(model, cache, batch, n, capture=capture, warmup=warmup, compile=compile)
+        if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or not 0 <= logits_to_keep <= n:
+            raise ValueError(f"logits_to_keep: expected an int in [0, n = {n}], got {logits_to_keep!r}")
         self.n = n
+        #: 0 = logits of every node; k = of the last k nodes only
+        self.logits_to_keep = logits_to_keep
         self.return_hidden = bool(return_hidden)
         self.layout = InputLayout(batch, n)
         self._flat, self._copy = self._stage(self.layout.size, torch.int64)

@@ -126,7 +126,8 @@ def _decoder(ns, target, tok):
     if ns.drafter != "none":
         extra = {"target": target, "heads": ns.medusa_heads} if ns.drafter == "medusa" else {}
         drafter = make_drafter(ns.drafter, tree_size=ns.tree_size, **extra)
-    return SpecDecoder(target, drafter, ns.tree_size if drafter is not None else 0, compile=ns.compile)
+    return SpecDecoder(target, drafter, ns.tree_size if drafter is not None else 0, compile=ns.compile,
+                       prefill_width=ns.prefill_width)
 
 
 def _eos(target, tok) -> list[int]:
@@ -201,7 +202,7 @@ def run_first_token(ns, log: Callable[[str], None]) -> dict[str, Any]:
     return {
         "mode": "first-token", "imports_s": at_start, "load_s": load_s, "generate_s": gen_s,
         "first_token_since_start_s": since_process_start(), "compile": ns.compile,
-        "prompt_tokens": len(ids), "forwards_built": len(dec.forwards),
+        "prompt_tokens": len(ids), "forwards_built": len(dec.forwards) + len(dec.prefill_forwards),
     }  # fmt: skip
 
 
@@ -213,6 +214,8 @@ def build_parser():
     p.add_argument("--medusa-heads", type=cliargs.existing_path, default=None, help="heads dir for --drafter medusa")
     p.add_argument("--tree-size", type=cliargs.int_at_least(1), default=64)
     p.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True)")
+    p.add_argument("--prefill-width", type=cliargs.int_at_least(0), default=256,
+                   help="SpecDecoder(prefill_width=): prompt chunk of the graphed prefill (0: the eager prefill)")
     p.add_argument("--hf-static", action="store_true", help="also time HF generate(cache_implementation='static')")
     p.add_argument("--data", type=cliargs.existing_path, default=None, help="APPS file (default: the shared subset)")
     p.add_argument("--problems", type=cliargs.int_at_least(1), default=50)

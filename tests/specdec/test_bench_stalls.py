@@ -60,7 +60,7 @@ def test_full_and_first_token_modes_write_json(tiny, tmp_path, capsys):
         assert all(c["new_tokens"] >= 1 for c in m["calls"])
     assert "specdec" in capsys.readouterr().out
     out2 = tmp_path / "ttft.json"
-    assert cli.main(base + ["--mode", "first-token", "--out", str(out2)]) == 0
+    assert cli.main(base + ["--mode", "first-token", "--prefill-width", "0", "--out", str(out2)]) == 0
     res = json.loads(out2.read_text())
     assert res["first_token_since_start_s"] >= res["load_s"] > 0
 
