@@ -164,8 +164,8 @@ def run_generate(
     out = sys.stdout if out is None else out
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter: expected one of {DRAFTERS}, got {drafter!r}")
-    if drafter == "medusa" and not heads:
-        raise ValueError("heads: --drafter medusa needs --heads DIR (trained with specdec train-medusa)")
+    if drafter in ("medusa", "eagle") and not heads:
+        raise ValueError(f"heads: --drafter {drafter} needs --heads DIR (trained with specdec train-{drafter})")
     if not temperature >= 0:
         raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -233,6 +233,8 @@ def _sync(device) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from drafters import DRAFTERS  # light: the drafters load their modules lazily
+
     parser = cliargs.ArgumentParser(
         prog="specdec generate",
         description="Speculative decoding of one prompt: prints the completion and a one-line summary "
@@ -241,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("prompt", help="the prompt (a user message when the chat template is used)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"default model name, HF id or local dir (default {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
-    parser.add_argument("--drafter", choices=["model", "medusa", "lookup"], default="model",
-                        help="draft LM tree (default), Medusa heads (--heads) or prompt lookup")
-    parser.add_argument("--heads", type=cliargs.existing_path, default=None, help="Medusa heads directory (specdec train-medusa --out)")
+    parser.add_argument("--drafter", choices=list(DRAFTERS), default="model",
+                        help="draft LM tree (default), Medusa heads (--heads), prompt lookup or EAGLE heads (--heads)")
+    parser.add_argument("--heads", type=cliargs.existing_path, default=None,
+                        help="Medusa / EAGLE heads directory (specdec train-medusa / train-eagle --out)")
     parser.add_argument("--tree-size", type=cliargs.int_at_least(0), default=None, help="draft nodes per step (default 64 on cuda, 16 on cpu)")
     parser.add_argument("--depth", type=cliargs.int_at_least(1), default=None, help="draft-model tree depth (default 3)")
     parser.add_argument("--topk", type=cliargs.int_at_least(1), default=None, help="draft-model frontier width (default 8)")

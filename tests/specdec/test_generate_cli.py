@@ -48,7 +48,7 @@ def test_help_lists_the_options(capsys):
     for flag in ("--target", "--draft", "--drafter", "--tree-size", "--max-new-tokens", "--temperature", "--top-p",
                  "--seed", "--device", "--dtype", "--stream", "--chat", "--no-chat", "--heads"):
         assert flag in text
-    assert "{model,medusa,lookup}" in text
+    assert "{model,medusa,lookup,eagle}" in text
 
 
 @pytest.mark.parametrize("drafter", ["model", "lookup", "medusa"])
