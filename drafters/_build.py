@@ -1,18 +1,54 @@
-"""Helpers shared by the drafters: turn nodes in creation order into a depth-first ``TokenTree``;
-pick a dynamic tree's best nodes (``best_first``, EAGLE-2's re-ranking)."""
+"""Helpers shared by the drafters: a dynamic tree under construction (``NodePool``); turn nodes in
+creation order into a depth-first ``TokenTree``; pick a dynamic tree's best nodes (``best_first``,
+EAGLE-2's re-ranking)."""
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from specdec.tree import TokenTree
 from treeattn.layout import depth_first_order
 
-__all__ = ["best_first", "make_tree", "root_only"]
+__all__ = ["NodePool", "best_first", "make_tree", "root_only"]
 
+
+
+@dataclass(eq=False)
+class NodePool:
+    """A dynamic draft tree under construction, nodes in creation order (node 0 = the root).
+
+    Per node: ``tok`` its token, ``par`` its parent (-1 for the root), ``score`` its cumulative
+    draft log-probability, ``dep`` its depth, ``exp`` its expanded index (the drafter's own
+    bookkeeping: 0 for the root, -1 until expanded), ``children`` its children in creation order.
+    """
+
+    tok: list[int]
+    par: list[int] = field(default_factory=lambda: [-1])
+    score: list[float] = field(default_factory=lambda: [0.0])
+    dep: list[int] = field(default_factory=lambda: [0])
+    exp: list[int] = field(default_factory=lambda: [0])
+    children: list[list[int]] = field(default_factory=lambda: [[]])
+
+    @classmethod
+    def rooted(cls, root: int) -> "NodePool":
+        """A pool holding only the root token."""
+        return cls([root])
+
+    def add(self, parent: int, token: int, logp: float, depth: int) -> int:
+        """Append a child of ``parent`` (score = parent's + ``logp``, not expanded); return its index."""
+        node = len(self.tok)
+        self.tok.append(token)
+        self.par.append(parent)
+        self.score.append(self.score[parent] + logp)
+        self.dep.append(depth)
+        self.exp.append(-1)
+        self.children.append([])
+        self.children[parent].append(node)
+        return node
 
 def make_tree(
     tokens: Sequence[int],

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters._build import best_first as _best_first, make_tree, root_only
+from drafters._build import NodePool, best_first as _best_first, make_tree, root_only
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
 from specdec.graphs import GraphedMaskedForward, replay_modes
@@ -165,8 +165,8 @@ class DraftModelDrafter(BaseDrafter):
         proposal = "topk" if sampling is None else self.sampling_proposal
 
         # Node pool (host lists), node 0 = root. exp[i] = expanded index (slot base + exp[i]) or -1.
-        tok, par, score, dep, exp = [root], [-1], [0.0], [0], [0]
-        children: list[list[int]] = [[]]
+        pool = NodePool.rooted(root)
+        tok, par, score, dep, exp, children = pool.tok, pool.par, pool.score, pool.dep, pool.exp, pool.children
         rows: dict[int, torch.Tensor] = {}  # pool node -> proposal distribution of its children
         exp_anc: list[list[int]] = [[0]]  # expanded index -> expanded indices of ancestors-or-self
         exp_depth = [0]
@@ -179,8 +179,8 @@ class DraftModelDrafter(BaseDrafter):
             if proposal != "topk":  # decided before any of this level's draws is looked at
                 after = depth - d  # levels that may follow this one
                 cap = left - min(after * frontier_width * width, left * after // (after + 1))
-            new = self._add_children(frontier, logits, width, sampling, proposal, context.generator,
-                                     tok, par, score, dep, exp, children, rows, d, cap)
+            new = self._add_children(frontier, logits, width, sampling, proposal, context.generator, pool, rows, d,
+                                     cap)  # fmt: skip
             left -= len(new)
             if d == depth or not new or (proposal != "topk" and left <= 0):
                 break
@@ -299,8 +299,8 @@ class DraftModelDrafter(BaseDrafter):
         logits, _ = st.fwd.forward()
         return logits[:, :m]
 
-    def _add_children(self, frontier, logits, width, sampling, proposal, generator,
-                      tok, par, score, dep, exp, children, rows, d, cap=None) -> list[int]:
+    def _add_children(self, frontier, logits, width, sampling, proposal, generator, pool: NodePool, rows, d,
+                      cap=None) -> list[int]:  # fmt: skip
         """Add up to ``width`` children under each frontier node; return the new pool indices.
 
         ``cap`` (sampled children only): at most this many new nodes in all, allotted before the
@@ -315,7 +315,7 @@ class DraftModelDrafter(BaseDrafter):
         if proposal == "topk":
             vals, idx = torch.topk(logq, width, dim=-1)
         else:
-            counts = _allot([score[i] for i in frontier], torch.topk(logq, width, dim=-1).values.tolist(), cap)
+            counts = _allot([pool.score[i] for i in frontier], torch.topk(logq, width, dim=-1).values.tolist(), cap)
             if proposal == "no_replacement":
                 idx = _gumbel_top_k(logq, width, generator)  # sequential draws without replacement, in order
             else:  # iid
@@ -329,15 +329,7 @@ class DraftModelDrafter(BaseDrafter):
             for v, t in zip(vrow[: counts[q]], irow[: counts[q]]):
                 if proposal != "topk" and v == -math.inf:
                     break  # no mass left to draw from (top-k / top-p filtered)
-                node = len(tok)
-                tok.append(t)
-                par.append(parent)
-                score.append(score[parent] + v)
-                dep.append(d)
-                exp.append(-1)
-                children.append([])
-                children[parent].append(node)
-                new.append(node)
+                new.append(pool.add(parent, t, v, d))
         return new
 
 

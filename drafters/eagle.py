@@ -79,7 +79,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafters._build import best_first, make_tree, root_only
+from drafters._build import NodePool, best_first, make_tree, root_only
 from specdec import hf
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec.kv import KVCache
@@ -445,14 +445,14 @@ class EagleDrafter(BaseDrafter):
         st.cache.lengths = [base]
 
         # 2. expand depth by depth (EAGLE-2): pool node 0 = the root = expanded node 0
-        tok, par, score, dep, exp = [root], [-1], [0.0], [0], [0]
-        children: list[list[int]] = [[]]
+        pool = NodePool.rooted(root)
+        tok, par, score, dep, exp, children = pool.tok, pool.par, pool.score, pool.dep, pool.exp, pool.children
         exp_feat = [out[-1]]
         exp_anc: list[list[int]] = [[0]]  # expanded index -> expanded indices of ancestors-or-self
         logits = self.parts.logits(out[-1:])  # [1, V]
         frontier = [0]
         for d in range(1, depth + 1):
-            new = self._add_children(frontier, logits, width, context.sampling, tok, par, score, dep, exp, children, d)
+            new = self._add_children(frontier, logits, width, context.sampling, pool, d)
             if d == depth or not new:
                 break
             frontier = sorted(new, key=lambda i: (-score[i], i))[:frontier_width]
@@ -554,7 +554,7 @@ class EagleDrafter(BaseDrafter):
         self.last_forwards += 1
         return out[0, :m]
 
-    def _add_children(self, frontier, logits, width, sampling, tok, par, score, dep, exp, children, d) -> list[int]:
+    def _add_children(self, frontier, logits, width, sampling, pool: NodePool, d) -> list[int]:
         """Add the top-``width`` children of each frontier node (by the draft's log-probability,
         after the target's warping when sampling); return the new pool indices."""
         logits = logits.float()
@@ -563,14 +563,5 @@ class EagleDrafter(BaseDrafter):
         new = []
         for q, (vrow, irow) in enumerate(zip(vals.tolist(), idx.tolist())):
             parent = frontier[q]
-            for v, t in zip(vrow, irow):
-                node = len(tok)
-                tok.append(t)
-                par.append(parent)
-                score.append(score[parent] + v)
-                dep.append(d)
-                exp.append(-1)
-                children.append([])
-                children[parent].append(node)
-                new.append(node)
+            new.extend(pool.add(parent, t, v, d) for v, t in zip(vrow, irow))
         return new
