@@ -90,6 +90,20 @@ def num_layers(model) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+
+def eos_token_ids(model, tokenizer=None) -> list[int]:
+    """End-of-sequence ids: ``model.generation_config.eos_token_id`` (an int or a list), then the
+    tokenizer's ``eos_token_id``; deduplicated, in that order (empty if neither has one)."""
+    ids: list[int] = []
+    gc = getattr(model, "generation_config", None)
+    for val in (getattr(gc, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if val is None:
+            continue
+        for v in [val] if isinstance(val, int) else list(val):
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    return ids
+
 def max_positions(model) -> int | None:
     """The model's context length (``max_position_embeddings``), or None if it declares none."""
     val = getattr(model.config.get_text_config(), "max_position_embeddings", None)

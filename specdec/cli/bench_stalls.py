@@ -130,20 +130,14 @@ def _decoder(ns, target, tok):
                        prefill_width=ns.prefill_width)
 
 
-def _eos(target, tok) -> list[int]:
-    ids = getattr(target.generation_config, "eos_token_id", None)
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-        ids.append(tok.eos_token_id)
-    return ids
-
-
 def run_full(ns, log: Callable[[str], None]) -> dict[str, Any]:
     import torch
 
     target, tok, load_s = _load(ns, log)
     prompts = _prompts(ns, tok)
-    eos = _eos(target, tok)
+    from specdec import hf
+
+    eos = hf.eos_token_ids(target, tok)
     dec = _decoder(ns, target, tok)
     longest = max(len(p) for p in prompts)
     t0 = time.perf_counter()

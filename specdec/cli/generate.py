@@ -101,18 +101,6 @@ class _Streamer:
         self._emit(final=True)
 
 
-def _eos_ids(tokenizer, model) -> list[int]:
-    ids: list[int] = []
-    gc = getattr(model, "generation_config", None)
-    for val in (getattr(gc, "eos_token_id", None), tokenizer.eos_token_id):
-        if val is None:
-            continue
-        for v in [val] if isinstance(val, int) else list(val):
-            if v not in ids:
-                ids.append(int(v))
-    return ids
-
-
 def encode(tokenizer, prompt: str, chat: bool | None) -> list[int]:
     """Prompt ids: through the chat template (with a generation prompt) when ``chat`` (None: if there is one)."""
     use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
@@ -158,7 +146,7 @@ def run_generate(
     import torch
 
     from drafters import DRAFTERS, make_drafter
-    from specdec import models
+    from specdec import hf, models
     from specdec.engine import SpecDecoder
 
     out = sys.stdout if out is None else out
@@ -188,7 +176,7 @@ def run_generate(
     decoder = SpecDecoder(target_model, made, tree_size=tree_size, attn_impl=attn_impl)
 
     ids = torch.tensor(encode(tokenizer, prompt, chat), dtype=torch.int64)
-    eos = _eos_ids(tokenizer, target_model)
+    eos = hf.eos_token_ids(target_model, tokenizer)
     sample = temperature > 0
     kwargs = dict(do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p, eos_token_id=eos or None)
 

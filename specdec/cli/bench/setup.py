@@ -35,18 +35,6 @@ class Setup:
     bandwidth: dict[str, Any] | None = None  # measure_copy_bandwidth's result, measured once per run
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids: list[int] = []
-    gc = getattr(model, "generation_config", None)
-    for val in (getattr(gc, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if val is None:
-            continue
-        for v in [val] if isinstance(val, int) else list(val):
-            if v is not None and int(v) not in ids:
-                ids.append(int(v))
-    return ids
-
-
 def _plain_generation_config(model, eos: list[int], pad: int) -> None:
     """Drop the model's own generation defaults (sampling, repetition penalty): plain greedy for every method."""
     from transformers import GenerationConfig
@@ -78,7 +66,7 @@ def load_setup(cfg: BenchConfig, log: Callable[[str], None]) -> Setup:
     if "spec" in cfg.sections and "model" in cfg.drafters:
         draft = models.load_model(cfg.draft, dtype=dtype, device=device, progress=cfg.progress)
     log(f"loaded models in {time.perf_counter() - t0:.1f} s ({dtype}, {device})")
-    eos = _eos_ids(target, tokenizer)
+    eos = hf.eos_token_ids(target, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     for model in (target, draft):
         if model is not None:
