@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
 from specdec.drafting import BaseDrafter, DraftContext
+from specdec.hf import prepare_model
 from specdec.sampling import logits_to_probs
 from specdec.tree import TokenTree
 
@@ -79,6 +81,25 @@ def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos=None) -> lis
                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0].tolist()
 
+
+
+@functools.lru_cache(maxsize=None)
+def prepared_tiny_model(family: str = "qwen2"):
+    """One shared ``tiny_model(family)`` after ``hf.prepare_model`` (tests must not modify it)."""
+    model = tiny_model(family)
+    prepare_model(model)
+    return model
+
+
+def random_prompt(length: int, seed: int) -> torch.Tensor:
+    """int64 ``[length]`` random token ids in ``[3, VOCAB)`` (no pad / bos / eos), seeded."""
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_reference(length: int, seed: int, new: int, family: str = "qwen2") -> tuple[int, ...]:
+    """HF greedy ``generate`` of ``random_prompt(length, seed)`` on ``prepared_tiny_model(family)``."""
+    return tuple(hf_greedy(prepared_tiny_model(family), random_prompt(length, seed), new))
 
 def build_tree(nodes: list[tuple[int, int]], root: int, draft_probs=None, proposal: str = "topk") -> TokenTree:
     """``nodes``: (parent, token) for nodes 1.. in creation order (parent < own index)."""

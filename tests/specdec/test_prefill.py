@@ -8,7 +8,6 @@ predicted the first root -- and every generate against the target's own HF greed
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -20,7 +19,7 @@ from specdec.engine import DEFAULT_PREFILL_WIDTH, _prefill_chunks
 from specdec.graphs import GraphedForward
 from specdec.hf import prepare_model
 from specdec.kv import KVCache
-from tests.specdec.helpers import VOCAB, OracleDrafter, hf_greedy, tiny_model
+from tests.specdec.helpers import VOCAB, OracleDrafter, greedy_reference, prepared_tiny_model, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,20 +31,11 @@ NEW = 12
 BUCKETS = (48, 96, 192)  # the tiny models have 256 positions
 
 
-@functools.lru_cache(maxsize=None)
-def _model(family: str = "qwen2"):
-    model = tiny_model(family)
-    prepare_model(model)
-    return model
+_model, _prompt = prepared_tiny_model, random_prompt
 
 
-def _prompt(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
-
-
-@functools.lru_cache(maxsize=None)
 def _ref(length: int, seed: int, new: int = NEW, family: str = "qwen2") -> tuple[int, ...]:
-    return tuple(hf_greedy(_model(family), _prompt(length, seed), new))
+    return greedy_reference(length, seed, new, family)
 
 
 class _HiddenOracle(OracleDrafter):

@@ -9,7 +9,6 @@ warm-up, longer and shorter prompts within the warmed buckets capture no CUDA gr
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import subprocess
@@ -25,7 +24,8 @@ import specdec.graphs as graphs
 from specdec import SpecDecoder
 from specdec.engine import MIN_CACHE_BUCKET, default_cache_buckets
 from specdec.hf import prepare_model
-from tests.specdec.helpers import VOCAB, OracleDrafter, RandomTreeDrafter, hf_greedy, tiny_model
+from tests.specdec.helpers import (OracleDrafter, RandomTreeDrafter, greedy_reference, prepared_tiny_model,
+                                    random_prompt, tiny_model)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,20 +36,11 @@ TREE = 8
 NEW = 20
 
 
-@functools.lru_cache(maxsize=None)
-def _model(family: str = "qwen2"):
-    model = tiny_model(family)
-    prepare_model(model)
-    return model
+_model, _prompt = prepared_tiny_model, random_prompt
 
 
-def _prompt(length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
-
-
-@functools.lru_cache(maxsize=None)
 def _ref(length: int, seed: int, new: int = NEW) -> tuple[int, ...]:
-    return tuple(hf_greedy(_model(), _prompt(length, seed), new))
+    return greedy_reference(length, seed, new)
 
 
 def _decoder(compile: bool | str = False, **kwargs) -> SpecDecoder:
