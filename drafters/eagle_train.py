@@ -7,6 +7,9 @@ Pipeline (``python -m drafters.eagle_train`` or ``specdec train-eagle``):
    answers every prompt itself (greedy by default); the token ids are cached in
    ``OUT/selfdistill.jsonl`` (``--cache`` elsewhere: a ``train-medusa`` run's cache made with the
    same settings is reused as is). The last ``--heldout`` problems are held out.
+   ``--answers-per-prompt N`` adds N - 1 answers per training prompt sampled at
+   ``--sample-temperature`` (other seeds; each pass cached in ``selfdistill.sampledK.jsonl``):
+   more and more varied sequences from the same prompts, at the cost of N generation passes.
 2. **Features**: the target's final hidden states ``f_p`` (the LM head's input) of prompt + answer,
    computed per batch without gradients.
 3. **Loss** (EAGLE-1 + EAGLE-3's training-time test). Unrolled step s = 1..U simulates a draft
@@ -32,12 +35,15 @@ Budget: with the defaults (974 MBPP problems, 192-token answers generated 120 at
 steps of 8 sequences and 3 unrolled steps) the run is sized to take about 6 minutes on one H100
 for Qwen2.5-Coder-1.5B in bf16, data generation included (an estimate from ``train-medusa``'s ~4
 minutes for the same data and 1000 steps of a similar LM-head cost; not yet measured).
+``--time-budget SECONDS`` bounds the optimization itself: the step time measured over the first
+steps fixes how many steps fit, and the learning-rate schedule is rescaled to that count.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -119,6 +125,10 @@ class EagleTrainConfig:
             raise ValueError("ce_weight: expected reg_weight or ce_weight > 0, got both 0")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: expected a fraction in [0, 1), got {self.warmup!r}")
+
+
+#: Steps timed (after 3 warm-up steps) before a ``time_budget`` fixes the number of steps.
+_BUDGET_PROBE = 10
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,33 +267,56 @@ def _autocast(device: torch.device, enabled: bool | None):
 
 
 def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: EagleTrainConfig = EagleTrainConfig(),
-                progress: bool = True, amp: bool | None = None) -> list[float]:  # fmt: skip
+                progress: bool = True, amp: bool | None = None, time_budget: float | None = None) -> list[float]:  # fmt: skip
     """Train ``head`` in place on ``examples`` (target frozen); return every step's loss.
 
     ``amp``: run the forwards under bf16 autocast (default: on CUDA), as the drafter later runs
     the head in the target's dtype; the head's parameters and optimizer state stay float32.
+    ``time_budget``: seconds the optimization may take (None = no limit). After
+    ``_BUDGET_PROBE`` steps the mean step time fixes the number of steps that fit, and the
+    learning-rate schedule (warm-up, cosine decay) is rescaled to it, so a budget-cut run still
+    decays to zero instead of stopping mid-schedule. The result has one loss per step taken.
     """
     if not examples:
         raise ValueError("examples: expected at least one training sequence, got none")
+    if time_budget is not None and not time_budget > 0:
+        raise ValueError(f"time_budget: expected seconds > 0 or None, got {time_budget!r}")
     device = target.get_input_embeddings().weight.device
     for p in target.parameters():
         p.requires_grad_(False)
     parts = TargetParts.of(target)
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    warm = max(1, int(config.warmup * config.steps))
+    total_steps = config.steps  # lowered once by the time budget
 
     def lr_at(step: int) -> float:
+        warm = max(1, int(config.warmup * total_steps))
         if step < warm:
             return (step + 1) / warm
-        frac = (step - warm) / max(1, config.steps - warm)
+        frac = (step - warm) / max(1, total_steps - warm)
         return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     gen = torch.Generator().manual_seed(config.seed)
     losses: list[float] = []
-    bar = tqdm(range(config.steps), desc="train eagle", unit="step", disable=not progress)
-    for _ in bar:
+    bar = tqdm(total=config.steps, desc="train eagle", unit="step", disable=not progress)
+    started = time.perf_counter()
+    step = 0
+    while step < total_steps:
+        step += 1
+        bar.update(1)
+        if step == 4:  # steps 1-3 carry the warm-up (allocator, autotuning)
+            probe_start = time.perf_counter()
+        if time_budget is not None and step == 4 + _BUDGET_PROBE:
+            per_step = (time.perf_counter() - probe_start) / _BUDGET_PROBE
+            left = time_budget - (time.perf_counter() - started)
+            fit = max(step, step + int(left / per_step))
+            if fit < total_steps:
+                total_steps = fit
+                bar.reset(total=fit)
+                bar.update(step)
+                bar.write(f"time budget {time_budget:.0f} s at {per_step * 1e3:.0f} ms/step: {fit} of "
+                          f"{config.steps} steps")  # fmt: skip
         pick = torch.randint(len(examples), (config.batch_size,), generator=gen).tolist()
         opt.zero_grad(set_to_none=True)
         total = None
@@ -301,6 +334,7 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
         sched.step()
         losses.append(float(total.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
     head.eval()
     return losses
 
@@ -368,6 +402,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=192, help="answer length of the self-distillation")
     parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=120)
     parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")
+    parser.add_argument("--answers-per-prompt", type=cliargs.int_at_least(1), default=1,
+                        help="answers per training prompt: the first as --temperature says, each further one sampled at "
+                             "--sample-temperature (more, more varied data; held-out problems keep one answer)")
+    parser.add_argument("--sample-temperature", type=cliargs.float_in(0.0, low_open=True), default=0.8,
+                        help="temperature of the extra answers")
+    parser.add_argument("--time-budget", type=cliargs.float_in(0.0, low_open=True), default=None,
+                        help="seconds the optimization may take: fewer steps (schedule rescaled) if --steps would not fit")
     parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
     parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
@@ -412,13 +453,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"self-distillation data: {len(examples)} cached answers from {cache}")
     split = len(examples) - ns.heldout
     train, heldout = examples[:split], examples[split:]
+    for k in range(1, ns.answers_per_prompt):  # extra sampled answers to the training prompts, cached per pass
+        extra_meta = {**meta, "prompts": split, "temperature": ns.sample_temperature, "seed": ns.seed + k}
+        extra_cache = cache.with_name(f"{cache.stem}.sampled{k}{cache.suffix}")
+        extra = load_examples(extra_cache, extra_meta)
+        if extra is None:
+            extra = self_distill(target, prompts[:split], ns.max_new_tokens, ns.gen_batch_size, eos, pad,
+                                 ns.sample_temperature, ns.seed + k, progress)  # fmt: skip
+            save_examples(extra, extra_cache, extra_meta)
+        train = train + extra
+    print(f"training sequences: {len(train)} ({split} problems x {ns.answers_per_prompt} answers), held out: {len(heldout)}")
 
     torch.manual_seed(ns.seed)
     head = EagleHead(target).to(device)
     before = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout else []
-    losses = train_eagle(target, head, train, cfg, progress=progress) if ns.steps > 0 else []
+    losses = train_eagle(target, head, train, cfg, progress=progress, time_budget=ns.time_budget) if ns.steps > 0 else []
     after = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout else []
-    head.save(out, target=str(ns.target), train={**asdict(cfg), "steps": ns.steps}, train_examples=len(train),
+    head.save(out, target=str(ns.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": ns.answers_per_prompt},
+              train_examples=len(train),
               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
               final_loss=losses[-1] if losses else None,
               notes="self-distilled on MBPP; held-out top-1 per unrolled depth, all earlier features real")  # fmt: skip

@@ -1,0 +1,60 @@
+"""EAGLE training options: the time budget and the extra sampled answers (tiny random models, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafters import eagle_train
+from drafters.eagle import CONFIG_NAME, EagleHead
+from drafters.eagle_train import _BUDGET_PROBE, EagleTrainConfig, train_eagle
+from drafters.medusa_train import self_distill
+from tests.specdec.helpers import VOCAB, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _examples(target, n: int = 6):
+    prompts = [torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(n)]
+    return self_distill(target, prompts, max_new_tokens=12, batch_size=n, progress=False)
+
+
+def test_time_budget_cuts_the_steps_and_rescales_the_schedule():
+    target = tiny_model("qwen2")
+    examples = _examples(target)
+    cfg = EagleTrainConfig(steps=500, batch_size=2, unroll=2)
+    torch.manual_seed(0)
+    # a budget already spent at the probe: training stops right there, far short of 500 steps
+    losses = train_eagle(target, EagleHead(target), examples, cfg, progress=False, time_budget=1e-6)
+    assert len(losses) == 3 + _BUDGET_PROBE + 1
+    torch.manual_seed(0)
+    assert len(train_eagle(target, EagleHead(target), examples, EagleTrainConfig(steps=20, batch_size=2, unroll=2),
+                           progress=False, time_budget=3600.0)) == 20  # fmt: skip
+    with pytest.raises(ValueError, match="time_budget"):
+        train_eagle(target, EagleHead(target), examples, cfg, progress=False, time_budget=0.0)
+
+
+def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path, capsys):
+    from tests.drafters.helpers import save_tiny_pair
+
+    target_dir, _ = save_tiny_pair(tmp_path)
+    data = tmp_path / "mbpp.jsonl"
+    rows = [{"text": f"Write a function number {i}.", "test_list": [f"assert f({i}) == {i}"]} for i in range(6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "eagle"
+    argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
+            "--heldout", "2", "--max-new-tokens", "10", "--unroll", "2", "--device", "cpu", "--no-progress",
+            "--answers-per-prompt", "3", "--time-budget", "600"]  # fmt: skip
+    assert eagle_train.main(argv) == 0
+    assert "training sequences: 12 (4 problems x 3 answers), held out: 2" in capsys.readouterr().out
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["train_examples"] == 12 and cfg["heldout_examples"] == 2 and cfg["train"]["answers_per_prompt"] == 3
+    extra = [out / "selfdistill.sampled1.jsonl", out / "selfdistill.sampled2.jsonl"]
+    assert all(p.is_file() for p in extra)
+    answers = [[json.loads(line)["ids"] for line in p.read_text().splitlines()[1:]] for p in extra]
+    assert len(answers[0]) == len(answers[1]) == 4 and answers[0] != answers[1]  # other seeds, other samples
+    mtimes = [p.stat().st_mtime_ns for p in extra]
+    assert eagle_train.main(argv) == 0  # the second run reuses every pass
+    assert [p.stat().st_mtime_ns for p in extra] == mtimes
