@@ -13,11 +13,11 @@ and keeps their outputs in the target's token space. ``W`` and ``b`` start at ze
 returns ``h`` unchanged and predicts exactly like the LM head (token j+1): training starts from
 the target's own next-token guess instead of from noise.
 
-``MedusaDrafter`` needs the target's hidden state that predicted the root (``needs_hidden_states``:
-the engine passes it in ``DraftContext.hidden``, taken from the verification forward of the
-previous step or from the prefill). It fills a static topology (``drafters.trees``): node
-``(r_1, ..., r_d)`` gets head d's rank-``r_d`` token. Children are deterministic (``"topk"``), so
-stochastic verification stays lossless without ``draft_probs``.
+``MedusaDrafter`` needs the target's hidden state that predicted the root (``needs_hidden_states =
+True``, i.e. ``"last"``: the engine passes it as ``DraftContext.hidden[-1]``, taken from the
+verification forward of the previous step or from the prefill). It fills a static topology
+(``drafters.trees``): node ``(r_1, ..., r_d)`` gets head d's rank-``r_d`` token. Children are
+deterministic (``"topk"``), so stochastic verification stays lossless without ``draft_probs``.
 
 Heads are saved as ``medusa_heads.safetensors`` next to ``medusa_config.json`` (sizes, the target
 it was trained for, training notes); ``drafters.medusa_train`` trains them.
@@ -208,7 +208,8 @@ class MedusaDrafter(BaseDrafter):
         topo, depth_idx, rank_idx = self._layout(context.tree_size)
         if topo.n == 1:
             return root_only(root)
-        logits = self.heads(context.hidden[None].to(self.lm_head.weight.device), self.lm_head)[0]  # [K, V]
+        feature = context.hidden[-1]  # [H]: the row that predicted the root
+        logits = self.heads(feature[None].to(self.lm_head.weight.device), self.lm_head)[0]  # [K, V]
         top = torch.topk(logits, topo.max_rank + 1, dim=-1).indices  # [K, R]
         nodes = top[depth_idx, rank_idx].cpu()
         tokens = torch.cat([torch.tensor([root], dtype=torch.int64), nodes.to(torch.int64)])

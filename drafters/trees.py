@@ -220,8 +220,8 @@ class AcceptanceRecorder:
         return getattr(self.inner, "vocab_size", None)
 
     @property
-    def needs_hidden_states(self) -> bool:
-        return bool(getattr(self.inner, "needs_hidden_states", False))
+    def needs_hidden_states(self) -> bool | str:
+        return getattr(self.inner, "needs_hidden_states", False)  # as is: "all" / "last" must pass through
 
     def reset(self, input_ids):
         return self.inner.reset(input_ids)

@@ -5,10 +5,21 @@ Per decoding step and sequence the engine calls ``propose(context)`` and verifie
 can advance its own state (its KV cache, an n-gram table, ...). ``reset(input_ids)`` starts a new
 ``generate`` call. Drafters know nothing about verification beyond the ``Verdict`` they are shown.
 
-A drafter that reads the target's own features (Medusa heads) sets ``needs_hidden_states = True``;
-the engine then takes the target's final hidden states from its forwards (the LM head's input)
-and passes the one that predicted the root in ``DraftContext.hidden``. Nothing else about the
-target reaches a drafter.
+A drafter that reads the target's own features sets ``needs_hidden_states``; the engine then takes
+the target's final hidden states from its forwards (the LM head's input, after the final norm:
+``f_p`` turns into the distribution of token p + 1) and passes them in ``DraftContext.hidden``, an
+``[m, H]`` block whose last row always predicted the root. How much it gets:
+
+- ``True`` or ``"last"`` (Medusa heads): only that row, ``m = 1``; nothing else is kept.
+- ``"all"`` (EAGLE heads): every committed token's feature, each exactly once per ``generate``
+  call: the rows the drafter has not been given before, i.e. at the first step the whole prompt's
+  but its last token (positions ``0 .. L - 2``), afterwards the accepted path's nodes (the root and
+  the accepted drafted nodes; the last one predicted the bonus token, the next root). The engine
+  then also keeps the prompt's features from the prefill (``L x H`` per sequence).
+
+No feature exists before the first token: at the first step of a one-token prompt ``hidden`` is
+None. ``hidden_states_request(drafter)`` reads the attribute (ValueError for other values).
+Nothing else about the target reaches a drafter.
 
 Contract of ``propose``:
 
@@ -32,7 +43,12 @@ if TYPE_CHECKING:
     from specdec.tree import TokenTree
     from specdec.verify import Verdict
 
-__all__ = ["DraftContext", "Drafter", "BaseDrafter"]
+__all__ = ["HIDDEN_ALL", "HIDDEN_LAST", "DraftContext", "Drafter", "BaseDrafter", "hidden_states_request"]
+
+#: ``needs_hidden_states`` value: the feature that predicted the root only (``hidden`` is ``[1, H]``).
+HIDDEN_LAST = "last"
+#: ``needs_hidden_states`` value: every committed token's feature, each once per ``generate`` call.
+HIDDEN_ALL = "all"
 
 
 @dataclass(frozen=True)
@@ -46,9 +62,14 @@ class DraftContext:
         seq: index of the sequence in the batch (drafters keeping per-sequence state key on it).
         sampling: None for greedy decoding, else the target's sampling transform.
         generator: the random generator of this ``generate`` call (None = torch's default).
-        hidden: ``[H]`` (the target's dtype and device), the target's final hidden state at
-            ``tokens[-2]``, the state from which the root ``tokens[-1]`` was predicted; only for
-            drafters with ``needs_hidden_states`` (None otherwise, or when the prompt is 1 token).
+        hidden: ``[m, H]`` (m >= 1; the target's dtype and device): the target's final hidden
+            states (the LM head's input) at positions ``L - 1 - m .. L - 2`` (L = ``len(tokens)``),
+            so row -1 is the state at ``tokens[-2]`` from which the root ``tokens[-1]`` was
+            predicted. Only for drafters with ``needs_hidden_states`` (None otherwise, and at the
+            first step of a one-token prompt). ``"last"`` / True: m = 1. ``"all"``: the rows not
+            given before in this ``generate`` call: m = L - 1 at the first step (the prompt but its
+            last token), then the accepted path of the previous step (root + accepted drafted nodes).
+            A fresh tensor per step (the drafter may keep it).
     """
 
     tokens: torch.Tensor
@@ -63,7 +84,10 @@ class DraftContext:
 class Drafter(Protocol):
     """Proposes token trees. ``vocab_size`` (or None if unknown) is checked against the target's.
 
-    ``needs_hidden_states`` (optional, default False): ask the engine for ``DraftContext.hidden``.
+    ``needs_hidden_states`` (optional, default False): ask the engine for the target's features in
+    ``DraftContext.hidden``: True or ``"last"`` (``HIDDEN_LAST``) for the one that predicted the root
+    (``[1, H]``; cheap), ``"all"`` (``HIDDEN_ALL``) for every committed token's, each given once
+    (``[m, H]``; the prefill then also returns the prompt's features). See the module docstring.
     """
 
     vocab_size: int | None
@@ -82,7 +106,7 @@ class BaseDrafter:
     """Convenience base: no-op ``reset`` / ``update``, an unknown vocabulary, no hidden states."""
 
     vocab_size: int | None = None
-    needs_hidden_states: bool = False
+    needs_hidden_states: bool | str = False
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
         return None
@@ -92,3 +116,19 @@ class BaseDrafter:
 
     def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
         return None
+
+
+def hidden_states_request(drafter) -> str | None:
+    """What ``drafter`` asks of ``DraftContext.hidden``: None (nothing), ``HIDDEN_LAST`` or ``HIDDEN_ALL``.
+
+    Reads ``drafter.needs_hidden_states`` (absent / false: nothing; true or ``"last"``: the feature
+    that predicted the root; ``"all"``: every committed token's). ``drafter`` may be None. Raises
+    ValueError naming ``drafter`` for any other string.
+    """
+    want = getattr(drafter, "needs_hidden_states", False)
+    if isinstance(want, str):
+        if want not in (HIDDEN_LAST, HIDDEN_ALL):
+            raise ValueError(f"drafter: expected needs_hidden_states to be a bool, {HIDDEN_LAST!r} or "
+                             f"{HIDDEN_ALL!r}, got {want!r}")
+        return want
+    return HIDDEN_LAST if want else None

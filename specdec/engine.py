@@ -50,7 +50,7 @@ from types import MappingProxyType
 
 import torch
 
-from specdec.drafting import DraftContext, Drafter
+from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request
 from specdec import hf
 from specdec.graphs import GraphedForward, configure_compile_cache, replay_modes
 from specdec.kv import KVCache
@@ -273,8 +273,10 @@ class _Run:
             ``seqs[b, lens[b] - 1]``, is the next tree's root.
         lens: committed tokens per sequence.
         done: per sequence, finished (eos or max_new_tokens).
-        hidden: per sequence, the target's final hidden state that predicted the root (drafters
-            with ``needs_hidden_states``), or None.
+        hidden: per sequence, the next ``DraftContext.hidden`` (drafters with
+            ``needs_hidden_states``): ``[m, H]``, the target's final hidden states of the committed
+            positions ``lens[b] - 1 - m .. lens[b] - 2`` not yet shown to the drafter (m = 1 for
+            ``"last"``), or None.
         cache: the target's KV cache (holds every committed token's KV but the root's).
         sampling, generator, eos, max_new_tokens, on_tokens: ``generate``'s arguments.
     """
@@ -351,7 +353,9 @@ class SpecDecoder:
     (``prefill_forwards``) keeps logits of one position per sequence (``[B, 1, V]``), or of all
     ``prefill_width`` positions (``[B, prefill_width, V]``, 74 MiB per sequence for Qwen2.5's
     151936-token vocabulary in bf16) with a drafter that reads hidden states, plus, with CUDA graphs,
-    its graph's pool of activations.
+    its graph's pool of activations. A drafter with ``needs_hidden_states = "all"`` (EAGLE) is also
+    handed its prompt's features, ``[L, H]`` per sequence (the eager prefill still runs the LM head
+    on one position per sequence: no ``[B, L, V]`` logits); ``"last"`` / True (Medusa) gets one row.
     ``release()`` drops them. Call ``warmup()`` before timing to build them ahead of time.
     """
 
@@ -396,8 +400,11 @@ class SpecDecoder:
         self.target = target
         self.drafter = drafter
         self.tree_size = tree_size if drafter is not None else 0
-        # Drafters that read the target's hidden state (Medusa heads) get it in DraftContext.hidden.
-        self._wants_hidden = bool(getattr(drafter, "needs_hidden_states", False)) and self.tree_size > 0
+        # Drafters that read the target's hidden states (Medusa, EAGLE heads) get them in DraftContext.hidden:
+        # None, HIDDEN_LAST (the one that predicted the root) or HIDDEN_ALL (every committed token's, once).
+        request = hidden_states_request(drafter)
+        self._hidden_mode: str | None = request if self.tree_size > 0 else None
+        self._wants_hidden = self._hidden_mode is not None
         self.max_cache_len = max_cache_len
         self.device = hf.input_device(target)
         self.static_shapes, self.cuda_graphs, self.compile = replay_modes(
@@ -617,9 +624,11 @@ class SpecDecoder:
             lens: the prompt lengths.
 
         Returns:
-            Per sequence, the target's final hidden state at its second-to-last prompt token (the
-            state that predicted the root) for drafters with ``needs_hidden_states``; else Nones
-            (also for one-token prompts).
+            Per sequence, the first ``DraftContext.hidden`` for drafters with
+            ``needs_hidden_states``: the target's final hidden states of prompt positions
+            ``0 .. lens[b] - 2`` (``[lens[b] - 1, H]``) for ``"all"``, of position ``lens[b] - 2``
+            only (``[1, H]``: the state that predicted the root) for ``"last"``; else Nones (also
+            for one-token prompts).
         """
         batch, longest = len(lens), max(lens)
         hidden: list[torch.Tensor | None] = [None] * batch
@@ -627,11 +636,14 @@ class SpecDecoder:
             graphed = self._prefill_forward(cache, batch)
             if graphed is not None:
                 hidden = self._chunked_prefill(graphed, seqs, lens)
+            elif self._hidden_mode == HIDDEN_ALL:  # [B, longest - 1, H]; row b valid up to lens[b] - 2
+                h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, all_hidden=True)
+                hidden = [h[b, : lens[b] - 1] if lens[b] > 1 else None for b in range(batch)]
             else:
-                at = torch.tensor([max(n - 2, 0) for n in lens]) if self._wants_hidden else None
+                at = torch.tensor([max(n - 2, 0) for n in lens]) if self._hidden_mode == HIDDEN_LAST else None
                 h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, hidden_at=at)
-                if h is not None:
-                    hidden = [h[b] if lens[b] > 1 else None for b in range(batch)]
+                if h is not None:  # [B, H]
+                    hidden = [h[b, None] if lens[b] > 1 else None for b in range(batch)]
         cache.lengths = [n - 1 for n in lens]
         return hidden
 
@@ -684,10 +696,15 @@ class SpecDecoder:
         ever overwrites a committed slot, and each committed slot holds the KV a causal forward
         over the whole prompt would (up to rounding).
 
-        Hidden states (drafters with ``needs_hidden_states``): position ``lens[b] - 2`` lies in
-        exactly one chunk, where it is node ``lens[b] - 2 - start`` of sequence b; it is copied
-        (``clone``, queued on the same stream) before the next chunk's forward overwrites the
-        output buffer.
+        Hidden states (drafters with ``needs_hidden_states``), copied (queued on the same stream)
+        before the next chunk's forward overwrites the output buffer: ``"last"``: position
+        ``lens[b] - 2`` lies in exactly one chunk, where it is node ``lens[b] - 2 - start`` of
+        sequence b (``[1, H]``). ``"all"``: sequence b's chain nodes ``0 .. min(stop, end_b) -
+        start - 1`` of every chunk are its positions ``start .. min(stop, end_b) - 1``, copied into
+        one ``[end_b, H]`` tensor per sequence (the dummy trees' nodes are never read).
+
+        Returns:
+            Per sequence, as ``_prefill`` (None for one-token prompts or without hidden states).
         """
         batch, width, capacity = graphed.batch, graphed.n, graphed.cache.capacity
         ends = [n - 1 for n in lens]
@@ -702,11 +719,18 @@ class SpecDecoder:
                 else:
                     trees.append(dummy)
                     prefix.append(end)
-            _, h = graphed.run(trees, prefix)
-            if self._wants_hidden:
+            _, h = graphed.run(trees, prefix)  # h: [B, W, H] (the fixed output buffer) or None
+            if self._hidden_mode == HIDDEN_LAST:
                 for b, end in enumerate(ends):
                     if start <= end - 1 < stop:
-                        hidden[b] = h[b, end - 1 - start].clone()
+                        hidden[b] = h[b, end - 1 - start : end - start].clone()
+            elif self._hidden_mode == HIDDEN_ALL:
+                for b, end in enumerate(ends):
+                    if end > start:
+                        if hidden[b] is None:
+                            hidden[b] = h.new_empty(end, h.shape[-1])
+                        got = min(stop, end)
+                        hidden[b][start:got].copy_(h[b, : got - start])
         return hidden
 
     # ------------------------------------------------------------------ one step
@@ -806,6 +830,11 @@ class SpecDecoder:
                 node_hidden: torch.Tensor | None) -> tuple[list[list[int]], list[tuple[int, ...] | None]]:  # fmt: skip
         """Append each verdict's tokens (cut at eos and max_new_tokens) to ``run``.
 
+        With ``node_hidden`` (``[B, n, H]``, the forward's final hidden states), sets each
+        sequence's next ``run.hidden`` to copies of its committed nodes' rows (the next forward
+        overwrites ``node_hidden``): ``"all"``: ``[k, H]`` of the kept path's k nodes, whose last
+        row predicted the last appended token (the next root); ``"last"``: that last row only.
+
         Returns:
             Per sequence, the tokens appended, and the tree nodes whose KV the cache keeps: the
             root and the accepted nodes whose tokens were kept (a path cut by max_new_tokens or
@@ -829,10 +858,14 @@ class SpecDecoder:
             run.lens[b] += len(new)
             if run.lens[b] - len(run.prompts[b]) >= run.max_new_tokens or (new and new[-1] in run.eos):
                 run.done[b] = True
+            kept = v.path[: len(new)]  # node kept[i] predicted new[i]
             appended.append(new)
-            paths.append(v.path[: len(new)])
-            if node_hidden is not None:  # predicted the bonus token, the next root; copied: the
-                run.hidden[b] = node_hidden[b, v.path[-1]].clone()  # next forward overwrites node_hidden
+            paths.append(kept)
+            if node_hidden is not None:  # copies: the next forward overwrites node_hidden
+                if self._hidden_mode == HIDDEN_ALL:
+                    run.hidden[b] = node_hidden[b, list(kept)]  # advanced indexing copies
+                else:
+                    run.hidden[b] = node_hidden[b, kept[-1] : kept[-1] + 1].clone()
         return appended, paths
 
     def _graphed(self, cache: KVCache, batch: int, n: int) -> GraphedForward:

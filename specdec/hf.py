@@ -341,8 +341,13 @@ def input_device(model) -> torch.device:
 
 
 @contextlib.contextmanager
-def _head_inputs(model, enabled: bool):
-    """Collect the input of the model's output embedding (the final hidden states) during a call."""
+def _head_inputs(model, enabled: bool, head_rows=None):
+    """Collect the input of the model's output embedding (the final hidden states) during a call.
+
+    ``head_rows``: None = the head runs on its whole input; else the head is handed only these rows
+    of it (an int k: the last k; an int64 tensor: those positions, transformers' ``logits_to_keep``
+    semantics) while the whole input is collected: features of every row, logits of a few.
+    """
     got: list[torch.Tensor] = []
     if not enabled:
         yield got
@@ -350,7 +355,15 @@ def _head_inputs(model, enabled: bool):
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"model: {type(model).__name__} has no output embedding (LM head) to take hidden states from")
-    handle = head.register_forward_pre_hook(lambda module, args: got.append(args[0]))
+
+    def hook(module, args):
+        got.append(args[0])
+        if head_rows is None:
+            return None
+        rows = slice(-head_rows, None) if isinstance(head_rows, int) else head_rows.to(args[0].device)
+        return (args[0][:, rows],) + tuple(args[1:])
+
+    handle = head.register_forward_pre_hook(hook)
     try:
         yield got
     finally:
@@ -358,7 +371,7 @@ def _head_inputs(model, enabled: bool):
 
 
 def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state, logits_to_keep=0,
-              return_hidden: bool = False):
+              return_hidden: bool | str = False):
     """One model forward with ``state`` handed to every attention layer; no host sync inside.
 
     Args:
@@ -369,23 +382,30 @@ def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state, lo
             keeps those positions (transformers' semantics).
         return_hidden: also return the final hidden states: what the model's LM head reads (after
             the final norm), taken with a forward pre-hook on the output embedding that lives only
-            for this call.
+            for this call. True: of the rows whose logits are kept; ``"all"``: of all m rows (the
+            LM head still runs on the kept rows only).
 
     Returns:
         ``[B, m or k, V]`` logits, or ``(logits, hidden)`` with ``hidden`` ``[B, m or k, H]`` when
-        ``return_hidden``. With fixed-address inputs and ``state.kv_len=None`` this call is the
-        body a CUDA graph would capture.
+        ``return_hidden`` (``[B, m, H]`` with ``"all"``). With fixed-address inputs and
+        ``state.kv_len=None`` this call is the body a CUDA graph would capture.
     """
+    if return_hidden not in (False, True, "all"):
+        raise ValueError(f"return_hidden: expected False, True or 'all', got {return_hidden!r}")
+    every_row = return_hidden == "all"
+    head_rows = None
+    if every_row and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        head_rows = logits_to_keep
     # A 4-D mask counts as "already prepared": transformers builds none (the state carries the real one).
     dummy_mask = torch.ones(input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=input_ids.device)
-    with _head_inputs(model, return_hidden) as hidden:
+    with _head_inputs(model, bool(return_hidden), head_rows) as hidden:
         out = model(
             input_ids=input_ids,
             position_ids=positions,
             attention_mask=dummy_mask,
             past_key_values=None,
             use_cache=False,
-            logits_to_keep=logits_to_keep,
+            logits_to_keep=0 if every_row else logits_to_keep,
             **{STATE_KWARG: state},
         )
     if not return_hidden:
@@ -397,7 +417,7 @@ def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state, lo
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto",
-            hidden_at: torch.Tensor | None = None) -> torch.Tensor | None:
+            hidden_at: torch.Tensor | None = None, all_hidden: bool = False) -> torch.Tensor | None:
     """Write the KV of ``input_ids`` to cache slots ``[0, m)`` (causal attention, positions 0..m-1).
 
     Args:
@@ -406,15 +426,23 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto",
         cache: the cache to fill; its lengths are left to the caller.
         hidden_at: optional int64 ``[B]``: return row b's final hidden state at position
             ``hidden_at[b]`` (e.g. its last real token).
+        all_hidden: return the final hidden states of all m positions (row b's are valid up to its
+            last real token); the LM head still runs on one position per row only (no ``[B, m, V]``
+            logits). Not together with ``hidden_at``.
 
     Returns:
-        None, or ``[B, H]`` final hidden states (the LM head's input) when ``hidden_at`` is given.
+        None, ``[B, H]`` final hidden states (the LM head's input) when ``hidden_at`` is given, or
+        ``[B, m, H]`` with ``all_hidden``.
     """
+    if all_hidden and hidden_at is not None:
+        raise ValueError("hidden_at: expected None with all_hidden=True (which returns every position's)")
     batch, m = input_ids.shape
     device = input_device(model)
     ids = input_ids.to(device)
     positions = torch.arange(m, device=device).expand(batch, m)
     state = ForwardState(cache=cache, slots=positions, positions=positions, impl=impl)
+    if all_hidden:
+        return run_state(model, ids, positions, state, logits_to_keep=1, return_hidden="all")[1]
     if hidden_at is None:
         run_state(model, ids, positions, state, logits_to_keep=1)
         return None

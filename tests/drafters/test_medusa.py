@@ -61,7 +61,7 @@ def test_drafter_fills_a_static_topology_of_exactly_t_nodes(t):
     target, heads = _target(), _random_heads()
     drafter = MedusaDrafter(target, heads)
     h = torch.randn(64)
-    tree = drafter.propose(DraftContext(_prompt(6, 0), t, hidden=h))
+    tree = drafter.propose(DraftContext(_prompt(6, 0), t, hidden=h[None]))  # [1, H]: the root's predictor
     assert tree.n - 1 == t
     topo = drafter.topology(t)
     assert topo.max_depth <= 4
@@ -75,9 +75,9 @@ def test_drafter_without_hidden_state_is_root_only_and_fixed_choices_truncate():
     target, heads = _target(), _random_heads()
     assert MedusaDrafter(target, heads).propose(DraftContext(_prompt(6, 0), 32)).n == 1
     fixed = MedusaDrafter(target, heads, choices=MC_SIM_7B_63)
-    tree = fixed.propose(DraftContext(_prompt(6, 0), 63, hidden=torch.randn(64)))
+    tree = fixed.propose(DraftContext(_prompt(6, 0), 63, hidden=torch.randn(1, 64)))
     assert tree.n == 64 and tree.parents.tolist() == Topology.from_choices(MC_SIM_7B_63).parents.tolist()
-    assert fixed.propose(DraftContext(_prompt(6, 0), 10, hidden=torch.randn(64))).n == 11
+    assert fixed.propose(DraftContext(_prompt(6, 0), 10, hidden=torch.randn(1, 64))).n == 11
     with pytest.raises(ValueError, match=r"choices: expected depth <= num_heads = 2, got 4"):
         MedusaDrafter(target, _random_heads(2), choices=MC_SIM_7B_63)
     with pytest.raises(ValueError, match=r"heads: expected hidden_size 64 \(the target's\), got 32"):

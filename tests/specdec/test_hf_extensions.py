@@ -116,7 +116,8 @@ class _HiddenProbe(OracleDrafter):
         if len(toks) == 1:
             assert ctx.hidden is None
         else:
-            torch.testing.assert_close(ctx.hidden, _fresh(self.model, toks[:-1])[1], atol=3e-5, rtol=1e-4)
+            assert ctx.hidden.shape == (1, self.model.config.hidden_size)  # needs_hidden_states=True: the last row
+            torch.testing.assert_close(ctx.hidden[-1], _fresh(self.model, toks[:-1])[1], atol=3e-5, rtol=1e-4)
             self.checked += 1
         return super().propose(ctx)
 

@@ -217,7 +217,7 @@ def test_hidden_state_equals_eager_prefill():
         if n == 1:
             assert got[b] is None and want[b] is None
         else:
-            assert got[b].shape == (64,)
+            assert got[b].shape == (1, 64)
             torch.testing.assert_close(got[b], want[b], atol=1e-5, rtol=1e-5)
             assert got[b].data_ptr() != gf.hidden.data_ptr()  # a copy, not a view of the output buffer
 
