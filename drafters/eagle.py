@@ -37,31 +37,41 @@ root r = the last committed token at position L - 1:
    ``(f_{L-2}, r)``; its output ``y_{L-1}`` gives the root's children. Features come from the
    engine (``DraftContext.hidden``) where it has them, else from the head's own predictions kept
    from the last step; a pair with neither is skipped (the head simply never attends to it).
-2. **Expand, one forward per depth**: the ``topk`` candidates of best cumulative draft
-   log-probability at depth d run as one forward of ``topk`` queries (pair = their token and their
-   parent's output feature), attending to the committed pairs and, through an explicit tree mask,
-   to their expanded ancestors (written into the cache right after the committed pairs, root
-   first). Each expanded node contributes its top-``w`` children.
+2. **Expand, one forward per depth, on the device**: the ``topk`` candidates of best cumulative
+   draft log-probability at depth d (ties: the earlier candidate) run as one forward of ``topk``
+   queries (pair = their token and their parent's output feature, position = root's + d), attending
+   to the committed pairs and, through an explicit tree mask, to their expanded ancestors (written
+   into the cache right after the committed pairs, root first). Each expanded node contributes its
+   top-``w`` children. Everything between two forwards stays on the device (``_Expansion``): the
+   LM head, log-softmax (after the target's warping when sampling), per-row top-``w``, cumulative
+   scores (float64, as the former host loop added them), a stable sort for the next frontier, the
+   frontier's ancestor rows (parent's row | its own bit) and from them the mask. Shapes depend only
+   on (``topk``, ``w``, depth) and the cache, so the loop is one CUDA graph (``cuda_graphs``).
+   Per depth the candidates' tokens, scores and the picked frontier go to one preallocated record,
+   copied to the host once after the loop: the step's only device-to-host transfer.
 3. **Re-rank**: the best ``tree_size`` candidates by cumulative draft log-probability
    (``drafters._build.best_first``: ancestor-closed). Children are deterministic (``"topk"``), so
    stochastic verification stays lossless without ``draft_probs``.
 4. **Commit** (``update``): the accepted path's expanded nodes keep their KV (``KVCache.commit``);
    the last one's output feature is kept for the next step's catch-up.
 
-Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``topk`` rows each) and
-one host sync per depth (the top-k). The forwards are eager today; with ``static_shapes`` they
-already have fixed shapes, ready for a CUDA-graph capture like the draft model's.
+Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``topk`` rows each), one
+host-to-device copy of the catch-up's inputs and one device-to-host copy of the record (the only
+sync); the re-rank then builds the same node pool on the host as the former per-depth loop did
+(``_Plan.pool``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
+running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step.
 
-What the engine provides today (``specdec.drafting``) is **one** feature per step: ``f_{L-2}``,
-the target's hidden state that predicted the root. So the pairs of the prompt are skipped (the
-first step attends to the root's pair only), the accepted drafted tokens keep the pairs the head
-computed from its own predicted features, an accepted leaf (never expanded) gets its parent's
-predicted feature, and the root's pair always gets the target's real feature. That is a degraded
-EAGLE catch-up; verification -- and so greedy equality and lossless sampling -- does not depend on
-it. The full catch-up needs the target's features of *every* committed token: ``propose`` already
-accepts ``DraftContext.hidden`` of shape ``[m, H]`` = the features at positions
-``L - 1 - m .. L - 2`` (e.g. the whole prompt's at the first step, the accepted path's later) and
-then recomputes those pairs with the real features.
+What the engine provides today (``specdec.drafting``; ``needs_hidden_states = "all"``): the
+target's features of *every* committed token, each once per ``generate`` call, as
+``DraftContext.hidden`` of shape ``[m, H]`` = the features at positions ``L - 1 - m .. L - 2``: the
+whole prompt's but its last token at the first step, afterwards the accepted path's (the root and
+the accepted drafted nodes; the last row predicted the new root). So every committed pair is built
+from the target's real feature: the catch-up recomputes the pairs of accepted drafted tokens
+(computed from the head's own predicted features while drafting) with the real ones, as EAGLE
+does. A one-token prompt has no feature at its first step (the tree is root-only). ``propose``
+also takes fewer rows (e.g. ``[H]``: only ``f_{L-2}``); pairs without a real feature then use the
+head's own predictions or are skipped -- a degraded catch-up. Verification -- and so greedy
+equality and lossless sampling -- does not depend on it.
 """
 
 from __future__ import annotations
@@ -72,6 +82,8 @@ import inspect
 import json
 import math
 import os
+import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -82,8 +94,9 @@ from torch import nn
 from drafters._build import NodePool, best_first, make_tree, root_only
 from specdec import hf
 from specdec.drafting import BaseDrafter, DraftContext
+from specdec.graphs import _clear_cublas_workspaces
 from specdec.kv import KVCache
-from specdec.sampling import warp_logits
+from specdec.sampling import SamplingConfig, warp_logits
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
 
@@ -322,13 +335,208 @@ class EagleHead(nn.Module):
 # the drafter
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """The static shape of one step's expansion: a function of (frontier width, children, depth).
+
+    Depth d = 1 .. ``depth`` draws ``cand[d - 1] = rows[d - 1] * width`` candidates: the top-``width``
+    children of each of the ``rows[d - 1]`` nodes expanded at depth d - 1 (``rows[0] = 1``: the
+    root), in row order. For d < ``depth`` the best ``rows[d] = min(topk, cand[d - 1])`` of them
+    are expanded by one head forward of ``rows[d]`` queries, with expanded indices (and cache slots
+    ``base + index``) ``offsets[d] + q`` in frontier order (``offsets[0] = 0``: the root). ``rows[d]``
+    is ``topk`` unless the vocabulary is smaller than ``topk``: then the former host loop expanded
+    fewer nodes, and so does this plan (no dead rows: every row is a real node).
+
+    The record (int64, ``record_size``): candidate tokens ``[depth, n_max]``, then their cumulative
+    scores ``[depth, n_max]`` (float64 bits), then the candidate picked for each frontier row
+    ``[depth - 1, topk]``; rows hold ``cand[d - 1]`` / ``rows[d]`` valid entries.
+    """
+
+    topk: int
+    width: int
+    depth: int
+    rows: tuple[int, ...]
+    offsets: tuple[int, ...]
+    cand: tuple[int, ...]
+
+    @classmethod
+    def make(cls, topk: int, width: int, depth: int) -> "_Plan":
+        rows, offsets, cand = [1], [0], []
+        for d in range(1, depth + 1):
+            cand.append(rows[-1] * width)
+            if d < depth:
+                offsets.append(offsets[-1] + rows[-1])
+                rows.append(min(topk, cand[-1]))
+        return cls(topk, width, depth, tuple(rows), tuple(offsets), tuple(cand))
+
+    @property
+    def expanded(self) -> int:
+        """Expanded nodes (head outputs) per step, the root included."""
+        return self.offsets[-1] + self.rows[-1]
+
+    @property
+    def n_max(self) -> int:
+        return max(self.cand)
+
+    @property
+    def record_size(self) -> int:
+        return 2 * self.depth * self.n_max + (self.depth - 1) * self.topk
+
+    def views(self, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tokens [depth, n_max] int64, scores [depth, n_max] float64, picks [depth - 1, topk] int64)``,
+        views of ``record`` (device or host)."""
+        size = self.depth * self.n_max
+        tok = record[:size].view(self.depth, self.n_max)
+        score = record[size : 2 * size].view(torch.float64).view(self.depth, self.n_max)
+        pick = record[2 * size :].view(self.depth - 1, self.topk)
+        return tok, score, pick
+
+    def pool(self, record: torch.Tensor, root: int) -> NodePool:
+        """The node pool of the former host loop, from a host copy of the record.
+
+        Nodes in creation order: the root, then depth by depth the candidates of each frontier row
+        (rows in frontier order, children in top-``width`` order); ``exp`` = expanded index of the
+        frontier nodes (-1 for the others), ``score`` = the device's float64 cumulative scores.
+        """
+        tok, score, pick = (t.tolist() for t in self.views(record))
+        pool = NodePool.rooted(root)
+        width, frontier = self.width, [0]  # pool nodes expanded at depth d - 1, in row order
+        for d in range(1, self.depth + 1):
+            first, toks, scores = len(pool.tok), tok[d - 1], score[d - 1]
+            for c in range(self.cand[d - 1]):
+                parent = frontier[c // width]
+                pool.tok.append(toks[c])
+                pool.par.append(parent)
+                pool.score.append(scores[c])
+                pool.dep.append(d)
+                pool.exp.append(-1)
+                pool.children.append([])
+                pool.children[parent].append(first + c)
+            if d < self.depth:
+                frontier = [first + c for c in pick[d - 1][: self.rows[d]]]
+                for q, node in enumerate(frontier):
+                    pool.exp[node] = self.offsets[d] + q
+        return pool
+
+
+class _Expansion:
+    """One plan's expansion over one sequence's head cache, at fixed addresses.
+
+    Inputs, refilled in place every step (``run``): ``scalars`` = (slot of the root's pair ``base``,
+    the root's position) and ``feat[0]`` = the root's output feature (from the catch-up). Outputs:
+    ``feat [E, H]`` = the output features of the ``E = plan.expanded`` expanded nodes (index e at
+    cache slot ``base + e``) and ``record`` (see ``_Plan``). ``_body`` -- the whole loop, one head
+    forward per depth after the root -- reads nothing but these buffers, the head's weights and
+    the cache, never syncs with the host and has shapes fixed by (plan, cache capacity) when run
+    over the whole capacity: ``capture=True`` records it once as a CUDA graph and replays it;
+    ``capture=False`` runs the same body eagerly (what CPU tests check).
+    """
+
+    def __init__(self, drafter: "EagleDrafter", cache: KVCache, plan: _Plan, sampling: SamplingConfig | None,
+                 capture: bool) -> None:  # fmt: skip
+        dev, w = drafter.device, drafter.head.fc.weight
+        self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
+        self.scalars = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.feat = torch.zeros(plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
+        self.record = torch.zeros(plan.record_size, dtype=torch.int64, device=dev)
+        self.tok, self.score, self.pick = plan.views(self.record)
+        self.graph = None  # torch.cuda.CUDAGraph once captured
+        #: seconds the capture took (warm-up forwards + recording), None before / without it
+        self.capture_s: float | None = None
+
+    @torch.no_grad()
+    def run(self, base: int, root_pos: int, root_feat: torch.Tensor, kv_lens: Sequence[int]) -> torch.Tensor:
+        """Load the step's inputs, expand, return the record on the host (the step's one sync).
+
+        ``kv_lens[d - 1]``: attention reads cache slots ``[0, kv_lens[d - 1])`` at depth d (eager
+        only; a captured graph reads the whole capacity).
+        """
+        stage = torch.tensor([base, root_pos], dtype=torch.int64)
+        if self.scalars.is_cuda:
+            stage = stage.pin_memory()
+        self.scalars.copy_(stage, non_blocking=True)
+        self.feat[0].copy_(root_feat)
+        if self.capture:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        else:
+            self._body(kv_lens)
+        return self.record.cpu()
+
+    def _body(self, kv_lens: Sequence[int]) -> None:
+        """Depths 1 .. plan.depth on the device: candidates, the next frontier, its head forward."""
+        drafter, plan = self.drafter, self.plan
+        dev, width, expanded = self.feat.device, plan.width, plan.expanded
+        base, root_pos = self.scalars[0], self.scalars[1]
+        cols = torch.arange(expanded, device=dev)
+        anc = (cols == 0)[None]  # [rows, E]: each frontier row's expanded ancestors-or-self (the root: itself)
+        feats = self.feat[:1]  # output features of the frontier rows
+        score = torch.zeros(1, dtype=torch.float64, device=dev)  # their cumulative draft log-probabilities
+        for d in range(1, plan.depth + 1):
+            n = plan.cand[d - 1]
+            logits = drafter.parts.logits(feats).float()
+            logq = torch.log_softmax(logits if self.sampling is None else warp_logits(logits, self.sampling), dim=-1)
+            vals, idx = torch.topk(logq, width, dim=-1)
+            # float64 sums, as the former host loop added Python floats: same scores, same order
+            cand_score = (score[:, None] + vals.double()).reshape(n)
+            cand_tok = idx.reshape(n)
+            self.tok[d - 1, :n].copy_(cand_tok)
+            self.score[d - 1, :n].copy_(cand_score)
+            if d == plan.depth:
+                break
+            rows, off = plan.rows[d], plan.offsets[d]
+            # the best `rows` candidates; stable: equal scores keep candidate order (the host loop's)
+            pick = torch.sort(cand_score, descending=True, stable=True).indices[:rows]
+            self.pick[d - 1, :rows].copy_(pick)
+            parent = torch.div(pick, width, rounding_mode="floor")  # frontier row of depth d - 1
+            own = off + torch.arange(rows, device=dev)  # expanded indices of the new rows
+            anc = anc[parent] | (cols[None] == own[:, None])
+            rel = torch.arange(kv_lens[d - 1], device=dev) - base  # slot - base: expanded index
+            visible = (rel < 0)[None] | (anc[:, rel.clamp(0, expanded - 1)] & (rel < expanded)[None])
+            positions = (root_pos + d).expand(1, rows)
+            out = drafter._forward(self.cache, cand_tok[pick], feats[parent], positions, base + own, visible)
+            self.feat[off : off + rows].copy_(out)
+            feats = self.feat[off : off + rows]
+            score = cand_score[pick]
+
+    def _capture(self) -> None:
+        """Warm up (current stream, then a side stream), then record ``_body`` over the whole cache.
+
+        The body is idempotent for fixed inputs (it rewrites the same cache slots and outputs), so
+        the warm-up runs change nothing the replay right after the capture does not redo.
+        """
+        dev = self.feat.device
+        kv_lens = [self.cache.capacity] * (self.plan.depth - 1)
+        with torch.cuda.device(dev):
+            torch.cuda.synchronize(dev)
+            start = time.perf_counter()
+            self._body(kv_lens)
+            layers = list(self.cache.layer_indices)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._body(kv_lens)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            _clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._body(kv_lens)
+            _clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
+            if list(self.cache.layer_indices) != layers:
+                raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
+            torch.cuda.synchronize(dev)
+            self.capture_s = time.perf_counter() - start
+        self.graph = graph
+
+
 @dataclass
 class _Proposal:
     """The last proposed tree of a sequence, for ``update``."""
 
     n: int  # tree nodes
     node_exp: list[int]  # tree node -> expanded index (-1: a leaf the head never ran)
-    exp_feat: torch.Tensor  # [E, H] output features of the expanded nodes, index 0 = the root
+    exp_feat: torch.Tensor  # [E, H] output features of the expanded nodes, index 0 = the root (a reused buffer)
     base: int  # cache slot of expanded node 0 (the root's pair); expanded node e sits at base + e
     root_pos: int  # position of the root
 
@@ -340,6 +548,8 @@ class _SeqState:
     tokens: list[int] = field(default_factory=list)  # tokens the committed pairs were computed for
     feats: dict[int, torch.Tensor] = field(default_factory=dict)  # position q -> predicted f_q (for pair q + 1)
     last: _Proposal | None = None
+    #: (plan, sampling) -> its expansion over ``cache`` (buffers and CUDA graph; dropped with the cache)
+    expansions: dict[tuple[_Plan, SamplingConfig | None], _Expansion] = field(default_factory=dict)
 
 
 class EagleDrafter(BaseDrafter):
@@ -353,19 +563,25 @@ class EagleDrafter(BaseDrafter):
         depth: tree depth = head forwards per step (one catch-up / root forward, then one per depth).
         topk: frontier width: nodes expanded per depth after the root; each expanded node offers
             ``max(topk, ceil(tree_size / expanded))`` children so that trees fill their budget.
-        static_shapes: run every head forward with ``max(topk, 2)`` query rows (padding rows write
-            a scratch slot) over the whole cache (``kv_len`` = capacity): fixed shapes for a later
-            CUDA-graph capture. Default: True on CUDA. Longer catch-up chains run unpadded.
+        static_shapes: every head forward attends over the whole cache (``kv_len`` = capacity), and
+            the catch-up runs ``max(topk, 2)`` query rows (padding rows write a scratch slot; longer
+            chains run unpadded): fixed shapes. Default: True on CUDA.
+        cuda_graphs: replay each step's expansion loop (every head forward after the catch-up, the
+            top-k and the frontier selection between them) as one CUDA graph, captured per sequence,
+            (topk, children, depth, sampling transform) and cache; needs ``static_shapes`` and the
+            head on CUDA. Default: True there unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``
+            (False on other devices; True there raises).
 
-    Needs ``DraftContext.hidden`` (``needs_hidden_states``): ``[H]`` = the target's feature that
-    predicted the root (what the engine passes), or ``[m, H]`` = the features at positions
-    ``L - 1 - m .. L - 2`` (full catch-up, see the module doc). Without it the tree is root-only.
+    Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
+    positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
+    see the module doc), or ``[H]`` = only the one that predicted the root. Without it the tree is
+    root-only.
     """
 
-    needs_hidden_states = True
+    needs_hidden_states = "all"  # every committed token's target feature (specdec.drafting.HIDDEN_ALL)
 
     def __init__(self, target, head: EagleHead, tree_size: int | None = None, depth: int = 6, topk: int = 8, *,
-                 static_shapes: bool | None = None) -> None:  # fmt: skip
+                 static_shapes: bool | None = None, cuda_graphs: bool | None = None) -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -375,37 +591,88 @@ class EagleDrafter(BaseDrafter):
                 raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
         if tree_size is not None and (not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0):
             raise ValueError(f"tree_size: expected None or an int >= 0, got {tree_size!r}")
+        for name, val in (("static_shapes", static_shapes), ("cuda_graphs", cuda_graphs)):
+            if val is not None and not isinstance(val, bool):
+                raise ValueError(f"{name}: expected None, True or False, got {val!r}")
         self.parts = TargetParts.of(target)
         self.device = self.parts.lm_head.weight.device
+        on_cuda = self.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs: True needs the target's LM head (and the head) on a CUDA device, "
+                             f"got {self.device}")  # fmt: skip
+        if cuda_graphs and static_shapes is False:
+            raise ValueError("cuda_graphs: True needs static_shapes, got static_shapes=False")
         self.head = head.to(self.device).eval()
         self.vocab_size = hf.vocab_size(target)
         self.tree_size = tree_size
         self.depth = depth
         self.topk = topk
-        self.static_shapes = self.device.type == "cuda" if static_shapes is None else bool(static_shapes)
+        self.static_shapes = (on_cuda or bool(cuda_graphs)) if static_shapes is None else static_shapes
+        if cuda_graphs is None:
+            cuda_graphs = self.static_shapes and on_cuda and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0"
+        self.cuda_graphs = bool(cuda_graphs)
         self.static_width = max(topk, 2)
         self._states: dict[int, _SeqState] = {}
         #: head forwards run by the last ``propose`` (tests and accounting)
         self.last_forwards = 0
+        #: wall-clock seconds of the last ``propose`` (it ends with its one device-to-host copy, so the
+        #: device's drafting work is included), and of any CUDA-graph capture inside it (0.0 if none)
+        self.last_draft_s = 0.0
+        self.last_capture_s = 0.0
+        #: running totals over ``propose`` calls since construction (``draft_s`` includes captures)
+        self.draft_s = 0.0
+        self.proposals = 0
 
     # ------------------------------------------------------------------ protocol
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
-        """New ``generate`` call: forget every sequence (cache buffers are reused)."""
+        """New ``generate`` call: forget every sequence (cache buffers and captured expansions are reused)."""
         old, self._states = self._states, {}
         for b in range(len(input_ids)):
             prev = old.get(b)
-            cache = prev.cache if prev is not None else self._new_cache(len(input_ids[b]) + 64)
-            cache.reset()
-            self._states[b] = _SeqState(cache)
+            if prev is None:
+                self._states[b] = _SeqState(self._new_cache(len(input_ids[b]) + 64))
+            else:
+                prev.cache.reset()
+                self._states[b] = _SeqState(prev.cache, expansions=prev.expansions)
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
+        start = time.perf_counter()
+        self.last_forwards, self.last_capture_s = 0, 0.0
+        tree = self._propose(context)
+        self.last_draft_s = time.perf_counter() - start
+        self.draft_s += self.last_draft_s
+        self.proposals += 1
+        return tree
+
+    def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
+        """Keep the KV of the accepted path's expanded nodes; keep the last one's output feature."""
+        st = self._states.get(context.seq)
+        if st is None or st.last is None or st.last.n != tree.n:
+            return
+        prop, st.last = st.last, None
+        path = [0]
+        for node in verdict.path[1:]:
+            e = prop.node_exp[node]
+            if e < 0:
+                break
+            path.append(e)
+        st.cache.lengths = [prop.base]
+        st.cache.commit([path])
+        st.slot_pos += [prop.root_pos + j for j in range(len(path))]
+        st.tokens = context.tokens.tolist() + tree.path_tokens(verdict.path[1 : len(path)])
+        # predicts the token after the last committed pair: an accepted leaf's, or the next root's
+        # (a copy: the expansion's feature buffer is rewritten by the next step)
+        st.feats = {prop.root_pos + len(path) - 1: prop.exp_feat[path[-1]].clone()}
+
+    # ------------------------------------------------------------------ internals
+
+    def _propose(self, context: DraftContext) -> TokenTree:
         tokens = context.tokens.tolist()
         n_tok, root = len(tokens), tokens[-1]
         root_pos = n_tok - 1
         budget = context.tree_size if self.tree_size is None else min(self.tree_size, context.tree_size)
-        self.last_forwards = 0
         st = self._states.get(context.seq)
         if st is None:
             st = self._states[context.seq] = _SeqState(self._new_cache(n_tok + 64))
@@ -432,69 +699,44 @@ class EagleDrafter(BaseDrafter):
         frontier_width = min(self.topk, budget)
         expanded_max = 1 + frontier_width * (depth - 1)
         width = min(self.vocab_size, max(frontier_width, math.ceil(budget / expanded_max)))
+        plan = _Plan.make(frontier_width, width, depth)
         base = keep + len(pending) - 1  # slot of the root's pair
         self._ensure_capacity(st, keep, base + expanded_max + int(self.static_shapes))  # + the scratch slot
-        m = len(pending)
-        visible = torch.ones(m, base + 1, dtype=torch.bool)
-        visible[:, keep:] = torch.ones(m, m, dtype=torch.bool).tril()
-        out = self._run(st, [tokens[p] for p, _ in pending], torch.stack([f for _, f in pending]),
-                        [p for p, _ in pending], list(range(keep, base + 1)), visible)  # fmt: skip
+        out = self._catch_up(st, tokens, pending, keep, base)
         st.slot_pos = st.slot_pos[:keep] + [p for p, _ in pending[:-1]]
         st.tokens = tokens[:-1]
         st.feats = {}
         st.cache.lengths = [base]
 
-        # 2. expand depth by depth (EAGLE-2): pool node 0 = the root = expanded node 0
-        pool = NodePool.rooted(root)
-        tok, par, score, dep, exp, children = pool.tok, pool.par, pool.score, pool.dep, pool.exp, pool.children
-        exp_feat = [out[-1]]
-        exp_anc: list[list[int]] = [[0]]  # expanded index -> expanded indices of ancestors-or-self
-        logits = self.parts.logits(out[-1:])  # [1, V]
-        frontier = [0]
-        for d in range(1, depth + 1):
-            new = self._add_children(frontier, logits, width, context.sampling, pool, d)
-            if d == depth or not new:
-                break
-            frontier = sorted(new, key=lambda i: (-score[i], i))[:frontier_width]
-            for i in frontier:
-                exp[i] = len(exp_anc)
-                exp_anc.append(exp_anc[exp[par[i]]] + [exp[i]])
-            visible = torch.zeros(len(frontier), base + len(exp_anc), dtype=torch.bool)
-            visible[:, :base] = True
-            for q, i in enumerate(frontier):
-                visible[q, [base + e for e in exp_anc[exp[i]]]] = True
-            out = self._run(st, [tok[i] for i in frontier], torch.stack([exp_feat[exp[par[i]]] for i in frontier]),
-                            [root_pos + d] * len(frontier), [base + exp[i] for i in frontier], visible)  # fmt: skip
-            exp_feat.extend(out.unbind(0))
-            logits = self.parts.logits(out)
+        # 2. expand depth by depth (EAGLE-2) on the device; pool node 0 = the root = expanded node 0
+        pool, exp_feat = self._expand(st, plan, context.sampling, base, root_pos, out[-1], root)
 
         # 3. re-rank: the best `budget` nodes by cumulative draft log-probability
-        keep_nodes = best_first(children, score, dep, budget)
+        keep_nodes = best_first(pool.children, pool.score, pool.dep, budget)
         index = {old: new for new, old in enumerate(keep_nodes)}
-        tree, order = make_tree([tok[i] for i in keep_nodes], [-1] + [index[par[i]] for i in keep_nodes[1:]])
-        st.last = _Proposal(tree.n, [exp[keep_nodes[o]] for o in order], torch.stack(exp_feat), base, root_pos)
+        tree, order = make_tree([pool.tok[i] for i in keep_nodes], [-1] + [index[pool.par[i]] for i in keep_nodes[1:]])
+        st.last = _Proposal(tree.n, [pool.exp[keep_nodes[o]] for o in order], exp_feat, base, root_pos)
         return tree
 
-    def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
-        """Keep the KV of the accepted path's expanded nodes; keep the last one's output feature."""
-        st = self._states.get(context.seq)
-        if st is None or st.last is None or st.last.n != tree.n:
-            return
-        prop, st.last = st.last, None
-        path = [0]
-        for node in verdict.path[1:]:
-            e = prop.node_exp[node]
-            if e < 0:
-                break
-            path.append(e)
-        st.cache.lengths = [prop.base]
-        st.cache.commit([path])
-        st.slot_pos += [prop.root_pos + j for j in range(len(path))]
-        st.tokens = context.tokens.tolist() + tree.path_tokens(verdict.path[1 : len(path)])
-        # predicts the token after the last committed pair: an accepted leaf's, or the next root's
-        st.feats = {prop.root_pos + len(path) - 1: prop.exp_feat[path[-1]]}
+    def _expand(self, st: _SeqState, plan: _Plan, sampling: SamplingConfig | None, base: int, root_pos: int,
+                root_feat: torch.Tensor, root: int) -> tuple[NodePool, torch.Tensor]:  # fmt: skip
+        """Steps 2 of the module doc: the node pool (host) and the ``[E, H]`` expanded features (device).
 
-    # ------------------------------------------------------------------ internals
+        The loop runs on the device (``_Expansion``, a CUDA-graph replay with ``cuda_graphs``); its
+        record comes back in one copy, from which ``_Plan.pool`` builds the host loop's pool.
+        """
+        key = (plan, sampling)
+        exp = st.expansions.get(key)
+        if exp is None:
+            exp = st.expansions[key] = _Expansion(self, st.cache, plan, sampling, self.cuda_graphs)
+        cap = st.cache.capacity
+        kv_lens = [cap if self.static_shapes else base + plan.offsets[d] + plan.rows[d] for d in range(1, plan.depth)]
+        captured = exp.graph is not None
+        record = exp.run(base, root_pos, root_feat, kv_lens)
+        if exp.capture and not captured:
+            self.last_capture_s = exp.capture_s or 0.0
+        self.last_forwards += plan.depth - 1
+        return plan.pool(record, root), exp.feat
 
     def _real_features(self, hidden: torch.Tensor | None, n_tok: int) -> dict[int, torch.Tensor]:
         """Position -> the target's feature there, from ``DraftContext.hidden`` (``[H]`` or ``[m, H]``)."""
@@ -517,51 +759,60 @@ class EagleDrafter(BaseDrafter):
         if need <= st.cache.capacity:
             return
         old, st.cache = st.cache, self._new_cache(need)
+        st.expansions = {}  # their buffers and graphs belong to the old cache
         if keep and old.layer_indices:
             k, v = old.buffers(0)
             st.cache.write(0, k[:, :, :keep], v[:, :, :keep], torch.arange(keep, device=k.device)[None])
 
-    def _run(self, st: _SeqState, ids: list[int], feats: torch.Tensor, positions: list[int], slots: list[int],
-             visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """One head forward of m pairs over the sequence's cache.
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """An asynchronous host-to-device copy (through pinned memory on CUDA; no sync)."""
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
+    def _catch_up(self, st: _SeqState, tokens: list[int], pending: list[tuple[int, torch.Tensor]], keep: int,
+                  base: int) -> torch.Tensor:  # fmt: skip
+        """One causal forward of the ``pending`` pairs (position, feature) into slots ``keep .. base``.
+
+        Each pair attends to the committed slots ``[0, keep)`` and to the pending pairs up to itself.
+        With ``static_shapes`` (and a chain of at most ``static_width`` pairs) the forward has
+        ``static_width`` rows over the whole cache; padding rows write and attend to the scratch
+        slot (the last one) only. Inputs go to the device in one asynchronous copy; the mask is
+        built there. Returns the ``[m, H]`` output features (the last one: the root's).
+        """
+        m, cap, dev = len(pending), st.cache.capacity, self.device
+        ids, positions, slots = [tokens[p] for p, _ in pending], [p for p, _ in pending], list(range(keep, base + 1))
+        feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
+        rows, kv_len = m, base + 1
+        padded = self.static_shapes and m <= self.static_width
+        if padded:
+            pad = self.static_width - m
+            ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [cap - 1] * pad
+            feats = torch.cat([feats, feats.new_zeros(pad, feats.shape[1])])
+            rows, kv_len = self.static_width, cap
+        ints = self._to_device(torch.tensor([ids, positions, slots], dtype=torch.int64))
+        row = torch.arange(rows, device=dev)[:, None]
+        col = torch.arange(kv_len, device=dev)[None]
+        visible = (col < keep) | ((col >= keep) & (col <= keep + row))
+        if padded:
+            visible = torch.where(row < m, visible, col == cap - 1)
+        out = self._forward(st.cache, ints[0], feats, ints[1:2], ints[2], visible)
+        self.last_forwards += 1
+        return out[:m]
+
+    def _forward(self, cache: KVCache, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One head forward of r pairs over ``cache`` (device tensors, no host sync).
 
         Args:
-            ids, positions, slots: per pair its token, position and the cache slot its KV goes to.
-            feats: ``[m, H]``, the feature of each pair.
-            visible: bool ``[m, kv_len]``, the slots each pair attends to (its own included).
+            ids: int64 ``[r]``, the pairs' tokens.
+            feats: ``[r, H]``, the pairs' features.
+            positions: int64 ``[1, r]``, their positions.
+            slots: int64 ``[r]``, the cache slots their KV goes to.
+            visible: bool ``[r, kv_len]``, the slots each pair attends to (its own included).
 
         Returns:
-            ``[m, H]`` output features. With ``static_shapes`` (and m <= ``static_width``) the
-            forward has ``static_width`` rows over ``kv_len = capacity``; padding rows attend to the
-            scratch slot (the last one) only.
+            ``[r, H]`` output features.
         """
-        m, kv_len = visible.shape
-        cap = st.cache.capacity
-        if self.static_shapes and m <= self.static_width:
-            pad = self.static_width - m
-            scratch = cap - 1
-            ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [scratch] * pad
-            feats = torch.cat([feats, feats.new_zeros(pad, feats.shape[1])])
-            full = torch.zeros(m + pad, cap, dtype=torch.bool)
-            full[:m, :kv_len] = visible
-            full[m:, scratch] = True
-            visible = full
-        dev = self.device
-        pos = torch.tensor([positions], dtype=torch.int64, device=dev)
-        state = hf.MaskedState(st.cache, torch.tensor([slots], dtype=torch.int64, device=dev), pos,
-                               visible[None].to(dev))  # fmt: skip
-        out = self.head(self.parts, torch.tensor([ids], dtype=torch.int64, device=dev), feats[None], pos, state)
-        self.last_forwards += 1
-        return out[0, :m]
-
-    def _add_children(self, frontier, logits, width, sampling, pool: NodePool, d) -> list[int]:
-        """Add the top-``width`` children of each frontier node (by the draft's log-probability,
-        after the target's warping when sampling); return the new pool indices."""
-        logits = logits.float()
-        logq = torch.log_softmax(logits if sampling is None else warp_logits(logits, sampling), dim=-1)
-        vals, idx = torch.topk(logq, width, dim=-1)
-        new = []
-        for q, (vrow, irow) in enumerate(zip(vals.tolist(), idx.tolist())):
-            parent = frontier[q]
-            new.extend(pool.add(parent, t, v, d) for v, t in zip(vrow, irow))
-        return new
+        state = hf.MaskedState(cache, slots[None], positions, visible[None])
+        return self.head(self.parts, ids[None], feats[None], positions, state)[0]

@@ -3,20 +3,23 @@ incremental catch-up, training, save / load, errors, the CLI."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from drafters import make_drafter
+from drafters._build import NodePool
 from drafters.eagle import CONFIG_NAME, WEIGHTS_NAME, EagleDrafter, EagleHead, TargetParts
 from drafters.eagle_train import EagleTrainConfig, evaluate_eagle, train_eagle, unrolled_features
 from drafters.medusa import MedusaHeads
 from drafters.medusa_train import self_distill, target_hidden_states
 from specdec import SpecDecoder
 from specdec.drafting import DraftContext
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, warp_logits
 from specdec.verify import Verdict
 from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model
 
@@ -315,3 +318,240 @@ def test_train_eagle_cli_on_a_tiny_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["train-eagle", "--out", str(out), "--unroll", "0"])
     assert exc.value.code == 2 and "--unroll" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# the device-side expansion (issue 14) draws exactly the trees of the former per-depth host loop
+
+#: Trees of the former implementation (one host sync per depth), recorded before the expansion
+#: moved to the device: ``python -c "from tests.drafters.test_eagle import record_trees; record_trees()"``
+#: rewrites it (only ever from a known-good implementation). Recorded with the CPU build of torch
+#: 2.13 on one thread; the random heads keep near-ties rare, so other CPUs should agree.
+_RECORDED = Path(__file__).with_name("data") / "eagle_trees.json"
+
+#: name -> (family, depth, topk, budget, static_shapes, sampling (temperature, top_k, top_p) or None,
+#: hidden: "last" = one random [H] feature per step, "all" = the target's features of the new tokens)
+_RECORD_CASES = {
+    "qwen2-greedy-last": ("qwen2", 4, 3, 12, False, None, "last"),
+    "qwen2-greedy-static-all": ("qwen2", 4, 3, 12, True, None, "all"),
+    "qwen2-topk20-wide": ("qwen2", 6, 8, 40, False, (0.8, 20, 1.0), "all"),
+    "qwen2-topp-static": ("qwen2", 3, 2, 40, True, (1.3, 0, 0.9), "last"),
+    "qwen2-depth1-inf-ties": ("qwen2", 1, 4, 40, False, (0.8, 20, 1.0), "last"),
+    "qwen2-inf-frontier": ("qwen2", 3, 8, 30, False, (1.0, 2, 1.0), "all"),
+    "qwen2-frontier-wider-than-vocab": ("qwen2", 3, 200, 200, False, None, "last"),
+    "llama-greedy": ("llama", 5, 4, 25, False, None, "all"),
+    "gemma3-static-topk3": ("gemma3", 3, 4, 16, True, (0.7, 3, 1.0), "last"),
+    "mistral-budget-below-topk": ("mistral", 4, 8, 5, False, None, "all"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _on_device(family: str, device: str):
+    """Copies of the tiny target and its random head on ``device``."""
+    return copy.deepcopy(_target(family)).to(device), copy.deepcopy(_random_head(family)).to(device)
+
+
+def _run_case(spec: tuple, seed: int, steps: int = 4, make=None, device: str = "cpu", **options) -> list[dict]:
+    """Propose / update ``steps`` times on ``spec`` (a ``_RECORD_CASES`` value); per step the tree,
+    the forward count and the tree nodes' expanded indices.
+
+    Acceptance is a fixed walk (child ``(step + level) % children`` for ``step % 3 + 1`` levels),
+    the bonus token a fixed function of the step, so every step depends on the previous updates.
+    ``make``: the drafter class (``EagleDrafter``), built with ``options`` on ``device``.
+    """
+    family, depth, topk, budget, static, sampling, hidden = spec
+    target = _target(family)  # features come from the CPU copy (then moved)
+    on = (target, _random_head(family)) if device == "cpu" else _on_device(family, device)
+    drafter = (make or EagleDrafter)(*on, depth=depth, topk=topk, static_shapes=static, **options)
+    cfg = None if sampling is None else SamplingConfig(*sampling)
+    tokens = _prompt(9, seed)
+    drafter.reset([tokens])
+    seen, out = 0, []
+    for step in range(steps):
+        n_tok = len(tokens)
+        if hidden == "all":
+            feats = _features(target, tokens)[seen : n_tok - 1]
+            seen = n_tok - 1
+        else:
+            feats = torch.randn(64, generator=torch.Generator().manual_seed(step))
+        feats = feats.to(device)
+        ctx = DraftContext(tokens, budget, sampling=cfg, hidden=feats)
+        tree = drafter.propose(ctx)
+        last = drafter._states[0].last
+        out.append({"tokens": tree.tokens.tolist(), "parents": tree.parents.tolist(),
+                    "forwards": drafter.last_forwards, "exp": last.node_exp if last is not None else None})
+        path = [0]
+        for level in range(step % 3 + 1):
+            kids = tree.children[path[-1]]
+            if not kids:
+                break
+            path.append(kids[(step + level) % len(kids)])
+        bonus = (step * 37 + 11) % VOCAB
+        drafter.update(ctx, tree, Verdict(tuple(path), bonus))
+        tokens = torch.cat([tokens, torch.tensor(tree.path_tokens(path[1:]) + [bonus])])
+    return out
+
+
+def _recorded_view(steps: list[dict]) -> list[dict]:
+    return [{k: s[k] for k in ("tokens", "parents", "forwards")} for s in steps]
+
+
+def record_trees() -> None:
+    """Rewrite ``data/eagle_trees.json`` from the current implementation."""
+    torch.set_num_threads(1)
+    doc = {name: _recorded_view(_run_case(spec, sum(map(ord, name)))) for name, spec in _RECORD_CASES.items()}
+    _RECORDED.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+
+
+@pytest.mark.parametrize("name", list(_RECORD_CASES))
+def test_propose_draws_the_trees_recorded_from_the_former_host_loop(name):
+    """Greedy and warped (top-k, top-p, -inf ties in the frontier), static shapes or not, full or
+    one-feature catch-up, four steps with updates: the trees the per-depth host loop drew, exactly."""
+    want = json.loads(_RECORDED.read_text())[name]
+    assert _recorded_view(_run_case(_RECORD_CASES[name], sum(map(ord, name)))) == want
+
+
+class _HostLoopDrafter(EagleDrafter):
+    """Reference: the former expansion -- a Python node pool grown with ``NodePool.add`` (Python float
+    scores), the frontier by ``sorted(key=(-score, index))``, masks built on the host, one host sync
+    per depth -- over the same head forwards (same rows, same ``kv_len``) as the device loop."""
+
+    def _expand(self, st, plan, sampling, base, root_pos, root_feat, root):
+        pool = NodePool.rooted(root)
+        tok, par, score, exp = pool.tok, pool.par, pool.score, pool.exp
+        exp_feat, exp_anc = [root_feat], [[0]]
+        logits, frontier = self.parts.logits(root_feat[None]), [0]
+        for d in range(1, plan.depth + 1):
+            logits = logits.float()
+            logq = torch.log_softmax(logits if sampling is None else warp_logits(logits, sampling), dim=-1)
+            vals, idx = torch.topk(logq, plan.width, dim=-1)
+            new = [pool.add(frontier[q], t, v, d) for q, (vrow, irow) in enumerate(zip(vals.tolist(), idx.tolist()))
+                   for v, t in zip(vrow, irow)]  # fmt: skip
+            if d == plan.depth:
+                break
+            frontier = sorted(new, key=lambda i: (-score[i], i))[: plan.topk]
+            for i in frontier:
+                exp[i] = len(exp_anc)
+                exp_anc.append(exp_anc[exp[par[i]]] + [exp[i]])
+            kv_len = st.cache.capacity if self.static_shapes else base + len(exp_anc)
+            visible = torch.zeros(len(frontier), kv_len, dtype=torch.bool)
+            visible[:, :base] = True
+            for q, i in enumerate(frontier):
+                visible[q, [base + e for e in exp_anc[exp[i]]]] = True
+            out = self._forward(st.cache, torch.tensor([tok[i] for i in frontier], device=self.device),
+                                torch.stack([exp_feat[exp[par[i]]] for i in frontier]),
+                                torch.full((1, len(frontier)), root_pos + d, device=self.device),
+                                torch.tensor([base + exp[i] for i in frontier], device=self.device),
+                                visible.to(self.device))  # fmt: skip
+            self.last_forwards += 1
+            exp_feat.extend(out.unbind(0))
+            logits = self.parts.logits(out)
+        return pool, torch.stack(exp_feat)
+
+
+def _random_spec(seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    sampling = pick(None, None, (0.8, 0, 1.0), (1.0, 3, 1.0), (0.7, 0, 0.8), (1.2, 10, 0.9), (1.0, 1, 1.0))
+    return (pick("qwen2", "qwen2", "llama"), pick(1, 2, 3, 4, 6), pick(1, 2, 3, 5, 8), pick(1, 3, 7, 16, 33, 60),
+            pick(False, True), sampling, pick("last", "all"))  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_device_expansion_equals_the_host_loop_reference(seed):
+    """Random (depth, topk, budget, warping, static shapes, catch-up) configurations, four steps with
+    updates: the same trees, the same forwards and the same expanded-node bookkeeping (so ``update``
+    commits the same KV) as the host-loop reference."""
+    spec = _random_spec(seed)
+    got = _run_case(spec, seed)
+    want = _run_case(spec, seed, make=_HostLoopDrafter)
+    assert got == want, spec
+
+
+def test_device_expansion_equals_the_host_loop_when_the_vocabulary_is_narrower_than_the_frontier():
+    spec = ("qwen2", 3, 170, 180, False, (1.0, 2, 1.0), "last")  # w = V = 160 < topk: 160 rows at depth 1
+    assert _run_case(spec, 5, steps=2) == _run_case(spec, 5, steps=2, make=_HostLoopDrafter)
+
+
+def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
+    """Inside ``_Expansion._body`` (every head forward after the catch-up, the top-k and frontier
+    selection between them) nothing converts a tensor to a host value: no ``item`` / ``tolist`` /
+    ``bool`` / ``int``, no data-dependent shapes (``nonzero``), no copy to the CPU. The record then
+    comes back in one copy per step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from drafters import eagle
+
+    banned_ops = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                  torch.ops.aten.masked_select.default}  # fmt: skip
+
+    class NoSync(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in banned_ops:
+                raise AssertionError(f"host sync inside the expansion loop: {func}")
+            return func(*args, **(kwargs or {}))
+
+    def forbidden(name):
+        def method(*args, **kwargs):
+            raise AssertionError(f"host sync inside the expansion loop: Tensor.{name}")
+
+        return method
+
+    body, bodies = eagle._Expansion._body, []
+
+    def guarded(self, kv_lens):
+        bodies.append(self.plan)
+        with NoSync(), monkeypatch.context() as m:
+            for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+                m.setattr(torch.Tensor, name, forbidden(name))
+            body(self, kv_lens)
+
+    monkeypatch.setattr(eagle._Expansion, "_body", guarded)
+    copies = []
+    record_cpu = torch.Tensor.cpu
+    for spec in (("qwen2", 4, 3, 20, True, (0.8, 5, 0.9), "all"), ("gemma3", 3, 4, 12, False, None, "last")):
+        target, head = _target(spec[0]), _random_head(spec[0])
+        drafter = EagleDrafter(target, head, depth=spec[1], topk=spec[2], static_shapes=spec[4])
+        tokens = _prompt(9, 0)
+        drafter.reset([tokens])
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(tuple(t.shape)) or record_cpu(t, *a, **k))
+            tree = drafter.propose(DraftContext(tokens, spec[3], sampling=None if spec[5] is None else
+                                                SamplingConfig(*spec[5]), hidden=_features(target, tokens)[:8]))
+        assert tree.n == spec[3] + 1 and drafter.last_forwards == spec[1]
+    assert len(bodies) == 2 and copies == [(p.record_size,) for p in bodies]  # one copy per step: the record
+
+
+def test_cuda_graph_options_and_draft_time_counters():
+    target, head = _target(), _random_head()
+    drafter = EagleDrafter(target, head)
+    assert drafter.cuda_graphs is False and drafter.static_shapes is False  # CPU defaults
+    with pytest.raises(ValueError, match=r"cuda_graphs: True needs the target's LM head \(and the head\) on a CUDA "
+                                         r"device, got cpu"):  # fmt: skip
+        EagleDrafter(target, head, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"cuda_graphs: expected None, True or False, got 'yes'"):
+        EagleDrafter(target, head, cuda_graphs="yes")
+    with pytest.raises(ValueError, match=r"static_shapes: expected None, True or False, got 1"):
+        EagleDrafter(target, head, static_shapes=1)
+    tokens = _prompt(9, 0)
+    drafter.reset([tokens])
+    for i in range(3):
+        drafter.propose(DraftContext(tokens, 10, hidden=torch.randn(64)))
+        assert drafter.proposals == i + 1 and drafter.last_draft_s > 0 and drafter.last_capture_s == 0.0
+    assert drafter.draft_s >= drafter.last_draft_s
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["qwen2-topk20-wide", "qwen2-inf-frontier", "gemma3-static-topk3"])
+def test_cuda_graph_expansion_equals_eager_and_the_host_loop(name):
+    """On CUDA: the captured expansion (replayed every step after the first) draws the trees of the
+    eager device loop and of the host-loop reference, all over the whole cache (static shapes)."""
+    family, depth, topk, budget, _, sampling, hidden = _RECORD_CASES[name]
+    spec, seed = (family, depth, topk, budget, True, sampling, hidden), sum(map(ord, name))
+    graphed = _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=True)
+    eager = _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=False)
+    reference = _run_case(spec, seed, steps=5, make=_HostLoopDrafter, device="cuda", cuda_graphs=False)
+    assert graphed == eager == reference
