@@ -1,16 +1,24 @@
-"""Tables, CSV / JSON summaries and plots of evaluation records (``eval.apps_eval``).
+"""Tables, CSV / JSON summaries and plots of evaluation records (``eval.runner``).
 
-One summary row per (method, tree size) over the records of one configuration:
+One summary row per (method, drafter, tree size) over the records of one configuration; the
+baselines (no drafter, no tree size) are shared by every drafter's rows:
 
 * ``tau``: mean tokens emitted per target forward (accepted draft tokens + the bonus token);
   ``accepted_per_step``: mean accepted draft tokens per step; ``mean_nodes`` / ``mean_depth``:
   the proposed trees' size and depth;
 * ``verify_ms`` / ``draft_ms`` / ``commit_ms``: mean milliseconds per step in each phase;
-* ``tokens_per_s``: all new tokens over all wall time of the method;
+* ``tokens_per_s``: all new tokens over all wall time of the method's timed calls (stalls included);
+* ``steady_tokens_per_s``, ``stalls``, ``stall_s``, ``stall_excess_s``, ``first_call_s``: steady
+  state apart from stalls and from the first call (compile / capture included), ``eval.latency``;
+* ``itl_p50_ms`` / ``itl_p90_ms`` / ``itl_p99_ms``: time between streamed tokens, ``ttft_p50_ms``:
+  time to first token (``eval.latency``);
 * ``speedup_vs_<base>``: tokens/s over the base method's tokens/s, both on the problems the two
-  have in common (bases: ``hf``, ``hf-static``, ``hf-assisted``);
+  have in common (bases: ``hf``, ``hf-static``, ``hf-assisted``); ``steady_speedup_vs_hf_static``:
+  the same over the problems where neither call was a first call or a stall;
 * ``match_rate``: fraction of compared problems whose greedy tokens equal the ``hf`` reference,
   ``mean_first_divergence``: mean position of the first differing token among the others;
+* ``pass_at_1``: fraction of problems whose completion passed its tests (records' ``passed``,
+  written when the runner is given a ``checker``; None otherwise);
 * ``attn_*``: attention-only µs per layer (``eval.attn_timing``) at the median prompt length.
 """
 
@@ -26,8 +34,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from eval.latency import STALL_RATIO, first_call_summary, latency_summary, stall_summary
+from eval.records import is_warmup, record_drafter
+
 __all__ = [
     "COLUMNS",
+    "DEFINITIONS",
     "SPEEDUP_BASES",
     "agreement_summary",
     "format_table",
@@ -40,14 +52,32 @@ __all__ = [
 SPEEDUP_BASES = ("hf", "hf-static", "hf-assisted")
 _ORDER = ("hf", "hf-static", "hf-assisted", "hf-lookup", "specdec-plain")
 
-#: Every summary row's fields, in CSV column order.
+#: Every summary row's fields, in CSV column order (the summary JSON also has ``stall_problems``).
 COLUMNS = (
-    "method", "tree_size", "problems", "errors", "new_tokens", "wall_s", "tokens_per_s",
-    "mean_problem_tokens_per_s", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth",
-    "verify_ms", "draft_ms", "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES),
-    "compared", "matches", "match_rate", "mean_first_divergence", "attn_prompt_len", "attn_tree_us",
-    "attn_sdpa_us", "attn_speedup",
+    "method", "drafter", "tree_size", "drafter_key", "problems", "errors", "new_tokens", "wall_s", "tokens_per_s",
+    "mean_problem_tokens_per_s", "steady_tokens_per_s", "steady_calls", "median_ms_per_token", "first_calls",
+    "stalls", "stall_s", "stall_excess_s", "first_call_s", "first_call_tokens", "first_call_prep_s", "load_s",
+    "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps", "ttft_p50_ms",
+    "ttft_p90_ms", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms", "draft_ms",
+    "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES), "steady_speedup_vs_hf_static",
+    "compared", "matches", "match_rate", "mean_first_divergence", "checked", "pass_at_1", "attn_prompt_len",
+    "attn_tree_us", "attn_sdpa_us", "attn_speedup",
 )  # fmt: skip
+
+#: What the summary JSON says its timing fields mean (see ``eval.latency``).
+DEFINITIONS = {
+    "tokens_per_s": "all new tokens / all wall time of the method's timed calls (first calls and stalls included)",
+    "steady_tokens_per_s": "the same over the calls that are neither a first call in a process nor a stall",
+    "stall": f"a timed call whose wall_s / new_tokens is >= {STALL_RATIO:g} x the method's median over its "
+             "non-first calls",
+    "stall_s": "total wall time of the stalls; stall_excess_s: their time beyond new_tokens x the median per-token time",
+    "first_call_s": "declared warm-up (SpecDecoder.warmup: compile / capture) + the first warm-up generation's wall "
+                    "time, in the first process that ran the method; load_s (weights, decoder) apart",
+    "itl": "time between consecutive streamed tokens: an emission of k tokens gives its first token the time since "
+           "the previous emission and the other k - 1 tokens 0; p50 / p90 / p99 over all timed calls pooled",
+    "ttft": "time from the call's start to its first visible token (prefill + first step)",
+    "pass_at_1": "fraction of the row's problems whose completion passed its tests (records' 'passed')",
+}  # fmt: skip
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -59,46 +89,88 @@ def _rate(records: Iterable[Mapping[str, Any]]) -> tuple[float, float]:
     return sum(r["new_tokens"] for r in recs), sum(r["wall_s"] for r in recs)
 
 
-def _sort_key(key: tuple[str, int | None]) -> tuple:
-    method, t = key
+_RowKey = tuple  # (method, drafter key or None, tree size or None)
+
+
+def _sort_key(key: _RowKey, drafter_order: Mapping[str | None, int] | None = None) -> tuple:
+    method, drafter, t = key
     rank = _ORDER.index(method) if method in _ORDER else len(_ORDER)
-    return (method.startswith("specdec") and method != "specdec-plain", rank, method, -1 if t is None else t)
+    d = -1 if drafter is None else (drafter_order or {}).get(drafter, 0)
+    return (method.startswith("specdec") and method != "specdec-plain", rank, method, d, -1 if t is None else t)
 
 
-def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """One row per (method, tree size) with the fields in ``COLUMNS`` (None where not applicable)."""
-    ok: dict[tuple[str, int | None], dict[str, Mapping[str, Any]]] = defaultdict(dict)
-    errors: dict[tuple[str, int | None], int] = defaultdict(int)
+def _row_key(r: Mapping[str, Any]) -> _RowKey:
+    return (r["method"], record_drafter(r), r.get("tree_size"))
+
+
+def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[str, Any]] | None = None,
+              stall_ratio: float = STALL_RATIO) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per (method, drafter, tree size) with the fields in ``COLUMNS`` (None where not
+    applicable), plus ``stall_problems``. ``records`` may hold warm-up records (first-call latency)."""
+    records = sorted(records, key=is_warmup)  # timed first (stable): drafters ordered as they ran
+    warm: dict[_RowKey, list[Mapping[str, Any]]] = defaultdict(list)
+    ok: dict[_RowKey, dict[str, Mapping[str, Any]]] = defaultdict(dict)
+    errors: dict[_RowKey, int] = defaultdict(int)
+    labels: dict[str | None, str] = {}
+    drafter_order: dict[str | None, int] = {}
     for r in records:
-        key = (r["method"], r.get("tree_size"))
-        if r.get("error"):
+        key = _row_key(r)
+        if key[1] is not None:
+            labels[key[1]] = str(r.get("drafter_label") or key[1])
+            drafter_order.setdefault(key[1], len(drafter_order))
+        if is_warmup(r):
+            warm[key].append(r)
+        elif r.get("error"):
             errors[key] += 1
         else:
+            ok[key].pop(str(r["problem_id"]), None)
             ok[key][str(r["problem_id"])] = r
     rows = []
-    for key in sorted(set(ok) | set(errors), key=_sort_key):
-        method, t = key
+    for key in sorted(set(ok) | set(errors), key=lambda k: _sort_key(k, drafter_order)):
+        method, drafter, t = key
         by_problem = ok.get(key, {})
         recs = list(by_problem.values())
         row: dict[str, Any] = dict.fromkeys(COLUMNS)
-        row.update(method=method, tree_size=t, problems=len(recs), errors=errors.get(key, 0))
+        row.update(method=method, drafter=labels.get(drafter), drafter_key=drafter, tree_size=t, problems=len(recs),
+                   errors=errors.get(key, 0), stall_problems=[])  # fmt: skip
+        row.update(first_call_summary(warm.get(key, []), recs))
         if recs:
             new, wall = _rate(recs)
             row.update(new_tokens=int(new), wall_s=wall, tokens_per_s=new / wall if wall > 0 else None,
                        mean_problem_tokens_per_s=_mean([r["tokens_per_s"] for r in recs if r.get("tokens_per_s")]))
+            stalls = stall_summary(recs, stall_ratio)
+            row["_steady"] = set(stalls.pop("steady_problems"))
+            row.update(stalls)
+            row.update(latency_summary(recs))
             _add_steps(row, recs)
             for base in SPEEDUP_BASES:
-                row[f"speedup_vs_{base.replace('-', '_')}"] = _speedup(by_problem, ok.get((base, None), {}))
+                row[f"speedup_vs_{base.replace('-', '_')}"] = _speedup(by_problem, ok.get((base, None, None), {}))
             compared = [r for r in recs if r.get("match") is not None]
             if compared:
                 diverged = [r["first_divergence"] for r in compared if r["match"] is False]
                 row.update(compared=len(compared), matches=sum(bool(r["match"]) for r in compared),
                            match_rate=sum(bool(r["match"]) for r in compared) / len(compared),
                            mean_first_divergence=_mean(diverged))
+            checked = [r for r in recs if r.get("passed") is not None]
+            if checked:  # the pass@1 hook: records carry 'passed' when the runner had a checker
+                row.update(checked=len(checked), pass_at_1=sum(bool(r["passed"]) for r in checked) / len(checked))
         if t is not None and attn_rows:
             _add_attention(row, [a for a in attn_rows if a.get("tree_size") == t])
         rows.append(row)
+    base = next((r for r in rows if (r["method"], r["drafter_key"], r["tree_size"]) == ("hf-static", None, None)), None)
+    for row in rows:
+        if base is not None and row.get("_steady") is not None and base.get("_steady") is not None:
+            common = row["_steady"] & base["_steady"]
+            mine, theirs = ok.get(_key_of(row), {}), ok.get(("hf-static", None, None), {})
+            row["steady_speedup_vs_hf_static"] = _speedup({p: mine[p] for p in common},
+                                                          {p: theirs[p] for p in common})  # fmt: skip
+    for row in rows:
+        row.pop("_steady", None)
     return rows
+
+
+def _key_of(row: Mapping[str, Any]) -> _RowKey:
+    return (row["method"], row["drafter_key"], row["tree_size"])
 
 
 def _add_steps(row: dict[str, Any], recs: Sequence[Mapping[str, Any]]) -> None:
@@ -160,18 +232,29 @@ def _fmt(val: Any, spec: str) -> str:
 
 
 _TABLE = (  # (header, field, format)
-    ("method", "method", "s"), ("t", "tree_size", "d"), ("problems", "problems", "d"), ("tau", "tau", ".2f"),
-    ("acc/step", "accepted_per_step", ".2f"), ("depth", "mean_depth", ".1f"), ("verify ms/step", "verify_ms", ".2f"),
-    ("draft ms/step", "draft_ms", ".2f"), ("tok/s", "tokens_per_s", ".1f"), ("vs hf", "speedup_vs_hf", "x"),
-    ("vs hf-static", "speedup_vs_hf_static", "x"), ("vs assisted", "speedup_vs_hf_assisted", "x"),
-    ("same as hf", "match_rate", "%"), ("attn L", "attn_prompt_len", "d"), ("attn tree µs", "attn_tree_us", ".1f"),
+    ("method", "method", "s"), ("drafter", "drafter", "s"), ("t", "tree_size", "d"), ("problems", "problems", "d"),
+    ("tau", "tau", ".2f"), ("acc/step", "accepted_per_step", ".2f"), ("depth", "mean_depth", ".1f"),
+    ("verify ms/step", "verify_ms", ".2f"), ("draft ms/step", "draft_ms", ".2f"), ("tok/s", "tokens_per_s", ".1f"),
+    ("steady tok/s", "steady_tokens_per_s", ".1f"), ("vs hf", "speedup_vs_hf", "x"),
+    ("vs hf-static", "speedup_vs_hf_static", "x"), ("steady vs hf-static", "steady_speedup_vs_hf_static", "x"),
+    ("vs assisted", "speedup_vs_hf_assisted", "x"), ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
+    ("first call s", "first_call_s", ".2f"), ("itl p50 ms", "itl_p50_ms", ".2f"), ("itl p90 ms", "itl_p90_ms", ".2f"),
+    ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("same as hf", "match_rate", "%"),
+    ("pass@1", "pass_at_1", "%"), ("attn L", "attn_prompt_len", "d"), ("attn tree µs", "attn_tree_us", ".1f"),
     ("attn sdpa µs", "attn_sdpa_us", ".1f"), ("errors", "errors", "d"),
 )  # fmt: skip
+#: Columns shown even when every row has 0 there (a column of Nones is always left out).
+_SHOW_ZERO = ("stalls", "stall_s", "itl_p50_ms")
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A Markdown table of the summary rows (columns with no value in any row are left out)."""
-    cols = [c for c in _TABLE if c[1] in ("method", "tree_size") or any(r.get(c[1]) not in (None, 0) for r in rows)]
+
+    def shown(field: str) -> bool:
+        empty = (None,) if field in _SHOW_ZERO else (None, 0)
+        return field in ("method", "tree_size") or any(r.get(field) not in empty for r in rows)
+
+    cols = [c for c in _TABLE if shown(c[1])]
     head = "| " + " | ".join(c[0] for c in cols) + " |"
     rule = "| " + " | ".join("---" for _ in cols) + " |"
     body = ["| " + " | ".join(_fmt(r.get(f), spec) for _, f, spec in cols) + " |" for r in rows]
@@ -179,19 +262,27 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def agreement_summary(records: Iterable[Mapping[str, Any]], strict: bool = False) -> str:
-    """Per (method, t): how many greedy outputs equal the reference and where the others diverge."""
-    groups: dict[tuple[str, int | None], list[Mapping[str, Any]]] = defaultdict(list)
+    """Per (method, drafter, t): how many greedy outputs equal the reference and where the others diverge."""
+    groups: dict[_RowKey, list[Mapping[str, Any]]] = defaultdict(list)
+    labels: dict[str | None, str] = {}
+    order: dict[str | None, int] = {}
     for r in records:
-        if r.get("match") is not None:
-            groups[(r["method"], r.get("tree_size"))].append(r)
+        if is_warmup(r) or r.get("match") is None:
+            continue
+        key = _row_key(r)
+        groups[key].append(r)
+        if key[1] is not None:
+            labels[key[1]] = str(r.get("drafter_label") or key[1])
+            order.setdefault(key[1], len(order))
     if not groups:
         return "greedy agreement: not compared (sampling, or no reference outputs)"
     lines = ["greedy agreement with target-only generate (hf)" + (" [fp32: any difference is a failure]" if strict else "")]
-    for key in sorted(groups, key=_sort_key):
-        method, t = key
+    for key in sorted(groups, key=lambda k: _sort_key(k, order)):
+        method, drafter, t = key
         recs = groups[key]
         same = sum(bool(r["match"]) for r in recs)
-        label = method if t is None else f"{method} t={t}"
+        label = method if drafter is None else f"{method} {labels[drafter]}"
+        label += "" if t is None else f" t={t}"
         line = f"  {label}: {same}/{len(recs)} identical"
         diverged = sorted((str(r["problem_id"]), r["first_divergence"]) for r in recs if r["match"] is False)
         if diverged:
@@ -219,16 +310,37 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -
 
 
 def write_summary(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> Path:
-    """``{"config": ..., "rows": [...]}`` as JSON."""
+    """``{"config": ..., "definitions": DEFINITIONS, "rows": [...]}`` as JSON."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"config": dict(config or {}), "rows": list(rows)}, indent=1, default=str) + "\n")
+    doc = {"config": dict(config or {}), "definitions": DEFINITIONS, "rows": list(rows)}
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return path
 
 
+def _series(row: Mapping[str, Any]) -> str:
+    """The plot line a tree-size row belongs to: its drafter's label (other methods prefixed)."""
+    drafter = row.get("drafter")
+    if row["method"] == "specdec":
+        return str(drafter or "specdec")
+    return f"{row['method']} {drafter}" if drafter else row["method"]
+
+
+def _speedup_field(rows: Sequence[Mapping[str, Any]]) -> tuple[str | None, str]:
+    """The speedup the plot shows: x HF static in steady state, else x HF static over all calls,
+    else the first other base with values."""
+    choices = [("steady_speedup_vs_hf_static", "× HF static, steady state (tokens/s ratio)"),
+               ("speedup_vs_hf_static", "× HF static (tokens/s ratio)")]  # fmt: skip
+    choices += [(f"speedup_vs_{b.replace('-', '_')}", f"× {b} (tokens/s ratio)") for b in SPEEDUP_BASES if b != "hf-static"]
+    for field, label in choices:
+        if any(r.get(field) is not None for r in rows):
+            return field, label
+    return None, "speedup (no baseline in this run)"
+
+
 def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path | None:
-    """τ and speedup against tree size as a PNG (two panels). Without matplotlib, or without
-    any tree-size rows, prints why and returns None."""
+    """τ and × HF static against tree size as a PNG (two panels, one line per drafter). Without
+    matplotlib, or without any tree-size rows, prints why and returns None."""
     tree_rows = sorted((r for r in rows if r.get("tree_size") is not None and r.get("problems")),
                        key=lambda r: r["tree_size"])  # fmt: skip
     if not tree_rows:
@@ -245,14 +357,14 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Pat
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax_tau, ax_sp) = plt.subplots(1, 2, figsize=(10, 4))
-    for method in sorted({r["method"] for r in tree_rows}):
-        mine = [r for r in tree_rows if r["method"] == method]
+    field, ylabel = _speedup_field(tree_rows)
+    for name in dict.fromkeys(_series(r) for r in tree_rows):
+        mine = [r for r in tree_rows if _series(r) == name]
         ts = [r["tree_size"] for r in mine]
-        ax_tau.plot(ts, [r["tau"] for r in mine], marker="o", label=method)
-        for base in SPEEDUP_BASES:
-            ys = [r[f"speedup_vs_{base.replace('-', '_')}"] for r in mine]
-            if any(y is not None for y in ys):
-                ax_sp.plot(ts, [float("nan") if y is None else y for y in ys], marker="o", label=f"{method} vs {base}")
+        ax_tau.plot(ts, [float("nan") if r.get("tau") is None else r["tau"] for r in mine], marker="o", label=name)
+        if field is not None:
+            ys = [r.get(field) for r in mine]
+            ax_sp.plot(ts, [float("nan") if y is None else y for y in ys], marker="o", label=name)
     ticks = sorted({r["tree_size"] for r in tree_rows})
     for ax in (ax_tau, ax_sp):
         ax.set_xscale("log", base=2)
@@ -260,9 +372,10 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Pat
         ax.minorticks_off()
         ax.set_xlabel("tree size t (nodes)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     ax_tau.set_ylabel("tokens per target forward (τ)")
-    ax_sp.set_ylabel("end-to-end speedup (tokens/s ratio)")
+    ax_sp.set_ylabel(ylabel)
     ax_sp.axhline(1.0, color="gray", linewidth=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

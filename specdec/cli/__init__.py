@@ -26,15 +26,15 @@ def _models(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    from eval import apps_eval
+    from specdec.cli import evaluate
 
-    return apps_eval.main_eval(argv)
+    return evaluate.main_eval(argv)
 
 
 def _sweep(argv: list[str]) -> int:
-    from eval import apps_eval
+    from specdec.cli import evaluate
 
-    return apps_eval.main_sweep(argv)
+    return evaluate.main_sweep(argv)
 
 
 def _generate(argv: list[str]) -> int:
@@ -75,7 +75,8 @@ SUBCOMMANDS = {
     "bench-stalls": ("stalls after warm-up over APPS prompts, and a process's time to its first token",
                      _bench_stalls),
     "eval": ("evaluate speculative decoding vs HF baselines on APPS / HumanEval (JSONL, resumable)", _eval),
-    "sweep": ("tree-size sweep: evaluation + attention-only timings -> table, CSV, plot", _sweep),
+    "sweep": ("drafters x tree sizes sweep: evaluation (baselines once per problem) + attention-only timings -> "
+              "table, CSV, summary JSON, plot", _sweep),
     "generate": ("speculative decoding of one prompt (draft model, Medusa heads or prompt lookup)", _generate),
     "train-medusa": ("train Medusa heads on the target's own answers to MBPP prompts", _train_medusa),
     "train-eagle": ("train an EAGLE head (fc + one decoder layer on the target's features) on the target's own "

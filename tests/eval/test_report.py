@@ -43,6 +43,13 @@ RECORDS = [
 ]
 
 
+def _cells(table: str) -> list[dict[str, str]]:
+    """The rows of a Markdown table as {header: cell}."""
+    lines = table.splitlines()
+    head = [h.strip() for h in lines[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+
+
 def test_summarize_rows():
     rows = report.summarize(RECORDS)
     assert [(r["method"], r["tree_size"]) for r in rows] == [
@@ -83,7 +90,11 @@ def test_table_csv_summary(tmp_path):
     assert lines[0].startswith("| method | t | problems | tau |") and "vs hf-static" in lines[0]
     assert "attn tree µs" not in lines[0]  # no attention timings: column left out
     assert len(lines) == 2 + len(rows)
-    assert "| specdec | 32 | 2 | 2.75 |" in table and "| 2.00x | 0.50x | 4.00x | 50% |" in table
+    cells = _cells(table)
+    sp32 = next(c for c in cells if (c["method"], c["t"]) == ("specdec", "32"))
+    assert (sp32["problems"], sp32["tau"], sp32["vs hf"], sp32["vs hf-static"], sp32["vs assisted"],
+            sp32["same as hf"]) == ("2", "2.75", "2.00x", "0.50x", "4.00x", "50%")  # fmt: skip
+    assert sp32["stalls"] == "0" and "drafter" not in sp32  # stalls shown even when 0; no drafters: no column
     path = report.write_csv(rows, tmp_path / "out" / "t.csv")
     with open(path) as f:
         got = list(csv.DictReader(f))
@@ -153,3 +164,78 @@ def test_attention_inputs_shapes():
     q, k, v, prefix, mask = attn_timing.attention_inputs([-1, 0, 1, 0], 7, SHAPE, torch.float32, "cpu")
     assert q.shape == (1, 4, 4, 16) and k.shape == v.shape == (1, 2, 11, 16)
     assert prefix.tolist() == [7] and mask.n == 4
+
+
+# ------------------------------------------------------------------------------------------------
+# several drafters, warm-ups, stalls, latency, pass@1
+
+
+def _spec(problem, drafter, t, wall, **extra):
+    return _rec(problem, "specdec", t, wall=wall, drafter=f"{drafter}:x=1", drafter_label=drafter,
+                steps=_steps([2] * 5, [1] * 5, [2] * 5, [t] * 5), **extra)  # fmt: skip
+
+
+def _multi_records():
+    recs = []
+    for p in "123":
+        recs += [_rec(p, "hf", wall=2.0), _rec(p, "hf-static", wall=0.5 if p != "3" else 50.0, passed=p == "1")]
+        for d, w in (("lookup", 1.0), ("medusa", 0.25)):
+            for t in (4, 8):
+                recs.append(_spec(p, d, t, w * t / 4, passed=True, emit_t=[0.1, 0.2, 0.2 + w], emit_n=[1, 4, 5]))
+    warm = {"kind": "warmup", "problem_id": "1", "method": "hf-static", "tree_size": None, "new_tokens": 16,
+            "wall_s": 40.0, "prep_s": 0.0, "load_s": 0.0}  # fmt: skip
+    warm_spec = dict(warm, method="specdec", tree_size=4, drafter="medusa:x=1", drafter_label="medusa", wall_s=0.5,
+                     prep_s=2.0, load_s=0.3)  # fmt: skip
+    return [warm, warm_spec, *recs]
+
+
+def test_summarize_several_drafters_share_the_baselines():
+    rows = report.summarize(_multi_records())
+    keys = [(r["method"], r["drafter"], r["tree_size"]) for r in rows]
+    assert keys == [("hf", None, None), ("hf-static", None, None), ("specdec", "lookup", 4), ("specdec", "lookup", 8),
+                    ("specdec", "medusa", 4), ("specdec", "medusa", 8)]  # fmt: skip
+    by = {k: r for k, r in zip(keys, rows)}
+    static, med4 = by[("hf-static", None, None)], by[("specdec", "medusa", 4)]
+    # HF static's 50 s call is a stall: reported apart, out of its steady state
+    assert static["stalls"] == 1 and static["stall_problems"] == ["3"] and static["stall_s"] == pytest.approx(50.0)
+    assert static["stall_excess_s"] == pytest.approx(50.0 - 10 * 0.05)
+    assert static["steady_tokens_per_s"] == pytest.approx(20.0) and static["tokens_per_s"] == pytest.approx(30 / 51)
+    assert static["first_call_s"] == pytest.approx(40.0) and static["first_call_processes"] == 1
+    assert med4["first_call_s"] == pytest.approx(2.5) and med4["load_s"] == pytest.approx(0.3)
+    assert by[("specdec", "lookup", 4)]["first_call_s"] is None  # no warm-up record, no first_call flag
+    # speedups against the shared baselines; steady state leaves HF static's stalled problem out
+    assert med4["speedup_vs_hf"] == pytest.approx(8.0)
+    assert med4["speedup_vs_hf_static"] == pytest.approx((30 / 0.75) / (30 / 51))
+    assert med4["steady_speedup_vs_hf_static"] == pytest.approx(2.0)
+    assert med4["stalls"] == 0 and med4["steady_calls"] == 3
+    # latency: emissions (0.1, 1), (0.2, 4), (0.45, 5) -> gaps 0 x3+..., p99 near 0.25 s
+    assert med4["ttft_p50_ms"] == pytest.approx(100.0) and med4["latency_gaps"] == 27
+    assert med4["itl_p50_ms"] == 0 and med4["itl_max_ms"] == pytest.approx(250.0)
+    assert med4["pass_at_1"] == 1.0 and static["pass_at_1"] == pytest.approx(1 / 3) and by[("hf", None, None)]["pass_at_1"] is None
+    text = report.format_table(rows)
+    cells = _cells(text)
+    assert [(c["method"], c["drafter"], c["t"]) for c in cells][:3] == [("hf", "-", "-"), ("hf-static", "-", "-"),
+                                                                        ("specdec", "lookup", "4")]  # fmt: skip
+    assert cells[1]["stalls"] == "1" and cells[1]["first call s"] == "40.00" and cells[4]["pass@1"] == "100%"
+    assert "itl p99 ms" in text.splitlines()[0] and "steady vs hf-static" in text.splitlines()[0]
+    agree = report.agreement_summary(_multi_records())
+    assert "specdec medusa t=8: 3/3 identical" in agree
+
+
+def test_old_records_keep_their_rows():
+    """Records written before multi-drafter runs name the run's drafter on every method."""
+    old = [dict(r, drafter="medusa") for r in RECORDS]
+    rows = report.summarize(old)
+    assert [(r["method"], r["drafter"], r["tree_size"]) for r in rows][:3] == [
+        ("hf", None, None), ("hf-static", None, None), ("hf-assisted", None, None)]
+    assert {r["drafter"] for r in rows if r["method"] == "specdec"} == {"medusa"}
+
+
+def test_plot_lines_per_drafter(tmp_path):
+    rows = report.summarize(_multi_records())
+    assert [report._series(r) for r in rows if r["tree_size"]] == ["lookup", "lookup", "medusa", "medusa"]
+    assert report._speedup_field(rows)[0] == "steady_speedup_vs_hf_static"
+    assert report._speedup_field(report.summarize(RECORDS[:2] + RECORDS[6:]))[0] == "speedup_vs_hf"
+    pytest.importorskip("matplotlib")
+    path = report.plot(rows, tmp_path / "m.png")
+    assert path is not None and path.stat().st_size > 1000

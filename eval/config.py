@@ -1,0 +1,364 @@
+"""What an evaluation run depends on: :class:`EvalConfig`, the drafters it compares
+(:class:`DrafterSpec`, parsed from ``NAME[:KEY=VALUE,...]``) and the configuration key that decides
+which records of a results file a run may reuse.
+
+A run's records share one ``config_key`` (the settings every method depends on: models, dataset,
+decoding settings, dtype, ...). The drafter is *not* part of it, so that the baselines (``hf``,
+``hf-static``, ``hf-assisted``, ``hf-lookup``), which do not depend on the drafter, are computed once
+per problem and shared by every drafter's rows -- also when a drafter is added to an existing run
+later. A speculative record names its drafter in its own ``drafter`` field (the spec's canonical
+text, :attr:`DrafterSpec.key`); a record is identified by (config key, dataset, problem, method,
+drafter, tree size) (``eval.records.record_key``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "BASELINE_METHODS",
+    "DEFAULT_METHODS",
+    "DRAFTER_SYNTAX",
+    "DTYPES",
+    "PROMPT_LOOKUP_TOKENS",
+    "REFERENCE",
+    "TREE_SAMPLES",
+    "WARMUP_TOKENS",
+    "DrafterSpec",
+    "EvalConfig",
+    "config_key",
+    "parse_drafter_spec",
+    "parse_options",
+]
+
+#: The method whose greedy output every other method is compared with (target-only, default cache).
+REFERENCE = "hf"
+BASELINE_METHODS = ("hf", "hf-static", "hf-assisted", "hf-lookup")
+DEFAULT_METHODS = ("specdec", *BASELINE_METHODS)
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+PROMPT_LOOKUP_TOKENS = 10
+#: Trees kept per (problem, drafter, tree size) record for the attention-only timing (parents arrays).
+TREE_SAMPLES = 4
+#: New tokens of a warm-up generation.
+WARMUP_TOKENS = 16
+#: The drafter option the runner handles itself: a draft model (name, HF id or directory) loaded once
+#: and handed to the factory as ``draft`` / ``draft_model`` (default: the run's ``draft``).
+DRAFT_OPTION = "draft"
+
+DRAFTER_SYNTAX = """\
+drafter spec: [LABEL=]NAME[:KEY=VALUE[,KEY=VALUE...]]
+  NAME    a drafters.make_drafter name (model, medusa, lookup, eagle) or module:function (any factory)
+  KEY=VALUE  constructor options; VALUE is parsed as JSON when it can be (4, true, [1,2]), else a
+          string; commas inside [...], {...} or quotes do not split. draft=MODEL loads that draft
+          model once for this drafter (default: --draft); heads=DIR loads Medusa / EAGLE heads once.
+  LABEL   the name shown in tables and plots (default: NAME when it is unique in the run, else the
+          whole spec)
+  e.g. lookup  medusa:heads=/tmp/medusa  model:draft=qwen2.5-coder-0.5b,depth=4  m8=model:topk=8
+       tests.eval.tiny:make_drafter"""
+
+_LABEL = re.compile(r"^([A-Za-z0-9_.+-]+)=(.*)$", re.S)
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _known_drafters() -> tuple[str, ...]:
+    from drafters import DRAFTERS
+
+    return tuple(DRAFTERS)
+
+
+def _value_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
+    """``text`` split at ``sep`` outside brackets and quotes."""
+    parts, depth, quote, cur = [], 0, None, []
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def parse_options(items: Iterable[str], arg: str = "--drafter-option") -> tuple[tuple[str, Any], ...]:
+    """``["KEY=VALUE", ...]`` -> ``((key, value), ...)``; VALUE parsed as JSON when it can be, else kept
+    as a string. Raises ValueError naming ``arg`` for an item without ``=`` or with an empty key."""
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{arg}: expected KEY=VALUE, got {item!r}")
+        out.append((key.strip(), _parse_value(raw)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One drafter of a run: a factory name, its options and the label of its rows.
+
+    Attributes:
+        name: a ``drafters.make_drafter`` name (``"model"``, ``"medusa"``, ``"lookup"``, ``"eagle"``)
+            or ``"module:function"`` (any factory; see ``eval.methods.build_drafter``).
+        options: keyword arguments of the factory as (key, value) pairs; ``draft`` names a draft
+            model the runner loads once for this drafter (default: the run's ``draft``).
+        label: the name shown in tables and plots (None: chosen by :meth:`EvalConfig.labels`).
+    """
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"drafters: expected a drafter name, got {self.name!r}")
+        if isinstance(self.options, dict):
+            object.__setattr__(self, "options", tuple(self.options.items()))
+        keys = [k for k, _ in self.options]
+        bad = [k for k in keys if not isinstance(k, str) or not _KEY.match(k)]
+        if bad:
+            raise ValueError(f"drafters: option names must be identifiers, got {bad!r} in {self.key!r}")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"drafters: option given twice in {self.key!r}")
+        if ":" in self.name:
+            module, _, attr = self.name.partition(":")
+            if module in _known_drafters():  # "model:depth": an option without "="
+                raise ValueError(f"drafters: malformed option {attr!r} in {self.name!r}; expected KEY=VALUE")
+            if not module or not attr or ":" in attr:
+                raise ValueError(f"drafters: expected NAME or module:function, got {self.name!r}")
+        elif self.name not in _known_drafters():
+            raise ValueError(
+                f"drafters: unknown drafter {self.name!r}; expected one of {', '.join(_known_drafters())} "
+                "or module:function"
+            )
+
+    @property
+    def key(self) -> str:
+        """Canonical text ``NAME[:k=v,...]`` (options sorted): the ``drafter`` field of its records."""
+        if not self.options:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={_value_text(v)}" for k, v in sorted(self.options))
+
+    @property
+    def draft(self) -> str | None:
+        """The ``draft=`` option (a draft model to load for this drafter), or None."""
+        val = dict(self.options).get(DRAFT_OPTION)
+        return None if val is None else str(val)
+
+    def factory_options(self) -> dict[str, Any]:
+        """The options handed to the factory (all but ``draft``, which the runner loads)."""
+        return {k: v for k, v in self.options if k != DRAFT_OPTION}
+
+    @classmethod
+    def parse(cls, text: str, arg: str = "--drafters") -> DrafterSpec:
+        return parse_drafter_spec(text, arg)
+
+
+def parse_drafter_spec(text: str, arg: str = "--drafters") -> DrafterSpec:
+    """A :class:`DrafterSpec` from ``[LABEL=]NAME[:KEY=VALUE[,KEY=VALUE...]]`` (``DRAFTER_SYNTAX``).
+
+    ``NAME`` may itself be ``module:function``: the ``:``-separated parts before the first one that
+    holds a ``=`` form the name, the rest the options. Raises ValueError naming ``arg`` on malformed
+    text or an unknown drafter name.
+    """
+    if isinstance(text, DrafterSpec):
+        return text
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{arg}: expected a drafter spec NAME[:KEY=VALUE,...], got {text!r}")
+    text = text.strip()
+    label = None
+    m = _LABEL.match(text)
+    if m and ":" not in m.group(1):
+        label, text = m.group(1), m.group(2)
+        if not text:
+            raise ValueError(f"{arg}: expected LABEL=NAME[:KEY=VALUE,...], got {label + '='!r}")
+    parts = text.split(":")
+    first_opt = next((i for i, p in enumerate(parts) if "=" in p), len(parts))
+    name = ":".join(parts[:first_opt])
+    opts_text = ":".join(parts[first_opt:])
+    if not name:
+        raise ValueError(f"{arg}: expected NAME[:KEY=VALUE,...] with a drafter name first, got {text!r}")
+    options: tuple[tuple[str, Any], ...] = ()
+    if opts_text:
+        items = _split_top_level(opts_text)
+        for item in items:
+            key, sep, _ = item.partition("=")
+            if not sep or not _KEY.match(key.strip()):
+                raise ValueError(f"{arg}: malformed option {item!r} in {text!r}; expected KEY=VALUE with KEY an "
+                                 "identifier")  # fmt: skip
+        options = parse_options(items, arg)
+    try:
+        return DrafterSpec(name, options, label)
+    except ValueError as e:
+        raise ValueError(str(e).replace("drafters:", f"{arg}:", 1)) from None
+
+
+def _as_specs(drafters: Any) -> tuple[DrafterSpec, ...]:
+    if drafters is None:
+        return ()
+    if isinstance(drafters, (str, DrafterSpec)):
+        drafters = (drafters,)
+    return tuple(parse_drafter_spec(d, "drafters") for d in drafters)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Everything one evaluation run depends on.
+
+    Attributes:
+        dataset: ``"apps"`` or ``"humaneval"``.
+        target: target model (a default name such as ``qwen2.5-coder-1.5b``, a HF id, a local
+            directory or a ``.gguf`` file; see ``specdec.models.load_model``).
+        draft: draft model, same forms; used by ``hf-assisted`` and handed to the drafter factories
+            (unless a drafter names its own with ``draft=``).
+        drafters: the drafters of the ``specdec`` method, each run at every tree size: a
+            :class:`DrafterSpec` or its text ``[LABEL=]NAME[:KEY=VALUE,...]`` (``DRAFTER_SYNTAX``),
+            e.g. ``("lookup", "medusa:heads=DIR", "model:draft=qwen2.5-coder-0.5b")``; strings are
+            parsed on construction. ``()``: none (then ``specdec`` cannot run).
+        tree_sizes: node budgets of the ``specdec`` method.
+        methods: which methods to run (``eval.methods.METHODS``); ``"hf"`` is added under greedy decoding.
+        problems: how many problems (None: all).
+        difficulty: APPS difficulties to keep (None: all).
+        data_path: APPS / HumanEval file (None: the loaders' defaults).
+        max_new_tokens: new tokens per generation (fewer when eos comes first).
+        temperature: 0 = greedy; > 0 samples at this temperature (no top-k / top-p).
+        seed: base seed; every (problem, method, drafter, t) derives its own from it.
+        dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"`` (bf16 on CUDA, fp32 on CPU).
+        device: ``"cuda"``, ``"cpu"``, ... (None: cuda if available).
+        out: JSONL file of the results (appended to; resumable).
+        pad_prompt_to: prepend few-shot problems until each prompt has at least this many tokens.
+        attn_impl: the engine's attention implementation (``"auto"``, ``"triton"``, ``"torch"``).
+        compile: the engine's target forward through ``torch.compile`` (``SpecDecoder(compile=True)``,
+            static shapes); its compile time falls in the warm-up (reported as first-call latency).
+        warmup: untimed generations per method (and drafter, tree size) before its first timed one;
+            engine methods also get ``SpecDecoder.warmup`` (every forward built ahead). Both are
+            timed and written as ``"kind": "warmup"`` records (first-call latency). 0: none; then
+            each method's first timed call is flagged ``first_call`` and left out of its steady state.
+        progress: tqdm bars.
+        home: model store root (None: ``$SPECDEC_HOME``).
+    """
+
+    dataset: str = "apps"
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str | None = "qwen2.5-coder-0.5b"
+    drafters: tuple[DrafterSpec, ...] = field(default=("model",))  # type: ignore[assignment]
+    tree_sizes: tuple[int, ...] = (64,)
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    problems: int | None = 8
+    difficulty: tuple[str, ...] | None = None
+    data_path: str | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    dtype: str = "auto"
+    device: str | None = None
+    out: str = "results.jsonl"
+    pad_prompt_to: int | None = None
+    attn_impl: str = "auto"
+    compile: bool = False
+    warmup: int = 1
+    progress: bool = True
+    home: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dataset not in ("apps", "humaneval"):
+            raise ValueError(f"dataset: expected 'apps' or 'humaneval', got {self.dataset!r}")
+        specs = _as_specs(self.drafters)
+        object.__setattr__(self, "drafters", specs)
+        keys = [s.key for s in specs]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"drafters: the same drafter given twice: {', '.join(dup)}")
+        labels = list(self.labels().values())
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"drafters: two drafters labelled {', '.join(map(repr, dup))}; give distinct LABEL=...")
+        if not self.tree_sizes or any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.tree_sizes):
+            raise ValueError(f"tree_sizes: expected one or more ints >= 1, got {self.tree_sizes!r}")
+        if not self.methods:
+            raise ValueError("methods: expected at least one method, got none")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {self.temperature}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.problems is not None and self.problems < 1:
+            raise ValueError(f"problems: expected None or an int >= 1, got {self.problems}")
+        if self.pad_prompt_to is not None and self.pad_prompt_to < 1:
+            raise ValueError(f"pad_prompt_to: expected None or an int >= 1, got {self.pad_prompt_to}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: expected an int >= 0, got {self.warmup}")
+        if self.attn_impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"attn_impl: expected 'auto', 'triton' or 'torch', got {self.attn_impl!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def labels(self) -> dict[str, str]:
+        """Drafter key -> label: the spec's own label, else its name when no other drafter of the
+        run has that name, else its whole key."""
+        names = [s.name for s in self.drafters]
+        return {s.key: s.label or (s.name if names.count(s.name) == 1 else s.key) for s in self.drafters}
+
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bf16" if self.resolved_device().startswith("cuda") else "fp32"
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as JSON-ready values (the summary's ``config``)."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["drafters"] = [{"key": s.key, "label": self.labels()[s.key], "name": s.name, "options": dict(s.options)}
+                           for s in self.drafters]  # fmt: skip
+        return out
+
+
+def config_key(cfg: EvalConfig) -> str:
+    """A short hash of the settings that change what a (problem, method) record means.
+
+    Records in ``out`` with another key are not reused on resume (and are left out of reports of
+    this configuration). Problem count, tree sizes, methods, drafters (named by each speculative
+    record itself), warmup and progress are not part of it: a run may add problems, tree sizes or
+    drafters to a file and reuse the baselines already there.
+    """
+    keyed = {
+        "dataset": cfg.dataset, "target": cfg.target, "draft": cfg.draft, "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature, "seed": cfg.seed, "dtype": cfg.resolved_dtype(),
+        "device": cfg.resolved_device().split(":")[0], "data_path": cfg.data_path, "pad_prompt_to": cfg.pad_prompt_to,
+        "attn_impl": cfg.attn_impl,
+    }  # fmt: skip
+    if cfg.compile:  # only when set: keys of runs made before the option existed stay valid
+        keyed["compile"] = True
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
+

@@ -1,0 +1,516 @@
+"""The ways to generate that an evaluation compares, and the loaded models they share.
+
+========================  ====================================================================
+method                    what runs
+========================  ====================================================================
+``specdec``               ``specdec.SpecDecoder(target, drafter, t)`` for each drafter and tree size t
+``specdec-plain``         the same engine without a drafter (one token per step; engine overhead)
+``hf``                    ``target.generate`` with the default (dynamic) cache -- the reference
+``hf-static``             ``target.generate(cache_implementation="static")`` (compiled decode on CUDA)
+``hf-assisted``           ``target.generate(assistant_model=draft)`` (HF assisted generation)
+``hf-lookup``             ``target.generate(prompt_lookup_num_tokens=10)`` (HF prompt lookup)
+========================  ====================================================================
+
+No decoding happens here: a :class:`Session` holds the models and calls the engine and HF
+``generate``, timing each call (device synchronized before and after) and the moments its tokens
+become visible (``MethodOutput.emit_t`` / ``emit_n``; see ``eval.latency``). Engine decoders and
+drafters are built once per (drafter, tree size) and kept for the whole run; a drafter's draft
+model (``draft=``) and Medusa / EAGLE heads (``heads=DIR``) are loaded once per drafter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from eval.config import PROMPT_LOOKUP_TOKENS, TREE_SAMPLES, DrafterSpec, EvalConfig
+
+__all__ = [
+    "METHODS",
+    "EmissionClock",
+    "Method",
+    "MethodOutput",
+    "RecordingDrafter",
+    "Session",
+    "build_drafter",
+    "tree_depth",
+]
+
+
+def tree_depth(parents: Sequence[int]) -> int:
+    """Depth of a tree given as a parents list (``parents[0] = -1``, ``parents[i] < i``)."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return max(depth, default=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# drafters
+
+
+class RecordingDrafter:
+    """A drafter proxy that keeps a reference to each proposed tree's ``parents`` (nothing else,
+    no host sync) so that the runner can report tree depths and time attention on the same trees.
+    Everything else is the wrapped drafter's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.parents: list[Any] = []
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.inner, "vocab_size", None)
+
+    def reset(self, input_ids):
+        self.parents = []
+        return self.inner.reset(input_ids)
+
+    def propose(self, context):
+        tree = self.inner.propose(context)
+        parents = getattr(tree, "parents", None)
+        # A copy (asynchronous on CUDA, no host sync): a drafter may refill one buffer every step.
+        self.parents.append(parents.clone() if parents is not None else None)
+        return tree
+
+    def update(self, context, tree, verdict):
+        return self.inner.update(context, tree, verdict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+
+def _call_with_accepted(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` keeping only the keywords ``fn`` declares (all if it takes ``**kw``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return fn(*args, **kwargs)
+    names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in names})
+
+
+def build_drafter(name: str, **kwargs: Any) -> Any:
+    """A drafter by name: ``drafters.make_drafter(name, ...)``, or ``"module:function"`` for any factory.
+
+    ``kwargs`` offered (each factory receives those its signature names, or all with ``**kwargs``):
+    ``target``, ``draft`` (also as ``draft_model``), ``tokenizer``, ``tree_size``, ``device``, ``dtype``,
+    and the drafter's own options.
+    """
+    if "draft" in kwargs:
+        kwargs.setdefault("draft_model", kwargs["draft"])
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"drafter: could not import factory {name!r} ({type(e).__name__}: {e})") from e
+        return _call_with_accepted(factory, (), kwargs)
+    from drafters import make_drafter
+
+    return _call_with_accepted(make_drafter, (name,), kwargs)
+
+
+def _load_heads(spec: DrafterSpec, target: Any) -> Any | None:
+    """Medusa / EAGLE heads named by ``heads=DIR``, loaded once (placed like ``make_drafter`` would)."""
+    path = dict(spec.options).get("heads")
+    if spec.name not in ("medusa", "eagle") or not isinstance(path, (str, os.PathLike)):
+        return None
+    lm = target.get_output_embeddings().weight
+    if spec.name == "medusa":
+        from drafters.medusa import MedusaHeads
+
+        return MedusaHeads.load(path, device=lm.device, dtype=lm.dtype)
+    from drafters.eagle import EagleHead
+
+    return EagleHead.load(path, target, device=lm.device, dtype=lm.dtype, name="heads")
+
+
+# ----------------------------------------------------------------------------------------------
+# methods
+
+
+@dataclass(frozen=True)
+class MethodOutput:
+    """What one timed generation gives back.
+
+    Attributes:
+        token_ids: the new tokens (cut after the first eos and at ``max_new_tokens``).
+        wall_s: seconds of the generate call (device synchronized before and after).
+        steps: per-step arrays (engine methods): ``nodes``, ``depth``, ``accepted``, ``emitted``,
+            ``draft_s``, ``verify_s``, ``commit_s``.
+        tree_samples: a few proposed trees' parents lists (engine methods with a drafter).
+        prefill_s: seconds of the engine's prompt prefill inside ``wall_s`` (engine methods).
+        emit_t: seconds from the call's start at which tokens became visible (one per emission).
+        emit_n: tokens made visible at each ``emit_t`` (``eval.latency``).
+    """
+
+    token_ids: list[int]
+    wall_s: float
+    steps: dict[str, list] | None = None
+    tree_samples: list[list[int]] | None = None
+    prefill_s: float | None = None
+    emit_t: list[float] | None = None
+    emit_n: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    """A way to generate. ``run(session, prompt, tree_size)`` -> :class:`MethodOutput`; ``prompt``
+    is int64 ``[1, L]`` on the target's device; ``tree_size`` is None unless ``uses_tree``. A method
+    with ``needs_drafter`` runs once per drafter of the run, with ``session.drafter`` set to it."""
+
+    name: str
+    run: Callable[[Any, Any, int | None], MethodOutput]
+    uses_tree: bool = False
+    needs_draft: bool = False
+    needs_drafter: bool = False
+    engine: bool = False
+    description: str = ""
+
+
+def _run_specdec(session: Session, prompt, tree_size: int | None) -> MethodOutput:
+    return session.speculative(prompt, tree_size)
+
+
+def _run_specdec_plain(session: Session, prompt, tree_size: int | None) -> MethodOutput:
+    return session.speculative(prompt, None)
+
+
+def _run_hf(session: Session, prompt, tree_size: int | None) -> MethodOutput:
+    return session.hf_generate(prompt)
+
+
+def _run_hf_static(session: Session, prompt, tree_size: int | None) -> MethodOutput:
+    return session.hf_generate(prompt, cache_implementation="static", max_cache_len=session.max_cache_len)
+
+
+def _run_hf_assisted(session: Session, prompt, tree_size: int | None) -> MethodOutput:
+    return session.hf_generate(prompt, assistant_model=session.draft)
+
+
+def _run_hf_lookup(session: Session, prompt, tree_size: int | None) -> MethodOutput:
+    return session.hf_generate(prompt, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("specdec", _run_specdec, uses_tree=True, needs_drafter=True, engine=True,
+               description="specdec.SpecDecoder(target, drafter, t): token-tree speculative decoding"),
+        Method("specdec-plain", _run_specdec_plain, engine=True,
+               description="the engine without a drafter: one token per step (engine overhead)"),
+        Method("hf", _run_hf, description="target-only HF generate, default cache (the reference)"),
+        Method("hf-static", _run_hf_static,
+               description="target-only HF generate, cache_implementation='static' (compiled decode on CUDA)"),
+        Method("hf-assisted", _run_hf_assisted, needs_draft=True,
+               description="HF assisted generation, assistant_model = the draft model"),
+        Method("hf-lookup", _run_hf_lookup,
+               description=f"HF prompt lookup decoding, prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}"),
+    )
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+class EmissionClock:
+    """When a call's tokens become visible: ``t`` (seconds since :meth:`start`) and ``n`` (tokens).
+
+    Fed by the engine's ``on_tokens(seq, tokens)`` callback (:meth:`on_tokens`) or, as an HF
+    streamer (:meth:`streamer`), by ``generate``'s ``put`` calls (the first ``put``, the prompt, is
+    skipped).
+    """
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.t: list[float] = []
+        self.n: list[int] = []
+        self._prompt_seen = False
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.t.append(round(time.perf_counter() - self.t0, 7))
+        self.n.append(int(n))
+
+    def on_tokens(self, seq: int, tokens: Sequence[int]) -> None:
+        if seq == 0 and tokens:
+            self.add(len(tokens))
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # generate's first put is the prompt
+            self._prompt_seen = True
+            return
+        n = int(value.numel()) if hasattr(value, "numel") else len(value)
+        if n:
+            self.add(n)
+
+    def end(self) -> None:
+        pass
+
+    def streamer(self) -> Any:
+        """This clock as a ``transformers`` streamer (a ``BaseStreamer`` subclass when available)."""
+        try:
+            from transformers.generation.streamers import BaseStreamer
+        except ImportError:  # pragma: no cover - very old transformers: duck typing
+            return self
+        clock = self
+
+        class _Streamer(BaseStreamer):
+            def put(self, value):
+                clock.put(value)
+
+            def end(self):
+                clock.end()
+
+        return _Streamer()
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _clean_generation_config(model: Any, eos: list[int], pad: int, bos: int | None) -> None:
+    """Replace the model's generation defaults (e.g. an instruct model's repetition penalty or
+    sampling settings) by plain ones, so that every method decodes the same distribution."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(eos_token_id=eos or None, pad_token_id=pad, bos_token_id=bos)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        val = getattr(src, "eos_token_id", None) if src is not None else None
+        if val is None:
+            continue
+        for v in [val] if isinstance(val, int) else list(val):
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+        if ids:
+            break
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# the session
+
+
+class Session:
+    """Loaded models and per-method state for one run: engine decoders and drafters per (drafter,
+    tree size), draft models and heads per drafter.
+
+    Args:
+        cfg: the run's settings.
+        target, tokenizer: the target model and its tokenizer.
+        draft: the run's draft model (``hf-assisted``, and drafters without ``draft=``), or None.
+        drafter_factory: ``factory(spec, target=, draft=, tokenizer=, tree_size=, device=, dtype=,
+            **options)`` -> drafter (default: :func:`build_drafter` with ``spec.name``).
+        max_cache_len: longest prompt + ``max_new_tokens`` (the caches' capacity).
+        load_model: ``load_model(name)`` -> model, for drafters that name a draft model of their own
+            (default: ``specdec.models.load_model`` with the run's dtype / device / home).
+
+    The runner sets ``seed`` and ``drafter`` (the :class:`DrafterSpec` of the next ``specdec`` call)
+    before each call, and lowers ``max_new_tokens`` during warm-up.
+    """
+
+    def __init__(self, cfg: EvalConfig, target: Any, tokenizer: Any, draft: Any = None,
+                 drafter_factory: Callable[..., Any] | None = None, max_cache_len: int = 0,
+                 load_model: Callable[[str], Any] | None = None) -> None:  # fmt: skip
+        import torch
+
+        self.cfg = cfg
+        self.target = target
+        self.tokenizer = tokenizer
+        self.draft = draft
+        self.drafter_factory = drafter_factory
+        self.max_cache_len = max_cache_len
+        self.device = torch.device(cfg.resolved_device())
+        self.eos = _eos_ids(target, tokenizer)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad = int(pad) if pad is not None else (self.eos[0] if self.eos else 0)
+        self._bos = getattr(tokenizer, "bos_token_id", None)
+        for model in (target, draft):
+            if model is not None:
+                _clean_generation_config(model, self.eos, self.pad, self._bos)
+        self._load_model = load_model
+        self._draft_models: dict[str, Any] = {}
+        self._heads: dict[str, Any] = {}
+        self._decoders: dict[tuple[str | None, int | None], Any] = {}
+        self._recorders: dict[tuple[str | None, int | None], RecordingDrafter] = {}
+        self.drafter: DrafterSpec | None = None  # set per call by the runner
+        self.seed = 0  # set per generation by the runner
+        self.max_new_tokens = cfg.max_new_tokens  # lowered during warm-up
+        if any(m.startswith("specdec") for m in cfg.methods):
+            # Route attention through specdec's function before any generate, so every method runs the
+            # same (delegating) attention code from the first call on and nothing recompiles mid-run.
+            from specdec import hf
+
+            hf.prepare_model(target, "target")
+
+    # -- helpers
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _finish(self, ids: list[int]) -> list[int]:
+        ids = ids[: self.max_new_tokens]
+        for j, tok in enumerate(ids):
+            if tok in self.eos:
+                return ids[: j + 1]
+        return ids
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        if self.cfg.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.cfg.temperature, "top_k": 0, "top_p": 1.0}
+
+    # -- HF generate
+
+    def hf_generate(self, prompt, **extra: Any) -> MethodOutput:
+        import torch
+
+        torch.manual_seed(self.seed)
+        clock = EmissionClock()
+        kwargs = dict(
+            max_new_tokens=self.max_new_tokens, eos_token_id=self.eos or None, pad_token_id=self.pad,
+            attention_mask=torch.ones_like(prompt), streamer=clock.streamer(), **self._sampling_kwargs(), **extra,
+        )  # fmt: skip
+        self._sync()
+        t0 = time.perf_counter()
+        clock.start()
+        out = self.target.generate(prompt, **kwargs)
+        self._sync()
+        wall = time.perf_counter() - t0
+        ids = self._finish(out[0, prompt.shape[1] :].tolist())
+        return MethodOutput(ids, wall, emit_t=clock.t, emit_n=clock.n)
+
+    # -- drafters and the engine
+
+    def _draft_for(self, spec: DrafterSpec) -> Any:
+        name = spec.draft
+        if name is None or name == self.cfg.draft:
+            return self.draft
+        if name not in self._draft_models:
+            if self._load_model is None:
+                from specdec.models import load_model
+
+                dtype = _torch_dtype(self.cfg.resolved_dtype())
+                model = load_model(name, dtype=dtype, device=str(self.device), home=self.cfg.home,
+                                   progress=self.cfg.progress)  # fmt: skip
+            else:
+                model = self._load_model(name)
+            _clean_generation_config(model, self.eos, self.pad, self._bos)
+            self._draft_models[name] = model
+        return self._draft_models[name]
+
+    def _make_drafter(self, spec: DrafterSpec, tree_size: int) -> Any:
+        options = spec.factory_options()
+        if spec.key not in self._heads:
+            self._heads[spec.key] = _load_heads(spec, self.target)
+        if self._heads[spec.key] is not None:
+            options["heads"] = self._heads[spec.key]
+        kw = dict(target=self.target, draft=self._draft_for(spec), tokenizer=self.tokenizer, tree_size=tree_size,
+                  device=self.device, dtype=self.target.dtype)  # fmt: skip
+        if self.drafter_factory is not None:
+            return self.drafter_factory(spec, **kw, **options)
+        return build_drafter(spec.name, **kw, **options)
+
+    def _slot(self, tree_size: int | None) -> tuple[str | None, int | None]:
+        if tree_size is None:
+            return (None, None)
+        if self.drafter is None:
+            raise ValueError("drafters: the 'specdec' method needs a drafter (--drafters NAME ...)")
+        return (self.drafter.key, tree_size)
+
+    def decoder(self, tree_size: int | None):
+        """The engine for the current drafter at ``tree_size`` (None: no drafter), built on first use."""
+        from specdec import SpecDecoder
+
+        slot = self._slot(tree_size)
+        if slot not in self._decoders:
+            drafter = None
+            if tree_size is not None:
+                drafter = self._recorders[slot] = RecordingDrafter(self._make_drafter(self.drafter, tree_size))
+            self._decoders[slot] = SpecDecoder(
+                self.target, drafter, tree_size or 0, max_cache_len=self.max_cache_len + (tree_size or 0),
+                attn_impl=self.cfg.attn_impl, static_shapes=True if self.cfg.compile else None,
+                compile=self.cfg.compile,
+            )  # fmt: skip
+        return self._decoders[slot]
+
+    def prepare(self, method: Method, tree_size: int | None, warm: bool) -> tuple[float, float]:
+        """Build what ``method`` needs at ``tree_size`` (engine methods: drafter and decoder) and, with
+        ``warm``, run the engine's declared warm-up (``SpecDecoder.warmup``: every forward the run's
+        prompts will use, compiled / captured). Returns (seconds building, seconds warming up)."""
+        if not method.engine:
+            return 0.0, 0.0
+        t0 = time.perf_counter()
+        decoder = self.decoder(tree_size if method.uses_tree else None)
+        load_s = time.perf_counter() - t0
+        prep_s = 0.0
+        warmup = getattr(decoder, "warmup", None)
+        if warm and callable(warmup):
+            self._sync()
+            t0 = time.perf_counter()
+            warmup(batch_sizes=(1,), max_len=max(self.max_cache_len, 2), log=None)
+            self._sync()
+            prep_s = time.perf_counter() - t0
+        return load_s, prep_s
+
+    def speculative(self, prompt, tree_size: int | None) -> MethodOutput:
+        import torch
+
+        decoder = self.decoder(tree_size)
+        generator = None
+        if not self.cfg.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        clock = EmissionClock()
+        self._sync()
+        t0 = time.perf_counter()
+        clock.start()
+        out = decoder.generate(
+            prompt[0], self.max_new_tokens, do_sample=not self.cfg.greedy, temperature=self.cfg.temperature or 1.0,
+            eos_token_id=self.eos or None, generator=generator, pad_token_id=self.pad, on_tokens=clock.on_tokens,
+        )  # fmt: skip
+        self._sync()
+        wall = time.perf_counter() - t0
+        steps = {
+            "nodes": [s.nodes_proposed[0] for s in out.steps],
+            "accepted": [s.tokens_accepted[0] for s in out.steps],
+            "emitted": [s.tokens_emitted[0] for s in out.steps],
+            "draft_s": [s.draft_s for s in out.steps],
+            "verify_s": [s.verify_s for s in out.steps],
+            "commit_s": [s.commit_s for s in out.steps],
+        }
+        samples = None
+        rec = self._recorders.get(self._slot(tree_size))
+        if rec is not None:
+            parents = [None if p is None else [int(x) for x in p.tolist()] for p in rec.parents]
+            depths = [None if p is None else tree_depth(p) for p in parents]
+            if len(depths) != len(out.steps):  # not one proposal per step: depth unknown
+                depths = [None] * len(out.steps)
+            steps["depth"] = depths
+            real = [p for p in parents if p is not None and len(p) > 1]
+            if real:
+                pick = sorted({round(i * (len(real) - 1) / max(TREE_SAMPLES - 1, 1)) for i in range(TREE_SAMPLES)})
+                samples = [real[i] for i in pick]
+        else:
+            steps["depth"] = [0] * len(out.steps)
+        return MethodOutput(self._finish(out.new_tokens(0).tolist()), wall, steps, samples, out.prefill_s,
+                            emit_t=clock.t, emit_n=clock.n)  # fmt: skip

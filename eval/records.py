@@ -1,0 +1,185 @@
+"""Result records of an evaluation: the JSONL file, what identifies a record, token comparison.
+
+Two kinds of JSON lines share a results file:
+
+* a *timed* record per (problem, method, drafter, tree size): the generation's tokens, wall time,
+  emission times, per-step arrays of the engine, the greedy comparison with the reference;
+* a *warm-up* record (``"kind": "warmup"``) per (method, drafter, tree size) and process: the
+  seconds of the engine's declared warm-up (``prep_s``), of building its drafter / decoder
+  (``load_s``) and of each untimed warm-up generation (``warmup_walls``; ``wall_s`` is the first):
+  the first-call latency of ``eval.latency``. Warm-up records are never reused on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "WARMUP",
+    "EvalResult",
+    "compare_tokens",
+    "finalize",
+    "is_warmup",
+    "load_records",
+    "record_drafter",
+    "record_key",
+    "result_from_file",
+    "seed_for",
+    "write_record",
+]
+
+#: ``kind`` of a warm-up record.
+WARMUP = "warmup"
+
+
+def is_warmup(rec: Mapping[str, Any]) -> bool:
+    return rec.get("kind") == WARMUP
+
+
+def record_drafter(rec: Mapping[str, Any]) -> str | None:
+    """The drafter a record belongs to (its ``drafter`` key), None for methods without one.
+
+    Records written before multi-drafter runs carry the run's drafter on every method; there it
+    only counts where the record has a tree size (the ``specdec`` method)."""
+    if rec.get("tree_size") is None and "drafter_label" not in rec:
+        return None
+    val = rec.get("drafter")
+    return None if val is None else str(val)
+
+
+def record_key(rec: Mapping[str, Any]) -> tuple:
+    """(config key, dataset, problem, method, drafter, tree size): what a resumed run skips."""
+    return (rec.get("config_key"), rec.get("dataset"), str(rec.get("problem_id")), rec.get("method"),
+            record_drafter(rec), rec.get("tree_size"))  # fmt: skip
+
+
+def compare_tokens(reference: Sequence[int], got: Sequence[int]) -> tuple[bool, int | None, float]:
+    """(identical, first divergence, agreement) of two token lists.
+
+    The first divergence is the first index where they differ (or the shorter length when one is a
+    prefix of the other), None when identical; agreement is the common prefix over the longer length.
+    """
+    ref, got = list(reference), list(got)
+    if ref == got:
+        return True, None, 1.0
+    first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    return False, first, first / max(len(ref), len(got))
+
+
+def seed_for(base: int, problem_id: str, method: str, tree_size: int | None) -> int:
+    """The seed of one generation; every drafter at a tree size gets the same one (the target's
+    sampling draws the same random numbers for all drafters of a problem)."""
+    return (base * 1_000_003 + zlib.crc32(f"{problem_id}|{method}|{tree_size}".encode())) % (2**31)
+
+
+def load_records(path: str | os.PathLike[str], repair: bool = False) -> list[dict[str, Any]]:
+    """The JSON records of a results file ([] if it does not exist).
+
+    A malformed last line (a run killed mid-write) is dropped with a warning -- and removed from
+    the file when ``repair`` is set, so that appending goes on cleanly; a malformed line elsewhere
+    raises ValueError naming the file and line.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                print(f"warning: {path}: line {i + 1} is incomplete ({e}); dropped", file=sys.stderr)
+                if repair:
+                    path.write_text("".join(lines[:i]), encoding="utf-8")
+                return records
+            raise ValueError(f"{path}: line {i + 1}: not a JSON object ({e})") from None
+        records.append(rec)
+    if repair and text and not text.endswith("\n"):  # a complete last record without its newline
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("\n")
+    return records
+
+
+def write_record(sink, rec: Mapping[str, Any]) -> None:
+    sink.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    sink.flush()
+
+
+@dataclass
+class EvalResult:
+    """What ``eval.runner.run_eval`` returns.
+
+    Attributes:
+        records: every timed record of this configuration in ``out`` (earlier runs' included).
+        warmups: every warm-up record of this configuration in ``out``.
+        new: how many timed records this run added.
+        skipped: how many (problem, method, drafter, t) were already done.
+        calls: how many timed generations this run made (``new``, errors included).
+        mismatches: greedy records whose tokens differ from the reference.
+        errors: records whose method raised.
+        strict: whether mismatches are failures (greedy float32).
+        model_shape: the target's attention shape (for attention-only timings).
+    """
+
+    records: list[dict[str, Any]]
+    warmups: list[dict[str, Any]] = field(default_factory=list)
+    new: int = 0
+    skipped: int = 0
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    strict: bool = False
+    model_shape: dict[str, Any] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.errors) or (self.strict and bool(self.mismatches))
+
+    @property
+    def all_records(self) -> list[dict[str, Any]]:
+        """Warm-up and timed records (what the report reads)."""
+        return [*self.warmups, *self.records]
+
+
+def finalize(result: EvalResult) -> EvalResult:
+    """Keep the latest record per (problem, method, drafter, t) (a retried error is replaced by its
+    redo) and collect the mismatches and errors that remain."""
+    latest: dict[tuple, dict[str, Any]] = {}
+    for rec in result.records:
+        latest.pop(record_key(rec), None)
+        latest[record_key(rec)] = rec
+    result.records = list(latest.values())
+    result.mismatches = [r for r in result.records if r.get("match") is False]
+    result.errors = [r for r in result.records if r.get("error")]
+    return result
+
+
+def result_from_file(path: str | os.PathLike[str]) -> EvalResult:
+    """The records of the last configuration written to ``path`` (by its ``config_key``)."""
+    records = load_records(path)
+    if not records:
+        raise ValueError(f"out: no records in {path}")
+    key = records[-1].get("config_key")
+    others = sorted({str(r.get("config_key")) for r in records} - {str(key)})
+    if others:
+        print(f"note: {path} also holds configurations {', '.join(others)}; reporting the last one ({key})",
+              file=sys.stderr)  # fmt: skip
+    records = [r for r in records if r.get("config_key") == key]
+    timed = [r for r in records if not is_warmup(r)]
+    if not timed:
+        raise ValueError(f"out: no timed records of configuration {key} in {path}")
+    last = timed[-1]
+    strict = last.get("temperature") == 0 and last.get("dtype") == "fp32"
+    return finalize(EvalResult(records=timed, warmups=[r for r in records if is_warmup(r)], strict=strict))

@@ -1,0 +1,315 @@
+"""The evaluation loop: every problem through every method, drafter and tree size; resumable.
+
+For every problem the runner builds one prompt (``eval.prompts``) and generates with every requested
+method (``eval.methods``) on that same prompt, with the same settings: the baselines once per
+problem, ``specdec-plain`` once, ``specdec`` once per (drafter, tree size). Each generation becomes
+one JSON line in ``cfg.out`` as soon as it finishes (``eval.records``). A rerun with the same
+settings skips what ``out`` already holds -- also after an interruption, and also when it adds
+drafters, tree sizes or problems: only the missing (problem, method, drafter, t) run. Under greedy
+decoding every method's tokens are compared with the ``hf`` reference of the same problem: in
+float32 any difference is a failure (flagged in the record and on stderr, ``failed``); in bf16/fp16,
+where n-token and 1-token forwards round differently, the agreement and first divergence are kept.
+
+Before a method's (drafter's, tree size's) first timed call in a process, it is warmed up: engine
+methods build their drafter and decoder and run ``SpecDecoder.warmup`` (declared warm-up: every
+fixed-shape forward compiled / captured for the run's longest request), then every method makes
+``cfg.warmup`` short untimed generations (``hf-static`` one more: compile, then replay). All of it
+is timed and written as a ``"kind": "warmup"`` record (first-call latency, ``eval.latency``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from eval.config import REFERENCE, WARMUP_TOKENS, DrafterSpec, EvalConfig, config_key
+from eval.methods import METHODS, Method, MethodOutput, Session, _torch_dtype
+from eval.prompts import load_eval_problems, pad_problems
+from eval.records import (
+    WARMUP,
+    EvalResult,
+    compare_tokens,
+    finalize,
+    is_warmup,
+    load_records,
+    record_key,
+    seed_for,
+    write_record,
+)
+
+__all__ = ["run_eval", "work_items"]
+
+#: Drafters that never use the run's draft model (so a run of only these does not load it).
+_NO_DRAFT_MODEL = ("lookup", "medusa", "eagle")
+
+
+def work_items(problems: Sequence[Any], methods: Sequence[Method], drafters: Sequence[DrafterSpec],
+               tree_sizes: Sequence[int]) -> list[tuple[int, Any, Method, DrafterSpec | None, int | None]]:  # fmt: skip
+    """(problem index, problem, method, drafter, tree size) in run order: per problem, each method
+    in turn; a method with a drafter once per drafter and (if it uses trees) per tree size."""
+    items = []
+    for p_index, problem in enumerate(problems):
+        for m in methods:
+            for spec in drafters if m.needs_drafter else (None,):
+                for t in tree_sizes if m.uses_tree else (None,):
+                    items.append((p_index, problem, m, spec, t))
+    return items
+
+
+def _tqdm(**kw):
+    from tqdm.auto import tqdm
+
+    return tqdm(**kw)
+
+
+def _say(msg: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+
+
+def _select_methods(cfg: EvalConfig, extra: Mapping[str, Method] | None, have_draft: bool) -> list[Method]:
+    table = dict(METHODS)
+    table.update(extra or {})
+    names = list(dict.fromkeys(cfg.methods))
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"methods: unknown {unknown}; expected some of {', '.join(table)}")
+    if cfg.greedy and REFERENCE not in names:
+        _say(f"note: adding the reference method {REFERENCE!r} (greedy outputs are compared with it)")
+        names.insert(0, REFERENCE)
+    names.sort(key=lambda n: n != REFERENCE)  # the reference first: later methods compare with it
+    chosen = []
+    for n in names:
+        m = table[n]
+        if m.needs_draft and not have_draft:
+            _say(f"note: skipping {n!r}: it needs a draft model (--draft)")
+            continue
+        if m.needs_drafter and not cfg.drafters:
+            raise ValueError(f"drafters: method {n!r} needs at least one drafter (--drafters NAME[:KEY=VALUE,...])")
+        chosen.append(m)
+    return chosen
+
+
+def _model_shape(model: Any) -> dict[str, Any]:
+    cfg = model.config.get_text_config()
+    heads = int(cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return {"num_heads": heads, "num_kv_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
+            "head_dim": int(head_dim), "num_layers": int(cfg.num_hidden_layers)}  # fmt: skip
+
+
+def _drafter_fields(cfg: EvalConfig, spec: DrafterSpec | None) -> dict[str, Any]:
+    if spec is None:
+        return {}
+    return {"drafter": spec.key, "drafter_label": cfg.labels()[spec.key], "drafter_name": spec.name,
+            "drafter_options": dict(spec.options)}  # fmt: skip
+
+
+def _result_fields(res: MethodOutput, tokenizer: Any) -> dict[str, Any]:
+    n = len(res.token_ids)
+    fields: dict[str, Any] = {
+        "new_tokens": n, "wall_s": res.wall_s, "tokens_per_s": n / res.wall_s if res.wall_s > 0 else None,
+        "token_ids": list(res.token_ids), "text": tokenizer.decode(res.token_ids, skip_special_tokens=False),
+        "error": None,
+    }  # fmt: skip
+    if res.steps is not None:
+        steps = res.steps
+        num = len(steps["emitted"])
+        fields.update(num_steps=num, tau=sum(steps["emitted"]) / num if num else None,
+                      mean_accepted=sum(steps["accepted"]) / num if num else None, steps=steps)  # fmt: skip
+    if res.tree_samples is not None:
+        fields["tree_samples"] = res.tree_samples
+    if res.prefill_s is not None:
+        fields["prefill_s"] = res.prefill_s
+    if res.emit_t is not None and res.emit_n is not None:
+        fields.update(emit_t=list(res.emit_t), emit_n=list(res.emit_n))
+    return fields
+
+
+def _compare(rec: dict[str, Any], reference: Mapping[str, Any] | None, greedy: bool) -> dict[str, Any]:
+    if not greedy:
+        return {"reference": None, "match": None, "first_divergence": None, "agreement": None}
+    if rec["method"] == REFERENCE:
+        return {"reference": REFERENCE, "match": True, "first_divergence": None, "agreement": 1.0}
+    if reference is None or reference.get("error") or "token_ids" not in reference:
+        return {"reference": REFERENCE, "match": None, "first_divergence": None, "agreement": None}
+    same, first, agree = compare_tokens(reference["token_ids"], rec["token_ids"])
+    return {"reference": REFERENCE, "match": same, "first_divergence": first, "agreement": agree}
+
+
+def _warm_up(session: Session, method: Method, prompt, tree_size: int | None) -> dict[str, Any]:
+    """Build and warm up one method (drafter, tree size): the declared engine warm-up, then
+    ``cfg.warmup`` short generations (``hf-static``: one more); every part timed. Errors are kept
+    in the returned fields (the timed call reports them in its own record)."""
+    cfg = session.cfg
+    fields: dict[str, Any] = {"load_s": None, "prep_s": None, "warmup_walls": [], "warmup_tokens": [], "error": None}
+    runs = cfg.warmup + (cfg.warmup > 0 and method.name == "hf-static")  # compile, then replay
+    session.seed = seed_for(cfg.seed, "warmup", method.name, tree_size)
+    session.max_new_tokens = min(WARMUP_TOKENS, cfg.max_new_tokens)
+    try:
+        fields["load_s"], fields["prep_s"] = session.prepare(method, tree_size, warm=cfg.warmup > 0)
+        for _ in range(runs):
+            res = method.run(session, prompt, tree_size)
+            fields["warmup_walls"].append(res.wall_s)
+            fields["warmup_tokens"].append(len(res.token_ids))
+    except Exception as e:  # the timed call reports the error in its record
+        fields["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        session.max_new_tokens = cfg.max_new_tokens
+    if fields["warmup_walls"]:
+        fields.update(wall_s=fields["warmup_walls"][0], new_tokens=fields["warmup_tokens"][0])
+    return fields
+
+
+def run_eval(
+    cfg: EvalConfig,
+    *,
+    models: tuple[Any, Any, Any] | None = None,
+    drafter_factory: Callable[..., Any] | None = None,
+    extra_methods: Mapping[str, Method] | None = None,
+    problems: Sequence[Any] | None = None,
+    checker: Callable[[Any, str], bool | None] | None = None,
+) -> EvalResult:
+    """Run (or resume) an evaluation; one JSON line per (problem, method, drafter, t) in ``cfg.out``.
+
+    Args:
+        cfg: the settings.
+        models: ``(target, tokenizer, draft)`` already loaded (default: loaded from ``cfg``).
+        drafter_factory: ``factory(spec, target=, draft=, tokenizer=, tree_size=, device=, dtype=,
+            **options)`` (default: ``eval.methods.build_drafter`` with ``spec.name``).
+        extra_methods: more methods by name (selectable in ``cfg.methods``).
+        problems: the problems (default: loaded from ``cfg``; padding still applies).
+        checker: ``checker(problem, text)`` run on every new generation after its timing (the
+            pass@1 hook, e.g. ``eval.execution.check``): a bool or a verdict with ``passed`` (and
+            ``status``), kept as the record's ``passed`` (``check_status``); ``eval.report`` turns it
+            into ``pass_at_1`` per row. None: not checked.
+
+    Returns:
+        ``EvalResult``; ``failed`` is True when a method raised, or when greedy float32 outputs
+        differ from the reference.
+    """
+    import torch
+
+    from eval.datasets import prompt_ids
+    from specdec.models import load_model, load_tokenizer
+
+    device = cfg.resolved_device()
+    dtype_name = cfg.resolved_dtype()
+    key = config_key(cfg)
+    out_path = Path(cfg.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    previous = [r for r in load_records(out_path, repair=True) if r.get("config_key") == key]
+    prev_warmups = [r for r in previous if is_warmup(r)]
+    previous = [r for r in previous if not is_warmup(r)]
+    done = {record_key(r): r for r in previous if not r.get("error")}
+
+    if problems is None:
+        problems, pool = load_eval_problems(cfg)
+    else:
+        problems, pool = list(problems), list(problems)
+
+    table = {**METHODS, **(extra_methods or {})}
+    wanted = [table[m] for m in cfg.methods if m in table]
+    if models is None:
+        dtype = _torch_dtype(dtype_name)
+        target = load_model(cfg.target, dtype=dtype, device=device, home=cfg.home, progress=cfg.progress)
+        tokenizer = load_tokenizer(cfg.target, home=cfg.home, progress=cfg.progress)
+        draft = None
+        uses_draft = any(m.needs_draft for m in wanted) or (
+            any(m.needs_drafter for m in wanted)
+            and any(s.draft is None and s.name not in _NO_DRAFT_MODEL for s in cfg.drafters)
+        )
+        if cfg.draft and uses_draft:
+            draft = load_model(cfg.draft, dtype=dtype, device=device, home=cfg.home, progress=cfg.progress)
+    else:
+        target, tokenizer, draft = models
+
+    methods = _select_methods(cfg, extra_methods, draft is not None)
+    if cfg.pad_prompt_to:
+        problems = pad_problems(problems, pool, tokenizer, cfg.pad_prompt_to)
+    prompts = [prompt_ids(p, tokenizer) for p in problems]
+    max_cache_len = max(len(p) for p in prompts) + cfg.max_new_tokens
+    session = Session(cfg, target, tokenizer, draft, drafter_factory, max_cache_len=max_cache_len)
+    strict = cfg.greedy and dtype_name == "fp32"
+    result = EvalResult(records=list(previous), warmups=list(prev_warmups), strict=strict,
+                        model_shape=_model_shape(target))  # fmt: skip
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    common = {
+        "config_key": key, "run_id": run_id, "dataset": cfg.dataset, "target": cfg.target, "draft": cfg.draft,
+        "dtype": dtype_name, "device": device, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+        "seed": cfg.seed, "pad_prompt_to": cfg.pad_prompt_to, "attn_impl": cfg.attn_impl, "compile": cfg.compile,
+    }  # fmt: skip
+    items = work_items(problems, methods, cfg.drafters, cfg.tree_sizes)
+    warmed: dict[tuple[str, str | None, int | None], dict[str, Any]] = {}
+    references: dict[str, dict[str, Any] | None] = {}
+    bar = _tqdm(total=len(items), desc=f"{cfg.dataset} generations", unit="call", disable=not cfg.progress,
+                file=sys.stderr)  # fmt: skip
+    try:
+        with open(out_path, "a", encoding="utf-8") as sink:
+            for p_index, problem, method, spec, t in items:
+                pid = str(problem.id)
+                dfields = _drafter_fields(cfg, spec)
+                rkey = record_key({**common, "problem_id": pid, "method": method.name, "tree_size": t, **dfields})
+                if pid not in references:
+                    references[pid] = done.get((key, cfg.dataset, pid, REFERENCE, None, None))
+                if rkey in done:
+                    result.skipped += 1
+                    bar.update(1)
+                    continue
+                ids = prompts[p_index]
+                prompt = torch.tensor([ids], dtype=torch.int64, device=session.device)
+                session.drafter = spec
+                slot = (method.name, None if spec is None else spec.key, t)
+                first_call = None
+                label = method.name + ("" if spec is None else f"[{dfields['drafter_label']}]")
+                if slot not in warmed:
+                    bar.set_postfix_str(f"warming up {label}{'' if t is None else f'@{t}'}")
+                    warm = _warm_up(session, method, prompt, t)
+                    warmed[slot] = warm
+                    if cfg.warmup > 0:
+                        wrec = dict(common, kind=WARMUP, problem_id=pid, method=method.name, tree_size=t,
+                                    prompt_len=len(ids), **dfields, **warm)  # fmt: skip
+                        write_record(sink, wrec)
+                        result.warmups.append(wrec)
+                    else:
+                        first_call = warm
+                session.seed = seed_for(cfg.seed, pid, method.name, t)
+                rec = dict(common, problem_id=pid, problem_index=p_index, difficulty=getattr(problem, "difficulty", None),
+                           method=method.name, tree_size=t, prompt_len=len(ids), **dfields)  # fmt: skip
+                if first_call is not None:
+                    rec.update(first_call=True, load_s=first_call["load_s"], prep_s=first_call["prep_s"])
+                try:
+                    res = method.run(session, prompt, t)
+                except Exception as e:  # record and go on: one failing method must not lose the run
+                    rec["error"] = f"{type(e).__name__}: {e}"
+                    _say(f"ERROR {cfg.dataset} problem {pid} method {label} t={t}: {rec['error']}")
+                    if session.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                else:
+                    rec.update(_result_fields(res, tokenizer))
+                    rec.update(_compare(rec, references[pid], cfg.greedy))
+                    if checker is not None:  # outside the timed call
+                        verdict = checker(problem, rec["text"])
+                        rec["passed"] = getattr(verdict, "passed", verdict)
+                        if hasattr(verdict, "status"):
+                            rec["check_status"] = verdict.status
+                    if method.name == REFERENCE:
+                        references[pid] = rec
+                write_record(sink, rec)
+                result.new += 1
+                result.records.append(rec)
+                bar.update(1)
+                if rec.get("match") is False:
+                    flag = "GREEDY MISMATCH (fp32: failure)" if strict else "greedy divergence"
+                    _say(f"{flag}: {cfg.dataset} problem {pid} method {label} t={t}: first differing "
+                         f"token at position {rec['first_divergence']} of {rec['new_tokens']}")  # fmt: skip
+                if rec.get("tokens_per_s"):
+                    bar.set_postfix_str(f"{label}{'' if t is None else f'@{t}'} {rec['tokens_per_s']:.1f} tok/s")
+    finally:
+        bar.close()
+    return finalize(result)

@@ -1,0 +1,195 @@
+"""``specdec eval apps|humaneval`` and ``specdec sweep``: the evaluation's command line.
+
+Both parse their flags into an ``eval.config.EvalConfig`` and call ``eval.runner.run_eval``; the
+sweep then times attention alone on the recorded trees (CUDA), and writes one table, CSV, summary
+JSON and plot for every (method, drafter, tree size) through ``eval.report``. The drafters are given
+as specs, several per run (``--drafters lookup medusa:heads=DIR model:draft=NAME``, syntax in
+``eval.config.DRAFTER_SYNTAX``); the baselines run once per problem and are shared by every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from specdec.cli import args as cliargs
+
+__all__ = ["main_eval", "main_sweep", "parser"]
+
+_DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
+    from eval.config import DEFAULT_METHODS, DRAFTER_SYNTAX
+    from eval.methods import METHODS
+
+    p = cliargs.ArgumentParser(
+        prog=prog,
+        description=(
+            "Sweep drafters x tree sizes: run the evaluation (each baseline once per problem, shared by "
+            "every row), time attention alone on the proposed trees (CUDA), and write one table, CSV, "
+            "summary JSON and plot."
+            if sweep
+            else "Evaluate speculative decoding against HF baselines on the same prompts; one JSON line "
+            "per (problem, method, drafter, tree size) in --out; reruns resume."
+        ),
+        epilog=DRAFTER_SYNTAX + "\n\nexample: " + prog + " --drafters lookup medusa:heads=/tmp/medusa "
+        "model:draft=qwen2.5-coder-0.5b --tree-sizes 32 64 128 256",
+        formatter_class=_Formatter,
+    )
+    if not sweep:
+        p.add_argument("dataset", choices=["apps", "humaneval"], help="which problems")
+    else:
+        p.add_argument("--dataset", choices=["apps", "humaneval"], default="apps", help="which problems")
+    p.add_argument("--problems", type=cliargs.int_at_least(0), default=8, help="number of problems (0 = all)")
+    p.add_argument("--difficulty", nargs="+", choices=["introductory", "interview", "competition"],
+                   help="APPS difficulties to keep")  # fmt: skip
+    p.add_argument("--data", dest="data_path", type=cliargs.existing_path, default=None,
+                   help="APPS / HumanEval file (default: the loaders' own)")  # fmt: skip
+    p.add_argument("--target", default="qwen2.5-coder-1.5b", help="target model: default name, HF id, directory or .gguf")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b",
+                   help="draft model for hf-assisted and for drafters without draft= ('' = none)")  # fmt: skip
+    p.add_argument("--drafters", nargs="+", metavar="SPEC", default=None,
+                   help="the drafters of the specdec method, each [LABEL=]NAME[:KEY=VALUE,...] (see below), each "
+                   "run at every --tree-sizes; default: model")  # fmt: skip
+    p.add_argument("--drafter", default=None, metavar="NAME",
+                   help="one drafter (shorthand of --drafters NAME:KEY=VALUE,... with --drafter-option)")
+    p.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of --drafter, repeatable (VALUE parsed as JSON if it can be, else a string)")
+    p.add_argument("--tree-sizes", type=cliargs.int_at_least(1), nargs="+", default=[32, 64, 128, 256] if sweep else [64],
+                   help="node budgets t of the specdec method")  # fmt: skip
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"methods to run: {', '.join(METHODS)}")
+    p.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=128)
+    p.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0,
+                   help="0 = greedy (outputs compared with target-only)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=_DTYPES, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--out", type=cliargs.output_file, default="results/sweep.jsonl" if sweep else None,
+                   help="results JSONL (appended; reruns skip what it holds). Default results/<dataset>.jsonl")
+    p.add_argument("--pad-prompt-to", type=cliargs.int_at_least(1), default=None,
+                   help="prepend few-shot problems until every prompt has at least N tokens (e.g. 4000)")
+    p.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto", help="the engine's attention")
+    p.add_argument("--compile", action="store_true",
+                   help="the engine's target forward through torch.compile (inductor) before its CUDA graph")
+    p.add_argument("--warmup", type=cliargs.int_at_least(0), default=1,
+                   help="untimed generations per method (drafter, tree size) before timing, after the engine's "
+                   "SpecDecoder.warmup; both timed as first-call latency. 0: the first timed call is the first call")
+    p.add_argument("--home", default=None, help="model store root (default $SPECDEC_HOME)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    if sweep:
+        p.add_argument("--report-only", action="store_true", help="only rebuild table / CSV / plot from --out")
+        p.add_argument("--no-attn", action="store_true", help="skip the attention-only timings")
+        p.add_argument("--attn-trees", type=cliargs.int_at_least(1), default=8,
+                       help="trees per tree size for the attention timings")  # fmt: skip
+    return p
+
+
+def drafter_specs(ns: argparse.Namespace):
+    """The run's drafters from ``--drafters`` or ``--drafter`` / ``--drafter-option`` (ValueError naming
+    the flag on malformed specs, unknown names, or both forms at once)."""
+    from eval.config import DrafterSpec, parse_drafter_spec, parse_options
+
+    if ns.drafters is not None and (ns.drafter is not None or ns.drafter_options):
+        raise ValueError("--drafters: give the drafters either as --drafters SPEC ... or as one --drafter NAME "
+                         "with --drafter-option KEY=VALUE, not both")  # fmt: skip
+    if ns.drafters is not None:
+        return tuple(parse_drafter_spec(text, "--drafters") for text in ns.drafters)
+    if ns.drafter_options and ns.drafter is None:
+        raise ValueError("--drafter-option: needs --drafter NAME (or write the options into --drafters NAME:KEY=VALUE)")
+    name = ns.drafter or "model"
+    if name == "":
+        return ()
+    options = parse_options(ns.drafter_options, "--drafter-option")
+    try:
+        return (DrafterSpec(name, options),)
+    except ValueError as e:
+        raise ValueError(str(e).replace("drafters:", "--drafter:", 1)) from None
+
+
+def config_from(ns: argparse.Namespace, dataset: str):
+    from eval.config import EvalConfig
+
+    out = ns.out or f"results/{dataset}.jsonl"
+    return EvalConfig(
+        dataset=dataset, target=ns.target, draft=ns.draft or None, drafters=drafter_specs(ns),
+        tree_sizes=tuple(ns.tree_sizes), methods=tuple(ns.methods), problems=ns.problems or None,
+        difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
+        max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, seed=ns.seed, dtype=ns.dtype,
+        device=ns.device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl, compile=ns.compile,
+        warmup=ns.warmup, progress=not ns.no_progress, home=ns.home,
+    )  # fmt: skip
+
+
+def verdict(result) -> int:
+    """Print the greedy-agreement summary; 1 on errors or float32 mismatches, else 0."""
+    from eval import report
+
+    print(report.agreement_summary(result.records, strict=result.strict))
+    if result.errors:
+        print(f"FAILED: {len(result.errors)} generation(s) raised (see 'error' in the records)", file=sys.stderr)
+    if result.strict and result.mismatches:
+        print(f"FAILED: {len(result.mismatches)} greedy fp32 output(s) differ from target-only generate:",
+              file=sys.stderr)  # fmt: skip
+        for r in result.mismatches:
+            who = r["method"] + (f"[{r['drafter_label']}]" if r.get("drafter_label") else "")
+            print(f"  GREEDY MISMATCH problem {r['problem_id']} method {who} t={r['tree_size']} "
+                  f"first divergence at token {r['first_divergence']}", file=sys.stderr)  # fmt: skip
+    return 1 if result.failed else 0
+
+
+def _run(cfg):
+    from eval.runner import run_eval
+
+    # pass@1 hook: run_eval(cfg, checker=eval.execution.check) checks every new completion (after
+    # its timing); the records get 'passed' and the table / summary a pass@1 column per row.
+    return run_eval(cfg)
+
+
+def main_eval(argv: Sequence[str] | None = None) -> int:
+    """``specdec eval apps|humaneval [...]``."""
+    from eval import report
+
+    ns = parser("specdec eval", sweep=False).parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = config_from(ns, ns.dataset)
+    result = _run(cfg)
+    rows = report.summarize(result.all_records)
+    print(report.format_table(rows))
+    print(f"{result.new} new record(s), {result.skipped} already in {cfg.out}")
+    return verdict(result)
+
+
+def main_sweep(argv: Sequence[str] | None = None) -> int:
+    """``specdec sweep [...]``: evaluation over drafters x tree sizes + attention timings + table/CSV/plot."""
+    from eval import attn_timing, report
+    from eval.records import load_records, result_from_file
+
+    ns = parser("specdec sweep", sweep=True).parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = config_from(ns, ns.dataset)
+    result = result_from_file(cfg.out) if ns.report_only else _run(cfg)
+    stem = Path(cfg.out).with_suffix("")
+    attn_rows = None
+    attn_path = Path(f"{stem}.attn.jsonl")
+    if not ns.no_attn and not ns.report_only:
+        attn_rows = attn_timing.sweep_attention(result.records, result.model_shape, cfg.resolved_dtype(),
+                                                cfg.resolved_device(), max_trees=ns.attn_trees)  # fmt: skip
+        if attn_rows is not None:
+            attn_timing.write_rows(attn_rows, attn_path)
+    elif attn_path.exists():
+        attn_rows = load_records(attn_path)
+    rows = report.summarize(result.all_records, attn_rows)
+    print(report.format_table(rows))
+    report.write_csv(rows, f"{stem}.csv")
+    report.write_summary(rows, f"{stem}.summary.json", config=cfg.describe())
+    png = report.plot(rows, f"{stem}.png")
+    wrote = [f"{stem}.csv", f"{stem}.summary.json", *([str(png)] if png else []), *([str(attn_path)] if attn_rows else [])]
+    print("wrote " + ", ".join(wrote))
+    if not ns.report_only:
+        print(f"{result.new} new record(s), {result.skipped} already in {cfg.out}")
+    return verdict(result)

@@ -1,0 +1,57 @@
+"""Drafter specs (``NAME[:KEY=VALUE,...]``), the configuration and its key (``eval.config``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval import config as C
+from eval.config import DrafterSpec, EvalConfig
+
+
+def test_parse_drafter_specs():
+    assert C.parse_drafter_spec("lookup") == DrafterSpec("lookup")
+    medusa = C.parse_drafter_spec("medusa:heads=/tmp/m")
+    assert (medusa.name, medusa.options, medusa.key) == ("medusa", (("heads", "/tmp/m"),), "medusa:heads=/tmp/m")
+    model = C.parse_drafter_spec("model:draft=qwen2.5-coder-0.5b,topk=8,depth=4")
+    assert model.draft == "qwen2.5-coder-0.5b" and model.factory_options() == {"topk": 8, "depth": 4}
+    assert model.key == "model:depth=4,draft=qwen2.5-coder-0.5b,topk=8"  # options sorted: one key per drafter
+    assert C.parse_drafter_spec("model:topk=8,depth=4").key == C.parse_drafter_spec("model:depth=4,topk=8").key
+    # JSON values; commas inside brackets / quotes do not split
+    spec = C.parse_drafter_spec('medusa:heads=/h,choices=[[0],[0,1]],tag="a,b"')
+    assert dict(spec.options) == {"heads": "/h", "choices": [[0], [0, 1]], "tag": "a,b"}
+    # module:function factories, with and without options; a label
+    assert C.parse_drafter_spec("tests.eval.tiny:make_drafter").name == "tests.eval.tiny:make_drafter"
+    fac = C.parse_drafter_spec("tiny=tests.eval.tiny:make_drafter:width=2")
+    assert (fac.label, fac.name, fac.options) == ("tiny", "tests.eval.tiny:make_drafter", (("width", 2),))
+    assert C.parse_drafter_spec("m8=model:topk=8").label == "m8"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("nope", "--drafters: unknown drafter 'nope'; expected one of model, medusa, lookup, eagle or module:function"),
+    ("model:depth", "--drafters: malformed option 'depth' in 'model:depth'; expected KEY=VALUE"),
+    ("model:depth=4,topk", "--drafters: malformed option 'topk' in 'model:depth=4,topk'"),
+    ("model:=4", "--drafters: malformed option '=4'"),
+    ("model:depth=1,depth=2", "--drafters: option given twice"),
+    ("", "--drafters: expected a drafter spec"),
+    ("x=", "--drafters: expected LABEL=NAME"),
+    (":f", "--drafters: expected NAME or module:function"),
+])  # fmt: skip
+def test_bad_drafter_specs_name_the_argument(text, match):
+    with pytest.raises(ValueError, match=match):
+        C.parse_drafter_spec(text)
+
+
+def test_config_drafters_labels_and_key(tmp_path):
+    cfg = EvalConfig(drafters=("lookup", "model:depth=3", "model:depth=5", "big=model:draft=x"), out=str(tmp_path / "r"))
+    assert all(isinstance(s, DrafterSpec) for s in cfg.drafters)
+    assert list(cfg.labels().values()) == ["lookup", "model:depth=3", "model:depth=5", "big"]
+    assert [d["label"] for d in cfg.describe()["drafters"]] == ["lookup", "model:depth=3", "model:depth=5", "big"]
+    # drafters are not in the key: baselines are shared when drafters are added
+    assert C.config_key(cfg) == C.config_key(EvalConfig(drafters=("medusa:heads=/h",), out=str(tmp_path / "r")))
+    assert EvalConfig(drafters="lookup").drafters == (DrafterSpec("lookup"),)
+    with pytest.raises(ValueError, match="drafters: the same drafter given twice: model:depth=3"):
+        EvalConfig(drafters=("model:depth=3", "model:depth=3"))
+    with pytest.raises(ValueError, match="drafters: two drafters labelled 'a'"):
+        EvalConfig(drafters=("a=lookup", "a=model"))
+    with pytest.raises(ValueError, match="drafters: unknown drafter 'nope'"):
+        EvalConfig(drafters=("nope",))

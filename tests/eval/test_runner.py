@@ -1,0 +1,560 @@
+"""The evaluation runner end to end on tiny random models (CPU): records, resume, greedy checks,
+prompt padding, HumanEval, sampling, drafter factories, several drafters in one sweep (baselines
+once per problem), interruption and resume, stalls, and the ``specdec eval`` / ``sweep`` CLIs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval import config as C
+from eval import methods as M
+from eval import records as R
+from eval import runner
+from eval import prompts as P
+from eval.config import DrafterSpec, EvalConfig
+from eval.methods import Method, MethodOutput
+from specdec import cli
+from tests.eval import tiny
+
+DRAFTER = "tests.eval.tiny:make_drafter"
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target, draft = tiny.save_pair(root)
+    data = tiny.apps_rows(root / "apps.jsonl", n=3)
+    return {"target": str(target), "draft": str(draft), "data": str(data)}
+
+
+@pytest.fixture(scope="module")
+def loaded(pair):
+    from specdec.models import load_model, load_tokenizer
+
+    return load_model(pair["target"]), load_tokenizer(pair["target"]), load_model(pair["draft"])
+
+
+def _cfg(pair, out, **over) -> EvalConfig:
+    kw = dict(dataset="apps", target=pair["target"], draft=pair["draft"], drafters=(DRAFTER,), tree_sizes=(4, 8),
+              problems=2, data_path=pair["data"], max_new_tokens=NEW, dtype="fp32", device="cpu", out=str(out),
+              attn_impl="torch", warmup=0, progress=False)  # fmt: skip
+    kw.update(over)
+    return EvalConfig(**kw)
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _broken(session, prompt, tree_size):
+    """The reference's tokens with the one at position 3 changed: a lossy 'method'."""
+    res = session.hf_generate(prompt)
+    ids = list(res.token_ids)
+    ids[3] = (ids[3] + 1) % tiny.VOCAB
+    return MethodOutput(ids, res.wall_s)
+
+
+BROKEN = {"broken": Method("broken", _broken)}
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_end_to_end_records_and_resume(pair, tmp_path):
+    out = tmp_path / "r.jsonl"
+    cfg = _cfg(pair, out, methods=("specdec", "specdec-plain", *C.BASELINE_METHODS))
+    res = runner.run_eval(cfg)
+    assert not res.failed and not res.mismatches and res.strict
+    recs = _lines(out)
+    keys = [(r["problem_id"], r["method"], r["tree_size"]) for r in recs]
+    assert len(keys) == len(set(keys)) == 2 * (2 + 1 + 4)  # specdec x 2 t, plain, 4 baselines
+    assert {r["problem_id"] for r in recs} == {"100", "101"}
+    assert recs[0]["method"] == C.REFERENCE  # the reference runs first
+    for r in recs:
+        assert r["error"] is None and r["config_key"] == C.config_key(cfg)
+        assert r["new_tokens"] == len(r["token_ids"]) > 0 and r["new_tokens"] <= NEW
+        assert r["tokens_per_s"] > 0 and r["wall_s"] > 0 and r["prompt_len"] > 50
+        assert r["match"] is True and r["first_divergence"] is None  # fp32 greedy: every method equals hf
+    for r in (r for r in recs if r["method"] == "specdec"):
+        s = r["steps"]
+        assert {len(v) for v in s.values()} == {r["num_steps"]}
+        assert sum(s["emitted"]) == r["new_tokens"]
+        assert all(0 < n <= r["tree_size"] and 1 <= d <= n for n, d in zip(s["nodes"], s["depth"]))
+        assert all(a <= d for a, d in zip(s["accepted"], s["depth"]))
+        assert r["tau"] == pytest.approx(r["new_tokens"] / r["num_steps"])
+        timed = r["prefill_s"] + sum(s["draft_s"]) + sum(s["verify_s"]) + sum(s["commit_s"])
+        assert 0 < r["prefill_s"] and timed <= r["wall_s"]  # the phases lie inside the generate call
+        assert 1 <= len(r["tree_samples"]) <= C.TREE_SAMPLES and r["tree_samples"][0][0] == -1
+    plain = [r for r in recs if r["method"] == "specdec-plain"]
+    assert all(r["tree_size"] is None and r["num_steps"] == r["new_tokens"] for r in plain)
+
+    # Resume: nothing is redone; a new tree size adds only its own records.
+    again = runner.run_eval(cfg)
+    assert (again.new, again.skipped) == (0, len(recs)) and len(_lines(out)) == len(recs)
+    more = runner.run_eval(_cfg(pair, out, tree_sizes=(4, 8, 16), methods=("specdec", "hf")))
+    assert more.new == 2 and {r["tree_size"] for r in _lines(out)[len(recs):]} == {16}
+    assert len(more.records) == len(recs) + 2
+
+    # A run killed mid-write leaves half a line: it is dropped and the file repaired.
+    with open(out, "a") as f:
+        f.write('{"config_key": "x", "meth')
+    n = len(recs) + 2
+    assert runner.run_eval(cfg).new == 0
+    assert len(_lines(out)) == n
+
+    # Another configuration (here: more new tokens) does not reuse these records.
+    other = _cfg(pair, out, max_new_tokens=NEW + 1, methods=("hf",), problems=1)
+    assert C.config_key(other) != C.config_key(cfg) and runner.run_eval(other).new == 1
+
+
+def test_broken_method_is_a_greedy_mismatch(pair, loaded, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    res = runner.run_eval(_cfg(pair, out, methods=("hf", "broken")), models=loaded, extra_methods=BROKEN)
+    assert res.strict and res.failed
+    bad = [r for r in _lines(out) if r["method"] == "broken"]
+    assert len(bad) == 2 and all(r["match"] is False and r["first_divergence"] == 3 for r in bad)
+    assert all(0 < r["agreement"] < 1 for r in bad)
+    assert {r["problem_id"] for r in res.mismatches} == {"100", "101"}
+    assert "GREEDY MISMATCH (fp32: failure)" in capsys.readouterr().err
+
+    # In bf16 the same difference is reported, not a failure.
+    res16 = runner.run_eval(_cfg(pair, tmp_path / "b.jsonl", methods=("broken",), dtype="bf16", problems=1),
+                       extra_methods=BROKEN)  # fmt: skip
+    assert not res16.strict and not res16.failed and len(res16.mismatches) == 1
+    from eval.report import agreement_summary
+
+    text = agreement_summary(res16.records)
+    assert "broken: 0/1 identical; first divergence 100@3" in text and "GREEDY MISMATCH" not in text
+
+
+def test_cli_exit_code_on_mismatch(pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(M.METHODS, "broken", BROKEN["broken"])
+    argv = ["eval", "apps", "--problems", "1", "--data", pair["data"], "--target", pair["target"], "--draft", "",
+            "--methods", "hf", "broken", "--max-new-tokens", "6", "--dtype", "fp32", "--device", "cpu",
+            "--out", str(tmp_path / "r.jsonl"), "--warmup", "0", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "GREEDY MISMATCH problem 100 method broken" in captured.err
+    assert "| broken |" in captured.out and "<-- GREEDY MISMATCH" in captured.out
+
+
+def test_method_errors_are_recorded_and_retried(pair, loaded, tmp_path):
+    calls = []
+
+    def flaky(session, prompt, tree_size):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return session.hf_generate(prompt)
+
+    extra = {"flaky": Method("flaky", flaky)}
+    cfg = _cfg(pair, tmp_path / "r.jsonl", methods=("hf", "flaky"), problems=1)
+    res = runner.run_eval(cfg, models=loaded, extra_methods=extra)
+    assert res.failed and res.errors[0]["error"] == "RuntimeError: out of memory (simulated)"
+    res2 = runner.run_eval(cfg, models=loaded, extra_methods=extra)  # only the failed one runs again
+    assert res2.new == 1 and not res2.failed and res2.records[-1]["match"] is True
+    assert len(res2.records) == 2
+
+
+def test_sampling_runs_without_comparison(pair, loaded, tmp_path):
+    cfg = _cfg(pair, tmp_path / "r.jsonl", temperature=0.8, tree_sizes=(4,), problems=1,
+               methods=("specdec", "hf", "hf-lookup"))  # fmt: skip
+    res = runner.run_eval(cfg, models=loaded)
+    assert not res.failed and not res.strict and len(res.records) == 3
+    assert all(r["match"] is None and r["new_tokens"] > 0 for r in res.records)
+    again = runner.run_eval(cfg, models=loaded)
+    assert again.new == 0
+
+
+def test_humaneval_through_the_same_path(pair, tmp_path, capsys):
+    out = tmp_path / "he.jsonl"
+    argv = ["eval", "humaneval", "--problems", "1", "--target", pair["target"], "--draft", pair["draft"],
+            "--drafter", DRAFTER, "--tree-sizes", "4", "--methods", "specdec", "hf", "--max-new-tokens", "4",
+            "--device", "cpu", "--attn-impl", "torch", "--out", str(out), "--warmup", "0", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    recs = _lines(out)
+    assert {(r["dataset"], r["problem_id"], r["method"]) for r in recs} == {
+        ("humaneval", "HumanEval/0", "hf"), ("humaneval", "HumanEval/0", "specdec")}
+    assert all(r["match"] is True and r["dtype"] == "fp32" for r in recs)
+    assert f"| specdec | {DRAFTER} | 4 |" in capsys.readouterr().out
+
+
+def test_sweep_cli_and_report_only(pair, tmp_path, capsys):
+    out = tmp_path / "s.jsonl"
+    base = ["sweep", "--problems", "1", "--data", pair["data"], "--target", pair["target"], "--draft", pair["draft"],
+            "--drafter", DRAFTER, "--tree-sizes", "4", "8", "--methods", "specdec", "hf", "hf-static",
+            "--max-new-tokens", "6", "--device", "cpu", "--attn-impl", "torch", "--out", str(out), "--warmup", "0",
+            "--no-progress"]  # fmt: skip
+    assert cli.main(base) == 0
+    captured = capsys.readouterr()
+    assert "attention timing: skipped (needs a CUDA device" in captured.err
+    assert f"| specdec | {DRAFTER} | 8 |" in captured.out
+    assert (tmp_path / "s.csv").read_text().splitlines()[0].startswith("method,drafter,tree_size,drafter_key,problems")
+    summary = json.loads((tmp_path / "s.summary.json").read_text())
+    assert {(r["method"], r["drafter"], r["tree_size"]) for r in summary["rows"]} == {
+        ("hf", None, None), ("hf-static", None, None), ("specdec", DRAFTER, 4), ("specdec", DRAFTER, 8)}
+    assert summary["config"]["drafters"] == [{"key": DRAFTER, "label": DRAFTER, "name": DRAFTER, "options": {}}]
+    assert "stall" in summary["definitions"] and "itl" in summary["definitions"]
+    (tmp_path / "s.csv").unlink()
+    assert cli.main([*base, "--report-only"]) == 0
+    assert (tmp_path / "s.csv").exists()
+    assert len(_lines(out)) == 4  # report-only ran nothing
+
+
+def test_baselines_and_speculative_methods_in_two_runs_share_one_report(pair, loaded, tmp_path, capsys):
+    """The device plan for issue 6: baselines first (the Medusa heads need not exist yet), the
+    speculative method later into the same file with the same settings; one report pairs them."""
+    from drafters.medusa import MedusaHeads
+
+    out, heads = tmp_path / "split.jsonl", tmp_path / "heads"
+    base = ["sweep", "--problems", "2", "--data", pair["data"], "--target", pair["target"], "--draft", pair["draft"],
+            "--drafter", "medusa", "--drafter-option", f"heads={heads}", "--tree-sizes", "4", "--max-new-tokens", "6",
+            "--device", "cpu", "--attn-impl", "torch", "--out", str(out), "--warmup", "0", "--no-progress"]  # fmt: skip
+    assert cli.main([*base, "--methods", "hf", "hf-static"]) == 0
+    assert not heads.exists() and len(_lines(out)) == 4
+    hidden = loaded[0].get_output_embeddings().weight.shape[1]
+    MedusaHeads(hidden, 2).save(heads)
+    assert cli.main([*base, "--methods", "specdec"]) == 0
+    assert len({r["config_key"] for r in _lines(out)}) == 1 and len(_lines(out)) == 6
+    summary = json.loads((tmp_path / "split.summary.json").read_text())
+    rows = {(r["method"], r["drafter"], r["tree_size"]): r for r in summary["rows"]}
+    assert set(rows) == {("hf", None, None), ("hf-static", None, None), ("specdec", "medusa", 4)}
+    row = rows[("specdec", "medusa", 4)]
+    assert row["problems"] == 2 and row["speedup_vs_hf_static"] is not None
+    assert row["drafter_key"] == f"medusa:heads={heads}"
+    assert "| specdec | medusa | 4 |" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# pieces
+
+
+def test_pad_prompt_to(pair, loaded):
+    from eval.datasets import load_apps, prompt_ids
+
+    tok = loaded[1]
+    pool = load_apps(pair["data"])
+    short = [len(prompt_ids(p, tok)) for p in pool[:2]]
+    padded = P.pad_problems(pool[:2], pool, tok, 400)
+    lens = [len(prompt_ids(p, tok)) for p in padded]
+    assert all(n >= 400 for n in lens) and all(n > s for n, s in zip(lens, short))
+    text = padded[0].messages()[0]["content"]
+    assert pool[1].question in text and pool[2].question in text and text.count(pool[0].question) == 1
+    assert text.endswith(pool[0].messages()[0]["content"])  # the problem itself comes last
+    assert padded[0].id == pool[0].id and padded[0].difficulty == pool[0].difficulty
+    with pytest.raises(ValueError, match="pad_prompt_to: 5000 tokens not reached for problem 100"):
+        P.pad_problems(pool[:1], pool, tok, 5000)
+
+
+def test_pad_prompt_in_run(pair, loaded, tmp_path):
+    res = runner.run_eval(_cfg(pair, tmp_path / "r.jsonl", methods=("hf",), pad_prompt_to=300), models=loaded)
+    assert all(r["prompt_len"] >= 300 and r["pad_prompt_to"] == 300 for r in res.records)
+
+
+def test_compare_tokens_and_tree_depth():
+    assert R.compare_tokens([1, 2, 3], [1, 2, 3]) == (True, None, 1.0)
+    assert R.compare_tokens([1, 2, 3, 4], [1, 2, 9, 4]) == (False, 2, 0.5)
+    assert R.compare_tokens([1, 2], [1, 2, 3, 4]) == (False, 2, 0.5)  # one a prefix of the other
+    assert M.tree_depth([-1]) == 0
+    assert M.tree_depth([-1, 0, 1, 1, 0, 4]) == 2
+
+
+def test_build_drafter(loaded):
+    target, tok, draft = loaded
+    d = M.build_drafter(DRAFTER, target=target, draft=draft, tokenizer=tok, tree_size=3, device="cpu")
+    assert d.max_depth == 3 and d.model is draft  # only the keywords the factory declares were passed
+    with pytest.raises(ValueError, match="drafter: could not import factory 'tests.eval.nope:f'"):
+        M.build_drafter("tests.eval.nope:f")
+    real = M.build_drafter("model", target=target, draft=draft, tokenizer=tok, tree_size=8, device="cpu",
+                           dtype=target.dtype, depth=2, topk=3)  # fmt: skip
+    assert (type(real).__name__, real.depth, real.topk, real.model) == ("DraftModelDrafter", 2, 3, draft)
+
+
+@pytest.mark.parametrize("drafter, options", [("model", (("depth", 2), ("topk", 2))), ("lookup", ())])
+def test_real_drafters_by_name(pair, loaded, tmp_path, drafter, options):
+    spec = DrafterSpec(drafter, options)
+    cfg = _cfg(pair, tmp_path / "r.jsonl", drafters=(spec,), tree_sizes=(8,), problems=1,
+               methods=("specdec", "hf"))  # fmt: skip
+    res = runner.run_eval(cfg, models=loaded)
+    assert not res.failed and [r["match"] for r in res.records] == [True, True]
+    rec = res.records[1]
+    assert (rec["drafter"], rec["drafter_name"], rec["drafter_label"]) == (spec.key, drafter, drafter)
+    assert rec["drafter_options"] == dict(options) and "drafter" not in res.records[0]  # hf: no drafter
+
+
+def test_drafter_option_parsing():
+    assert C.parse_options(["depth=4", "heads=/x/y", "flag=true", "s=a=b"]) == (
+        ("depth", 4), ("heads", "/x/y"), ("flag", True), ("s", "a=b"))
+    with pytest.raises(ValueError, match="--drafter-option: expected KEY=VALUE, got 'depth'"):
+        C.parse_options(["depth"])
+
+
+def test_recording_drafter_delegates(loaded):
+    import torch
+
+    from specdec.drafting import DraftContext
+
+    inner = tiny.make_drafter(loaded[2], 4)
+    rec = M.RecordingDrafter(inner)
+    assert rec.vocab_size == tiny.VOCAB and rec.width == 2
+    rec.reset([torch.tensor([5, 6])])
+    tree = rec.propose(DraftContext(torch.tensor([5, 6]), 4))
+    assert len(rec.parents) == 1 and torch.equal(rec.parents[0], tree.parents)
+    assert rec.parents[0] is not tree.parents  # a copy: drafters may reuse one buffer
+
+
+def test_load_records_errors(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
+    with pytest.raises(ValueError, match=r"r.jsonl: line 2: not a JSON object"):
+        R.load_records(p)
+    assert R.load_records(tmp_path / "missing.jsonl") == []
+    p.write_text('{"a": 1}\n{"b": 2}')  # complete last record without its newline
+    assert R.load_records(p, repair=True) == [{"a": 1}, {"b": 2}]
+    assert p.read_text().endswith("}\n")
+
+
+def test_config_validation(pair, tmp_path):
+    with pytest.raises(ValueError, match="tree_sizes: expected one or more ints >= 1"):
+        _cfg(pair, tmp_path / "r.jsonl", tree_sizes=(0,))
+    with pytest.raises(ValueError, match="dtype: expected one of auto, fp32, bf16, fp16, got 'f8'"):
+        _cfg(pair, tmp_path / "r.jsonl", dtype="f8")
+    with pytest.raises(ValueError, match=r"methods: unknown \['nope'\]"):
+        runner.run_eval(_cfg(pair, tmp_path / "r.jsonl", methods=("nope",)), models=(None, None, None))
+    with pytest.raises(ValueError, match="drafters: method 'specdec' needs at least one drafter"):
+        runner.run_eval(_cfg(pair, tmp_path / "r.jsonl", drafters=(), methods=("specdec",)), models=(None, None, None))
+
+
+@pytest.mark.parametrize("command", [["eval", "--help"], ["sweep", "--help"]])
+def test_cli_help(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(command)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--tree-sizes" in out and "--pad-prompt-to" in out and "--out" in out and "--seed" in out
+    if command[0] == "sweep":
+        assert "--report-only" in out
+
+
+def test_compile_changes_the_config_key(pair, tmp_path):
+    from dataclasses import replace
+
+    cfg = _cfg(pair, tmp_path / "c.jsonl")
+    assert not cfg.compile and C.config_key(replace(cfg, compile=True)) != C.config_key(cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# several drafters in one sweep, interruption and resume, stalls
+
+
+def _hf_kind(kwargs) -> str:
+    if "cache_implementation" in kwargs:
+        return "hf-static"
+    if "assistant_model" in kwargs:
+        return "hf-assisted"
+    if "prompt_lookup_num_tokens" in kwargs:
+        return "hf-lookup"
+    return "hf"
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of HF generate calls per method, engine calls and drafter builds."""
+    from collections import Counter
+
+    counts = Counter()
+    hf_generate, speculative, build = M.Session.hf_generate, M.Session.speculative, M.build_drafter
+
+    def hf(self, prompt, **kw):
+        counts[_hf_kind(kw)] += 1
+        return hf_generate(self, prompt, **kw)
+
+    def spec(self, prompt, tree_size):
+        counts["specdec" if tree_size else "specdec-plain"] += 1
+        return speculative(self, prompt, tree_size)
+
+    def builder(name, **kw):
+        counts[f"build {name} t={kw.get('tree_size')}"] += 1
+        return build(name, **kw)
+
+    monkeypatch.setattr(M.Session, "hf_generate", hf)
+    monkeypatch.setattr(M.Session, "speculative", spec)
+    monkeypatch.setattr(M, "build_drafter", builder)
+    return counts
+
+
+def test_sweep_two_drafters_two_tree_sizes_shares_the_baselines(pair, tmp_path, capsys, counted):
+    out = tmp_path / "multi.jsonl"
+    argv = ["sweep", "--problems", "2", "--data", pair["data"], "--target", pair["target"], "--draft", pair["draft"],
+            "--drafters", DRAFTER, "lookup:max_ngram=2", "--tree-sizes", "4", "8", "--methods", "specdec",
+            *C.BASELINE_METHODS, "--max-new-tokens", "6", "--device", "cpu", "--attn-impl", "torch", "--out", str(out),
+            "--warmup", "1", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    lines = _lines(out)
+    timed = [r for r in lines if r.get("kind") != "warmup"]
+    warm = [r for r in lines if r.get("kind") == "warmup"]
+    # every baseline once per problem, every (drafter, t) once per problem
+    keys = [(r["problem_id"], r["method"], r.get("drafter"), r["tree_size"]) for r in timed]
+    assert len(keys) == len(set(keys)) == 2 * (4 + 2 * 2)
+    for base in C.BASELINE_METHODS:
+        assert sorted(r["problem_id"] for r in timed if r["method"] == base) == ["100", "101"]
+        assert "drafter" not in next(r for r in timed if r["method"] == base)
+    assert {(r["drafter"], r["tree_size"]) for r in timed if r["method"] == "specdec"} == {
+        (DRAFTER, 4), (DRAFTER, 8), ("lookup:max_ngram=2", 4), ("lookup:max_ngram=2", 8)}
+    # the calls made: 2 timed per baseline + its warm-up (HF static: compile, then replay)
+    assert {k: counted[k] for k in C.BASELINE_METHODS} == {"hf": 3, "hf-static": 4, "hf-assisted": 3, "hf-lookup": 3}
+    assert counted["specdec"] == 2 * 4 + 4  # timed + one warm-up per (drafter, t)
+    # each drafter built once per tree size, not per problem
+    assert {k: v for k, v in counted.items() if k.startswith("build")} == {
+        f"build {DRAFTER} t=4": 1, f"build {DRAFTER} t=8": 1, "build lookup t=4": 1, "build lookup t=8": 1}
+    assert len(warm) == 4 + 4 and all(w["warmup_walls"] and w["error"] is None for w in warm)
+    assert all(w["prep_s"] is not None for w in warm if w["method"] == "specdec")
+    # every record has emission times; HF's streamer saw every kept token
+    for r in timed:
+        assert len(r["emit_t"]) == len(r["emit_n"]) > 0 and sum(r["emit_n"]) >= r["new_tokens"]
+        assert r["emit_t"] == sorted(r["emit_t"]) and r["emit_t"][-1] <= r["wall_s"]
+    # one table, one CSV, one summary with a row per (method, drafter, t)
+    printed = capsys.readouterr().out
+    assert printed.count("| method | drafter | t |") == 1
+    assert f"| specdec | {DRAFTER} | 8 |" in printed and "| specdec | lookup | 4 |" in printed
+    summary = json.loads((tmp_path / "multi.summary.json").read_text())
+    rows = {(r["method"], r["drafter"], r["tree_size"]): r for r in summary["rows"]}
+    assert len(rows) == 4 + 4 and ("specdec", "lookup", 8) in rows
+    for row in rows.values():
+        assert row["first_call_s"] > 0 and row["stalls"] is not None and row["itl_p50_ms"] is not None
+        assert row["steady_tokens_per_s"] > 0 and row["ttft_p50_ms"] > 0
+    assert rows[("specdec", "lookup", 4)]["speedup_vs_hf_static"] is not None
+    assert len((tmp_path / "multi.csv").read_text().splitlines()) == 1 + 8
+
+
+def test_resume_after_an_interruption_and_with_an_added_drafter(pair, loaded, tmp_path, monkeypatch, counted):
+    out = tmp_path / "r.jsonl"
+    cfg = _cfg(pair, out, methods=("specdec", "hf", "hf-static"))
+    speculative = M.Session.speculative  # the counting one
+    calls = []
+
+    def interrupted(self, prompt, tree_size):
+        calls.append(tree_size)
+        if len(calls) == 3:  # problem 101, t = 4
+            raise KeyboardInterrupt
+        return speculative(self, prompt, tree_size)
+
+    monkeypatch.setattr(M.Session, "speculative", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_eval(cfg, models=loaded)
+    # method order: the reference first, then as given: hf, specdec t = 4, 8, hf-static
+    assert [(r["problem_id"], r["method"]) for r in _lines(out)] == [
+        ("100", "hf"), ("100", "specdec"), ("100", "specdec"), ("100", "hf-static"), ("101", "hf")]
+    monkeypatch.setattr(M.Session, "speculative", speculative)
+    counted.clear()
+    res = runner.run_eval(cfg, models=loaded)
+    calls = {k: v for k, v in counted.items() if not k.startswith("build")}
+    assert (res.new, res.skipped, calls) == (3, 5, {"specdec": 2, "hf-static": 1})  # nothing recomputed
+    assert len(res.records) == 8 and not res.failed
+
+    # killed mid-write: the last three records lost, half a line left
+    text = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(text[:-3]) + text[-3][:20])
+    counted.clear()
+    res = runner.run_eval(cfg, models=loaded)
+    assert (res.new, res.skipped) == (3, 5) and counted["specdec"] + counted["hf-static"] + counted["hf"] == 3
+
+    # a drafter added to the run: only its records are computed, the baselines are reused
+    counted.clear()
+    more = _cfg(pair, out, methods=("specdec", "hf", "hf-static"), drafters=(DRAFTER, "lookup"))
+    assert C.config_key(more) == C.config_key(cfg)
+    res = runner.run_eval(more, models=loaded)
+    assert (res.new, dict(counted)) == (4, {"specdec": 4, "build lookup t=4": 1, "build lookup t=8": 1})  # no baseline
+    recs = [r for r in _lines(out) if r.get("kind") != "warmup"]
+    keys = [R.record_key(r) for r in recs]
+    assert len(keys) == len(set(keys)) == 2 * (2 + 2 * 2)
+    assert all(r["match"] is True for r in res.records)
+
+
+def test_stall_detector_flags_an_injected_sleep(pair, loaded, tmp_path, monkeypatch):
+    import time
+
+    from eval import report
+
+    target = loaded[0]
+    generate = target.generate
+    calls = []
+
+    def sleepy(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # 1: warm-up, 2: problem 100, 3: problem 101
+            time.sleep(1.5)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", sleepy)
+    data = tiny.apps_rows(tmp_path / "apps5.jsonl", n=5)  # five calls: a median robust to a busy machine
+    cfg = _cfg(pair, tmp_path / "s.jsonl", methods=("hf",), problems=5, warmup=1, data_path=str(data))
+    res = runner.run_eval(cfg, models=loaded)
+    assert len(calls) == 6 and len(res.warmups) == 1 and len(res.records) == 5
+    (row,) = report.summarize(res.all_records)
+    assert row["stalls"] >= 1 and "101" in row["stall_problems"] and row["stall_s"] >= 1.5
+    assert row["steady_tokens_per_s"] > row["tokens_per_s"] and row["first_call_s"] > 0
+    assert "| stalls | stall s |" in report.format_table([row]).splitlines()[0]
+
+    # without warm-up the first timed call is flagged and kept out of the steady state
+    res0 = runner.run_eval(_cfg(pair, tmp_path / "f.jsonl", methods=("hf",), problems=2, warmup=0), models=loaded)
+    assert [r.get("first_call", False) for r in res0.records] == [True, False] and not res0.warmups
+    (row0,) = report.summarize(res0.all_records)
+    assert row0["first_calls"] == 1 and row0["steady_calls"] == 1 and row0["first_call_s"] == res0.records[0]["wall_s"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--drafters", "nope"], "specdec sweep: error: --drafters: unknown drafter 'nope'"),
+    (["--drafters", "model:depth"], "specdec sweep: error: --drafters: malformed option 'depth'"),
+    (["--drafters", "lookup", "--drafter", "model"], "specdec sweep: error: --drafters: give the drafters either"),
+    (["--drafter-option", "depth=2"], "specdec sweep: error: --drafter-option: needs --drafter NAME"),
+    (["--drafter", "nope"], "specdec sweep: error: --drafter: unknown drafter 'nope'"),
+])  # fmt: skip
+def test_cli_rejects_bad_drafters(pair, tmp_path, capsys, extra, message):
+    argv = ["sweep", "--target", pair["target"], "--out", str(tmp_path / "x.jsonl"), "--no-progress", *extra]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message)
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_drafter_with_its_own_draft_model_loads_it_once(pair, loaded, tmp_path, monkeypatch):
+    import specdec.models
+
+    loads = []
+    load_model = specdec.models.load_model
+
+    def counting(name, **kw):
+        loads.append(name)
+        return load_model(name, **kw)
+
+    monkeypatch.setattr(specdec.models, "load_model", counting)
+    spec = f"own=model:draft={pair['draft']},depth=2,topk=2"
+    cfg = _cfg(pair, tmp_path / "d.jsonl", draft=None, drafters=(spec,), methods=("specdec", "hf"), warmup=1)
+    res = runner.run_eval(cfg, models=(loaded[0], loaded[1], None))
+    assert loads == [pair["draft"]]  # once, for two tree sizes and two problems
+    assert not res.failed and len(res.records) == 2 * (1 + 2) and all(r["match"] is True for r in res.records)
+    assert {r["drafter_label"] for r in res.records if r["method"] == "specdec"} == {"own"}
+
+
+def test_checker_hook_gives_pass_at_1(pair, loaded, tmp_path):
+    from types import SimpleNamespace
+
+    from eval import report
+
+    seen = []
+
+    def checker(problem, text):
+        seen.append((problem.id, text))
+        return SimpleNamespace(passed=problem.id == "100", status="pass" if problem.id == "100" else "wrong_answer")
+
+    res = runner.run_eval(_cfg(pair, tmp_path / "p.jsonl", methods=("hf",)), models=loaded, checker=checker)
+    assert [(r["passed"], r["check_status"]) for r in res.records] == [(True, "pass"), (False, "wrong_answer")]
+    assert [t for _, t in seen] == [r["text"] for r in res.records]
+    (row,) = report.summarize(res.all_records)
+    assert (row["checked"], row["pass_at_1"]) == (2, 0.5) and "| pass@1 |" in report.format_table([row]).splitlines()[0]
