@@ -52,6 +52,7 @@ import torch
 
 from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request
 from specdec import hf
+from specdec.distributed import RankSync
 from specdec.graphs import GraphedForward, configure_compile_cache, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -341,6 +342,11 @@ class SpecDecoder:
             attribute ``prefill_width`` is 0) with dynamic shapes, and on a GPU without CUDA graphs
             (e.g. a model split across devices), where every chunk would be a host-bound eager
             forward; on CPU, static shapes chunk the prefill through the eager replay (what tests run).
+        rank_sync: a ``specdec.distributed.RankSync`` for a tensor-parallel target (one decoder per
+            rank, all called alike): the ranks check that they got the same prompts and drafted the
+            same trees, and adopt rank 0's verification decision (and, when sampling, its random
+            generator state) every step. None (default): ``RankSync.for_model(target)``, i.e. one
+            over the target's TP group when transformers sharded it, else none (single process).
 
     Kept state and memory: with static shapes, ``max_cache_len`` or ``cache_buckets`` the decoder
     keeps one ``KVCache`` per (batch size, capacity) it has used (``caches``) and, with static shapes, one
@@ -372,6 +378,7 @@ class SpecDecoder:
         cuda_graphs: bool | None = None,
         compile: bool | str = False,
         prefill_width: int | None = DEFAULT_PREFILL_WIDTH,
+        rank_sync: RankSync | None = None,
     ) -> None:
         hf.prepare_model(target, "target")
         if not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0:
@@ -425,6 +432,11 @@ class SpecDecoder:
         self._graphs: dict[tuple[int, int, int], GraphedForward] = {}  # (batch, capacity, n) -> forward
         self._prefill_graphs: dict[tuple[int, int], GraphedForward] = {}  # (batch, capacity) -> prefill forward
         self._num_layers = hf.num_layers(target)  # the KV cache keeps all layers in one tensor
+        if rank_sync is not None and not all(callable(getattr(rank_sync, a, None))
+                                             for a in ("begin", "check_trees", "verdicts")):  # fmt: skip
+            raise ValueError(f"rank_sync: expected None or a specdec.distributed.RankSync, got {type(rank_sync).__name__}")
+        #: keeps the ranks of a tensor-parallel target in lockstep (None: a single-process target)
+        self.rank_sync: RankSync | None = rank_sync if rank_sync is not None else RankSync.for_model(target)
 
     # ------------------------------------------------------------------ kept state
 
@@ -595,6 +607,9 @@ class SpecDecoder:
             seqs[b, : len(p)] = p
         run = _Run(prompts, seqs, [len(p) for p in prompts], [False] * batch, [None] * batch, cache, sampling,
                    generator, eos, max_new_tokens, on_tokens)  # fmt: skip
+        if self.rank_sync is not None:  # same inputs on every rank, the source rank's random stream
+            self.rank_sync.begin(prompts, generator, [max_new_tokens, repr(sampling), sorted(eos), pad_token_id,
+                                                      self.tree_size], self.device)  # fmt: skip
 
         timer = _PhaseTimer(self._sync)
         self._sync()
@@ -741,10 +756,15 @@ class SpecDecoder:
         with timer("draft"):
             trees, contexts = self._draft(run)
         with timer("verify"):
+            if self.rank_sync is not None:  # every rank drafted the same trees (else all raise)
+                self.rank_sync.check_trees(trees)
             forward = self._tree_forward(run.cache, trees)
             with timer("forward"):
                 logits, node_hidden = forward()
             verdicts = self._verify(run, trees, logits)
+            if self.rank_sync is not None:  # the source rank decides for all
+                verdicts = self.rank_sync.verdicts(verdicts, trees, run.generator, run.sampling is not None,
+                                                   self.device)  # fmt: skip
         with timer("commit"):
             new_tokens, paths = self._accept(run, trees, verdicts, node_hidden)
             run.cache.commit(paths)  # nodes already in place (a first-child chain) are not copied
@@ -1107,7 +1127,7 @@ def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) 
     """``specdec.wrap(model, drafter).generate(input_ids, max_new_tokens=...)`` decodes speculatively.
 
     ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``cache_buckets``, ``static_shapes``,
-    ``attn_impl``, ``cuda_graphs``, ``compile``, ``prefill_width``).
+    ``attn_impl``, ``cuda_graphs``, ``compile``, ``prefill_width``, ``rank_sync``).
     """
     return SpeculativeModel(model, drafter, tree_size, **decoder_kwargs)
 

@@ -1,0 +1,203 @@
+"""Device helper of scripts/device/multigpu.sh: a tensor-parallel target vs one GPU (argparse -> library calls).
+
+    python scripts/device/multigpu.py build --layers 32 --out /tmp/mg/llama8b      # random Llama-3-8B shapes
+    python scripts/device/multigpu.py run --model DIR --out one.json [--drafter lookup|model --draft DIR]
+    torchrun --standalone --nproc-per-node 2 scripts/device/multigpu.py run --model DIR --out tp2.json ...
+    python scripts/device/multigpu.py compare one.json tp2.json
+
+``run`` under torchrun (``WORLD_SIZE`` > 1) loads the target with transformers' TP plan
+(``specdec.distributed.load_tensor_parallel``; each rank on ``cuda:LOCAL_RANK``) and a draft model
+replicated per rank; ``SpecDecoder`` finds the TP group and keeps the ranks in lockstep. Rank 0
+writes the JSON: per prompt the new tokens and seconds, tokens/s at batch size 1 after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repo's packages
+
+import torch  # noqa: E402
+
+CODE_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "# Read n integers from stdin and print their sum, then their product.\nimport sys\n\n",
+    "class Stack:\n    \"\"\"A stack with push, pop, peek and is_empty.\"\"\"\n\n    def __init__(self):\n",
+    "Write a Python function that returns the longest palindromic substring of a string s.\n\n",
+]
+
+
+def _build(ns) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+    from specdec.cli.bench.config import SCALE_CONFIGS
+
+    fields = dict(SCALE_CONFIGS[ns.config], num_hidden_layers=ns.layers)
+    config = LlamaConfig(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    device = torch.device(ns.device)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    gen = torch.Generator(device=device).manual_seed(ns.seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, ns.std, generator=gen)
+            else:
+                p.fill_(1.0)  # RMSNorm weights (Llama has no biases)
+    model.generation_config = GenerationConfig(pad_token_id=0)
+    model.save_pretrained(ns.out, max_shard_size="4GB")
+    n = sum(p.numel() for p in model.parameters())
+    print(f"built {ns.layers}-layer {ns.config} shapes ({n / 1e9:.2f} B params, fp32) into {ns.out} in "
+          f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+
+
+def _prompts(ns, tokenizer, vocab: int) -> list[torch.Tensor]:
+    if tokenizer is None:  # a random-weight model: random ids with a repeated stretch (prompt lookup finds it)
+        g = torch.Generator().manual_seed(ns.seed)
+        out = []
+        for _ in range(ns.num_prompts):
+            head = torch.randint(10, vocab, (ns.prompt_len // 2,), generator=g)
+            out.append(torch.cat([head, head])[: ns.prompt_len])
+        return out
+    texts = list(CODE_PROMPTS)
+    if ns.prompts_file:
+        with open(ns.prompts_file, encoding="utf-8") as f:
+            texts = [json.loads(line)["description"] for line in f if line.strip()][: ns.num_prompts]
+    return [tokenizer(t, return_tensors="pt").input_ids[0] for t in texts[: ns.num_prompts]]
+
+
+def _run(ns) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec import SpecDecoder
+    from specdec.distributed import load_tensor_parallel
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[ns.dtype]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()  # without: a CPU smoke test of this script (gloo under torchrun)
+    if world > 1:
+        target = load_tensor_parallel(ns.model, dtype=dtype)
+        rank = int(os.environ["RANK"])
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    else:
+        rank, device = 0, torch.device("cuda", 0) if cuda else torch.device("cpu")
+        target = AutoModelForCausalLM.from_pretrained(ns.model, dtype=dtype).to(device).eval()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    drafter = None
+    if ns.drafter == "lookup":
+        from drafters.lookup import LookupDrafter
+
+        drafter = LookupDrafter()
+    elif ns.drafter == "model":
+        from drafters.draft_model import DraftModelDrafter
+
+        draft = AutoModelForCausalLM.from_pretrained(ns.draft, dtype=dtype).to(device).eval()
+        drafter = DraftModelDrafter(draft)
+    tokenizer = AutoTokenizer.from_pretrained(ns.model) if ns.tokenizer else None
+    prompts = _prompts(ns, tokenizer, int(target.config.vocab_size))
+    cap = max(len(p) for p in prompts) + ns.new + ns.tree_size + 64
+    graphs = {"auto": None, "on": True, "off": False}[ns.cuda_graphs]
+    dec = SpecDecoder(target, drafter, ns.tree_size if drafter else 0, max_cache_len=-(-cap // 256) * 256,
+                      cuda_graphs=graphs)  # fmt: skip
+    t0 = time.perf_counter()
+    dec.warmup([1], log=None)
+    dec.generate(prompts[0], 8)  # drafter warm-up, first-call costs
+    sync()
+    warm_s = time.perf_counter() - t0
+    rows = []
+    for p in prompts:
+        sync()
+        t = time.perf_counter()
+        out = dec.generate(p, ns.new)
+        sync()
+        rows.append({"prompt_len": len(p), "tokens": out.new_tokens().tolist(), "seconds": time.perf_counter() - t,
+                     "steps": len(out.steps), "mean_accepted": out.mean_accepted})  # fmt: skip
+    new = sum(len(r["tokens"]) for r in rows)
+    secs = sum(r["seconds"] for r in rows)
+    res = {"model": ns.model, "world": world, "dtype": ns.dtype, "drafter": ns.drafter, "tree_size": dec.tree_size,
+           "cuda_graphs": dec.cuda_graphs, "static_shapes": dec.static_shapes, "rank_sync": dec.rank_sync is not None,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu", "warmup_s": warm_s, "new_tokens": new,
+           "seconds": secs, "tokens_per_s": new / secs,
+           "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "rows": rows}  # fmt: skip
+    if rank == 0:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(res, indent=1))
+        print(f"{ns.out}: world {world} {ns.dtype} drafter={ns.drafter} t={dec.tree_size} graphs={dec.cuda_graphs}: "
+              f"{new} tokens in {secs:.2f} s = {new / secs:.1f} tok/s (bs 1), "
+              f"{res['max_memory_gib']:.1f} GiB on rank 0")  # fmt: skip
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _compare(ns) -> int:
+    a, b = (json.loads(Path(p).read_text()) for p in (ns.one, ns.other))
+    same = True
+    for i, (ra, rb) in enumerate(zip(a["rows"], b["rows"])):
+        ta, tb = ra["tokens"], rb["tokens"]
+        if ta != tb:
+            same = False
+            first = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+            print(f"  prompt {i}: DIFFERENT from token {first} of {max(len(ta), len(tb))}")
+    if len(a["rows"]) != len(b["rows"]):
+        same = False
+    print(f"{ns.one} (world {a['world']}) vs {ns.other} (world {b['world']}), {a['dtype']}, drafter {a['drafter']}: "
+          f"{'IDENTICAL' if same else 'DIFFERENT'} outputs; {a['tokens_per_s']:.1f} vs {b['tokens_per_s']:.1f} tok/s "
+          f"(x{b['tokens_per_s'] / a['tokens_per_s']:.2f})")  # fmt: skip
+    return 0 if same or not ns.strict else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="save a random-weight Llama-3-8B-shaped model (fp32)")
+    b.add_argument("--config", choices=["llama3-8b", "tiny"], default="llama3-8b")
+    b.add_argument("--layers", type=int, default=32)
+    b.add_argument("--out", required=True)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--std", type=float, default=0.02)
+    b.add_argument("--device", default="cuda:0")
+    r = sub.add_parser("run", help="decode prompts at batch size 1 (TP under torchrun) and write JSON")
+    r.add_argument("--model", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--drafter", choices=["none", "lookup", "model"], default="none")
+    r.add_argument("--draft", help="the draft model's directory (--drafter model)")
+    r.add_argument("--tree-size", type=int, default=32)
+    r.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    r.add_argument("--new", type=int, default=128, help="new tokens per prompt")
+    r.add_argument("--num-prompts", type=int, default=4)
+    r.add_argument("--prompt-len", type=int, default=256, help="random prompts (no --tokenizer)")
+    r.add_argument("--tokenizer", action="store_true", help="real prompts through the model's tokenizer")
+    r.add_argument("--prompts-file", help="JSONL with a 'description' per line (APPS), with --tokenizer")
+    r.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
+    r.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("compare", help="compare two run JSONs (outputs, tokens/s)")
+    c.add_argument("one")
+    c.add_argument("other")
+    c.add_argument("--strict", action="store_true", help="exit 1 when the outputs differ")
+    ns = parser.parse_args(argv)
+    if ns.cmd == "build":
+        _build(ns)
+    elif ns.cmd == "run":
+        if ns.drafter == "model" and not ns.draft:
+            parser.error("--drafter model needs --draft DIR")
+        _run(ns)
+    else:
+        return _compare(ns)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

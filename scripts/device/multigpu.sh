@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# On a 2-GPU device machine (kind nvidia-h200-x2): a tensor-parallel target (TP = 2, NCCL, transformers'
+# TP plan, specdec.distributed.RankSync) against the same target on one GPU. Issue 16, GPU half.
+#   bash scripts/device/multigpu.sh [build|llama|llama-bf16|qwen|sweep-note]...   (default: build llama qwen)
+# Steps (each fits one device call; files in /tmp survive only while the machine stays warm):
+#   build       random-weight Llama-3-8B shapes (hidden 4096, 32 heads / 8 KV heads, vocab 128256),
+#               LAYERS layers (default 32, the real depth: 32 GB fp32 on disk; LAYERS=8 if time is
+#               short -- every per-layer shape is unchanged), saved to /tmp/mg/llama8b.
+#   llama       (a) greedy fp32, plain decoding and prompt lookup (t=32), bs 1: one GPU, then TP=2;
+#               outputs must be identical; tokens/s side by side.
+#   llama-bf16  the same in bf16 (speed only: bf16 rounds differently in a sharded matmul).
+#   qwen        (b) the real pair (after setup_models.sh): Qwen2.5-Coder-1.5B target, 0.5B draft, fp32,
+#               prompt lookup and the draft model (replicated per rank), one GPU vs TP=2.
+#   sweep-note  (c) how the APPS sweep is launched sharded (prints the commands; see the TODO).
+# Every TP run goes with CUDA graphs first (the NCCL all-reduces captured in the tree forward's graph);
+# if that fails it is rerun eagerly (SPECDEC_CUDA_GRAPHS=0) and the log says so.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0            # no NVLink multicast (KINDS.md); nothing here calls multicast APIs
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home}
+out=${OUT:-/tmp}
+mg=/tmp/mg
+mkdir -p "$mg"
+py=(python3 scripts/device/multigpu.py)
+tp=(timeout 540 torchrun --standalone --nproc-per-node 2 scripts/device/multigpu.py)
+
+pair() {  # name, run args...: one GPU, then TP=2 (graphs, else eager), then the comparison
+  local name=$1; shift
+  CUDA_VISIBLE_DEVICES=0 timeout 400 "${py[@]}" run "$@" --out "$out/$name-1gpu.json" >> "$out/$name.log" 2>&1 \
+    || echo "$name: the one-GPU run failed (exit $?)" >> "$out/$name.log"
+  if ! "${tp[@]}" run "$@" --out "$out/$name-tp2.json" >> "$out/$name.log" 2>&1; then
+    echo "$name: TP=2 with CUDA graphs failed; rerunning eagerly (SPECDEC_CUDA_GRAPHS=0)" >> "$out/$name.log"
+    SPECDEC_CUDA_GRAPHS=0 "${tp[@]}" run "$@" --cuda-graphs off --out "$out/$name-tp2.json" >> "$out/$name.log" 2>&1 \
+      || echo "$name: the eager TP=2 run failed too (exit $?)" >> "$out/$name.log"
+  fi
+  "${py[@]}" compare "$out/$name-1gpu.json" "$out/$name-tp2.json" >> "$out/$name.log" 2>&1
+  tail -3 "$out/$name.log"
+}
+
+for s in ${@:-build llama qwen}; do
+  case $s in
+    build)
+      [ -f $mg/llama8b/config.json ] || timeout 560 "${py[@]}" build --layers "${LAYERS:-32}" --out $mg/llama8b \
+        > "$out/build.log" 2>&1
+      tail -2 "$out/build.log"; du -sh $mg/llama8b ;;
+    llama)
+      pair llama-plain --model $mg/llama8b --new 128 --num-prompts 3
+      pair llama-lookup --model $mg/llama8b --drafter lookup --tree-size 32 --new 128 --num-prompts 3 ;;
+    llama-bf16)
+      pair llama-bf16 --model $mg/llama8b --dtype bf16 --new 128 --num-prompts 3 ;;
+    qwen)
+      t=$SPECDEC_HOME/models/qwen2.5-coder-1.5b/hf d=$SPECDEC_HOME/models/qwen2.5-coder-0.5b/hf
+      [ -f "$t/config.json" ] || { echo "qwen: no converted target in $t (run setup_models.sh first)"; continue; }
+      data=(); [ -f .evaldata/apps_selected150.jsonl ] && data=(--prompts-file .evaldata/apps_selected150.jsonl)
+      pair qwen-lookup --model "$t" --tokenizer "${data[@]}" --drafter lookup --tree-size 32 --new 128
+      pair qwen-model --model "$t" --tokenizer "${data[@]}" --drafter model --draft "$d" --tree-size 32 --new 128 ;;
+    sweep-note)
+      # (c) Sharded APPS sweep. Data parallel (one whole model per GPU): each process runs
+      #     eval.shard.shard(problems, *eval.shard.shard_env()) into eval.shard.shard_path(out, rank, world),
+      #     resuming from its own file; afterwards eval.shard.merge(shard_paths(out, world)) is the single
+      #     process's record set. With a TP target (tp_size = 2 on 2 GPUs) both ranks decode the same
+      #     problems: shard_env(tp_size=2) -> one shard, and only rank 0 writes.
+      # TODO(issue16-cli): the sweep CLI flag that turns sharding on (and picks cuda:$LOCAL_RANK) does not
+      #     exist yet; the commands below are what it will look like.
+      cat <<'EOF'
+torchrun --standalone --nproc-per-node 2 -m specdec.cli sweep --dataset apps --problems 150 \
+  --data .evaldata/apps_selected150.jsonl --tree-sizes 32 64 128 256 --drafter model --methods hf-static specdec \
+  --dtype bf16 --device cuda --seed 0 --out /tmp/results/apps-dp2.jsonl --shard auto   # TODO(issue16-cli) --shard
+python3 -c "import json, sys; from eval.shard import merge, shard_paths
+recs = merge(shard_paths('/tmp/results/apps-dp2.jsonl', 2))
+open('/tmp/results/apps-dp2.merged.jsonl', 'w').writelines(json.dumps(r) + '\n' for r in recs)"
+EOF
+      ;;
+    *) echo "unknown step $s" >&2; exit 2 ;;
+  esac
+  echo "step $s done"
+done

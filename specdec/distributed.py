@@ -1,0 +1,394 @@
+"""Decoding with a tensor-parallel target: one ``SpecDecoder`` per rank, every rank in lockstep.
+
+Tensor parallelism (TP) comes from transformers: under ``torchrun --nproc-per-node N`` each process
+loads the target with its TP plan (the model's ``base_model_tp_plan``: q/k/v and gate/up projections
+split by output columns, o/down projections by input rows, the input embedding by vocabulary rows,
+the LM head by vocabulary columns with its output gathered)::
+
+    model = load_tensor_parallel(path, dtype=torch.float32)   # from_pretrained(path, tp_plan="auto")
+    decoder = SpecDecoder(model, drafter, tree_size=64)        # finds the model's TP group itself
+    out = decoder.generate(prompt, 128)                        # same call, same prompt on every rank
+
+transformers starts the process group from torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``
+when none exists: NCCL on GPUs (each process binds ``cuda:LOCAL_RANK``), gloo on CPU -- the CPU
+path is what the tests run (transformers 5.23, torch 2.13: ``tp_plan="auto"`` works on a CPU
+device mesh as it is; nothing has to be applied by hand). Parameters become DTensors holding this
+rank's shard; activations between layers stay plain (replicated) tensors.
+
+What the engine sees on each rank:
+
+- every attention layer gets only this rank's heads: query ``[B, Hq / N, m, D]``, key / value
+  ``[B, Hkv / N, m, D]`` (``num_key_value_heads`` must divide by N). specdec's attention function
+  takes head counts from the tensors, never from the config, and ``KVCache`` allocates each
+  layer's buffers at its first write from the key's shape, so every rank keeps ``[B, Hkv / N, S, D]``
+  per layer: the KV memory is split N ways along with the weights.
+- the logits are whole (``[B, n, V]``, gathered by the LM head) and identical on every rank; so are
+  the final hidden states that drafters reading the target's features (Medusa, EAGLE) get: the
+  row-parallel projections all-reduce, so the LM head's input is replicated. Drafters that call the
+  target's embedding / LM head (Medusa, EAGLE) run those TP modules, i.e. collectives: every rank
+  must draft the same trees in the same order, which the lockstep below gives.
+- a draft model (``DraftModelDrafter``) is an ordinary replicated model on each rank.
+
+Rank consistency (``RankSync``): the verification decision is made on one rank (``src``, the TP
+group's rank 0) and broadcast each step: its accepted paths and bonus tokens, and under sampling
+its random generator's state after verifying. Every rank then appends the same tokens, commits the
+same KV slots and continues from the same random stream, whatever its own logits or uniforms were
+(rounding of collectives may differ between ranks in principle; a near-tie or a uniform near the
+acceptance threshold would then split the ranks' sequences for good). That is robust by
+construction; "identical logits + identical random streams" is only likely. The trees are not
+broadcast (a drafter's state belongs to the tree it proposed): given the same committed tokens,
+features and random stream a drafter proposes the same tree, and ``RankSync.check_trees`` verifies
+that before every target forward (whose collectives would otherwise run on mismatched inputs or
+shapes): one all-gather of one fingerprint per sequence, raising the same ``RuntimeError`` on every
+rank instead of hanging. At the start of ``generate`` the ranks check that they got the same
+prompts and arguments, and the random generator (``generator``, or the default CPU / current CUDA
+generators when None) is copied from ``src``. Per step that is one all-gather of B + 1 int64 and
+one broadcast of ``B * (n + 2)`` int64 (+ the generator state, 5 KiB on CPU, when sampling).
+
+The engine calls ``RankSync`` at three points (``SpecDecoder(rank_sync=...)``; None = found from
+the target: a ``RankSync`` over its TP group when it has one, else single-process, no calls):
+``begin`` once per ``generate``, ``check_trees`` after drafting, ``verdicts`` after verifying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from specdec.tree import TokenTree
+from specdec.verify import Verdict
+
+__all__ = [
+    "Collectives",
+    "RankSync",
+    "TorchCollectives",
+    "decode_verdicts",
+    "encode_verdicts",
+    "fingerprint",
+    "load_tensor_parallel",
+    "tensor_parallel_group",
+    "tree_fingerprint",
+]
+
+_MASK63 = (1 << 63) - 1
+
+
+# ---------------------------------------------------------------------------------------- pure parts
+
+
+def fingerprint(*parts: Any) -> int:
+    """A 63-bit hash (an int64 >= 0) of ``parts``: tensors (dtype, shape and bytes), ints, floats,
+    strings, None, and sequences of these. Equal inputs give equal fingerprints in every process."""
+    h = hashlib.blake2b(digest_size=8)
+
+    def feed(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().to("cpu").contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif x is None or isinstance(x, (bool, int, str)):
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+        elif isinstance(x, float):
+            h.update(b"f" + struct.pack("<d", x))
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}[".encode())
+            for item in x:
+                feed(item)
+            h.update(b"]")
+        else:
+            raise ValueError(f"parts: expected tensors, numbers, strings, None or sequences of them, got "
+                             f"{type(x).__name__}")  # fmt: skip
+
+    for part in parts:
+        feed(part)
+    return int.from_bytes(h.digest(), "little") & _MASK63
+
+
+def tree_fingerprint(tree: TokenTree) -> int:
+    """The fingerprint of a tree's tokens, parents and proposal kind (not its ``draft_probs``: only
+    ``src``'s verification reads them)."""
+    return fingerprint(tree.tokens, tree.parents, tree.proposal)
+
+
+def encode_verdicts(verdicts: Sequence[Verdict | None], width: int) -> torch.Tensor:
+    """int64 ``[B, width + 2]``: per sequence ``[len(path), bonus_token, *path, -1 ...]``; a None
+    verdict (finished sequence) is ``[0, -1, -1 ...]``. ``width`` >= the longest path (the largest
+    tree's node count)."""
+    out = torch.full((len(verdicts), width + 2), -1, dtype=torch.int64)
+    for b, v in enumerate(verdicts):
+        if v is None:
+            out[b, 0] = 0
+            continue
+        if len(v.path) > width:
+            raise ValueError(f"verdicts[{b}]: expected a path of at most {width} nodes, got {len(v.path)}")
+        out[b, 0] = len(v.path)
+        out[b, 1] = v.bonus_token
+        out[b, 2 : 2 + len(v.path)] = torch.tensor(v.path, dtype=torch.int64)
+    return out
+
+
+def decode_verdicts(payload: torch.Tensor) -> list[Verdict | None]:
+    """The inverse of ``encode_verdicts``."""
+    if payload.dim() != 2 or payload.shape[1] < 2:
+        raise ValueError(f"payload: expected an int64 tensor [B, width + 2], got shape {tuple(payload.shape)}")
+    out: list[Verdict | None] = []
+    for row in payload.tolist():
+        k = row[0]
+        out.append(None if k == 0 else Verdict(tuple(row[2 : 2 + k]), row[1]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- collectives
+
+
+class Collectives(Protocol):
+    """The two collectives ``RankSync`` needs, over one group of ``world_size`` ranks.
+
+    ``all_gather(t)``: ``[world_size, *t.shape]``, row r = rank r's ``t`` (same shape and dtype on
+    every rank). ``broadcast(t, src)``: overwrite ``t`` in place with group rank ``src``'s.
+    """
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
+
+
+class TorchCollectives:
+    """``Collectives`` over a ``torch.distributed`` process group (default: the world).
+
+    Tensors travel on ``device``: default the CPU for groups whose backend handles CPU tensors
+    (gloo, or a ``"cpu:gloo,cuda:nccl"`` pair), else the current CUDA device (NCCL).
+    """
+
+    def __init__(self, group=None, device: torch.device | str | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: expected an initialized torch.distributed process group, got none "
+                             "(run under torchrun, or call torch.distributed.init_process_group first)")  # fmt: skip
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if device is None:
+            backend = str(dist.get_backend(self.group)).lower()
+            device = "cpu" if ("gloo" in backend or "cpu" in backend or "nccl" not in backend) else (
+                torch.device("cuda", torch.cuda.current_device()))  # fmt: skip
+        self.device = torch.device(device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = tensor.to(self.device).contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t, group=self.group)
+        return torch.stack(parts).to(tensor.device)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        import torch.distributed as dist
+
+        t = tensor.to(self.device).contiguous()
+        dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group)
+        if t is not tensor:
+            tensor.copy_(t)
+
+
+# ---------------------------------------------------------------------------------------- RankSync
+
+
+class RankSync:
+    """Keeps the ranks of a tensor-parallel target in lockstep (see the module docstring).
+
+    Args:
+        group: the TP process group (default: the world), or a ``Collectives`` object (tests).
+        src: the group rank whose verification decides (default 0).
+        device: where the collectives' tensors travel (``TorchCollectives``' default when None).
+
+    Attributes:
+        rank, world_size: this process's rank in the group, and the group's size.
+        steps: steps synchronized in the current ``generate`` call (reported in errors).
+    """
+
+    def __init__(self, group=None, *, src: int = 0, device: torch.device | str | None = None) -> None:
+        if group is not None and all(hasattr(group, a) for a in ("all_gather", "broadcast", "rank", "world_size")):
+            self.comm = group
+        else:
+            self.comm = TorchCollectives(group, device)
+        self.rank, self.world_size = int(self.comm.rank), int(self.comm.world_size)
+        if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < self.world_size:
+            raise ValueError(f"src: expected a group rank in [0, {self.world_size}), got {src!r}")
+        self.src = src
+        self.steps = 0
+
+    @classmethod
+    def for_model(cls, model, **kwargs) -> RankSync | None:
+        """A ``RankSync`` over ``model``'s tensor-parallel group, or None when it has none (a
+        single-process model: nothing to synchronize)."""
+        group = tensor_parallel_group(model)
+        return None if group is None else cls(group, **kwargs)
+
+    # -- the three calls of SpecDecoder
+
+    def begin(self, prompts: Sequence[torch.Tensor], generator: torch.Generator | None, settings: Any = None,
+              device: torch.device | None = None) -> None:  # fmt: skip
+        """Start of a ``generate`` call: check that every rank got the same ``prompts`` and
+        ``settings`` (ValueError naming ``input_ids`` on every rank otherwise), then copy ``src``'s
+        random generator state(s) to every rank (``generator``, or when None the default CPU
+        generator and, with ``device`` on CUDA, that device's default generator)."""
+        self.steps = 0
+        mine = torch.tensor([fingerprint(list(prompts), settings)], dtype=torch.int64)
+        got = self.comm.all_gather(mine)[:, 0].tolist()
+        bad = [r for r, f in enumerate(got) if f != got[self.src]]
+        if bad:
+            raise ValueError(f"input_ids: expected the same prompts and generate() arguments on every rank of the "
+                             f"tensor-parallel group, ranks {bad} differ from rank {self.src}")  # fmt: skip
+        gens = _generators(generator, device)
+        state = _pack_states(gens)
+        self.comm.broadcast(state, self.src)
+        _unpack_states(gens, state)
+
+    def check_trees(self, trees: Sequence[TokenTree]) -> None:
+        """Before the target forward: check that every rank drafted the same trees (one fingerprint
+        per tree). Raises the same ``RuntimeError`` on every rank when they differ (a drafter that is
+        not deterministic given the committed tokens, features and random stream)."""
+        self.steps += 1
+        mine = torch.tensor([len(trees)] + [tree_fingerprint(t) for t in trees], dtype=torch.int64)
+        got = self.comm.all_gather(mine)
+        differ = got != got[self.src]  # [world, B + 1]
+        if bool(differ.any()):
+            ranks = [r for r in range(self.world_size) if bool(differ[r].any())]
+            seqs = sorted({b for b in range(len(trees)) if bool(differ[:, b + 1].any())})
+            raise RuntimeError(
+                f"drafter: ranks {ranks} proposed different trees than rank {self.src} at step {self.steps} "
+                f"(sequences {seqs}); every rank of a tensor-parallel target must draft the same trees "
+                f"(a drafter deterministic given the committed tokens, the target's features and the generator)"
+            )
+
+    def verdicts(self, verdicts: Sequence[Verdict | None], trees: Sequence[TokenTree],
+                 generator: torch.Generator | None = None, sampling: bool = False,
+                 device: torch.device | None = None) -> list[Verdict | None]:  # fmt: skip
+        """After verifying: ``src``'s verdicts, on every rank. With ``sampling``, ``src``'s random
+        generator state(s) after its verification are copied to every rank too (so later draws by
+        the drafter and the verifier stay identical). ``trees``: this step's trees (checked equal
+        across ranks by ``check_trees``; they size the message)."""
+        width = max(t.n for t in trees)
+        payload = encode_verdicts(verdicts, width).flatten()
+        gens = _generators(generator, device) if sampling else []
+        if gens:
+            payload = torch.cat([payload, _pack_states(gens)])
+        self.comm.broadcast(payload, self.src)
+        if gens:
+            _unpack_states(gens, payload[len(verdicts) * (width + 2) :])
+        return decode_verdicts(payload[: len(verdicts) * (width + 2)].view(len(verdicts), width + 2))
+
+
+def _generators(generator: torch.Generator | None, device: torch.device | None) -> list[torch.Generator]:
+    if generator is not None:
+        return [generator]
+    gens = [torch.default_generator]
+    if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_initialized():
+        index = torch.device(device).index
+        gens.append(torch.cuda.default_generators[torch.cuda.current_device() if index is None else index])
+    return gens
+
+
+def _pack_states(gens: Sequence[torch.Generator]) -> torch.Tensor:
+    """The generators' states as one int64 tensor (each state's bytes padded to a multiple of 8)."""
+    parts = []
+    for g in gens:
+        s = g.get_state().to(torch.uint8)
+        pad = (-s.numel()) % 8
+        parts.append(torch.cat([s, s.new_zeros(pad)]).view(torch.int64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _unpack_states(gens: Sequence[torch.Generator], packed: torch.Tensor) -> None:
+    raw = packed.contiguous().view(torch.uint8)
+    at = 0
+    for g in gens:
+        n = g.get_state().numel()
+        g.set_state(raw[at : at + n].clone())
+        at += n + (-n) % 8
+
+
+# ---------------------------------------------------------------------------------------- models
+
+
+def tensor_parallel_group(model):
+    """The process group ``model``'s tensor parallelism runs over, or None (not sharded, or one rank).
+
+    Reads the device mesh transformers keeps on a model loaded with a TP plan (``_device_mesh``; its
+    ``"tp"`` dimension when it has named dimensions), else the mesh of its first DTensor parameter.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():  # no process group: nothing is sharded
+        return None
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch without distributed
+            return None
+        for p in model.parameters():
+            if isinstance(p, DTensor):
+                mesh = p.device_mesh
+                break
+    if mesh is None:
+        return None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    sub = mesh["tp"] if "tp" in names and mesh.ndim > 1 else mesh
+    if sub.size() <= 1:
+        return None
+    return sub.get_group()
+
+
+def load_tensor_parallel(path: str | os.PathLike[str], dtype: torch.dtype | None = None, **kwargs: Any):
+    """``AutoModelForCausalLM.from_pretrained(path, ...)`` with the model's own TP plan, in eval mode.
+
+    Call it on every rank (under ``torchrun``: transformers initializes the process group from the
+    environment if none exists; NCCL on GPUs, gloo on CPU). Uses
+    ``distributed_config=DistributedConfig(tp_plan="auto")`` where this transformers has it (5.18+
+    removes the plain argument), else ``tp_plan="auto"``. ``kwargs`` go to ``from_pretrained``.
+    In a world of one process nothing is sharded (transformers 5.17 then leaves the model on the
+    CPU: it is moved to ``cuda:LOCAL_RANK`` when CUDA is there); in a larger world a model that came
+    back unsharded raises ``RuntimeError``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    extra: dict[str, Any] = {}
+    try:
+        from transformers.distributed import DistributedConfig
+
+        if "tp_plan" in inspect.signature(DistributedConfig).parameters:
+            extra["distributed_config"] = DistributedConfig(tp_plan="auto")
+    except (ImportError, TypeError, ValueError):
+        pass
+    if not extra:
+        extra["tp_plan"] = "auto"
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype or torch.float32, **extra, **kwargs)
+    if tensor_parallel_group(model) is None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(
+            os.environ.get("WORLD_SIZE", "1"))  # fmt: skip
+        if world > 1:
+            raise RuntimeError(f"path: transformers {_transformers_version()} loaded {os.fspath(path)!r} unsharded in a "
+                               f"world of {world} processes (does the model have a base_model_tp_plan?)")  # fmt: skip
+        if torch.cuda.is_available():  # one process: transformers (5.17) skips TP and leaves it on the CPU
+            model = model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    return model.eval()
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
