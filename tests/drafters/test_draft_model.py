@@ -151,8 +151,9 @@ def test_draft_cache_grows_and_keeps_its_prefix(static):
     prompt = _prompt(240, 3)  # initial capacity 512: the tree region of later steps crosses it
     out = SpecDecoder(_target(), cmp, tree_size=6, attn_impl="torch").generate(prompt, 10)
     assert out.num_new_tokens == 10
-    if static:  # the fixed-shape forward follows the grown cache
-        assert reuse._states[0].fwd.cache is reuse._states[0].cache
+    st = reuse._states[0]
+    assert st.cache.capacity > 256 and st.loops  # the device loops follow the grown cache
+    assert all(loop.cache is st.cache for loop in st.loops.values())
     reuse.reset([prompt])
     reuse._ensure_capacity(reuse._states[0], 2000)
     assert reuse._states[0].cache.capacity >= 2000
@@ -239,12 +240,17 @@ def test_static_shapes_greedy_equals_target_generate_in_a_batch(family, compile)
     out = SpecDecoder(_target(family), drafter, tree_size=24, attn_impl="torch").generate(prompts, NEW)
     for b, p in enumerate(prompts):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(_target(family), p, NEW)
-    assert all(st.fwd is not None and st.fwd.calls > len(out.steps) for st in drafter._states.values())
-    # a new generate call reuses each sequence's fixed-shape forward (no new CUDA-graph capture)
-    fwds = [st.fwd for st in drafter._states.values()]
+    # per proposal one device loop: after the prompt's prefill one without the catch-up stage, then
+    # loops that run the catch-up chain first (no other forward)
+    for st in drafter._states.values():
+        first, steady = (st.loops[key] for key in sorted(st.loops, key=lambda key: key[-1]))
+        assert first.chain == 0 and first.calls == 1 and steady.chain == 5 and steady.calls > 3
+        assert st.fwd is None
+    # a new generate call reuses each sequence's loops (no new CUDA-graph capture)
+    loops = [dict(st.loops) for st in drafter._states.values()]
     out2 = SpecDecoder(_target(family), drafter, tree_size=24, attn_impl="torch").generate(prompts, NEW)
     assert out2.sequences.tolist() == out.sequences.tolist()
-    assert [st.fwd for st in drafter._states.values()] == fwds
+    assert [st.loops for st in drafter._states.values()] == loops
 
 
 def test_argument_errors():
@@ -266,9 +272,12 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 @cuda_only
+@pytest.mark.parametrize("reference", [dict(static_shapes=False), dict(device_loop=False)],
+                         ids=["eager-device-loop", "host-loop-graphed"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family):
-    """CUDA default: per-depth draft forwards replayed as graphs; same trees as the eager drafter."""
+def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family, reference):
+    """CUDA default: each proposal's device loop (catch-up chain + every level) replayed as one graph;
+    the same trees as the device loop run eagerly, and as the host-driven loop (one graph per depth)."""
     target = tiny_model(family).to("cuda")
     draft = perturbed_copy(tiny_model(family), 0.05, seed=1).to("cuda")
     prompt = _prompt(10, 0)
@@ -277,11 +286,353 @@ def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family):
                           attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
     graphed = DraftModelDrafter(draft, depth=3, topk=4)
     assert graphed.static_shapes and graphed.cuda_graphs
-    eager = DraftModelDrafter(draft, depth=3, topk=4, static_shapes=False)
+    eager = DraftModelDrafter(draft, depth=3, topk=4, **reference)
     cmp = _Compare(graphed, eager, draft, reference_every=0)  # the reference tree is the CPU tests' job
     out = SpecDecoder(target, cmp, tree_size=20).generate(prompt, NEW)
     assert out.sequences[0].tolist() == ref
-    fwd = graphed._states[0].fwd
-    assert fwd.captured and fwd.calls > len(out.steps)
+    st = graphed._states[0]
+    # one graph per proposal: after the prefill without, then with the catch-up stage
+    first, steady = (st.loops[key] for key in sorted(st.loops, key=lambda key: key[-1]))
+    assert first.captured and steady.captured and first.calls == 1 and steady.calls == len(out.steps) - 1
+    assert st.fwd is None
+    loops = dict(st.loops)
     assert SpecDecoder(target, cmp, tree_size=20).generate(prompt, NEW).sequences[0].tolist() == ref
-    assert graphed._states[0].fwd is fwd  # one capture serves later generate calls
+    assert graphed._states[0].loops == loops  # the captures serve later generate calls
+
+
+# --------------------------------------------------------------------------- recorded trees (issue 14)
+#
+# Trees proposed by the host-driven drafter of commit c74be21 (one host sync per depth, Python-built
+# masks), recorded on seeded tiny configs by ``_tree_cases`` and stored in
+# ``data/draft_model_trees.json``. The device loop (the default) must propose exactly the same trees:
+# greedy and ``"topk"`` children are a deterministic function of the draft's logits (sampled
+# proposals: ``test_device_loop_samples_as_the_host_loop_for_fixed_draws`` and the lossless suite). Re-record (only when a change is meant to alter the trees) with the old
+# module: ``git show c74be21:drafters/draft_model.py > /tmp/old.py`` and ``_tree_cases(old_class)``.
+
+_TREES_FILE = __import__("pathlib").Path(__file__).parent / "data" / "draft_model_trees.json"
+
+
+def _lossless_pair():
+    """The 8-token vocabulary target / draft of tests/drafters/test_lossless.py (topk > vocabulary)."""
+    from tests.drafters.test_lossless import _draft as lossless_draft, _target as lossless_target
+
+    return lossless_target(), lossless_draft()
+
+
+class _Recorder(BaseDrafter):
+    """Passes every call to ``inner`` and records each proposal (context and tree)."""
+
+    def __init__(self, inner, out: list):
+        self.inner, self.out = inner, out
+        self.vocab_size = inner.vocab_size
+
+    def reset(self, input_ids):
+        self.inner.reset(input_ids)
+
+    def propose(self, ctx):
+        tree = self.inner.propose(ctx)
+        self.out.append({"seq": ctx.seq, "tokens": ctx.tokens.tolist(), "tree_size": ctx.tree_size,
+                         "tree_tokens": tree.tokens.tolist(), "tree_parents": tree.parents.tolist(),
+                         "proposal": tree.proposal, "forwards": self.inner.last_forwards,
+                         "device_loop": getattr(self.inner, "last_device_loop", None)})
+        return tree
+
+    def update(self, ctx, tree, verdict):
+        self.inner.update(ctx, tree, verdict)
+
+
+#: name -> (models, drafter kwargs, what to run). "gen": SpecDecoder.generate (prompts, tree size, new
+#: tokens, sampling kwargs or None); "propose": fresh proposals for each budget.
+_TREE_CASES = {
+    "qwen2-greedy-12-3-3": ("qwen2", dict(depth=3, topk=3), ("gen", [(9, 2)], 12, 24, None)),
+    "qwen2-greedy-12-3-3-static": ("qwen2", dict(depth=3, topk=3, static_shapes=True), ("gen", [(9, 2)], 12, 24, None)),
+    "qwen2-greedy-40-4-4": ("qwen2", dict(depth=4, topk=4), ("gen", [(9, 2)], 40, 24, None)),
+    "qwen2-greedy-40-4-4-static": ("qwen2", dict(depth=4, topk=4, static_shapes=True), ("gen", [(9, 2)], 40, 24, None)),
+    "qwen2-greedy-64-default": ("qwen2", dict(), ("gen", [(10, 0)], 64, 20, None)),
+    "qwen2-greedy-batch": ("qwen2", dict(depth=3, topk=4), ("gen", [(7, 4), (1, 5), (12, 6)], 16, 15, None)),
+    "qwen2-topk-sampled-top_p": ("qwen2", dict(depth=4, topk=3, sampling_proposal="topk"),
+                                 ("gen", [(8, 7)], 20, 20, dict(temperature=1.3, top_p=0.9))),
+    "qwen2-topk-sampled-top_k-static": ("qwen2", dict(depth=3, topk=4, sampling_proposal="topk", static_shapes=True),
+                                        ("gen", [(8, 7)], 16, 20, dict(temperature=1.3, top_k=3))),
+    "qwen2-propose-d4-k4": ("qwen2", dict(depth=4, topk=4), ("propose", (12, 0), [1, 2, 3, 5, 32, 100])),
+    "qwen2-propose-d3-k8": ("qwen2", dict(depth=3, topk=8), ("propose", (12, 0), [7, 64, 256, 1000])),
+    "llama-greedy-24-4-3": ("llama", dict(depth=4, topk=3), ("gen", [(10, 0)], 24, 24, None)),
+    "llama-greedy-24-4-3-static": ("llama", dict(depth=4, topk=3, static_shapes=True), ("gen", [(10, 0)], 24, 24, None)),
+    "gemma3-greedy-16-4-3": ("gemma3", dict(depth=4, topk=3), ("gen", [(12, 1)], 16, 16, None)),
+    "gemma3-greedy-16-4-3-static": ("gemma3", dict(depth=4, topk=3, static_shapes=True),
+                                    ("gen", [(12, 1)], 16, 16, None)),
+    "vocab8-greedy-topk10": ("vocab8", dict(depth=3, topk=10), ("gen", [[1, 5, 2, 7]], 20, 12, None)),
+    "vocab8-topk-sampled-top_k": ("vocab8", dict(depth=3, topk=10, sampling_proposal="topk"),
+                                  ("gen", [[1, 5, 2, 7], [7]], 20, 12, dict(temperature=0.9, top_k=4))),
+    "vocab8-topk-sampled-6": ("vocab8", dict(tree_size=6, sampling_proposal="topk"),
+                              ("gen", [[1, 5, 2, 7]], 6, 12, dict(temperature=0.9))),
+    "vocab8-propose-d4-k10": ("vocab8", dict(depth=4, topk=10), ("propose", [3, 0, 0, 6, 4], [3, 30, 200])),
+}
+
+
+def _case_models(kind: str):
+    if kind == "vocab8":
+        return _lossless_pair()
+    return _target(kind), _draft(kind)
+
+
+def _case_prompt(spec) -> torch.Tensor:
+    return torch.tensor(spec) if isinstance(spec, list) else _prompt(*spec)
+
+
+def _tree_cases(cls=DraftModelDrafter, names=None, **extra) -> dict[str, list[dict]]:
+    """Run each case of ``_TREE_CASES`` with drafter class ``cls`` (``extra``: more constructor
+    arguments); name -> recorded proposals."""
+    out = {}
+    for name in names or _TREE_CASES:
+        kind, kwargs, run = _TREE_CASES[name]
+        target, draft = _case_models(kind)
+        records: list[dict] = []
+        rec = _Recorder(cls(draft, **kwargs, **extra), records)
+        if run[0] == "gen":
+            _, prompts, tree_size, new, sampling = run
+            prompts = [_case_prompt(p) for p in prompts]
+            dec = SpecDecoder(target, rec, tree_size=tree_size, attn_impl="torch")
+            if sampling is None:
+                dec.generate(prompts, new)
+            else:
+                dec.generate(prompts, new, do_sample=True, generator=torch.Generator().manual_seed(0), **sampling)
+        else:
+            _, prompt, budgets = run
+            prompt = _case_prompt(prompt)
+            for t in budgets:
+                rec.reset([prompt])
+                rec.propose(DraftContext(prompt, t))
+        out[name] = records
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _recorded_trees() -> dict:
+    import json
+
+    return json.loads(_TREES_FILE.read_text())
+
+
+@pytest.mark.parametrize("name", list(_TREE_CASES))
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_device_loop_proposes_the_recorded_trees(name, device_loop):
+    """Exactly the trees of the host-driven drafter (commit c74be21), step by step; the host loop
+    (``device_loop=False``, kept for the sampled proposals) still proposes them too."""
+    want = _recorded_trees()[name]
+    got = _tree_cases(names=[name], device_loop=device_loop)[name]
+    assert len(got) == len(want)
+    assert all(g["device_loop"] == device_loop for g in got)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert (g["seq"], g["tokens"], g["tree_size"]) == (w["seq"], w["tokens"], w["tree_size"]), step
+        assert (g["tree_tokens"], g["tree_parents"], g["proposal"]) == (
+            w["tree_tokens"], w["tree_parents"], w["proposal"]), step
+        assert g["forwards"] == w["forwards"], step
+
+
+def _fixed_draws(monkeypatch):
+    """Make the sampled proposals' draws a fixed function of the distribution (both loops alike):
+    without replacement, the top-k of ``logq`` + one fixed noise vector; i.i.d., inverse-CDF draws at
+    fixed quantiles. The generator / uniforms each loop passes are ignored."""
+    from drafters import draft_model as dm
+
+    def no_replacement(logq, k, _):
+        noise = torch.rand(logq.shape[-1], generator=torch.Generator().manual_seed(5)).to(logq.device)
+        return torch.topk(logq + noise * 3.0, k, dim=-1).indices
+
+    def iid(probs, k, _):
+        at = ((torch.arange(k, dtype=torch.float64) * 0.37 + 0.11) % 1.0).to(probs.device)
+        cdf = probs.double().cumsum(dim=-1)
+        return torch.searchsorted(cdf, (at * cdf[:, -1:]).contiguous(), right=True).clamp(max=probs.shape[-1] - 1)
+
+    monkeypatch.setattr(dm, "_gumbel_top_k", no_replacement)
+    monkeypatch.setattr(dm, "_multinomial", iid)
+
+
+class _SameTrees(BaseDrafter):
+    """Proposes with ``a`` and ``b`` on every context and checks that the trees are identical."""
+
+    def __init__(self, a, b):
+        self.a, self.b, self.vocab_size, self.steps = a, b, a.vocab_size, 0
+
+    def reset(self, input_ids):
+        self.a.reset(input_ids)
+        self.b.reset(input_ids)
+
+    def propose(self, ctx):
+        ta, tb = self.a.propose(ctx), self.b.propose(ctx)
+        assert self.a.last_device_loop and not self.b.last_device_loop
+        assert ta.tokens.tolist() == tb.tokens.tolist() and ta.parents.tolist() == tb.parents.tolist()
+        assert ta.proposal == tb.proposal
+        if ta.draft_probs is None:
+            assert tb.draft_probs is None
+        else:  # the same rows, up to rounding (the loops' forwards have different shapes)
+            torch.testing.assert_close(ta.draft_probs, tb.draft_probs, rtol=1e-5, atol=1e-7)
+            assert torch.equal(ta.draft_probs == 0, tb.draft_probs == 0)
+        assert self.a.last_depth == self.b.last_depth
+        self.steps += 1
+        return ta
+
+    def update(self, ctx, tree, verdict):
+        self.a.update(ctx, tree, verdict)
+        self.b.update(ctx, tree, verdict)
+
+
+@pytest.mark.parametrize("proposal", ["no_replacement", "iid"])
+@pytest.mark.parametrize("kind,kwargs,tree_size,cfg", [
+    ("qwen2", dict(depth=3, topk=3), 20, dict(temperature=1.3, top_p=0.9)),
+    ("qwen2", dict(depth=4, topk=4, static_shapes=True), 40, dict(temperature=1.0, top_k=6)),
+    ("vocab8", dict(depth=3, topk=10), 20, dict(temperature=0.9, top_k=4)),  # dead rows: topk > vocabulary
+    ("vocab8", dict(tree_size=6), 6, dict(temperature=0.9)),  # the lossless suite's configuration
+])  # fmt: skip
+def test_device_loop_samples_as_the_host_loop_for_fixed_draws(monkeypatch, proposal, kind, kwargs, tree_size, cfg):
+    """Sampled proposals: with the draws fixed, the device loop makes the host loop's decisions
+    (allotment of kept draws per node, budget per level, early stops, frontier, draft_probs rows)."""
+    _fixed_draws(monkeypatch)
+    target, draft = _case_models(kind)
+    dev = DraftModelDrafter(draft, sampling_proposal=proposal, **kwargs)
+    host = DraftModelDrafter(draft, sampling_proposal=proposal, device_loop=False, **kwargs)
+    same = _SameTrees(dev, host)
+    prompts = [torch.tensor([1, 5, 2, 7]), torch.tensor([7])] if kind == "vocab8" else [_prompt(8, 7), _prompt(3, 1)]
+    gen = torch.Generator().manual_seed(0)
+    SpecDecoder(target, same, tree_size=tree_size, attn_impl="torch").generate(prompts, 12, do_sample=True,
+                                                                               generator=gen, **cfg)  # fmt: skip
+    assert same.steps >= 6
+    for budget in (1, 2, 3, 5, 6, 13, 33):  # every cap / early-stop regime of the budget split
+        same.reset([prompts[0]])
+        same.propose(DraftContext(prompts[0], budget, sampling=SamplingConfig(**cfg), generator=gen))
+
+
+class _HostReads(__import__("torch.utils._python_dispatch", fromlist=["TorchDispatchMode"]).TorchDispatchMode):
+    """Records the aten ops that read device data on the host (a sync on CUDA) or whose output
+    shape depends on data (no fixed-shape replay)."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
+               "repeat_interleave", "item", "equal", "is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in self.SYNCING:
+            self.seen.append(name)
+        if name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)):
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+                self.seen.append(f"{name} with a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("proposal,cfg", [("topk", None), ("topk", dict(temperature=1.3, top_p=0.9)),
+                                          ("no_replacement", dict(temperature=1.3, top_p=0.9)),
+                                          ("iid", dict(temperature=0.8, top_k=5))])  # fmt: skip
+def test_device_loop_body_never_reads_device_data_on_the_host(proposal, cfg):
+    """The body replayed per step (every depth's bookkeeping and forward): no ``.item()``, no
+    nonzero / boolean-mask indexing; the only read is ``run``'s one copy of the packed outputs."""
+    drafter = DraftModelDrafter(_draft(), depth=4, topk=4, sampling_proposal=proposal, static_shapes=True)
+    prompt = _prompt(12, 0)
+    drafter.reset([prompt])
+    sampling = None if cfg is None else SamplingConfig(**cfg)
+    for _ in range(2):  # after the prefill, then with the catch-up stage (the root again)
+        drafter.propose(DraftContext(prompt, 40, sampling=sampling, generator=torch.Generator().manual_seed(0)))
+        assert drafter.last_device_loop and drafter.last_forwards == 4 and drafter.last_depth == 4
+    loops = list(drafter._states[0].loops.values())
+    assert sorted(loop.chain for loop in loops) == [0, 5]
+    for loop in loops:
+        with _HostReads() as reads:
+            loop.forward()
+        assert reads.seen == []
+        assert loop.calls == 2
+
+
+def test_device_loop_argument_errors():
+    from drafters.draft_model import _DeviceLoop
+    from specdec.kv import KVCache
+
+    draft = _draft()
+    cache = KVCache(1, 64, num_layers=2)
+    with pytest.raises(ValueError, match=r"depth: expected 1 \+ topk \* \(depth - 1\) <= 64 \(the cache capacity 64\), got 73"):
+        _DeviceLoop(draft, cache, topk=8, width=8, depth=10)
+    with pytest.raises(ValueError, match=r"depth: .* <= 63 \(the cache capacity 64 minus the scratch slot\), got 64"):
+        _DeviceLoop(draft, cache, topk=9, width=8, depth=8, chain=3)
+    with pytest.raises(ValueError, match=r"chain: expected an int in \[0, 64\) \(0: no catch-up stage\), got -1"):
+        _DeviceLoop(draft, cache, topk=2, width=2, depth=2, chain=-1)
+    with pytest.raises(ValueError, match=r"proposal: expected one of"):
+        _DeviceLoop(draft, cache, topk=2, width=2, depth=2, proposal="beam")
+    with pytest.raises(ValueError, match=r"sampling: a 'iid' proposal needs the sampling transform, got None"):
+        _DeviceLoop(draft, cache, topk=2, width=2, depth=2, proposal="iid")
+    with pytest.raises(ValueError, match=r"width: expected an int >= 1, got 0"):
+        _DeviceLoop(draft, cache, topk=2, width=0, depth=2)
+    loop = _DeviceLoop(draft, cache, topk=2, width=2, depth=3)
+    with pytest.raises(ValueError, match=r"base: expected 0 <= base <= 59 \(cache capacity minus 5 slots\), got 60"):
+        loop.load(torch.zeros(1, VOCAB), 60)
+    with pytest.raises(ValueError, match=r"root_logits: expected the root's logits \[1, V\] \(the loop has no catch-up"):
+        loop.load(None, 10)
+    chained = _DeviceLoop(draft, cache, topk=2, width=2, depth=3, chain=4)
+    with pytest.raises(ValueError, match=r"base: expected 0 <= base <= 58 \(cache capacity minus 6 slots\), got 59"):
+        chained.load(None, 59, chain=[3])
+    with pytest.raises(ValueError, match=r"chain: expected 1 to 4 tokens \(the loop's catch-up stage\), got 5 tokens"):
+        chained.load(None, 10, chain=[3] * 5)
+    with pytest.raises(ValueError, match=r"chain: expected 1 to 2 tokens \(the loop's catch-up stage\), got None"):
+        chained.load(None, 1)
+    with pytest.raises(ValueError, match=r"device_loop: expected True or False, got 1"):
+        DraftModelDrafter(draft, device_loop=1)
+
+
+@cuda_only
+@pytest.mark.parametrize("proposal", ["no_replacement", "iid", "topk"])
+def test_cuda_graph_device_loop_samples_as_the_eager_loop(proposal):
+    """Captured device loop vs the same loop run eagerly, with the same generator seeds: the same
+    trees and draft_probs; and fresh draws every replay (the uniforms are not baked into the graph)."""
+    draft = perturbed_copy(tiny_model("qwen2"), 0.05, seed=1).to("cuda")
+    graphed = DraftModelDrafter(draft, depth=4, topk=3, sampling_proposal=proposal)
+    eager = DraftModelDrafter(draft, depth=4, topk=3, sampling_proposal=proposal, cuda_graphs=False)
+    assert graphed.cuda_graphs and not eager.cuda_graphs
+    prompt = _prompt(10, 0)
+    cfg = SamplingConfig(temperature=1.3, top_p=0.9)
+    trees = []
+    for drafter in (graphed, eager):
+        drafter.reset([prompt])
+        gen = torch.Generator("cuda").manual_seed(3)
+        got = []
+        for budget in (20, 20, 7):
+            got.append(drafter.propose(DraftContext(prompt, budget, sampling=cfg, generator=gen)))
+            assert drafter.last_device_loop
+        trees.append(got)
+    for a, b in zip(*trees):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        if proposal != "topk":
+            torch.testing.assert_close(a.draft_probs, b.draft_probs)
+    assert all(loop.captured for loop in graphed._states[0].loops.values())
+    if proposal != "topk":  # two proposals of the same context drew different trees
+        assert trees[0][0].tokens.tolist() != trees[0][1].tokens.tolist()
+
+
+@pytest.mark.parametrize("heads,kv_heads,m,kv_len,dtype", [(4, 2, 3, 37, torch.float32), (14, 2, 8, 64, torch.float32),
+                                                           (6, 6, 5, 50, torch.float32), (8, 2, 4, 70, torch.bfloat16)])
+def test_grouped_masked_attention_equals_masked_state(heads, kv_heads, m, kv_len, dtype):
+    """The device loop's attention (query heads folded into rows, additive mask) vs ``hf.MaskedState``'s."""
+    from drafters.draft_model import _GroupedMaskedState
+    from specdec.hf import MaskedState
+    from specdec.kv import KVCache
+
+    gen = torch.Generator().manual_seed(heads * m)
+    dim, cap = 16, 96
+    q = torch.randn(1, heads, m, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(1, kv_heads, m, dim, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.randperm(kv_len, generator=gen)[:m].sort().values[None]
+    visible = torch.rand(1, m, kv_len, generator=gen) < 0.4
+    visible[0, torch.arange(m), slots[0]] = True  # every token sees itself
+    module = type("Attn", (), {"layer_idx": 0})()
+    outs, caches = [], []
+    for cls in (MaskedState, _GroupedMaskedState):
+        cache = KVCache(1, cap)
+        old = torch.randn(1, kv_heads, kv_len, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+        cache.write(0, old, old, torch.arange(kv_len)[None])  # earlier keys / values
+        state = cls(cache, slots, slots, visible, None)
+        outs.append(state.attend(module, q, k, v, None, None, None)[0])
+        caches.append(cache.buffers(0))
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    assert all(torch.equal(a, b) for a, b in zip(*caches))
