@@ -258,6 +258,9 @@ class EvalConfig:
             each method's first timed call is flagged ``first_call`` and left out of its steady state.
         progress: tqdm bars.
         home: model store root (None: ``$SPECDEC_HOME``).
+        method_problems: ``{method: n}`` as pairs: that method runs on the first n problems only
+            (e.g. ``(("hf", 50), ("hf-assisted", 50))`` when device time is short: the slow
+            references on a stated subset, every other method on all problems). Default: all.
     """
 
     dataset: str = "apps"
@@ -281,6 +284,7 @@ class EvalConfig:
     warmup: int = 1
     progress: bool = True
     home: str | None = None
+    method_problems: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dataset not in ("apps", "humaneval"):
@@ -299,6 +303,11 @@ class EvalConfig:
             raise ValueError(f"tree_sizes: expected one or more ints >= 1, got {self.tree_sizes!r}")
         if not self.methods:
             raise ValueError("methods: expected at least one method, got none")
+        limits = tuple((str(m), n) for m, n in dict(self.method_problems).items())
+        for m, n in limits:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"method_problems: expected METHOD=N with an int N >= 0, got {m}={n!r}")
+        object.__setattr__(self, "method_problems", limits)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:

@@ -48,12 +48,17 @@ _NO_DRAFT_MODEL = ("lookup", "medusa", "eagle")
 
 
 def work_items(problems: Sequence[Any], methods: Sequence[Method], drafters: Sequence[DrafterSpec],
-               tree_sizes: Sequence[int]) -> list[tuple[int, Any, Method, DrafterSpec | None, int | None]]:  # fmt: skip
+               tree_sizes: Sequence[int], method_problems: Mapping[str, int] | None = None,
+               ) -> list[tuple[int, Any, Method, DrafterSpec | None, int | None]]:  # fmt: skip
     """(problem index, problem, method, drafter, tree size) in run order: per problem, each method
-    in turn; a method with a drafter once per drafter and (if it uses trees) per tree size."""
+    in turn; a method with a drafter once per drafter and (if it uses trees) per tree size; a
+    method named in ``method_problems`` only on that many first problems."""
+    limits = dict(method_problems or {})
     items = []
     for p_index, problem in enumerate(problems):
         for m in methods:
+            if p_index >= limits.get(m.name, len(problems)):
+                continue
             for spec in drafters if m.needs_drafter else (None,):
                 for t in tree_sizes if m.uses_tree else (None,):
                     items.append((p_index, problem, m, spec, t))
@@ -244,7 +249,7 @@ def run_eval(
         "dtype": dtype_name, "device": device, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "seed": cfg.seed, "pad_prompt_to": cfg.pad_prompt_to, "attn_impl": cfg.attn_impl, "compile": cfg.compile,
     }  # fmt: skip
-    items = work_items(problems, methods, cfg.drafters, cfg.tree_sizes)
+    items = work_items(problems, methods, cfg.drafters, cfg.tree_sizes, dict(cfg.method_problems))
     warmed: dict[tuple[str, str | None, int | None], dict[str, Any]] = {}
     references: dict[str, dict[str, Any] | None] = {}
     bar = _tqdm(total=len(items), desc=f"{cfg.dataset} generations", unit="call", disable=not cfg.progress,

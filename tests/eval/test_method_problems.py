@@ -1,0 +1,58 @@
+"""``EvalConfig.method_problems``: slow references on a stated subset, the rest on every problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval import config as C
+from eval import runner
+from eval.config import EvalConfig
+from tests.eval import tiny
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target, draft = tiny.save_pair(root)
+    return {"target": str(target), "draft": str(draft), "data": str(tiny.apps_rows(root / "apps.jsonl", n=3))}
+
+
+def _cfg(pair, out, **over) -> EvalConfig:
+    kw = dict(dataset="apps", target=pair["target"], draft=pair["draft"], drafters=("tests.eval.tiny:make_drafter",),
+              tree_sizes=(4,), problems=3, data_path=pair["data"], max_new_tokens=6, dtype="fp32", device="cpu",
+              out=str(out), attn_impl="torch", warmup=0, progress=False)  # fmt: skip
+    kw.update(over)
+    return EvalConfig(**kw)
+
+
+def test_a_limited_method_runs_on_the_first_problems_only(pair, tmp_path):
+    out = tmp_path / "r.jsonl"
+    cfg = _cfg(pair, out, methods=("specdec", "hf-static"), method_problems=(("hf", 1),))
+    res = runner.run_eval(cfg)
+    assert not res.failed
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    per = {m: sorted(r["problem_id"] for r in recs if r["method"] == m) for m in ("hf", "hf-static", "specdec")}
+    assert per == {"hf": ["100"], "hf-static": ["100", "101", "102"], "specdec": ["100", "101", "102"]}
+    # compared with the reference where it ran, "not compared" (None) elsewhere -- never a mismatch
+    spec = {r["problem_id"]: r["match"] for r in recs if r["method"] == "specdec"}
+    assert spec == {"100": True, "101": None, "102": None}
+    # raising the limit later adds only the reference's missing records
+    more = runner.run_eval(_cfg(pair, out, methods=("specdec", "hf-static")))
+    assert more.new == 2 and more.skipped == 7
+
+
+@pytest.mark.parametrize("bad", [(("hf", -1),), (("hf", 1.5),), (("hf", True),)])
+def test_bad_limits_name_the_argument(bad):
+    with pytest.raises(ValueError, match="method_problems"):
+        EvalConfig(method_problems=bad)
+
+
+def test_work_items_skip_past_the_limit():
+    from eval.methods import METHODS
+
+    items = runner.work_items(["a", "b", "c"], [METHODS["hf"], METHODS["hf-static"]], (), (4,), {"hf": 2})
+    assert [(i, m.name) for i, _, m, _, _ in items] == [(0, "hf"), (0, "hf-static"), (1, "hf"), (1, "hf-static"),
+                                                         (2, "hf-static")]  # fmt: skip
+    assert C.EvalConfig(method_problems=[["hf", 2]]).method_problems == (("hf", 2),)  # JSON-like pairs accepted
