@@ -20,6 +20,7 @@ texts are identical; they must be).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -60,6 +61,18 @@ class GenerateResult:
     est_speedup: float
     baseline_seconds: float | None = None
     baseline_text: str | None = None
+
+    def numbers(self) -> dict[str, Any]:
+        """The measured numbers as JSON-ready values (``--json``)."""
+        base = self.baseline_seconds
+        return {
+            "new_tokens": len(self.token_ids), "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
+            "steps": len(self.output.steps), "tokens_per_step": self.mean_accepted,
+            "baseline_seconds": base,
+            "measured_speedup": base / self.seconds if base is not None and self.seconds > 0 else None,
+            "same_text": None if self.baseline_text is None else self.baseline_text == self.text,
+            "phases_s": {k: v for k, v in self.output.totals().items() if k.endswith("_s")},
+        }  # fmt: skip
 
     def summary(self) -> str:
         n = len(self.token_ids)
@@ -252,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto",
                         help="tree attention implementation (auto: Triton on CUDA)")
     parser.add_argument("--no-progress", action="store_true", help="no model fetch/convert progress bars")
+    parser.add_argument("--json", type=cliargs.output_file, default=None, dest="json_out",
+                        help="also write the run's numbers (settings, tokens, seconds, tokens/step, target-alone "
+                             "seconds with --baseline) to this JSON file")
     return parser
 
 
@@ -264,6 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         attn_impl=ns.attn_impl, depth=ns.depth, topk=ns.topk, progress=not ns.no_progress,
     )  # fmt: skip
     print(result.summary(), file=sys.stderr)
+    if ns.json_out:
+        settings = {k: v for k, v in vars(ns).items() if k not in ("json_out", "stream", "no_progress")}
+        with open(ns.json_out, "w") as f:
+            json.dump({"settings": settings, **result.numbers()}, f, indent=1)
+            f.write("\n")
     return 0
 
 
