@@ -18,7 +18,9 @@ baselines (no drafter, no tree size) are shared by every drafter's rows:
 * ``match_rate``: fraction of compared problems whose greedy tokens equal the ``hf`` reference,
   ``mean_first_divergence``: mean position of the first differing token among the others;
 * ``pass_at_1``: fraction of problems whose completion passed its tests (records' ``passed``,
-  written when the runner is given a ``checker``; None otherwise);
+  written by ``specdec eval|sweep --check`` / ``specdec check``, ``eval.passk``; None otherwise);
+  ``pass_at_1_diff`` (``_low`` / ``_high``): pass@1 minus that of ``pass_at_1_reference``
+  (``hf-static``, else ``hf``) over the problems both have, with Tango's paired 95% interval;
 * ``attn_*``: attention-only µs per layer (``eval.attn_timing``) at the median prompt length.
 """
 
@@ -60,7 +62,8 @@ COLUMNS = (
     "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps", "ttft_p50_ms",
     "ttft_p90_ms", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms", "draft_ms",
     "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES), "steady_speedup_vs_hf_static",
-    "compared", "matches", "match_rate", "mean_first_divergence", "checked", "pass_at_1", "attn_prompt_len",
+    "compared", "matches", "match_rate", "mean_first_divergence", "checked", "pass_at_1", "pass_at_1_reference",
+    "pass_at_1_diff", "pass_at_1_diff_low", "pass_at_1_diff_high", "attn_prompt_len",
     "attn_tree_us", "attn_sdpa_us", "attn_speedup",
 )  # fmt: skip
 
@@ -77,6 +80,8 @@ DEFINITIONS = {
            "the previous emission and the other k - 1 tokens 0; p50 / p90 / p99 over all timed calls pooled",
     "ttft": "time from the call's start to its first visible token (prefill + first step)",
     "pass_at_1": "fraction of the row's problems whose completion passed its tests (records' 'passed')",
+    "pass_at_1_diff": "pass_at_1 minus pass_at_1_reference's (hf-static, else hf) over the problems both have a "
+                      "verdict for; _low / _high: Tango's paired score interval (95%)",
 }  # fmt: skip
 
 
@@ -164,9 +169,27 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
             mine, theirs = ok.get(_key_of(row), {}), ok.get(("hf-static", None, None), {})
             row["steady_speedup_vs_hf_static"] = _speedup({p: mine[p] for p in common},
                                                           {p: theirs[p] for p in common})  # fmt: skip
+    _add_pass_diff(rows, ok)
     for row in rows:
         row.pop("_steady", None)
     return rows
+
+
+def _add_pass_diff(rows: list[dict[str, Any]], ok: Mapping[_RowKey, Mapping[str, Mapping[str, Any]]]) -> None:
+    """``pass_at_1_diff`` (``_low`` / ``_high``) of every checked row against the reference baseline."""
+    from eval.passk import default_reference, paired_pass_diff
+
+    ref = default_reference(r["method"] for r in rows if r.get("checked") and r["drafter_key"] is None
+                            and r["tree_size"] is None)  # fmt: skip
+    if ref is None:
+        return
+    for row in rows:
+        if not row.get("checked") or _key_of(row) == (ref, None, None):
+            continue
+        d = paired_pass_diff(ok.get(_key_of(row), {}), ok.get((ref, None, None), {}))
+        if d is not None:
+            row.update(pass_at_1_reference=ref, pass_at_1_diff=d.diff, pass_at_1_diff_low=d.low,
+                       pass_at_1_diff_high=d.high)  # fmt: skip
 
 
 def _key_of(row: Mapping[str, Any]) -> _RowKey:
@@ -240,11 +263,11 @@ _TABLE = (  # (header, field, format)
     ("vs assisted", "speedup_vs_hf_assisted", "x"), ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
     ("first call s", "first_call_s", ".2f"), ("itl p50 ms", "itl_p50_ms", ".2f"), ("itl p90 ms", "itl_p90_ms", ".2f"),
     ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("same as hf", "match_rate", "%"),
-    ("pass@1", "pass_at_1", "%"), ("attn L", "attn_prompt_len", "d"), ("attn tree µs", "attn_tree_us", ".1f"),
+    ("pass@1", "pass_at_1", "%"), ("Δpass@1", "pass_at_1_diff", "ci"), ("attn L", "attn_prompt_len", "d"), ("attn tree µs", "attn_tree_us", ".1f"),
     ("attn sdpa µs", "attn_sdpa_us", ".1f"), ("errors", "errors", "d"),
 )  # fmt: skip
 #: Columns shown even when every row has 0 there (a column of Nones is always left out).
-_SHOW_ZERO = ("stalls", "stall_s", "itl_p50_ms")
+_SHOW_ZERO = ("stalls", "stall_s", "itl_p50_ms", "pass_at_1", "pass_at_1_diff")
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -255,10 +278,21 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         return field in ("method", "tree_size") or any(r.get(field) not in empty for r in rows)
 
     cols = [c for c in _TABLE if shown(c[1])]
-    head = "| " + " | ".join(c[0] for c in cols) + " |"
+    ref = next((r["pass_at_1_reference"] for r in rows if r.get("pass_at_1_reference")), None)
+    names = [f"Δpass@1 vs {ref} pp (95% CI)" if f == "pass_at_1_diff" else name for name, f, _ in cols]
+    head = "| " + " | ".join(names) + " |"
     rule = "| " + " | ".join("---" for _ in cols) + " |"
-    body = ["| " + " | ".join(_fmt(r.get(f), spec) for _, f, spec in cols) + " |" for r in rows]
+    body = ["| " + " | ".join(_cell(r, f, spec) for _, f, spec in cols) + " |" for r in rows]
     return "\n".join([head, rule, *body])
+
+
+def _cell(row: Mapping[str, Any], field: str, spec: str) -> str:
+    if spec != "ci":
+        return _fmt(row.get(field), spec)
+    diff, low, high = (row.get(f"{field}{s}") for s in ("", "_low", "_high"))
+    if diff is None:
+        return "-"
+    return f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
 def agreement_summary(records: Iterable[Mapping[str, Any]], strict: bool = False) -> str:

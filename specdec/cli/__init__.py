@@ -43,6 +43,12 @@ def _generate(argv: list[str]) -> int:
     return generate_cli.main(argv)
 
 
+def _check(argv: list[str]) -> int:
+    from specdec.cli import check
+
+    return check.main(argv)
+
+
 def _bench_engine(argv: list[str]) -> int:
     from specdec.cli import bench
 
@@ -77,6 +83,8 @@ SUBCOMMANDS = {
     "eval": ("evaluate speculative decoding vs HF baselines on APPS / HumanEval (JSONL, resumable)", _eval),
     "sweep": ("drafters x tree sizes sweep: evaluation (baselines once per problem) + attention-only timings -> "
               "table, CSV, summary JSON, plot", _sweep),
+    "check": ("pass@1 of a results file: run the completions against the problems' tests (sandboxed), write the "
+              "verdicts into the records, pass@1 per method with a paired interval vs a baseline", _check),
     "generate": ("speculative decoding of one prompt (draft model, Medusa heads or prompt lookup)", _generate),
     "train-medusa": ("train Medusa heads on the target's own answers to MBPP prompts", _train_medusa),
     "train-eagle": ("train an EAGLE head (fc + one decoder layer on the target's features) on the target's own "

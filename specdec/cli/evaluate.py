@@ -5,6 +5,8 @@ sweep then times attention alone on the recorded trees (CUDA), and writes one ta
 JSON and plot for every (method, drafter, tree size) through ``eval.report``. The drafters are given
 as specs, several per run (``--drafters lookup medusa:heads=DIR model:draft=NAME``, syntax in
 ``eval.config.DRAFTER_SYNTAX``); the baselines run once per problem and are shared by every row.
+``--check`` then runs the completions against their tests (``eval.passk``, as ``specdec check``
+does) so that the table has pass@1.
 """
 
 from __future__ import annotations
@@ -83,6 +85,14 @@ def parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
                    "SpecDecoder.warmup; both timed as first-call latency. 0: the first timed call is the first call")
     p.add_argument("--home", default=None, help="model store root (default $SPECDEC_HOME)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--check", action="store_true",
+                   help="pass@1: after the generations, run every completion of this configuration that has no "
+                   "verdict yet against its tests (sandboxed, in parallel; never between timed calls) and write "
+                   "'passed' / 'check_status' into the records (as 'specdec check' does)"
+                   + ("; with --report-only: check, then report" if sweep else ""))  # fmt: skip
+    from specdec.cli.check import add_limit_arguments
+
+    add_limit_arguments(p, prefix="check-")
     if sweep:
         p.add_argument("--report-only", action="store_true", help="only rebuild table / CSV / plot from --out")
         p.add_argument("--no-attn", action="store_true", help="skip the attention-only timings")
@@ -144,12 +154,35 @@ def verdict(result) -> int:
     return 1 if result.failed else 0
 
 
-def _run(cfg):
+def _run(cfg, ns: argparse.Namespace | None = None):
     from eval.runner import run_eval
 
-    # pass@1 hook: run_eval(cfg, checker=eval.execution.check) checks every new completion (after
-    # its timing); the records get 'passed' and the table / summary a pass@1 column per row.
-    return run_eval(cfg)
+    result = run_eval(cfg)
+    if ns is not None and ns.check:
+        _check(cfg, ns, result.records)
+    return result
+
+
+def _check(cfg, ns: argparse.Namespace, records=None, key: str | None = None, dataset: str | None = None) -> None:
+    """``--check``: verdicts for the records of configuration ``key`` (default: ``cfg``'s) in
+    ``cfg.out`` (``eval.passk``), after all generations (the sandboxes never run beside a timed
+    call), and into ``records`` (in memory) too."""
+    from eval import passk
+    from eval.config import config_key
+    from eval.execution import Limits
+    from specdec.cli.check import flag_error
+
+    key = config_key(cfg) if key is None else key
+    dataset = dataset or cfg.dataset
+    try:
+        res = passk.check_file(cfg.out, dataset=dataset, data=cfg.data_path, config_key=key,
+                               limits=Limits(timeout_s=ns.check_timeout), workers=ns.check_workers,
+                               progress=cfg.progress)  # fmt: skip
+    except ValueError as e:
+        raise flag_error(e, {"data": "--data", "workers": "--check-workers", "timeout_s": "--check-timeout"}) from None
+    if records is not None:
+        passk.apply_verdicts(records, res.verdicts, dataset=dataset, config_key=key)
+    print(f"pass@1 check: {res.summary()}", file=sys.stderr)
 
 
 def main_eval(argv: Sequence[str] | None = None) -> int:
@@ -158,7 +191,7 @@ def main_eval(argv: Sequence[str] | None = None) -> int:
 
     ns = parser("specdec eval", sweep=False).parse_args(list(sys.argv[1:] if argv is None else argv))
     cfg = config_from(ns, ns.dataset)
-    result = _run(cfg)
+    result = _run(cfg, ns)
     rows = report.summarize(result.all_records)
     print(report.format_table(rows))
     print(f"{result.new} new record(s), {result.skipped} already in {cfg.out}")
@@ -172,7 +205,13 @@ def main_sweep(argv: Sequence[str] | None = None) -> int:
 
     ns = parser("specdec sweep", sweep=True).parse_args(list(sys.argv[1:] if argv is None else argv))
     cfg = config_from(ns, ns.dataset)
-    result = result_from_file(cfg.out) if ns.report_only else _run(cfg)
+    if ns.report_only:
+        result = result_from_file(cfg.out)
+        if ns.check:  # the configuration reported: the file's last
+            last = result.records[-1]
+            _check(cfg, ns, result.records, key=last.get("config_key"), dataset=last.get("dataset"))
+    else:
+        result = _run(cfg, ns)
     stem = Path(cfg.out).with_suffix("")
     attn_rows = None
     attn_path = Path(f"{stem}.attn.jsonl")

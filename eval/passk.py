@@ -1,0 +1,500 @@
+"""Pass@1 of a results file: run every completion of an evaluation against its problem's tests,
+write the verdicts into the records, and compare methods with a paired interval.
+
+What :func:`check_file` does with a results JSONL (``eval.runner`` records):
+
+* **Which records.** Timed records of one dataset that hold a ``text``; warm-up records
+  (``"kind": "warmup"``) and records whose method raised (``error``) are skipped. The dataset is the
+  one the records name (``dataset``), or ``dataset=`` when the file holds several.
+* **Problems.** Matched by id against ``eval.datasets.load_apps`` (first occurrence of each id,
+  as the runner loads them) or ``load_humaneval`` on ``data`` (default: the loaders' own files). A
+  record whose problem id is not in the data is an error naming ``data``.
+* **What runs.** :func:`completion_text` of the record's ``text`` (the decoded generation up to
+  its first end-of-turn marker: the runner keeps special tokens, so a chat answer ends in
+  ``<|im_end|>``), through ``eval.execution.check`` in its sandbox, ``workers`` at a time.
+  Identical (problem, completion) pairs run once and share one verdict: under greedy decoding
+  most methods produce the same text, and different methods' identical texts get one verdict.
+* **Resumable.** A record that already carries ``passed`` is not run again (unless
+  ``recheck``); its verdict is reused for other records with the same text. Verdicts are written
+  every ``checkpoint_s`` seconds and when interrupted, so an interrupted check resumes.
+* **Written.** Each record gets ``passed`` (bool) and ``check_status`` (``pass / fail / timeout /
+  error``, ``eval.execution.STATUSES``), and ``check_detail`` (what went wrong first) when it did
+  not pass. The whole file is rewritten atomically (a temporary file beside it, then
+  ``os.replace``), in place or to ``out``; every other line is kept as it was read. The file is
+  read again just before each write, so records appended meanwhile are kept -- but a process
+  still appending to the file (a running sweep) keeps writing to the replaced file: check a file
+  once its run has finished.
+
+:func:`pass_rows` then gives one row per (method, drafter, tree size): pass@1 over the problems
+with a verdict, and the difference to a reference method (default ``hf-static``, else ``hf``) with
+its 95% interval, Tango's paired score interval over the problems both have
+(``eval.execution.paired_diff_ci``). Identical outputs give a difference of 0 with an interval of
+``±z²/(n + z²)``; only problems one method solves and the other does not move it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eval import execution
+from eval.execution import Limits, PairedDiff, paired_diff_ci
+from eval.records import is_warmup, load_records, record_drafter
+
+__all__ = [
+    "DEFAULT_REFERENCES",
+    "END_MARKERS",
+    "CheckResult",
+    "apply_verdicts",
+    "check_file",
+    "completion_text",
+    "default_reference",
+    "format_pass_table",
+    "load_check_problems",
+    "paired_pass_diff",
+    "pass_rows",
+    "write_records",
+]
+
+#: The reference of the paired pass@1 difference when none is given: the first with verdicts.
+DEFAULT_REFERENCES = ("hf-static", "hf")
+
+#: Special tokens that end a generation: the completion is cut at the first one found (Qwen /
+#: ChatML, Llama 3, Phi, Gemma, DeepSeek). ``</s>`` and ``<eos>`` are only stripped at the end,
+#: since code may contain them as text.
+END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
+               "<end_of_turn>", "<\uff5cend\u2581of\u2581sentence\uff5c>")  # fmt: skip
+_TRAILING_MARKERS = ("</s>", "<eos>")
+_DETAIL_CHARS = 300
+
+_Key = tuple  # (problem id, completion)
+
+
+def completion_text(text: str) -> str:
+    """What gets checked of a record's ``text``: everything before the first :data:`END_MARKERS`
+    marker, without trailing ``</s>`` / ``<eos>``."""
+    cut = min((i for i in (text.find(m) for m in END_MARKERS) if i >= 0), default=len(text))
+    text = text[:cut]
+    while True:
+        stripped = text.rstrip()
+        for m in _TRAILING_MARKERS:
+            if stripped.endswith(m):
+                text = stripped[: -len(m)]
+                break
+        else:
+            return text
+
+
+def _record_dataset(rec: Mapping[str, Any], dataset: str) -> bool:
+    return rec.get("dataset", dataset) == dataset
+
+
+def _eligible(rec: Mapping[str, Any], dataset: str, config_key: str | None) -> bool:
+    """A timed record of ``dataset`` (and ``config_key``) with a completion to check."""
+    if is_warmup(rec) or rec.get("error") or not isinstance(rec.get("text"), str):
+        return False
+    return _record_dataset(rec, dataset) and (config_key is None or rec.get("config_key") == config_key)
+
+
+def _key(rec: Mapping[str, Any]) -> _Key:
+    return (str(rec.get("problem_id")), completion_text(rec["text"]))
+
+
+def _resolve_dataset(records: Sequence[Mapping[str, Any]], dataset: str | None, path: Path) -> str:
+    if dataset is not None:
+        if dataset not in ("apps", "humaneval"):
+            raise ValueError(f"dataset: expected 'apps' or 'humaneval', got {dataset!r}")
+        timed = [r for r in records if not is_warmup(r)]
+        if timed and not any(_record_dataset(r, dataset) for r in timed):
+            held = sorted({str(r.get("dataset")) for r in timed})
+            raise ValueError(f"dataset: no {dataset} records in {path} (it holds {', '.join(held)})")
+        return dataset
+    named = sorted({str(r["dataset"]) for r in records if not is_warmup(r) and r.get("dataset") is not None})
+    if not named:
+        raise ValueError(f"dataset: the records of {path} do not name their dataset; give it (apps or humaneval)")
+    if len(named) > 1:
+        raise ValueError(f"dataset: {path} holds records of {' and '.join(named)}; check one at a time")
+    if named[0] not in ("apps", "humaneval"):
+        raise ValueError(f"dataset: the records of {path} are of dataset {named[0]!r}; expected apps or humaneval")
+    return named[0]
+
+
+def load_check_problems(dataset: str, data: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The problems of ``dataset`` by id: every APPS problem of ``data`` (first occurrence of an id,
+    as the runner loads them; no difficulty filter) or every HumanEval problem. Loader errors about
+    the file name ``data``."""
+    from eval.datasets import load_apps, load_humaneval
+
+    try:
+        problems = load_apps(data, unique=True) if dataset == "apps" else load_humaneval(data)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError("data:" + msg[len("path:"):] if msg.startswith("path:") else f"data: {msg}") from None
+    return {str(p.id): p for p in problems}
+
+
+def _verdict_fields(v: Any) -> dict[str, Any]:
+    passed = bool(getattr(v, "passed", v))
+    fields: dict[str, Any] = {"passed": passed, "check_status": getattr(v, "status", "pass" if passed else "fail")}
+    detail = getattr(v, "detail", "")
+    if not passed and detail:
+        fields["check_detail"] = str(detail)[:_DETAIL_CHARS]
+    return fields
+
+
+def apply_verdicts(records: Iterable[dict[str, Any]], verdicts: Mapping[_Key, Mapping[str, Any]], *, dataset: str,
+                   config_key: str | None = None, overwrite: bool = False) -> int:  # fmt: skip
+    """Give every eligible record of ``dataset`` (and ``config_key``) whose (problem id,
+    :func:`completion_text`) is in ``verdicts`` its ``passed`` / ``check_status`` / ``check_detail``;
+    records that already have ``passed`` only when ``overwrite``. Returns the records changed."""
+    changed = 0
+    for rec in records:
+        if not _eligible(rec, dataset, config_key) or (rec.get("passed") is not None and not overwrite):
+            continue
+        fields = verdicts.get(_key(rec))
+        if fields is None:
+            continue
+        rec.pop("check_detail", None)
+        rec.update(fields)
+        changed += 1
+    return changed
+
+
+def write_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> Path:
+    """Write ``records`` as JSONL to ``path`` atomically: a temporary file in the same folder
+    (fsynced), then ``os.replace``; an existing file's permissions are kept."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@dataclass
+class CheckResult:
+    """What :func:`check_file` did.
+
+    Attributes:
+        path: the file written (the results file, or ``out``).
+        dataset: the dataset checked.
+        records: every record of the written file (all datasets, warm-ups included).
+        considered: timed records of the dataset with a completion (the rest were skipped).
+        skipped: the other records: warm-ups, records with an error or without a text, records
+            of other datasets (or configurations, with ``config_key``).
+        already: considered records that already had a verdict (and kept it).
+        checked: records given a verdict by this call.
+        run: programs run by this call (unique (problem, completion) pairs).
+        statuses: verdict statuses of the records checked by this call.
+        verdicts: (problem id, completion) -> the fields written, for every pair run or reused.
+        written: whether the file was (re)written.
+    """
+
+    path: Path
+    dataset: str
+    records: list[dict[str, Any]]
+    considered: int = 0
+    skipped: int = 0
+    already: int = 0
+    checked: int = 0
+    run: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    verdicts: dict[_Key, dict[str, Any]] = field(default_factory=dict)
+    written: bool = False
+
+    def summary(self) -> str:
+        """One line: how many records were checked, programs run, and their statuses."""
+        parts = [f"{self.checked} record(s) of {self.dataset} checked ({self.run} program(s) run, "
+                 f"{max(0, self.checked - self.run)} shared an identical completion)"]  # fmt: skip
+        if self.already:
+            parts.append(f"{self.already} already checked")
+        if self.skipped:
+            parts.append(f"{self.skipped} skipped (warm-up, error, no text, other dataset / configuration)")
+        line = ", ".join(parts)
+        if self.statuses:
+            line += ": " + ", ".join(f"{s} {self.statuses[s]}" for s in execution.STATUSES if self.statuses[s])
+        return line
+
+
+def check_file(
+    path: str | os.PathLike[str],
+    *,
+    dataset: str | None = None,
+    data: str | os.PathLike[str] | None = None,
+    problems: Sequence[Any] | Mapping[str, Any] | None = None,
+    out: str | os.PathLike[str] | None = None,
+    limits: Limits | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+    recheck: bool = False,
+    config_key: str | None = None,
+    checkpoint_s: float = 60.0,
+) -> CheckResult:
+    """Check the completions of a results file and write the verdicts into its records.
+
+    Args:
+        path: the results JSONL (``eval.runner`` records).
+        dataset: ``"apps"`` or ``"humaneval"``; default: the one the records name.
+        data: the APPS / HumanEval file the run used (default: the loaders' own).
+        problems: the problems themselves (a list, or a mapping id -> problem) instead of
+            loading them from ``data``.
+        out: write the records here instead of back to ``path``.
+        limits: ``eval.execution.Limits`` of every check (default ``Limits()``).
+        workers: concurrent sandboxes (default: the CPU count).
+        progress: show a progress bar.
+        recheck: run records that already have a verdict again (and overwrite it).
+        config_key: check only records of this configuration (``eval.config.config_key``).
+        checkpoint_s: write the verdicts so far at least this often (seconds).
+
+    Raises:
+        ValueError: a missing or empty results file (``results``), a bad or ambiguous
+            ``dataset``, problem ids that ``data`` does not hold (``data``), a bad ``workers``.
+    """
+    src = Path(path)
+    if not src.is_file():
+        raise ValueError(f"results: no such file: {str(src)!r}")
+    records = load_records(src)
+    if not records:
+        raise ValueError(f"results: no records in {src}")
+    dataset = _resolve_dataset(records, dataset, src)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    dest = Path(out) if out is not None else src
+    limits = limits or Limits()
+    considered = [r for r in records if _eligible(r, dataset, config_key)]
+    res = CheckResult(path=dest, dataset=dataset, records=records, considered=len(considered),
+                      skipped=len(records) - len(considered))  # fmt: skip
+    cache: dict[_Key, dict[str, Any]] = {}
+    if not recheck:
+        for r in considered:
+            if r.get("passed") is not None:
+                cache.setdefault(_key(r), {k: r[k] for k in ("passed", "check_status", "check_detail") if k in r})
+    pending = [r for r in considered if recheck or r.get("passed") is None]
+    res.already = len(considered) - len(pending)
+    jobs: dict[_Key, Any] = {}
+    if pending:
+        todo = {_key(r) for r in pending if _key(r) not in cache}
+        if todo:
+            by_id = _problem_map(problems) if problems is not None else load_check_problems(dataset, data)
+            missing = sorted({pid for pid, _ in todo} - set(by_id), key=_natural)
+            if missing:
+                where = str(data) if data else f"the default {dataset} data"
+                where = "the given problems" if problems is not None else where
+                raise ValueError(f"data: {len(missing)} problem id(s) of {src} not found in {where} ({len(by_id)} "
+                                 f"problems): {missing[:5]}{' ...' if len(missing) > 5 else ''}; give the file the "
+                                 "run used")  # fmt: skip
+            jobs = {k: by_id[k[0]] for k in sorted(todo, key=lambda k: (_natural(k[0]), k[1]))}
+
+    def flush() -> list[dict[str, Any]]:
+        current = load_records(src)
+        apply_verdicts(current, cache, dataset=dataset, config_key=config_key, overwrite=recheck)
+        write_records(dest, current)
+        return current
+
+    new: dict[_Key, dict[str, Any]] = {}
+    try:
+        _run_checks(jobs, limits, workers, progress, dataset, new, cache, flush, checkpoint_s)
+    finally:
+        res.written = bool(new or pending or dest != src)
+        res.records = flush() if res.written else records
+    res.verdicts = {k: cache[k] for k in {_key(r) for r in pending} if k in cache}
+    res.run = len(new)
+    for r in pending:
+        fields = cache.get(_key(r))
+        if fields is not None:
+            res.checked += 1
+            res.statuses[fields["check_status"]] += 1
+    return res
+
+
+def _natural(pid: str) -> tuple:
+    """Sort ids numerically where they are numbers (APPS), by their numeric tail otherwise."""
+    head, _, tail = pid.rpartition("/")
+    return (head, int(tail) if tail.isdigit() else float("inf"), tail)
+
+
+def _problem_map(problems: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(problems, Mapping):
+        return {str(k): v for k, v in problems.items()}
+    return {str(p.id): p for p in problems}
+
+
+def _run_checks(jobs: Mapping[_Key, Any], limits: Limits, workers: int | None, progress: bool, dataset: str,
+                new: dict[_Key, dict[str, Any]], cache: dict[_Key, dict[str, Any]], flush: Callable[[], Any],
+                checkpoint_s: float) -> None:  # fmt: skip
+    """Run ``execution.check`` on every job, ``workers`` at a time; each verdict goes into ``new``
+    and ``cache``; ``flush()`` every ``checkpoint_s`` and (by the caller) at the end / on interrupt."""
+    if not jobs:
+        return
+    from tqdm.auto import tqdm
+
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    pool = ThreadPoolExecutor(max_workers=workers)
+    futures = {}
+    last = time.monotonic()
+    try:
+        with tqdm(total=len(jobs), desc=f"checking {dataset}", unit="program", disable=not progress,
+                  file=sys.stderr) as bar:  # fmt: skip
+            for key, problem in jobs.items():
+                futures[pool.submit(execution.check, problem, key[1], limits)] = key
+            n_pass = 0
+            for future in as_completed(futures):
+                fields = _verdict_fields(future.result())
+                new[futures[future]] = cache[futures[future]] = fields
+                n_pass += fields["passed"]
+                bar.update(1)
+                bar.set_postfix(passed=n_pass, refresh=False)
+                if time.monotonic() - last >= checkpoint_s:
+                    flush()
+                    last = time.monotonic()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)  # running checks end within their limits
+        for future, key in futures.items():  # keep what finished
+            if future.done() and not future.cancelled() and future.exception() is None and key not in new:
+                new[key] = cache[key] = _verdict_fields(future.result())
+        raise
+    pool.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# pass@1 per row
+
+
+def paired_pass_diff(mine: Mapping[str, Mapping[str, Any]], ref: Mapping[str, Mapping[str, Any]], *,
+                     confidence: float = 0.95) -> PairedDiff | None:  # fmt: skip
+    """Tango's interval for pass@1(mine) - pass@1(ref) over the problems both have a verdict for
+    (``problem id -> record``); None when they share none."""
+    common = sorted(p for p in set(mine) & set(ref)
+                    if mine[p].get("passed") is not None and ref[p].get("passed") is not None)  # fmt: skip
+    if not common:
+        return None
+    a = [bool(mine[p]["passed"]) for p in common]
+    b = [bool(ref[p]["passed"]) for p in common]
+    return paired_diff_ci(a, b, confidence=confidence, method="tango")
+
+
+def _groups(records: Iterable[Mapping[str, Any]], dataset: str | None):
+    """(config key, method, drafter, t) -> {problem id: latest checked record}, drafter labels, order."""
+    groups: dict[tuple, dict[str, Mapping[str, Any]]] = {}
+    labels: dict[str | None, str] = {}
+    order: dict[str | None, int] = {}
+    for r in records:
+        if is_warmup(r) or r.get("error") or r.get("passed") is None:
+            continue
+        if dataset is not None and not _record_dataset(r, dataset):
+            continue
+        drafter = record_drafter(r)
+        if drafter is not None:
+            labels[drafter] = str(r.get("drafter_label") or drafter)
+            order.setdefault(drafter, len(order))
+        key = (r.get("config_key"), r["method"], drafter, r.get("tree_size"))
+        by_problem = groups.setdefault(key, {})
+        by_problem.pop(str(r["problem_id"]), None)
+        by_problem[str(r["problem_id"])] = r
+    return groups, labels, order
+
+
+def default_reference(methods: Iterable[str]) -> str | None:
+    """The first of :data:`DEFAULT_REFERENCES` among ``methods``, else None."""
+    have = set(methods)
+    return next((m for m in DEFAULT_REFERENCES if m in have), None)
+
+
+def pass_rows(records: Iterable[Mapping[str, Any]], reference: str | None = None, *, dataset: str | None = None,
+              confidence: float = 0.95) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per (configuration, method, drafter, tree size) with verdicts (latest record per
+    problem): ``checked``, ``passed``, ``pass_at_1``, ``statuses``, and against ``reference`` (a
+    method without drafter or tree size; default: :func:`default_reference`) over the problems
+    both have: ``paired``, ``diff``, ``low``, ``high`` (Tango), ``better`` / ``worse`` (problems
+    only this row / only the reference solved). ValueError naming ``reference`` when it has no
+    verdicts or is not one row."""
+    from eval.report import _sort_key
+
+    groups, labels, order = _groups(records, dataset)
+    methods = {k[1] for k in groups}
+    if reference is None:
+        reference = default_reference(m for (_, m, d, t) in groups if d is None and t is None)
+    elif reference not in methods:
+        raise ValueError(f"reference: no checked records of method {reference!r}; methods with verdicts: "
+                         f"{', '.join(sorted(methods)) or 'none'}")  # fmt: skip
+    elif any(k[1] == reference and (k[2] is not None or k[3] is not None) for k in groups):
+        raise ValueError(f"reference: method {reference!r} has a row per drafter / tree size; choose a baseline "
+                         f"({', '.join(sorted(m for (_, m, d, t) in groups if d is None and t is None)) or 'none'})")
+    configs = list(dict.fromkeys(k[0] for k in groups))
+    rows = []
+    for key in sorted(groups, key=lambda k: (configs.index(k[0]), _sort_key(k[1:], order))):
+        cfg, method, drafter, t = key
+        by_problem = groups[key]
+        n = len(by_problem)
+        passed = sum(bool(r["passed"]) for r in by_problem.values())
+        row: dict[str, Any] = {
+            "config_key": cfg, "method": method, "drafter": labels.get(drafter), "drafter_key": drafter,
+            "tree_size": t, "checked": n, "passed": passed, "pass_at_1": passed / n,
+            "statuses": dict(Counter(str(r.get("check_status")) for r in by_problem.values())),
+            "reference": reference, "paired": None, "diff": None, "low": None, "high": None, "better": None,
+            "worse": None,
+        }  # fmt: skip
+        ref = groups.get((cfg, reference, None, None))
+        if ref is not None and method != reference:
+            d = paired_pass_diff(by_problem, ref, confidence=confidence)
+            if d is not None:
+                row.update(paired=d.n, diff=d.diff, low=d.low, high=d.high, better=d.a_better, worse=d.b_better)
+        rows.append(row)
+    return rows
+
+
+def _pct(x: float | None, sign: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}%"
+
+
+def format_pass_table(rows: Sequence[Mapping[str, Any]], confidence: float = 0.95) -> str:
+    """A Markdown table of :func:`pass_rows`: pass@1 and the difference to the reference in
+    percentage points with its interval; a ``config`` column when there are several."""
+    if not rows:
+        return "no records with verdicts"
+    several = len({r["config_key"] for r in rows}) > 1
+    ref = next((r["reference"] for r in rows if r.get("reference")), None)
+    head = ["method", "drafter", "t", "checked", "passed", "pass@1",
+            f"Δ vs {ref or 'reference'} (pp)", f"{confidence:.0%} interval (pp)", "only this / only ref"]  # fmt: skip
+    if several:
+        head.insert(0, "config")
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for r in rows:
+        cells = [r["method"], r["drafter"] or "-", "-" if r["tree_size"] is None else str(r["tree_size"]),
+                 str(r["checked"]), str(r["passed"]), _pct(r["pass_at_1"]), _pct(r["diff"], sign=True),
+                 "-" if r["low"] is None else f"[{_pct(r['low'], True)}, {_pct(r['high'], True)}]",
+                 "-" if r["better"] is None else f"{r['better']} / {r['worse']}"]  # fmt: skip
+        if several:
+            cells.insert(0, str(r["config_key"])[:10])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""``specdec check RESULTS.jsonl``: pass@1 of an evaluation's completions, after the fact.
+
+Runs every completion of a results file (``specdec eval`` / ``sweep``) against its problem's tests
+in ``eval.execution``'s sandbox, writes ``passed`` / ``check_status`` into the records (atomically,
+in place or to ``--out``; resumable), and prints pass@1 per (method, drafter, tree size) with the
+paired difference to a reference method and its 95% interval. The library side is
+``eval.passk``; ``specdec sweep --report-only`` then shows the same pass@1 in its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from specdec.cli import args as cliargs
+
+__all__ = ["add_limit_arguments", "flag_error", "main", "parser"]
+
+#: Library argument names -> the flags that set them, for one-line errors.
+_FLAGS = {"results": "RESULTS", "dataset": "--dataset", "data": "--data", "workers": "--workers",
+          "reference": "--reference", "timeout_s": "--timeout"}  # fmt: skip
+
+
+def flag_error(e: ValueError, flags: dict[str, str] | None = None) -> ValueError:
+    """``e`` with its leading ``name:`` replaced by the flag that sets it."""
+    msg = str(e)
+    name, sep, rest = msg.partition(":")
+    table = flags or _FLAGS
+    if sep and name in table:
+        return ValueError(f"{table[name]}:{rest}")
+    return e
+
+
+def add_limit_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--{prefix}workers`` and ``--{prefix}timeout`` (shared with ``specdec eval|sweep --check``)."""
+    p.add_argument(f"--{prefix}workers", type=cliargs.int_at_least(1), default=None,
+                   help="programs checked at once, each in its own sandbox (None: the CPU count)")  # fmt: skip
+    p.add_argument(f"--{prefix}timeout", type=cliargs.float_in(0.0, low_open=True), default=5.0,
+                   help="seconds per test (an APPS test, or a whole HumanEval program)")  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    p = cliargs.ArgumentParser(
+        prog="specdec check",
+        description="Run the completions of a results file (specdec eval / sweep) against their problems' tests "
+        "(sandboxed, see eval/execution.py), write 'passed' / 'check_status' into the records (in place unless "
+        "--out; records that already have a verdict are skipped, so an interrupted check resumes), and print "
+        "pass@1 per method with the paired difference to --reference (Tango's 95% interval).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("results", metavar="RESULTS", type=cliargs.existing_path, help="results JSONL")
+    p.add_argument("--dataset", choices=["apps", "humaneval"], default=None,
+                   help="the dataset to check (None: the one the records name)")  # fmt: skip
+    p.add_argument("--data", type=cliargs.existing_path, default=None,
+                   help="the APPS / HumanEval file the run used (None: the loaders' own)")  # fmt: skip
+    add_limit_arguments(p)
+    p.add_argument("--reference", default=None, metavar="METHOD",
+                   help="the baseline of the paired pass@1 difference (None: hf-static, else hf)")  # fmt: skip
+    p.add_argument("--out", type=cliargs.output_file, default=None,
+                   help="write the checked records here (None: back into RESULTS)")  # fmt: skip
+    p.add_argument("--recheck", action="store_true", help="check records that already have a verdict again")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``specdec check RESULTS.jsonl [...]``."""
+    from eval import passk
+    from eval.execution import Limits
+
+    ns = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        res = passk.check_file(ns.results, dataset=ns.dataset, data=ns.data, out=ns.out,
+                               limits=Limits(timeout_s=ns.timeout), workers=ns.workers,
+                               progress=not ns.no_progress, recheck=ns.recheck)  # fmt: skip
+        rows = passk.pass_rows(res.records, ns.reference, dataset=res.dataset)
+    except ValueError as e:
+        raise flag_error(e) from None
+    print(res.summary())
+    print(f"wrote {res.path}" if res.written else f"{res.path}: nothing new to check")
+    print(passk.format_pass_table(rows))
+    return 0
