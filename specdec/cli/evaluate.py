@@ -84,6 +84,9 @@ def parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
                    help="untimed generations per method (drafter, tree size) before timing, after the engine's "
                    "SpecDecoder.warmup; both timed as first-call latency. 0: the first timed call is the first call")
     p.add_argument("--home", default=None, help="model store root (default $SPECDEC_HOME)")
+    p.add_argument("--method-problems", nargs="+", type=_method_limit, default=[], metavar="METHOD=N",
+                   help="run METHOD on the first N problems only (e.g. hf=50 hf-assisted=50: the slow greedy "
+                   "reference on a stated subset); every other method runs on all")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--check", action="store_true",
                    help="pass@1: after the generations, run every completion of this configuration that has no "
@@ -133,8 +136,16 @@ def config_from(ns: argparse.Namespace, dataset: str):
         difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, seed=ns.seed, dtype=ns.dtype,
         device=ns.device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl, compile=ns.compile,
-        warmup=ns.warmup, progress=not ns.no_progress, home=ns.home,
+        warmup=ns.warmup, progress=not ns.no_progress, home=ns.home, method_problems=tuple(ns.method_problems),
     )  # fmt: skip
+
+
+def _method_limit(text: str) -> tuple[str, int]:
+    """``METHOD=N`` -> ``(METHOD, N)`` (argparse type of ``--method-problems``)."""
+    name, sep, num = text.partition("=")
+    if not sep or not name or not num.isdigit():
+        raise argparse.ArgumentTypeError(f"expected METHOD=N with N >= 0 (e.g. hf=50), got {text!r}")
+    return name, int(num)
 
 
 def verdict(result) -> int:

@@ -56,3 +56,19 @@ def test_work_items_skip_past_the_limit():
     assert [(i, m.name) for i, _, m, _, _ in items] == [(0, "hf"), (0, "hf-static"), (1, "hf"), (1, "hf-static"),
                                                          (2, "hf-static")]  # fmt: skip
     assert C.EvalConfig(method_problems=[["hf", 2]]).method_problems == (("hf", 2),)  # JSON-like pairs accepted
+
+
+def test_cli_flag(pair, tmp_path, capsys):
+    from specdec import cli
+
+    out = tmp_path / "c.jsonl"
+    argv = ["eval", "apps", "--target", pair["target"], "--draft", pair["draft"], "--drafters",
+            "tests.eval.tiny:make_drafter", "--tree-sizes", "4", "--problems", "2", "--data", pair["data"],
+            "--max-new-tokens", "6", "--dtype", "fp32", "--device", "cpu", "--attn-impl", "torch", "--warmup", "0",
+            "--no-progress", "--methods", "specdec", "--method-problems", "hf=1", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["method"], r["problem_id"]) for r in recs) == [("hf", "100"), ("specdec", "100"), ("specdec", "101")]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv[:-3] + ["--method-problems", "hf=x", "--out", str(out)])
+    assert exc.value.code == 2 and "--method-problems" in capsys.readouterr().err
