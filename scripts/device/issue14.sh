@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On the device machine: issue 14's runs (EAGLE head trained here, then the unseen-problem sweep),
+# one step per argument so a session splits them over calls (each call <= 10 minutes). Needs the
+# 1.5B target (and for `model` the 0.5B draft) staged and converted (scripts/device/setup_models.sh)
+# and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
+# and the logs / summaries to $OUT.
+#   bash scripts/device/issue14.sh tests | distill | train | apps | humaneval | model | cascade
+# Environment: BUDGET (train seconds, default 300), TREES (default "32 64"), EAGLE (drafter spec
+# options after heads=, default none), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
+# hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50).
+set -uo pipefail
+export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
+out=${OUT:-/tmp}
+mkdir -p /tmp/results
+trees=(${TREES:-32 64})
+eagle="eagle:heads=/tmp/eagle${EAGLE:+,$EAGLE}"
+train=(--data .evaldata/mbpp.jsonl --out /tmp/eagle --answers-per-prompt 2 --max-new-tokens 192 --gen-batch-size 120
+       --no-progress)
+sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
+       --method-problems ${LIMITS:-hf=0})
+for s in "$@"; do
+  echo "== $s $(date +%T)" >> "$out/steps.log"
+  case $s in
+    tests)  # the CUDA paths new in this session: device-side draft loops, graph replay, all-token features
+      timeout 280 python3 -m pytest -q -p no:cacheprovider tests/drafters/test_eagle.py tests/drafters/test_draft_model.py \
+        tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -k "cuda" > "$out/pytest_cuda.txt" 2>&1 ;;
+    distill)  # the self-distillation data only (cached in /tmp/eagle): greedy + one sampled answer per prompt
+      timeout 560 python3 -m specdec.cli train-eagle "${train[@]}" --steps 0 > "$out/distill.log" 2>&1 ;;
+    train)  # the head, on the cached data, within BUDGET seconds of optimization
+      timeout 580 python3 -m specdec.cli train-eagle "${train[@]}" --time-budget "${BUDGET:-300}" \
+        > "$out/train_eagle.log" 2>&1
+      cp /tmp/eagle/eagle_config.json "$out/" ;;
+    apps|humaneval)  # EAGLE at each t vs HF static, every problem of the dataset (none used for tuning)
+      data=$([ "$s" = apps ] && echo .evaldata/apps_selected150.jsonl || echo "")
+      timeout 590 python3 -m specdec.cli sweep --dataset "$s" ${data:+--data $data} "${sweep[@]}" \
+        --draft "" --drafters "$eagle" --tree-sizes "${trees[@]}" --methods specdec hf-static \
+        --out "/tmp/results/$s-eagle.jsonl" > "$out/$s-eagle.log" 2>&1
+      cp /tmp/results/$s-eagle.* "$out/" 2>/dev/null ;;
+    model)  # the draft-model drafter (0.5B) on HumanEval, t = 32, with its own HF static rows
+      timeout 590 python3 -m specdec.cli sweep --dataset humaneval "${sweep[@]}" --drafters model:draft=qwen2.5-coder-0.5b \
+        --tree-sizes 32 --methods specdec hf-static --out /tmp/results/humaneval-model.jsonl \
+        > "$out/humaneval-model.log" 2>&1
+      cp /tmp/results/humaneval-model.* "$out/" 2>/dev/null ;;
+    cascade)  # shared-prefix tree attention vs the unshared kernel and two SDPA calls (issue 17)
+      timeout 300 python3 -m treeattn.bench_cascade --out "$out/cascade.json" > "$out/cascade.log" 2>&1 ;;
+    *) echo "unknown step $s" >&2; exit 2 ;;
+  esac
+  echo "   rc=$? $(date +%T)" >> "$out/steps.log"
+done
