@@ -1,6 +1,7 @@
 """Tree-attention benchmark: the Triton kernel against eager, SDPA and FlexAttention baselines.
 
     python -m treeattn.bench [--L 1024 4000 16000] [--t 32 64 128 256] [--out bench.json]
+    python -m treeattn.bench --cascade [--L 1024 4000 16000] [--n 4 16 64] [--t 16 64]  (shared prompt)
 
 On a GPU it measures the copy bandwidth and the bf16 matmul peak in the same run, times every
 (L, t) cell and every method the same way (median of CUDA-graph replays over rotating input sets
@@ -335,7 +336,8 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
     """``specdec bench-attn``; ``parser_class`` lets the ``specdec`` front-end format errors its way."""
     p = parser_class(prog="specdec bench-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--L", type=_positive_int, nargs="+", default=[1024, 4000, 16000], help="prompt lengths")
-    p.add_argument("--t", type=_positive_int, nargs="+", default=[32, 64, 128, 256], help="tree sizes (nodes)")
+    p.add_argument("--t", type=_positive_int, nargs="+", default=None,
+                   help="tree sizes (nodes); default 32 64 128 256 (--cascade: 16 64)")
     p.add_argument("--heads", type=_positive_int, default=32)
     p.add_argument("--kv-heads", type=_positive_int, default=8)
     p.add_argument("--head-dim", type=_positive_int, default=128)
@@ -347,6 +349,13 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
                    help="baselines to time (default: all; none: the kernel only)")
     p.add_argument("--skip-baselines", action="store_const", const=[], dest="baselines",
                    help="time the kernel only (same as --baselines with no names)")
+    p.add_argument("--cascade", action="store_true",
+                   help="shared-prefix mode (treeattn.bench_cascade): n sequences share a prompt of each --L tokens")
+    p.add_argument("--n", type=_positive_int, nargs="+", default=[4, 16, 64], help="--cascade: sequences per prompt")
+    p.add_argument("--suffix-max", type=int, default=256,
+                   help="--cascade: sequences' own tokens after the prompt, spread evenly over [0, this]")
+    p.add_argument("--cascade-baselines", nargs="*", choices=("unshared", "sdpa_lse"), default=["unshared", "sdpa_lse"],
+                   help="--cascade: baselines to time (default both)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -356,7 +365,14 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a"):
             pass
-    rows = run_gpu(args) if torch.cuda.is_available() else run_cpu_demo(args)
+    if args.t is None:
+        args.t = [16, 64] if args.cascade else [32, 64, 128, 256]
+    if args.cascade:
+        from treeattn.bench_cascade import run_cascade_cpu_demo, run_cascade_gpu
+
+        rows = run_cascade_gpu(args) if torch.cuda.is_available() else run_cascade_cpu_demo(args)
+    else:
+        rows = run_gpu(args) if torch.cuda.is_available() else run_cpu_demo(args)
     if args.out:
         _write(args, rows)
     return 0
