@@ -3,7 +3,7 @@
 # with --baseline (the target alone, same process, right after), greedy, fp32, 64 new tokens, and
 # writes one JSON per run into OUT (default docs/runs/<date>-cpu). Prompts: the README's, plus two
 # MBPP tasks (training data; never APPS / HumanEval). Run on an otherwise idle machine.
-#   bash scripts/cpu_default.sh [OUT]
+#   bash scripts/cpu_default.sh [OUT]      (CONFIGS="name:flags;name:flags" replaces the candidates)
 set -uo pipefail
 out=${1:-docs/runs/$(date +%F)-cpu}
 mkdir -p "$out"
@@ -13,6 +13,7 @@ prompts=("Write a Python function is_prime(n)."
 configs=("model16:--drafter model --tree-size 16" "model4:--drafter model --tree-size 4 --depth 2 --topk 2"
          "chain3:--drafter model --tree-size 3 --depth 3 --topk 1" "lookup8:--drafter lookup --tree-size 8"
          "lookup16:--drafter lookup --tree-size 16")
+[ -n "${CONFIGS:-}" ] && IFS=';' read -ra configs <<< "$CONFIGS"  # e.g. CONFIGS="chain4:--drafter model --tree-size 4 --depth 4 --topk 1"
 for i in "${!prompts[@]}"; do
   for c in "${configs[@]}"; do
     name=${c%%:*}

@@ -23,6 +23,8 @@ import torch
 
 from treeattn.layout import TreeMask
 from treeattn.ops import (
+    check_lengths,
+    check_tree_mask,
     _DTYPES,
     _IMPLS,
     _LOG2E,
@@ -205,19 +207,8 @@ def _check(q, k_shared, v_shared, k, v, suffix_lens, tree_mask, impl) -> tuple[t
         raise ValueError(f"k_shared: expected shape [{hkv}, P, {d}] (k's KV heads, q's head dim), got {tuple(ks.shape)}")
     if vs.shape != ks.shape:
         raise ValueError(f"v_shared: expected k_shared's shape {tuple(ks.shape)}, got {tuple(vs.shape)}")
-    if not isinstance(tree_mask, TreeMask):
-        raise ValueError(f"tree_mask: expected a treeattn.TreeMask, got {type(tree_mask).__name__}")
-    if tree_mask.n != t_len:
-        raise ValueError(f"tree_mask: expected a tree of t = {t_len} nodes (q.shape[2]), got {tree_mask.n}")
-    if tree_mask.batch_size not in (1, n):
-        raise ValueError(f"tree_mask: expected batch size 1 or {n}, got {tree_mask.batch_size}")
-    if tree_mask.words.device != q.device:
-        raise ValueError(f"tree_mask: expected device {q.device} (q's), got {tree_mask.words.device}")
-    if not isinstance(suffix_lens, torch.Tensor) or suffix_lens.dtype not in (torch.int32, torch.int64):
-        got = suffix_lens.dtype if isinstance(suffix_lens, torch.Tensor) else type(suffix_lens).__name__
-        raise ValueError(f"suffix_lens: expected an int32/int64 tensor of shape [{n}], got {got}")
-    if tuple(suffix_lens.shape) != (n,):
-        raise ValueError(f"suffix_lens: expected shape [{n}], got {tuple(suffix_lens.shape)}")
+    check_tree_mask(tree_mask, t_len, n, q.device, "t")
+    check_lengths("suffix_lens", suffix_lens, n)
     if suffix_lens.device != q.device:
         raise ValueError(f"suffix_lens: expected device {q.device} (q's), got {suffix_lens.device}")
     if t_len > seq_len:

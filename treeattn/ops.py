@@ -252,6 +252,28 @@ def _window_words(n: int) -> int:
     return min(4, _next_pow2(max(1, math.ceil(n / 64))))
 
 
+def check_tree_mask(tree_mask, n: int, batch: int, device: torch.device, symbol: str) -> None:
+    """ValueError naming ``tree_mask`` unless it is a TreeMask of ``n`` nodes (``q.shape[2]``,
+    called ``symbol`` in the message), batch 1 or ``batch``, on ``device``."""
+    if not isinstance(tree_mask, TreeMask):
+        raise ValueError(f"tree_mask: expected a treeattn.TreeMask, got {type(tree_mask).__name__}")
+    if tree_mask.n != n:
+        raise ValueError(f"tree_mask: expected a tree of {symbol} = {n} nodes (q.shape[2]), got {tree_mask.n}")
+    if tree_mask.batch_size not in (1, batch):
+        raise ValueError(f"tree_mask: expected batch size 1 or {batch}, got {tree_mask.batch_size}")
+    if tree_mask.words.device != device:
+        raise ValueError(f"tree_mask: expected device {device} (q's), got {tree_mask.words.device}")
+
+
+def check_lengths(name: str, lens, batch: int) -> None:
+    """ValueError naming ``name`` unless ``lens`` is an int32 / int64 tensor of shape ``[batch]``."""
+    if not isinstance(lens, torch.Tensor) or lens.dtype not in (torch.int32, torch.int64):
+        got = lens.dtype if isinstance(lens, torch.Tensor) else type(lens).__name__
+        raise ValueError(f"{name}: expected an int32/int64 tensor of shape [{batch}], got {got}")
+    if tuple(lens.shape) != (batch,):
+        raise ValueError(f"{name}: expected shape [{batch}], got {tuple(lens.shape)}")
+
+
 def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -276,19 +298,8 @@ def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
         raise ValueError(f"q: expected a head count divisible by k's {hkv} KV heads (GQA), got {hq}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"q: expected head_dim in [1, {MAX_HEAD_DIM}], got {d}")
-    if not isinstance(tree_mask, TreeMask):
-        raise ValueError(f"tree_mask: expected a treeattn.TreeMask, got {type(tree_mask).__name__}")
-    if tree_mask.n != n:
-        raise ValueError(f"tree_mask: expected a tree of n = {n} nodes (q.shape[2]), got {tree_mask.n}")
-    if tree_mask.batch_size not in (1, batch):
-        raise ValueError(f"tree_mask: expected batch size 1 or {batch}, got {tree_mask.batch_size}")
-    if tree_mask.words.device != q.device:
-        raise ValueError(f"tree_mask: expected device {q.device} (q's), got {tree_mask.words.device}")
-    if not isinstance(prefix_lens, torch.Tensor) or prefix_lens.dtype not in (torch.int32, torch.int64):
-        got = prefix_lens.dtype if isinstance(prefix_lens, torch.Tensor) else type(prefix_lens).__name__
-        raise ValueError(f"prefix_lens: expected an int32/int64 tensor of shape [{batch}], got {got}")
-    if tuple(prefix_lens.shape) != (batch,):
-        raise ValueError(f"prefix_lens: expected shape [{batch}], got {tuple(prefix_lens.shape)}")
+    check_tree_mask(tree_mask, n, batch, q.device, "n")
+    check_lengths("prefix_lens", prefix_lens, batch)
     if n > seq_len:
         raise ValueError(f"k: expected S >= n = {n} (tree KV must be in the cache), got S = {seq_len}")
     if impl not in _IMPLS:

@@ -68,7 +68,7 @@ def test_generate_on_tiny_models_equals_target_greedy(tiny_dirs, drafter):
     assert buf.getvalue() == res.text + "\n"
     assert res.tokens_per_s > 0 and res.mean_accepted >= 1.0
     line = res.summary()
-    assert "tokens/step" in line and "est. speedup" in line
+    assert "tokens/step" in line and "speedup" not in line  # measured numbers only (no --baseline here)
 
 
 def test_stream_chat_sampling_and_baseline(tiny_dirs, capsys):
@@ -121,3 +121,17 @@ def test_real_pair_generate_equals_target_greedy():
     assert len(res.token_ids) == 12 and res.text.strip()
     assert res.output.totals()["tokens_accepted"] > 0  # the real draft agrees with the target at least sometimes
     assert "identical text" in res.summary()
+
+
+def test_cpu_default_is_the_measured_chain(tiny_dirs):
+    from specdec.cli.generate import CPU_CHAIN
+
+    target, draft, _ = tiny_dirs
+    res = run_generate("def add(a, b):", target=str(target), draft=str(draft), max_new_tokens=12, device="cpu",
+                       chat=False, attn_impl="torch", progress=False, out=io.StringIO())  # fmt: skip
+    # CPU_CHAIN drafted nodes a step (a chain: depth CPU_CHAIN, top-1)
+    assert max(n for s in res.output.steps for n in s.nodes_proposed) == CPU_CHAIN
+    # an explicit tree size keeps the tree defaults
+    res = run_generate("def add(a, b):", target=str(target), draft=str(draft), tree_size=12, max_new_tokens=12,
+                       device="cpu", chat=False, attn_impl="torch", progress=False, out=io.StringIO())  # fmt: skip
+    assert max(n for s in res.output.steps for n in s.nodes_proposed) > CPU_CHAIN
