@@ -9,7 +9,7 @@ lengths -- the minimum, median and maximum prompt length seen -- and times
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a precomputed dense boolean
   ``[n, L + n]`` tree mask (the dense-mask path HF / Medusa-style integrations take),
 
-each as one CUDA graph replayed (median over replays; ``treeattn.bench.time_rotating_graph``), after
+each as one CUDA graph replayed (median over replays; ``treeattn.timing.time_rotating_graph``), after
 checking that both agree: the engine runs attention inside CUDA graphs, so host launch overhead
 (tens of µs for a Python op wrapper, which ``do_bench`` timed in a first version) is left out for
 both methods alike. Trees are padded
@@ -112,7 +112,7 @@ def time_tree(q, k, v, prefix, mask, timer: Callable[[Callable[[], Any]], float]
 
 def _graph_timer(fn: Callable[[], Any]) -> float:
     """Seconds per call of ``fn`` replayed in a CUDA graph (median of 20 replays)."""
-    from treeattn.bench import time_rotating_graph
+    from treeattn.timing import time_rotating_graph
 
     return time_rotating_graph([fn]) * 1e-6
 

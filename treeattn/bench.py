@@ -14,7 +14,6 @@ small correctness demo of the kernel through Triton's interpreter and times the 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from treeattn.layout import TreeMask, random_tree_parents
 from treeattn.ops import KernelConfig, pick_config, tree_attention
 from treeattn.reference import dense_tree_mask, flex_tree_mask_mod, tree_attention_ref
+from treeattn.timing import measure_ceilings, time_rotating_graph, write_rows
 
 __all__ = ["BenchShape", "make_inputs", "main"]
 
@@ -114,60 +114,8 @@ def _baselines(q, k, v, prefix_lens, mask, names=BASELINES):
     return fns
 
 
-def measure_ceilings(device: str) -> tuple[float, float]:
-    """(bf16 matmul FLOP/s, copy bytes/s) measured now on ``device``."""
-    from triton.testing import do_bench
-
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    t_mm = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") * 1e-3
-    src = torch.randn(256 * 1024 * 1024, device=device, dtype=torch.float32)  # 1 GiB
-    dst = torch.empty_like(src)
-    t_cp = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3
-    return 2 * 8192**3 / t_mm, 2 * 1024**3 / t_cp
-
-
 def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref).norm() / ref.norm()).item()
-
-
-_SPIN_CYCLES = 500_000  # ~0.25 ms at the H100's 1.98 GHz
-
-
-def time_rotating_graph(calls, replays: int = 20) -> float:
-    """Median µs of one call: the calls (one per input set) are captured in one CUDA graph and
-    replayed; rotating inputs larger than L2 keeps every call's K/V cold, as in decoding, and the
-    graph removes host launch overhead for every method alike (the clock starts once the graph is
-    queued behind a GPU-side spin)."""
-    for fn in calls:  # compile / autotune outside the capture
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # A GPU-side spin (~0.25 ms) ahead of the start event, so that the host has queued the graph
-        # before the clock starts: otherwise the graph's submission latency (tens of us, more when
-        # other processes load the CPU, e.g. torch.compile's workers) is timed as GPU time.
-        torch.cuda._sleep(_SPIN_CYCLES)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def _num_input_sets(shape: BenchShape, dtype: torch.dtype) -> int:
@@ -234,7 +182,7 @@ def run_gpu(args) -> list[dict]:
             rows.append(row)
             print(_fmt_row(row), flush=True)
             if args.out:  # after every cell: a run cut short by a time limit keeps its finished cells
-                _write(args, rows)
+                write_rows(args, rows)
             del sets, q, k, v, ref
             torch.cuda.empty_cache()
     print()
@@ -374,15 +322,8 @@ def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentPars
     else:
         rows = run_gpu(args) if torch.cuda.is_available() else run_cpu_demo(args)
     if args.out:
-        _write(args, rows)
+        write_rows(args, rows)
     return 0
-
-
-def _write(args, rows: list[dict]) -> None:
-    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "args": vars(args)}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

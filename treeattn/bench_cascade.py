@@ -123,7 +123,7 @@ def _num_sets(nbytes: int) -> int:
 
 
 def run_cascade_gpu(args) -> list[dict]:
-    from treeattn.bench import _write, measure_ceilings, time_rotating_graph
+    from treeattn.timing import measure_ceilings, time_rotating_graph, write_rows
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     esize = torch.finfo(dtype).bits // 8
@@ -139,7 +139,7 @@ def run_cascade_gpu(args) -> list[dict]:
                 rows.append(_cell(shape, dtype, esize, peak, bw, args, time_rotating_graph))
                 print(_fmt_row(rows[-1]), flush=True)
                 if args.out:
-                    _write(args, rows)
+                    write_rows(args, rows)
                 torch.cuda.empty_cache()
     print()
     print(_table(rows))
