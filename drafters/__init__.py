@@ -79,7 +79,8 @@ def make_drafter(
         tokenizer, device, dtype: accepted for uniform call sites; ``device`` / ``dtype`` place
             Medusa / EAGLE heads loaded from a directory (default: the target's LM head's).
         options: constructor options of the drafter (e.g. ``depth``, ``topk`` for ``"model"`` and
-            ``"eagle"``; ``choices`` for ``"medusa"``; ``max_ngram``, ``max_depth`` for ``"lookup"``).
+            ``"eagle"``, ``draft_vocab``, ``profile`` for ``"eagle"``; ``choices`` for ``"medusa"``;
+            ``max_ngram``, ``max_depth`` for ``"lookup"``).
     """
     del tokenizer  # no drafter needs it yet
     if name == "model":

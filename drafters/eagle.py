@@ -27,7 +27,11 @@ features), which is what the unrolled "training-time test" of ``eagle_train`` pr
 - The target's input embedding, rotary embedding and LM head are used frozen and never stored:
   ``eagle_head.safetensors`` holds only ``fc.*`` and ``layer.*`` (float32), next to
   ``eagle_config.json`` (hidden size, vocabulary, the target's architecture / model type / layer
-  count / decoder-layer class, training notes). Loading checks them against the target.
+  count / decoder-layer class, training notes). Loading checks them against the target. Heads trained
+  by ``train-eagle`` also carry ``draft_vocab.safetensors``: every token id ranked by its count in
+  the training answers (``token_ids`` int32 ``[V]``, most frequent first, ties by smaller id) and
+  those counts (``counts`` int64 ``[V]``); ``eagle_config.json`` names it (``"token_frequencies"``).
+  Older code ignores both; a head without them loads with ``token_ids = None``.
 
 **The drafter** (``EagleDrafter``, EAGLE-2's dynamic tree). Per sequence the head keeps its own
 KV cache (one layer: keys / values of the pairs it has seen, ``specdec.KVCache``). Per step, with
@@ -59,7 +63,28 @@ Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``top
 host-to-device copy of the catch-up's inputs and one device-to-host copy of the record (the only
 sync); the re-rank then builds the same node pool on the host as the former per-depth loop did
 (``_Plan.pool``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
-running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step.
+running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step; ``profile=True``
+splits it into phases (``last_phase_s``, below).
+
+**Reduced draft vocabulary** (EAGLE-3's idea; ``EagleDrafter(draft_vocab=N)``): the head drafts only
+among the N most frequent tokens of its training answers (``EagleHead.token_ids``, counted by
+``train-eagle`` and saved beside the head as ``draft_vocab.safetensors``). The rows of the target's
+frozen LM head for those tokens are gathered once (``[N, H]``, ids sorted ascending), every draft
+logit is computed from them, the top-k runs over the subset and the indices map back to token ids:
+the LM-head read per depth drops from V x H to N x H. Log-probabilities are renormalized over the
+subset, and with a sampling transform the warping (temperature, top-k, top-p) is applied to the
+subset's logits: the draft distribution is then the warped distribution *of the subset*. Children
+stay deterministic top-k, so verification stays lossless; tokens outside the subset are simply
+never drafted. This covers the root's children too (they come from the first depth of the expansion,
+on the catch-up's root feature).
+
+**Profiling** (``EagleDrafter(profile=True)``): ``propose`` synchronizes the device at its phase
+boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparation, the inputs'
+copy and the catch-up forward), ``expand`` (loading the expansion's inputs and the expansion:
+graph replay or eager loop; a capture included), ``copy`` (the record to the host), ``host_tree``
+(node pool, re-rank, ``TokenTree``); ``update`` adds ``update`` (KV commit of the accepted path) to
+the same dict. The syncs serialize host and device work a normal step overlaps, so the sum is an
+upper bound of the unprofiled step. Off (default): no sync, ``last_phase_s`` stays None.
 
 What the engine provides today (``specdec.drafting``; ``needs_hidden_states = "all"``): the
 target's features of *every* committed token, each once per ``generate`` call, as
@@ -89,6 +114,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from drafters._build import NodePool, best_first, make_tree, root_only
@@ -103,6 +129,8 @@ from specdec.verify import Verdict
 __all__ = [
     "ATTENTION_NAME",
     "CONFIG_NAME",
+    "DRAFT_PHASES",
+    "VOCAB_NAME",
     "WEIGHTS_NAME",
     "EagleConfig",
     "EagleDrafter",
@@ -112,6 +140,10 @@ __all__ = [
 
 CONFIG_NAME = "eagle_config.json"
 WEIGHTS_NAME = "eagle_head.safetensors"
+#: Token frequencies of the training answers (``token_ids`` ranked, ``counts``), beside the head.
+VOCAB_NAME = "draft_vocab.safetensors"
+#: ``EagleDrafter.last_phase_s`` keys of one ``propose`` (``update`` adds ``"update"``).
+DRAFT_PHASES = ("catch_up", "expand", "copy", "host_tree")
 #: transformers attention-registry name of the head's attention (see ``_head_attention``).
 ATTENTION_NAME = "specdec_eagle_head"
 
@@ -258,6 +290,11 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = _decoder_layer_class(target)(cfg, layer_idx=0)
         self.meta: dict[str, Any] = {}
+        #: int64 ``[V]`` (CPU): every token id by decreasing count in the training answers (ties: the
+        #: smaller id first), or None (a head saved without frequencies); not part of ``state_dict``
+        self.token_ids: torch.Tensor | None = None
+        #: int64 ``[V]``: the counts of ``token_ids`` (non-increasing), or None
+        self.token_counts: torch.Tensor | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -288,8 +325,19 @@ class EagleHead(nn.Module):
         out = self.layer(x, attention_mask=None, position_ids=positions.to(x.device), position_embeddings=pe, **extra)
         return out[0] if isinstance(out, tuple) else out
 
+    def set_token_counts(self, counts: torch.Tensor | Sequence[int]) -> None:
+        """Rank the vocabulary by ``counts`` (int ``[V]``, indexed by token id; e.g. the training
+        answers' token counts): sets ``token_ids`` / ``token_counts`` (what ``draft_vocab`` draws from)."""
+        counts = torch.as_tensor(counts).detach().to("cpu", torch.int64).flatten()
+        if counts.numel() != self.config.vocab_size or bool((counts < 0).any()):
+            raise ValueError(f"counts: expected {self.config.vocab_size} counts >= 0 (one per token id), got "
+                             f"{counts.numel()} values, min {int(counts.min()) if counts.numel() else None}")  # fmt: skip
+        order = torch.sort(-counts, stable=True).indices  # decreasing counts; ties keep the smaller id first
+        self.token_ids, self.token_counts = order, counts[order]
+
     def save(self, out_dir: str | os.PathLike[str], **meta: Any) -> Path:
-        """Write ``eagle_head.safetensors`` (float32, ``fc.*`` and ``layer.*``) and ``eagle_config.json``."""
+        """Write ``eagle_head.safetensors`` (float32, ``fc.*`` and ``layer.*``) and ``eagle_config.json``,
+        and ``draft_vocab.safetensors`` when the head has token frequencies (``set_token_counts``)."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)
@@ -298,6 +346,13 @@ class EagleHead(nn.Module):
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
         doc = {**asdict(self.config), "head": "eagle-1: fc(2H -> H) + 1 decoder layer, no final norm; the target's "
                "embedding, rotary embedding and LM head are used frozen and not stored", **meta}  # fmt: skip
+        if self.token_ids is not None:
+            ranked = {"token_ids": self.token_ids.to(torch.int32).contiguous(), "counts": self.token_counts.contiguous()}
+            save_file(ranked, str(out / VOCAB_NAME), metadata={"format": "pt"})
+            doc["token_frequencies"] = {"file": VOCAB_NAME, "seen_tokens": int((self.token_counts > 0).sum()),
+                                        "counted_tokens": int(self.token_counts.sum())}  # fmt: skip
+        else:
+            (out / VOCAB_NAME).unlink(missing_ok=True)  # a stale file from an earlier save
         (out / CONFIG_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         return out
 
@@ -328,6 +383,18 @@ class EagleHead(nn.Module):
             first = str(e).splitlines()[0]
             raise ValueError(f"{name}: {weights} does not fit the target's decoder layer: {first}") from None
         head.meta = doc
+        vocab = p / VOCAB_NAME
+        if vocab.is_file():
+            saved_vocab = load_file(str(vocab))
+            ids, counts = saved_vocab.get("token_ids"), saved_vocab.get("counts")
+            n = saved.vocab_size
+            if (ids is None or counts is None or ids.shape != (n,) or counts.shape != (n,)
+                    or not torch.equal(torch.sort(ids.long()).values, torch.arange(n))):
+                raise ValueError(f"{name}: {vocab} does not rank the target's {n} token ids (expected token_ids and "
+                                 f"counts of shape [{n}])")  # fmt: skip
+            head.token_ids, head.token_counts = ids.long(), counts.long()
+        elif "token_frequencies" in doc:
+            raise ValueError(f"{name}: {cfg_file} names {VOCAB_NAME}, but it is missing from {str(p)!r}")
         return head.to(device=device, dtype=dtype).eval()
 
 
@@ -462,7 +529,10 @@ class _Expansion:
             self.graph.replay()
         else:
             self._body(kv_lens)
-        return self.record.cpu()
+        self.drafter._mark("expand")
+        host = self.record.cpu()
+        self.drafter._mark("copy")
+        return host
 
     def _body(self, kv_lens: Sequence[int]) -> None:
         """Depths 1 .. plan.depth on the device: candidates, the next frontier, its head forward."""
@@ -475,12 +545,12 @@ class _Expansion:
         score = torch.zeros(1, dtype=torch.float64, device=dev)  # their cumulative draft log-probabilities
         for d in range(1, plan.depth + 1):
             n = plan.cand[d - 1]
-            logits = drafter.parts.logits(feats).float()
+            logits = drafter._draft_logits(feats)  # [rows, V] or, with draft_vocab, [rows, N] over the subset
             logq = torch.log_softmax(logits if self.sampling is None else warp_logits(logits, self.sampling), dim=-1)
             vals, idx = torch.topk(logq, width, dim=-1)
             # float64 sums, as the former host loop added Python floats: same scores, same order
             cand_score = (score[:, None] + vals.double()).reshape(n)
-            cand_tok = idx.reshape(n)
+            cand_tok = drafter._token_ids(idx).reshape(n)
             self.tok[d - 1, :n].copy_(cand_tok)
             self.score[d - 1, :n].copy_(cand_score)
             if d == plan.depth:
@@ -530,6 +600,23 @@ class _Expansion:
         self.graph = graph
 
 
+class _PhaseClock:
+    """Seconds per phase: ``mark(phase)`` waits for ``device``, then adds the time since the previous
+    mark (or the start) to ``seconds[phase]``."""
+
+    def __init__(self, device: torch.device, start: float | None = None) -> None:
+        self.device = device
+        self.t = time.perf_counter() if start is None else start
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.t
+        self.t = now
+
+
 @dataclass
 class _Proposal:
     """The last proposed tree of a sequence, for ``update``."""
@@ -571,6 +658,12 @@ class EagleDrafter(BaseDrafter):
             (topk, children, depth, sampling transform) and cache; needs ``static_shapes`` and the
             head on CUDA. Default: True there unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``
             (False on other devices; True there raises).
+        draft_vocab: None = draft over the whole vocabulary; N = only over the head's N most frequent
+            training-answer tokens (``EagleHead.token_ids``; the LM-head rows of those tokens are
+            gathered once, ``[N, H]`` in the LM head's dtype; see the module doc). Needs a head saved
+            with token frequencies (``train-eagle``); 1 <= N <= V.
+        profile: synchronize the device at the phase boundaries of every ``propose`` / ``update``
+            and keep their seconds in ``last_phase_s`` (keys ``DRAFT_PHASES`` + ``"update"``).
 
     Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
     positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
@@ -581,7 +674,8 @@ class EagleDrafter(BaseDrafter):
     needs_hidden_states = "all"  # every committed token's target feature (specdec.drafting.HIDDEN_ALL)
 
     def __init__(self, target, head: EagleHead, tree_size: int | None = None, depth: int = 6, topk: int = 8, *,
-                 static_shapes: bool | None = None, cuda_graphs: bool | None = None) -> None:  # fmt: skip
+                 static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | None = None,
+                 profile: bool = False) -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -594,6 +688,17 @@ class EagleDrafter(BaseDrafter):
         for name, val in (("static_shapes", static_shapes), ("cuda_graphs", cuda_graphs)):
             if val is not None and not isinstance(val, bool):
                 raise ValueError(f"{name}: expected None, True or False, got {val!r}")
+        if not isinstance(profile, bool):
+            raise ValueError(f"profile: expected True or False, got {profile!r}")
+        if draft_vocab is not None:
+            if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 1:
+                raise ValueError(f"draft_vocab: expected None or an int >= 1, got {draft_vocab!r}")
+            if head.token_ids is None:
+                raise ValueError(f"draft_vocab: expected a head saved with token frequencies ({VOCAB_NAME}, written "
+                                 f"by train-eagle), got one without; retrain it or leave draft_vocab=None")  # fmt: skip
+            if draft_vocab > len(head.token_ids):
+                raise ValueError(f"draft_vocab: expected at most the head's {len(head.token_ids)} ranked token ids, "
+                                 f"got {draft_vocab}")  # fmt: skip
         self.parts = TargetParts.of(target)
         self.device = self.parts.lm_head.weight.device
         on_cuda = self.device.type == "cuda"
@@ -604,6 +709,20 @@ class EagleDrafter(BaseDrafter):
             raise ValueError("cuda_graphs: True needs static_shapes, got static_shapes=False")
         self.head = head.to(self.device).eval()
         self.vocab_size = hf.vocab_size(target)
+        self.draft_vocab = draft_vocab
+        #: the subset's token ids (int64 ``[N]``, ascending) and LM-head rows (``[N, H]``, bias ``[N]``)
+        self._vocab_ids = self._vocab_weight = self._vocab_bias = None
+        if draft_vocab is not None:
+            lm = self.parts.lm_head
+            self._vocab_ids = torch.sort(head.token_ids[:draft_vocab]).values.to(self.device)
+            self._vocab_weight = lm.weight.detach().index_select(0, self._vocab_ids).contiguous()
+            bias = getattr(lm, "bias", None)
+            self._vocab_bias = None if bias is None else bias.detach().index_select(0, self._vocab_ids)
+        self.profile = profile
+        #: seconds per phase of the last ``propose`` (``DRAFT_PHASES``; ``update`` adds ``"update"``)
+        #: with ``profile``, a new dict per call; else None
+        self.last_phase_s: dict[str, float] | None = None
+        self._clock: _PhaseClock | None = None
         self.tree_size = tree_size
         self.depth = depth
         self.topk = topk
@@ -640,7 +759,14 @@ class EagleDrafter(BaseDrafter):
     def propose(self, context: DraftContext) -> TokenTree:
         start = time.perf_counter()
         self.last_forwards, self.last_capture_s = 0, 0.0
-        tree = self._propose(context)
+        self._clock = _PhaseClock(self.device, start) if self.profile else None
+        try:
+            tree = self._propose(context)
+            if self._clock is not None:
+                self._clock.mark("host_tree")
+                self.last_phase_s = {p: self._clock.seconds.get(p, 0.0) for p in DRAFT_PHASES}
+        finally:
+            self._clock = None
         self.last_draft_s = time.perf_counter() - start
         self.draft_s += self.last_draft_s
         self.proposals += 1
@@ -648,6 +774,13 @@ class EagleDrafter(BaseDrafter):
 
     def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
         """Keep the KV of the accepted path's expanded nodes; keep the last one's output feature."""
+        clock = _PhaseClock(self.device) if self.profile else None
+        self._update(context, tree, verdict)
+        if clock is not None and self.last_phase_s is not None:
+            clock.mark("update")
+            self.last_phase_s["update"] = self.last_phase_s.get("update", 0.0) + clock.seconds["update"]
+
+    def _update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
         st = self._states.get(context.seq)
         if st is None or st.last is None or st.last.n != tree.n:
             return
@@ -685,6 +818,7 @@ class EagleDrafter(BaseDrafter):
         predicted = st.feats if c == len(st.tokens) else {}
         root_feat = real.get(root_pos - 1, predicted.get(root_pos - 1))
         if budget <= 0 or root_feat is None:
+            self._mark("catch_up")
             return root_only(root)
 
         # 1. catch up: pairs from `start` on are (re)computed, real features first
@@ -698,7 +832,7 @@ class EagleDrafter(BaseDrafter):
         depth = min(self.depth, budget)
         frontier_width = min(self.topk, budget)
         expanded_max = 1 + frontier_width * (depth - 1)
-        width = min(self.vocab_size, max(frontier_width, math.ceil(budget / expanded_max)))
+        width = min(self.draft_vocab or self.vocab_size, max(frontier_width, math.ceil(budget / expanded_max)))
         plan = _Plan.make(frontier_width, width, depth)
         base = keep + len(pending) - 1  # slot of the root's pair
         self._ensure_capacity(st, keep, base + expanded_max + int(self.static_shapes))  # + the scratch slot
@@ -707,6 +841,7 @@ class EagleDrafter(BaseDrafter):
         st.tokens = tokens[:-1]
         st.feats = {}
         st.cache.lengths = [base]
+        self._mark("catch_up")
 
         # 2. expand depth by depth (EAGLE-2) on the device; pool node 0 = the root = expanded node 0
         pool, exp_feat = self._expand(st, plan, context.sampling, base, root_pos, out[-1], root)
@@ -737,6 +872,23 @@ class EagleDrafter(BaseDrafter):
             self.last_capture_s = exp.capture_s or 0.0
         self.last_forwards += plan.depth - 1
         return plan.pool(record, root), exp.feat
+
+    def _mark(self, phase: str) -> None:
+        """With ``profile``: the time since the last mark (device synchronized) goes to ``phase``."""
+        if self._clock is not None:
+            self._clock.mark(phase)
+
+    def _draft_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """float32 draft logits of the output features ``feats [r, H]``: ``[r, V]``, or ``[r, N]`` over
+        the ``draft_vocab`` subset (its gathered LM-head rows; column j is token ``_vocab_ids[j]``)."""
+        if self._vocab_weight is None:
+            return self.parts.logits(feats).float()
+        w = self._vocab_weight
+        return F.linear(feats.to(w.dtype), w, self._vocab_bias).float()
+
+    def _token_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids of the columns ``idx`` of ``_draft_logits`` (a device gather with ``draft_vocab``)."""
+        return idx if self._vocab_ids is None else self._vocab_ids[idx]
 
     def _real_features(self, hidden: torch.Tensor | None, n_tok: int) -> dict[int, torch.Tensor]:
         """Position -> the target's feature there, from ``DraftContext.hidden`` (``[H]`` or ``[m, H]``)."""

@@ -56,12 +56,15 @@ def tree_depth(parents: Sequence[int]) -> int:
 
 class RecordingDrafter:
     """A drafter proxy that keeps a reference to each proposed tree's ``parents`` (nothing else,
-    no host sync) so that the runner can report tree depths and time attention on the same trees.
+    no host sync) so that the runner can report tree depths and time attention on the same trees,
+    and the drafter's ``last_phase_s`` after each proposal when it has one (a profiling drafter,
+    e.g. ``EagleDrafter(profile=True)``: a new dict per proposal, which its ``update`` may extend).
     Everything else is the wrapped drafter's."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.parents: list[Any] = []
+        self.phases: list[dict[str, float] | None] = []
 
     @property
     def vocab_size(self) -> int | None:
@@ -69,6 +72,7 @@ class RecordingDrafter:
 
     def reset(self, input_ids):
         self.parents = []
+        self.phases = []
         return self.inner.reset(input_ids)
 
     def propose(self, context):
@@ -76,6 +80,7 @@ class RecordingDrafter:
         parents = getattr(tree, "parents", None)
         # A copy (asynchronous on CUDA, no host sync): a drafter may refill one buffer every step.
         self.parents.append(parents.clone() if parents is not None else None)
+        self.phases.append(getattr(self.inner, "last_phase_s", None))
         return tree
 
     def update(self, context, tree, verdict):
@@ -145,7 +150,8 @@ class MethodOutput:
         token_ids: the new tokens (cut after the first eos and at ``max_new_tokens``).
         wall_s: seconds of the generate call (device synchronized before and after).
         steps: per-step arrays (engine methods): ``nodes``, ``depth``, ``accepted``, ``emitted``,
-            ``draft_s``, ``verify_s``, ``commit_s``.
+            ``draft_s``, ``verify_s``, ``commit_s``; ``draft_phases`` (one ``{phase: seconds}`` dict
+            per step, inside that step's ``draft_s``) when the drafter profiles its phases.
         tree_samples: a few proposed trees' parents lists (engine methods with a drafter).
         prefill_s: seconds of the engine's prompt prefill inside ``wall_s`` (engine methods).
         emit_t: seconds from the call's start at which tokens became visible (one per emission).
@@ -506,6 +512,8 @@ class Session:
             if len(depths) != len(out.steps):  # not one proposal per step: depth unknown
                 depths = [None] * len(out.steps)
             steps["depth"] = depths
+            if len(rec.phases) == len(out.steps) and any(p is not None for p in rec.phases):
+                steps["draft_phases"] = [None if p is None else {k: float(v) for k, v in p.items()} for p in rec.phases]
             real = [p for p in parents if p is not None and len(p) > 1]
             if real:
                 pick = sorted({round(i * (len(real) - 1) / max(TREE_SAMPLES - 1, 1)) for i in range(TREE_SAMPLES)})

@@ -7,6 +7,8 @@ baselines (no drafter, no tree size) are shared by every drafter's rows:
   ``accepted_per_step``: mean accepted draft tokens per step; ``mean_nodes`` / ``mean_depth``:
   the proposed trees' size and depth;
 * ``verify_ms`` / ``draft_ms`` / ``commit_ms``: mean milliseconds per step in each phase;
+  ``draft_phase_ms`` (summary JSON only, when the records have ``steps.draft_phases``: a profiling
+  drafter, e.g. ``eagle:...,profile=true``): ``{phase: mean ms per step}`` inside ``draft_ms``;
 * ``tokens_per_s``: all new tokens over all wall time of the method's timed calls (stalls included);
 * ``steady_tokens_per_s``, ``stalls``, ``stall_s``, ``stall_excess_s``, ``first_call_s``: steady
   state apart from stalls and from the first call (compile / capture included), ``eval.latency``;
@@ -54,7 +56,8 @@ __all__ = [
 SPEEDUP_BASES = ("hf", "hf-static", "hf-assisted")
 _ORDER = ("hf", "hf-static", "hf-assisted", "hf-lookup", "specdec-plain")
 
-#: Every summary row's fields, in CSV column order (the summary JSON also has ``stall_problems``).
+#: Every summary row's fields, in CSV column order (the summary JSON also has ``stall_problems`` and,
+#: when recorded, ``draft_phase_ms``).
 COLUMNS = (
     "method", "drafter", "tree_size", "drafter_key", "problems", "errors", "new_tokens", "wall_s", "tokens_per_s",
     "mean_problem_tokens_per_s", "steady_tokens_per_s", "steady_calls", "median_ms_per_token", "first_calls",
@@ -217,6 +220,10 @@ def _add_steps(row: dict[str, Any], recs: Sequence[Mapping[str, Any]]) -> None:
         draft_ms=1e3 * sum(flat["draft_s"]) / count,
         commit_ms=1e3 * sum(flat["commit_s"]) / count,
     )
+    phases = flat.pop("draft_phases", [])
+    if phases:  # mean over the steps that timed the phase
+        names = dict.fromkeys(k for p in phases for k in p)
+        row["draft_phase_ms"] = {k: 1e3 * statistics.fmean(p[k] for p in phases if k in p) for k in names}
 
 
 def _speedup(mine: Mapping[str, Mapping[str, Any]], base: Mapping[str, Mapping[str, Any]]) -> float | None:

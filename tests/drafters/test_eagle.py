@@ -13,7 +13,15 @@ import torch
 
 from drafters import make_drafter
 from drafters._build import NodePool
-from drafters.eagle import CONFIG_NAME, WEIGHTS_NAME, EagleDrafter, EagleHead, TargetParts
+from drafters.eagle import (
+    CONFIG_NAME,
+    DRAFT_PHASES,
+    VOCAB_NAME,
+    WEIGHTS_NAME,
+    EagleDrafter,
+    EagleHead,
+    TargetParts,
+)
 from drafters.eagle_train import EagleTrainConfig, evaluate_eagle, train_eagle, unrolled_features
 from drafters.medusa import MedusaHeads
 from drafters.medusa_train import self_distill, target_hidden_states
@@ -34,13 +42,29 @@ def _target(family: str = "qwen2"):
 @functools.lru_cache(maxsize=None)
 def _random_head(family: str = "qwen2", seed: int = 0) -> EagleHead:
     """A head with large random weights (decisive, non-trivial drafts)."""
+    target = _target(family)  # built before seeding: the head's weights do not depend on the cache's state
     torch.manual_seed(seed)
-    head = EagleHead(_target(family))
+    head = EagleHead(target)
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.2)
     return head.eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _ranked_head(family: str = "qwen2") -> EagleHead:
+    """``_random_head(family)`` (the weights ``_run_case`` uses: the same cache entry) with token
+    frequencies: random counts, some tokens unseen."""
+    head = copy.deepcopy(_random_head(family))
+    g = torch.Generator().manual_seed(1000)
+    counts = torch.randint(0, 50, (VOCAB,), generator=g) * (torch.rand(VOCAB, generator=g) < 0.8)
+    head.set_token_counts(counts)
+    return head
+
+
+def _subset(head: EagleHead, n: int) -> set[int]:
+    return set(head.token_ids[:n].tolist())
 
 
 def _prompt(length: int, seed: int) -> torch.Tensor:
@@ -106,16 +130,18 @@ def _path_to(tree, node: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("static_shapes", [False, True])
-def test_every_expanded_node_drafts_what_the_unrolled_training_forward_predicts(static_shapes):
+@pytest.mark.parametrize("static_shapes,draft_vocab", [(False, None), (True, None), (False, 24), (True, 40)])
+def test_every_expanded_node_drafts_what_the_unrolled_training_forward_predicts(static_shapes, draft_vocab):
     """With every target feature given (full catch-up), node v's children are the top tokens of the
-    unrolled training forward along v's path: drafting and training compute the same function."""
-    target, head = _target(), _random_head()
+    unrolled training forward along v's path: drafting and training compute the same function.
+    With ``draft_vocab`` N: the top tokens among the head's N most frequent ones."""
+    target, head = _target(), _ranked_head()
     parts = TargetParts.of(target)
     tokens = _prompt(12, 5)
     n_tok = len(tokens)
     feats = _features(target, tokens)
-    drafter = EagleDrafter(target, head, depth=4, topk=3, static_shapes=static_shapes)
+    allowed = torch.arange(VOCAB) if draft_vocab is None else torch.sort(head.token_ids[:draft_vocab]).values
+    drafter = EagleDrafter(target, head, depth=4, topk=3, static_shapes=static_shapes, draft_vocab=draft_vocab)
     drafter.reset([tokens])
     tree = drafter.propose(DraftContext(tokens, 24, hidden=feats[: n_tok - 1]))
     checked = 0
@@ -129,7 +155,7 @@ def test_every_expanded_node_drafts_what_the_unrolled_training_forward_predicts(
         f = torch.cat([feats, torch.zeros(len(chain) + 1, 64)])[None]
         with torch.no_grad():
             y = unrolled_features(head, parts, ids, f, len(path))[-1][0, n_tok - 1]
-        top = torch.topk(parts.logits(y).float(), len(kids)).indices.tolist()
+        top = allowed[torch.topk(parts.logits(y).float()[allowed], len(kids)).indices].tolist()
         assert tree.tokens[list(kids)].tolist() == top, v
         checked += 1
     assert checked >= 4
@@ -512,9 +538,11 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
     monkeypatch.setattr(eagle._Expansion, "_body", guarded)
     copies = []
     record_cpu = torch.Tensor.cpu
-    for spec in (("qwen2", 4, 3, 20, True, (0.8, 5, 0.9), "all"), ("gemma3", 3, 4, 12, False, None, "last")):
-        target, head = _target(spec[0]), _random_head(spec[0])
-        drafter = EagleDrafter(target, head, depth=spec[1], topk=spec[2], static_shapes=spec[4])
+    for spec, options in ((("qwen2", 4, 3, 20, True, (0.8, 5, 0.9), "all"), {}),
+                          (("gemma3", 3, 4, 12, False, None, "last"), {}),
+                          (("qwen2", 4, 3, 20, True, (0.8, 5, 0.9), "all"), {"draft_vocab": 30, "profile": True})):
+        target, head = _target(spec[0]), (_ranked_head if options else _random_head)(spec[0])
+        drafter = EagleDrafter(target, head, depth=spec[1], topk=spec[2], static_shapes=spec[4], **options)
         tokens = _prompt(9, 0)
         drafter.reset([tokens])
         with monkeypatch.context() as m:
@@ -522,7 +550,7 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
             tree = drafter.propose(DraftContext(tokens, spec[3], sampling=None if spec[5] is None else
                                                 SamplingConfig(*spec[5]), hidden=_features(target, tokens)[:8]))
         assert tree.n == spec[3] + 1 and drafter.last_forwards == spec[1]
-    assert len(bodies) == 2 and copies == [(p.record_size,) for p in bodies]  # one copy per step: the record
+    assert len(bodies) == 3 and copies == [(p.record_size,) for p in bodies]  # one copy per step: the record
 
 
 def test_cuda_graph_options_and_draft_time_counters():
@@ -555,3 +583,131 @@ def test_cuda_graph_expansion_equals_eager_and_the_host_loop(name):
     eager = _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=False)
     reference = _run_case(spec, seed, steps=5, make=_HostLoopDrafter, device="cuda", cuda_graphs=False)
     assert graphed == eager == reference
+
+
+# ----------------------------------------------------------------------------------------------
+# the reduced draft vocabulary (EAGLE-3) and the per-phase draft timer
+
+
+def _with_vocab(draft_vocab: int | None, **more):
+    """A ``_run_case`` ``make``: the drafter over ``_ranked_head`` (the random head's weights) with ``draft_vocab``."""
+
+    def make(target, head, **options):
+        family = next(f for f in ("qwen2", "llama", "gemma3", "mistral") if _target(f) is target)
+        return EagleDrafter(target, _ranked_head(family), draft_vocab=draft_vocab, **options, **more)
+
+    return make
+
+
+@pytest.mark.parametrize("name", ["qwen2-greedy-static-all", "qwen2-topk20-wide", "qwen2-topp-static",
+                                  "qwen2-depth1-inf-ties", "qwen2-inf-frontier", "llama-greedy"])
+def test_a_draft_vocab_of_the_whole_vocabulary_draws_the_default_trees(name):
+    """draft_vocab = V goes through the gathered LM-head rows and the index map, and draws exactly the
+    default's trees (greedy, warped, -inf ties), forwards and expanded nodes, over four steps."""
+    spec, seed = _RECORD_CASES[name], sum(map(ord, name))
+    assert _run_case(spec, seed, make=_with_vocab(VOCAB)) == _run_case(spec, seed)
+
+
+@pytest.mark.parametrize("name,draft_vocab", [("qwen2-greedy-static-all", 12), ("qwen2-topk20-wide", 30),
+                                              ("qwen2-topp-static", 5), ("qwen2-inf-frontier", 16),
+                                              ("qwen2-frontier-wider-than-vocab", 50), ("llama-greedy", 3)])
+def test_a_small_draft_vocab_drafts_only_its_tokens(name, draft_vocab):
+    spec, seed = _RECORD_CASES[name], sum(map(ord, name))
+    allowed = _subset(_ranked_head(spec[0]), draft_vocab)
+    default = _run_case(spec, seed)
+    got = _run_case(spec, seed, make=_with_vocab(draft_vocab))
+    for step, ref in zip(got, default):
+        assert set(step["tokens"][1:]) <= allowed and len(step["tokens"]) > 1
+        # the tree still fills its budget when the subset offers enough children
+        if draft_vocab >= 12:
+            assert len(step["tokens"]) == len(ref["tokens"])
+    assert any(set(s["tokens"][1:]) - allowed for s in default)  # the default does draft other tokens
+
+
+@pytest.mark.parametrize("family,tree_size,static,draft_vocab", [("qwen2", 8, True, 20), ("qwen2", 40, False, 4),
+                                                                  ("llama", 16, False, 60), ("gemma3", 24, True, 10)])
+def test_greedy_equals_target_generate_with_a_draft_vocab(family, tree_size, static, draft_vocab):
+    target = _target(family)
+    prompts = [_prompt(10, 0), _prompt(1, 1), _prompt(5, 2)]
+    drafter = EagleDrafter(target, _ranked_head(family), depth=4, topk=4, static_shapes=static, draft_vocab=draft_vocab)
+    out = SpecDecoder(target, drafter, tree_size=tree_size, attn_impl="torch").generate(prompts, 25)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
+
+
+def test_token_frequencies_round_trip_and_draft_vocab_errors(tmp_path):
+    target = _target()
+    head = EagleHead(target)
+    counts = torch.zeros(VOCAB, dtype=torch.int64)
+    counts[[7, 3, 99, 5]] = torch.tensor([4, 9, 4, 1])
+    head.set_token_counts(counts)
+    assert head.token_ids[:5].tolist() == [3, 7, 99, 5, 0]  # by count, ties by id, then the unseen by id
+    assert head.token_counts[:5].tolist() == [9, 4, 4, 1, 0]
+    head.save(tmp_path / "h")
+    assert {p.name for p in (tmp_path / "h").iterdir()} == {CONFIG_NAME, WEIGHTS_NAME, VOCAB_NAME}
+    doc = json.loads((tmp_path / "h" / CONFIG_NAME).read_text())
+    assert doc["token_frequencies"] == {"file": VOCAB_NAME, "seen_tokens": 4, "counted_tokens": 18}
+    loaded = EagleHead.load(tmp_path / "h", target)
+    assert torch.equal(loaded.token_ids, head.token_ids) and torch.equal(loaded.token_counts, counts[head.token_ids])
+    assert set(loaded.state_dict()) == set(EagleHead(target).state_dict())  # the weights file is unchanged
+    drafter = make_drafter("eagle", target=target, heads=str(tmp_path / "h"), draft_vocab=3)
+    assert drafter._vocab_ids.tolist() == [3, 7, 99] and drafter._vocab_weight.shape == (3, 64)
+    # saving without frequencies removes a stale file; such a head (an older one) loads without them
+    head.token_ids = head.token_counts = None
+    head.save(tmp_path / "h")
+    assert EagleHead.load(tmp_path / "h", target).token_ids is None
+    with pytest.raises(ValueError, match=r"draft_vocab: expected a head saved with token frequencies "
+                                         r"\(draft_vocab.safetensors, written by train-eagle\), got one without"):
+        make_drafter("eagle", target=target, heads=str(tmp_path / "h"), draft_vocab=8)
+    with pytest.raises(ValueError, match=r"draft_vocab: expected a head saved with token frequencies"):
+        EagleDrafter(target, _random_head(), draft_vocab=8)
+    with pytest.raises(ValueError, match=rf"draft_vocab: expected at most the head's {VOCAB} ranked token ids, "
+                                         rf"got {VOCAB + 1}"):  # fmt: skip
+        EagleDrafter(target, _ranked_head(), draft_vocab=VOCAB + 1)
+    for bad in (0, True, 2.0, "8"):
+        with pytest.raises(ValueError, match=r"draft_vocab: expected None or an int >= 1, got"):
+            EagleDrafter(target, _ranked_head(), draft_vocab=bad)
+    with pytest.raises(ValueError, match=r"profile: expected True or False, got 'yes'"):
+        EagleDrafter(target, _ranked_head(), profile="yes")
+    with pytest.raises(ValueError, match=rf"counts: expected {VOCAB} counts >= 0"):
+        head.set_token_counts(torch.ones(VOCAB - 1))
+    # a config naming the file without it, or a file of another shape
+    EagleHead(target).save(tmp_path / "bad")
+    doc = json.loads((tmp_path / "bad" / CONFIG_NAME).read_text())
+    (tmp_path / "bad" / CONFIG_NAME).write_text(json.dumps({**doc, "token_frequencies": {"file": VOCAB_NAME}}))
+    with pytest.raises(ValueError, match=r"heads: .*eagle_config.json names draft_vocab.safetensors, but it is missing"):
+        make_drafter("eagle", target=target, heads=str(tmp_path / "bad"))
+    from safetensors.torch import save_file
+
+    save_file({"token_ids": torch.arange(VOCAB - 1), "counts": torch.zeros(VOCAB - 1, dtype=torch.int64)},
+              str(tmp_path / "bad" / VOCAB_NAME))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"path: .*draft_vocab.safetensors does not rank the target's {VOCAB} token ids"):
+        EagleHead.load(tmp_path / "bad", target)
+
+
+def test_profile_records_the_draft_phases_and_changes_no_tree():
+    spec, seed = _RECORD_CASES["qwen2-topk20-wide"], 3
+    assert _run_case(spec, seed, make=_with_vocab(None, profile=True)) == _run_case(spec, seed)
+    target, head = _target(), _ranked_head()
+    tokens = _prompt(9, 0)
+    for profile in (False, True):
+        drafter = EagleDrafter(target, head, depth=4, topk=3, profile=profile, draft_vocab=40)
+        drafter.reset([tokens])
+        dicts = []
+        for budget, hidden in ((12, _features(target, tokens)[:8]), (12, None), (0, torch.randn(64))):
+            ctx = DraftContext(tokens, budget, hidden=hidden)
+            tree = drafter.propose(ctx)
+            if not profile:
+                assert drafter.last_phase_s is None
+                continue
+            phases = drafter.last_phase_s
+            assert list(phases) == list(DRAFT_PHASES) and all(v >= 0 for v in phases.values())
+            assert sum(phases.values()) <= drafter.last_draft_s
+            if tree.n > 1:
+                assert phases["expand"] > 0 and phases["host_tree"] > 0
+            else:  # root-only: nothing expanded
+                assert phases["expand"] == phases["copy"] == 0.0
+            drafter.update(ctx, tree, Verdict((0,), 5))
+            assert phases["update"] >= 0 and drafter.last_phase_s is phases
+            dicts.append(phases)
+        assert len({id(d) for d in dicts}) == len(dicts)  # a new dict per proposal

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from drafters import eagle_train
-from drafters.eagle import CONFIG_NAME, EagleHead
-from drafters.eagle_train import _BUDGET_PROBE, EagleTrainConfig, train_eagle
+from drafters.eagle import CONFIG_NAME, VOCAB_NAME, EagleDrafter, EagleHead
+from drafters.eagle_train import _BUDGET_PROBE, EagleTrainConfig, answer_token_counts, train_eagle
 from drafters.medusa_train import self_distill
 from tests.specdec.helpers import VOCAB, tiny_model
 
@@ -58,3 +58,53 @@ def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path
     mtimes = [p.stat().st_mtime_ns for p in extra]
     assert eagle_train.main(argv) == 0  # the second run reuses every pass
     assert [p.stat().st_mtime_ns for p in extra] == mtimes
+    assert "answer tokens:" in capsys.readouterr().out
+
+
+def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tmp_path, capsys):
+    """train-eagle ranks the vocabulary by the training answers' token counts (held-out answers and
+    prompts not counted) and saves it beside the head; the loaded head drafts from that subset."""
+    from drafters import make_drafter
+    from drafters.medusa_train import Example, load_examples
+    from specdec import SpecDecoder
+    from specdec.drafting import DraftContext
+    from specdec.models import load_model
+    from tests.drafters.helpers import save_tiny_pair
+
+    target_dir, _ = save_tiny_pair(tmp_path)
+    data = tmp_path / "mbpp.jsonl"
+    rows = [{"text": f"Write a function number {i}.", "test_list": [f"assert f({i}) == {i}"]} for i in range(5)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "eagle"
+    argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
+            "--heldout", "1", "--max-new-tokens", "16", "--unroll", "2", "--device", "cpu", "--no-progress",
+            "--temperature", "1.0"]  # sampled answers: many distinct tokens  # fmt: skip
+    assert eagle_train.main(argv) == 0
+    assert "answer tokens:" in capsys.readouterr().out and (out / VOCAB_NAME).is_file()
+    with open(out / "selfdistill.jsonl") as f:
+        meta = json.loads(f.readline())["meta"]
+    train = load_examples(out / "selfdistill.jsonl", meta)[:4]
+    target = load_model(str(target_dir), progress=False)
+    vocab = target.config.vocab_size
+    counts = answer_token_counts(train, vocab)
+    assert int(counts.sum()) == sum(len(e.ids) - e.prompt_len for e in train) > 0
+    head = EagleHead.load(out, target)
+    assert torch.equal(head.token_counts, counts[head.token_ids])
+    assert sorted(head.token_ids.tolist()) == list(range(vocab))
+    seen = int((counts > 0).sum())
+    assert set(head.token_ids[:seen].tolist()) == set(torch.nonzero(counts).flatten().tolist())
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["token_frequencies"] == {"file": VOCAB_NAME, "seen_tokens": seen, "counted_tokens": int(counts.sum())}
+    assert answer_token_counts([Example((5, 6, 6, 7), 1)], 9).tolist() == [0, 0, 0, 0, 0, 0, 2, 1, 0]
+    with pytest.raises(ValueError, match=r"examples: expected token ids in \[0, 7\), got \[5, 7\]"):
+        answer_token_counts([Example((5, 6, 7), 0)], 7)
+
+    drafter = make_drafter("eagle", target=target, heads=str(out), draft_vocab=seen, depth=3, topk=4)
+    prompt = torch.tensor(train[0].ids[: train[0].prompt_len + 2])
+    hidden = torch.randn(target.config.hidden_size)
+    drafter.reset([prompt])
+    tree = drafter.propose(DraftContext(prompt, 12, hidden=hidden))
+    assert tree.n > 1 and set(tree.tokens[1:].tolist()) <= set(head.token_ids[:seen].tolist())
+    dec = SpecDecoder(target, EagleDrafter(target, head, draft_vocab=seen), tree_size=8, attn_impl="torch")
+    plain = SpecDecoder(target, None, attn_impl="torch")
+    assert dec.generate(prompt, 12).sequences.tolist() == plain.generate(prompt, 12).sequences.tolist()

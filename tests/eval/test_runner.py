@@ -558,3 +558,46 @@ def test_checker_hook_gives_pass_at_1(pair, loaded, tmp_path):
     assert [t for _, t in seen] == [r["text"] for r in res.records]
     (row,) = report.summarize(res.all_records)
     assert (row["checked"], row["pass_at_1"]) == (2, 0.5) and "| pass@1 |" in report.format_table([row]).splitlines()[0]
+
+
+def test_eagle_sweep_records_draft_phases_only_when_profiled(pair, loaded, tmp_path, capsys):
+    """``eagle:heads=DIR,profile=true``: every step's record holds the drafter's phase seconds (inside
+    its ``draft_s``) and the summary their mean ms per step; without ``profile`` neither appears."""
+    import torch
+
+    from drafters.eagle import DRAFT_PHASES, EagleHead
+
+    target = loaded[0]
+    torch.manual_seed(0)
+    head = EagleHead(target)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    head.set_token_counts(torch.arange(tiny.VOCAB) % 7)  # for draft_vocab
+    head.save(tmp_path / "eagle")
+    out = tmp_path / "e.jsonl"
+    plain = f"eagle:heads={tmp_path / 'eagle'}"
+    profiled = f"{plain},profile=true,draft_vocab=200"
+    argv = ["sweep", "--problems", "2", "--data", pair["data"], "--target", pair["target"], "--draft", pair["draft"],
+            "--drafters", f"p={profiled}", f"e={plain}", "--tree-sizes", "8", "--methods", "specdec", "hf",
+            "--max-new-tokens", "12", "--device", "cpu", "--dtype", "fp32", "--attn-impl", "torch", "--out", str(out),
+            "--warmup", "0", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    timed = [r for r in _lines(out) if r["method"] == "specdec"]
+    assert len(timed) == 4 and all(r["match"] is True for r in timed)  # greedy fp32: the target's tokens
+    for r in timed:
+        steps = r["steps"]
+        if r["drafter_label"] == "e":
+            assert "draft_phases" not in steps
+            continue
+        phases = steps["draft_phases"]
+        assert len(phases) == len(steps["draft_s"]) == r["num_steps"] > 0
+        for p, draft_s in zip(phases, steps["draft_s"]):
+            assert list(p) == [*DRAFT_PHASES, "update"] and min(p.values()) >= 0
+            assert sum(p.values()) <= draft_s + 1e-4
+    rows = {r["drafter"]: r for r in json.loads((tmp_path / "e.summary.json").read_text())["rows"]
+            if r["method"] == "specdec"}  # fmt: skip
+    ms = rows["p"]["draft_phase_ms"]
+    assert list(ms) == [*DRAFT_PHASES, "update"] and 0 < sum(ms.values()) <= rows["p"]["draft_ms"] + 0.1
+    assert "draft_phase_ms" not in rows["e"] and rows["e"]["draft_ms"] > 0
