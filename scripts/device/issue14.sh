@@ -6,14 +6,15 @@
 # and the logs / summaries to $OUT.
 #   bash scripts/device/issue14.sh tests | distill | train | apps | humaneval | model | cascade
 # Environment: BUDGET (train seconds, default 300), TREES (default "32 64"), EAGLE (drafter spec
-# options after heads=, default none), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
+# options after heads=, default none), DRAFTERS (the whole --drafters list instead, e.g.
+# "eagle:heads=/tmp/eagle,profile=true v32k=eagle:heads=/tmp/eagle,profile=true,draft_vocab=32768"), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
 # hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50).
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 mkdir -p /tmp/results
 trees=(${TREES:-32 64})
-eagle="eagle:heads=/tmp/eagle${EAGLE:+,$EAGLE}"
+read -ra drafters <<< "${DRAFTERS:-eagle:heads=/tmp/eagle${EAGLE:+,$EAGLE}}"
 train=(--data .evaldata/mbpp.jsonl --out /tmp/eagle --answers-per-prompt 2 --max-new-tokens 192 --gen-batch-size 120
        --no-progress)
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
@@ -33,7 +34,7 @@ for s in "$@"; do
     apps|humaneval)  # EAGLE at each t vs HF static, every problem of the dataset (none used for tuning)
       data=$([ "$s" = apps ] && echo .evaldata/apps_selected150.jsonl || echo "")
       timeout 590 python3 -m specdec.cli sweep --dataset "$s" ${data:+--data $data} "${sweep[@]}" \
-        --draft "" --drafters "$eagle" --tree-sizes "${trees[@]}" --methods specdec hf-static \
+        --draft "" --drafters "${drafters[@]}" --tree-sizes "${trees[@]}" --methods specdec hf-static \
         --out "/tmp/results/$s-eagle.jsonl" > "$out/$s-eagle.log" 2>&1
       cp /tmp/results/$s-eagle.* "$out/" 2>/dev/null ;;
     model)  # the draft-model drafter (0.5B) on HumanEval, t = 32, with its own HF static rows
