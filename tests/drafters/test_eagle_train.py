@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,17 +37,23 @@ def test_time_budget_cuts_the_steps_and_rescales_the_schedule():
         train_eagle(target, EagleHead(target), examples, cfg, progress=False, time_budget=0.0)
 
 
-def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path, capsys):
+def _cli_argv(tmp_path, problems: int, heldout: int, new_tokens: int, *extra: str) -> tuple[list[str], Path]:
+    """train-eagle arguments on a tiny saved target and ``problems`` MBPP-like rows; (argv, out dir)."""
     from tests.drafters.helpers import save_tiny_pair
 
     target_dir, _ = save_tiny_pair(tmp_path)
     data = tmp_path / "mbpp.jsonl"
-    rows = [{"text": f"Write a function number {i}.", "test_list": [f"assert f({i}) == {i}"]} for i in range(6)]
+    rows = [{"text": f"Write a function number {i}.", "test_list": [f"assert f({i}) == {i}"]} for i in range(problems)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "eagle"
     argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
-            "--heldout", "2", "--max-new-tokens", "10", "--unroll", "2", "--device", "cpu", "--no-progress",
-            "--answers-per-prompt", "3", "--time-budget", "600"]  # fmt: skip
+            "--heldout", str(heldout), "--max-new-tokens", str(new_tokens), "--unroll", "2", "--device", "cpu",
+            "--no-progress", *extra]  # fmt: skip
+    return argv, out
+
+
+def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path, capsys):
+    argv, out = _cli_argv(tmp_path, 6, 2, 10, "--answers-per-prompt", "3", "--time-budget", "600")
     assert eagle_train.main(argv) == 0
     assert "training sequences: 12 (4 problems x 3 answers), held out: 2" in capsys.readouterr().out
     cfg = json.loads((out / CONFIG_NAME).read_text())
@@ -69,16 +76,8 @@ def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tm
     from specdec import SpecDecoder
     from specdec.drafting import DraftContext
     from specdec.models import load_model
-    from tests.drafters.helpers import save_tiny_pair
-
-    target_dir, _ = save_tiny_pair(tmp_path)
-    data = tmp_path / "mbpp.jsonl"
-    rows = [{"text": f"Write a function number {i}.", "test_list": [f"assert f({i}) == {i}"]} for i in range(5)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "eagle"
-    argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
-            "--heldout", "1", "--max-new-tokens", "16", "--unroll", "2", "--device", "cpu", "--no-progress",
-            "--temperature", "1.0"]  # sampled answers: many distinct tokens  # fmt: skip
+    argv, out = _cli_argv(tmp_path, 5, 1, 16, "--temperature", "1.0")  # sampled answers: many distinct tokens
+    target_dir = Path(argv[1])
     assert eagle_train.main(argv) == 0
     assert "answer tokens:" in capsys.readouterr().out and (out / VOCAB_NAME).is_file()
     with open(out / "selfdistill.jsonl") as f:
