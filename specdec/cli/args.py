@@ -18,6 +18,7 @@ from pathlib import Path
 __all__ = [
     "ArgumentParser",
     "device",
+    "device_name",
     "existing_path",
     "float_in",
     "int_at_least",
@@ -99,14 +100,25 @@ def float_in(low: float, high: float = math.inf, *, low_open: bool = False, high
     return parse
 
 
-def device(text: str) -> str:
-    """argparse type: ``cpu``, ``cuda`` or ``cuda:N`` that exists on this machine."""
+def device_name(text: str) -> str:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N`` by name only, not checked against this
+    machine (e.g. to name the device a results file was made on)."""
     import torch
 
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def device(text: str) -> str:
+    """argparse type: ``cpu``, ``cuda`` or ``cuda:N`` that exists on this machine."""
+    import torch
+
+    dev = torch.device(device_name(text))
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text!r} requested but no CUDA device is available "
@@ -114,8 +126,6 @@ def device(text: str) -> str:
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
             raise argparse.ArgumentTypeError(f"expected a CUDA index < {count}, got {text!r}")
-    elif dev.type != "cpu":
-        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
     return text
 
 

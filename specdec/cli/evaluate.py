@@ -27,7 +27,10 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
     pass
 
 
-def parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
+def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.ArgumentParser:
+    """The flags of ``specdec eval`` / ``sweep``. ``report_only``: ``--device`` names the device a
+    results file was made on and is not checked against this machine (reports of GPU runs are
+    rebuilt anywhere)."""
     from eval.config import DEFAULT_METHODS, DRAFTER_SYNTAX
     from eval.methods import METHODS
 
@@ -72,7 +75,8 @@ def parser(prog: str, sweep: bool) -> argparse.ArgumentParser:
                    help="0 = greedy (outputs compared with target-only)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=_DTYPES, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", type=cliargs.device_name if report_only else cliargs.device, default=None,
+                   help="default: cuda if available, else cpu")
     p.add_argument("--out", type=cliargs.output_file, default="results/sweep.jsonl" if sweep else None,
                    help="results JSONL (appended; reruns skip what it holds). Default results/<dataset>.jsonl")
     p.add_argument("--pad-prompt-to", type=cliargs.int_at_least(1), default=None,
@@ -214,7 +218,8 @@ def main_sweep(argv: Sequence[str] | None = None) -> int:
     from eval import attn_timing, report
     from eval.records import load_records, result_from_file
 
-    ns = parser("specdec sweep", sweep=True).parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns = parser("specdec sweep", sweep=True, report_only="--report-only" in args).parse_args(args)
     cfg = config_from(ns, ns.dataset)
     if ns.report_only:
         result = result_from_file(cfg.out)

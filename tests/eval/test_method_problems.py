@@ -72,3 +72,18 @@ def test_cli_flag(pair, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv[:-3] + ["--method-problems", "hf=x", "--out", str(out)])
     assert exc.value.code == 2 and "--method-problems" in capsys.readouterr().err
+
+
+def test_report_only_rebuilds_a_gpu_runs_report_on_any_machine(pair, tmp_path, capsys):
+    """``--device`` only names the device the file was made on: a CPU machine reports a CUDA run."""
+    from specdec import cli
+
+    out = tmp_path / "r.jsonl"
+    runner.run_eval(_cfg(pair, out, methods=("hf-static",), problems=1))
+    argv = ["sweep", "--report-only", "--out", str(out), "--target", pair["target"], "--draft", pair["draft"],
+            "--data", pair["data"], "--max-new-tokens", "6", "--dtype", "fp32", "--device", "cuda", "--no-attn"]
+    assert cli.main(argv) == 0  # the records were made on cpu: the table is still built from the file
+    assert "hf-static" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv[:-3] + ["--device", "tpu", "--no-attn"])
+    assert exc.value.code == 2 and "--device" in capsys.readouterr().err
