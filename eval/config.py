@@ -261,6 +261,12 @@ class EvalConfig:
         method_problems: ``{method: n}`` as pairs: that method runs on the first n problems only
             (e.g. ``(("hf", 50), ("hf-assisted", 50))`` when device time is short: the slow
             references on a stated subset, every other method on all problems). Default: all.
+            With ``shard`` the first n problems are those of the whole (unsharded) problem list.
+        shard: ``(rank, world)``: run only shard ``rank`` of ``world`` of the chosen problems
+            (``eval.shard.shard``, by problem id, after ``problems`` / ``difficulty`` pick them) and
+            write to ``eval.shard.shard_path(out, rank, world)`` (:attr:`results_path`), resuming from
+            that file. None or world 1: every problem, into ``out``. Not part of the configuration
+            key: the shard files of a run merge (``eval.shard.merge``) into what one process writes.
     """
 
     dataset: str = "apps"
@@ -285,6 +291,7 @@ class EvalConfig:
     progress: bool = True
     home: str | None = None
     method_problems: tuple[tuple[str, int], ...] = ()
+    shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.dataset not in ("apps", "humaneval"):
@@ -322,6 +329,28 @@ class EvalConfig:
             raise ValueError(f"warmup: expected an int >= 0, got {self.warmup}")
         if self.attn_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"attn_impl: expected 'auto', 'triton' or 'torch', got {self.attn_impl!r}")
+        if self.shard is not None:
+            s = self.shard
+            ok = isinstance(s, (tuple, list)) and len(s) == 2
+            ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in s) and 0 <= s[0] < s[1]
+            if not ok:
+                raise ValueError(f"shard: expected (rank, world) with ints 0 <= rank < world, got {s!r}")
+            object.__setattr__(self, "shard", (s[0], s[1]))
+            self.results_path  # noqa: B018 - raises ValueError naming out for a shard file given as out
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this run evaluates one shard of several (``shard`` with world > 1)."""
+        return self.shard is not None and self.shard[1] > 1
+
+    @property
+    def results_path(self) -> str:
+        """The file this run writes and resumes from: ``out``, or its shard file when :attr:`sharded`."""
+        if not self.sharded:
+            return self.out
+        from eval.shard import shard_path
+
+        return str(shard_path(self.out, *self.shard))
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "record_drafter",
     "record_key",
     "result_from_file",
+    "result_from_records",
     "seed_for",
     "write_record",
 ]
@@ -168,10 +169,17 @@ def finalize(result: EvalResult) -> EvalResult:
 
 def result_from_file(path: str | os.PathLike[str]) -> EvalResult:
     """The records of the last configuration written to ``path`` (by its ``config_key``)."""
-    records = load_records(path)
+    return result_from_records(load_records(path), path)
+
+
+def result_from_records(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
+                        key: str | None = None) -> EvalResult:  # fmt: skip
+    """The records of configuration ``key`` (default: the last record's) among ``records``, read from
+    ``path`` (named in messages; e.g. the merged shard files of a distributed run)."""
+    records = [dict(r) for r in records]
     if not records:
         raise ValueError(f"out: no records in {path}")
-    key = records[-1].get("config_key")
+    key = records[-1].get("config_key") if key is None else key
     others = sorted({str(r.get("config_key")) for r in records} - {str(key)})
     if others:
         print(f"note: {path} also holds configurations {', '.join(others)}; reporting the last one ({key})",

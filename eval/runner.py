@@ -15,6 +15,11 @@ methods build their drafter and decoder and run ``SpecDecoder.warmup`` (declared
 fixed-shape forward compiled / captured for the run's longest request), then every method makes
 ``cfg.warmup`` short untimed generations (``hf-static`` one more: compile, then replay). All of it
 is timed and written as a ``"kind": "warmup"`` record (first-call latency, ``eval.latency``).
+
+With ``cfg.shard = (rank, world)`` (world > 1) the run keeps only its shard of the chosen problems
+(``eval.shard``, by problem id) and writes / resumes ``cfg.results_path`` (the shard's file);
+``method_problems`` limits and each record's ``problem_index`` count in the whole problem list, so
+the shards' records together are the records of one unsharded run.
 """
 
 from __future__ import annotations
@@ -49,15 +54,23 @@ _NO_DRAFT_MODEL = ("lookup", "medusa", "eagle")
 
 def work_items(problems: Sequence[Any], methods: Sequence[Method], drafters: Sequence[DrafterSpec],
                tree_sizes: Sequence[int], method_problems: Mapping[str, int] | None = None,
+               indices: Sequence[int] | None = None,
                ) -> list[tuple[int, Any, Method, DrafterSpec | None, int | None]]:  # fmt: skip
     """(problem index, problem, method, drafter, tree size) in run order: per problem, each method
     in turn; a method with a drafter once per drafter and (if it uses trees) per tree size; a
-    method named in ``method_problems`` only on that many first problems."""
+    method named in ``method_problems`` only on that many first problems.
+
+    ``indices``: each problem's place in the whole problem list (a shard's problems are a subset),
+    which ``method_problems`` limits count in; default ``0, 1, ...``. The returned index is the
+    problem's place in ``problems``."""
     limits = dict(method_problems or {})
+    places = list(range(len(problems))) if indices is None else list(indices)
+    if len(places) != len(problems):
+        raise ValueError(f"indices: expected one per problem ({len(problems)}), got {len(places)}")
     items = []
     for p_index, problem in enumerate(problems):
         for m in methods:
-            if p_index >= limits.get(m.name, len(problems)):
+            if places[p_index] >= limits.get(m.name, float("inf")):
                 continue
             for spec in drafters if m.needs_drafter else (None,):
                 for t in tree_sizes if m.uses_tree else (None,):
@@ -206,7 +219,7 @@ def run_eval(
     device = cfg.resolved_device()
     dtype_name = cfg.resolved_dtype()
     key = config_key(cfg)
-    out_path = Path(cfg.out)
+    out_path = Path(cfg.results_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     previous = [r for r in load_records(out_path, repair=True) if r.get("config_key") == key]
     prev_warmups = [r for r in previous if is_warmup(r)]
@@ -217,6 +230,17 @@ def run_eval(
         problems, pool = load_eval_problems(cfg)
     else:
         problems, pool = list(problems), list(problems)
+    indices = list(range(len(problems)))  # places in the whole list (method_problems, problem_index)
+    if cfg.sharded:
+        from eval.shard import shard_of
+
+        rank, world = cfg.shard
+        total = len(problems)
+        picked = [(i, p) for i, p in enumerate(problems) if shard_of(str(p.id), world) == rank]
+        indices, problems = [i for i, _ in picked], [p for _, p in picked]
+        _say(f"shard {rank}/{world}: {len(problems)} of {total} problem(s) -> {out_path}")
+        if not problems:
+            return finalize(EvalResult(records=list(previous), warmups=list(prev_warmups)))
 
     table = {**METHODS, **(extra_methods or {})}
     wanted = [table[m] for m in cfg.methods if m in table]
@@ -249,7 +273,7 @@ def run_eval(
         "dtype": dtype_name, "device": device, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "seed": cfg.seed, "pad_prompt_to": cfg.pad_prompt_to, "attn_impl": cfg.attn_impl, "compile": cfg.compile,
     }  # fmt: skip
-    items = work_items(problems, methods, cfg.drafters, cfg.tree_sizes, dict(cfg.method_problems))
+    items = work_items(problems, methods, cfg.drafters, cfg.tree_sizes, dict(cfg.method_problems), indices)
     warmed: dict[tuple[str, str | None, int | None], dict[str, Any]] = {}
     references: dict[str, dict[str, Any] | None] = {}
     bar = _tqdm(total=len(items), desc=f"{cfg.dataset} generations", unit="call", disable=not cfg.progress,
@@ -284,7 +308,8 @@ def run_eval(
                     else:
                         first_call = warm
                 session.seed = seed_for(cfg.seed, pid, method.name, t)
-                rec = dict(common, problem_id=pid, problem_index=p_index, difficulty=getattr(problem, "difficulty", None),
+                rec = dict(common, problem_id=pid, problem_index=indices[p_index],
+                           difficulty=getattr(problem, "difficulty", None),
                            method=method.name, tree_size=t, prompt_len=len(ids), **dfields)  # fmt: skip
                 if first_call is not None:
                     rec.update(first_call=True, load_s=first_call["load_s"], prep_s=first_call["prep_s"])

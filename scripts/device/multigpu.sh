@@ -11,7 +11,7 @@
 #   llama-bf16  the same in bf16 (speed only: bf16 rounds differently in a sharded matmul).
 #   qwen        (b) the real pair (after setup_models.sh): Qwen2.5-Coder-1.5B target, 0.5B draft, fp32,
 #               prompt lookup and the draft model (replicated per rank), one GPU vs TP=2.
-#   sweep-note  (c) how the APPS sweep is launched sharded (prints the commands; see the TODO).
+#   sweep-note  (c) how the APPS sweep is launched sharded (prints the commands: --shard auto, --shards).
 # Every TP run goes with CUDA graphs first (the NCCL all-reduces captured in the tree forward's graph);
 # if that fails it is rerun eagerly (SPECDEC_CUDA_GRAPHS=0) and the log says so.
 set -uo pipefail
@@ -54,20 +54,20 @@ for s in ${@:-build llama qwen}; do
       pair qwen-lookup --model "$t" --tokenizer "${data[@]}" --drafter lookup --tree-size 32 --new 128
       pair qwen-model --model "$t" --tokenizer "${data[@]}" --drafter model --draft "$d" --tree-size 32 --new 128 ;;
     sweep-note)
-      # (c) Sharded APPS sweep. Data parallel (one whole model per GPU): each process runs
-      #     eval.shard.shard(problems, *eval.shard.shard_env()) into eval.shard.shard_path(out, rank, world),
-      #     resuming from its own file; afterwards eval.shard.merge(shard_paths(out, world)) is the single
-      #     process's record set. With a TP target (tp_size = 2 on 2 GPUs) both ranks decode the same
-      #     problems: shard_env(tp_size=2) -> one shard, and only rank 0 writes.
-      # TODO(issue16-cli): the sweep CLI flag that turns sharding on (and picks cuda:$LOCAL_RANK) does not
-      #     exist yet; the commands below are what it will look like.
+      # (c) Sharded APPS sweep. Data parallel (one whole model per GPU): `--shard auto` reads each
+      #     process's place from torchrun's RANK / WORLD_SIZE (eval.shard.shard_env), runs only its
+      #     problems (eval.shard.shard, by problem id) on cuda:$LOCAL_RANK into
+      #     OUT.rank{R}-of-{W}.jsonl (eval.shard.shard_path), resuming from that file, and prints its
+      #     partial table; `--report-only --shards 2` then merges both files (eval.shard.merge) and
+      #     writes the single table / CSV / summary / plot next to OUT. The report takes the same
+      #     settings flags as the run (they only label it). A TP target is not wired into the sweep.
       cat <<'EOF'
 torchrun --standalone --nproc-per-node 2 -m specdec.cli sweep --dataset apps --problems 150 \
   --data .evaldata/apps_selected150.jsonl --tree-sizes 32 64 128 256 --drafter model --methods hf-static specdec \
-  --dtype bf16 --device cuda --seed 0 --out /tmp/results/apps-dp2.jsonl --shard auto   # TODO(issue16-cli) --shard
-python3 -c "import json, sys; from eval.shard import merge, shard_paths
-recs = merge(shard_paths('/tmp/results/apps-dp2.jsonl', 2))
-open('/tmp/results/apps-dp2.merged.jsonl', 'w').writelines(json.dumps(r) + '\n' for r in recs)"
+  --dtype bf16 --device cuda --seed 0 --out /tmp/results/apps-dp2.jsonl --no-attn --shard auto
+python3 -m specdec.cli sweep --report-only --dataset apps --problems 150 \
+  --data .evaldata/apps_selected150.jsonl --tree-sizes 32 64 128 256 --drafter model --methods hf-static specdec \
+  --dtype bf16 --device cuda --seed 0 --out /tmp/results/apps-dp2.jsonl --shards 2
 EOF
       ;;
     *) echo "unknown step $s" >&2; exit 2 ;;

@@ -7,6 +7,24 @@ as specs, several per run (``--drafters lookup medusa:heads=DIR model:draft=NAME
 ``eval.config.DRAFTER_SYNTAX``); the baselines run once per problem and are shared by every row.
 ``--check`` then runs the completions against their tests (``eval.passk``, as ``specdec check``
 does) so that the table has pass@1.
+
+Distributed (data-parallel) evaluation, one whole model per process (``eval.shard``)::
+
+    torchrun --standalone --nproc-per-node 2 -m specdec.cli sweep ... --out results/apps.jsonl --shard auto
+    specdec sweep --report-only ... --out results/apps.jsonl --shards 2
+
+``--shard auto`` reads this process's place from the launcher's environment (torchrun / accelerate:
+``RANK`` / ``WORLD_SIZE``, else ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``; none: a single process);
+``--shard RANK/WORLD`` gives it by hand (e.g. two runs one after the other, or on two machines).
+With WORLD > 1 the process evaluates only its shard of the problems (by problem id,
+``eval.shard.shard``) into ``eval.shard.shard_path(OUT, RANK, WORLD)`` (``OUT.rank0-of-2.jsonl``),
+resuming from that file; ``sweep`` then prints its own partial table only (no attention timings,
+CSV, summary or plot). Under ``--shard auto`` with more than one process and a CUDA device given
+without an index (``--device cuda`` or the default), each process takes ``cuda:$LOCAL_RANK`` (also
+made the current device); ``--shard R/W`` leaves the device as given (pick it with ``--device
+cuda:N`` or ``CUDA_VISIBLE_DEVICES``). Merging is explicit: ``sweep --report-only --shards WORLD``
+merges ``eval.shard.shard_paths(OUT, WORLD)`` (``eval.shard.merge``) and writes the one table, CSV,
+summary and plot next to OUT as a single process would.
 """
 
 from __future__ import annotations
@@ -100,7 +118,15 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
     from specdec.cli.check import add_limit_arguments
 
     add_limit_arguments(p, prefix="check-")
+    p.add_argument("--shard", type=shard_arg, default=None, metavar="auto|RANK/WORLD",
+                   help="evaluate one shard of the problems into OUT.rankR-of-W.jsonl (resumable): 'auto' from the "
+                   "launcher's environment (torchrun: RANK / WORLD_SIZE; each process on cuda:LOCAL_RANK), or "
+                   "RANK/WORLD by hand; default: no sharding"
+                   + ("; merge with --report-only --shards WORLD" if sweep else ""))  # fmt: skip
     if sweep:
+        p.add_argument("--shards", type=cliargs.int_at_least(1), default=None, metavar="WORLD",
+                       help="with --report-only: merge the WORLD shard files of --out (written with --shard R/WORLD) "
+                       "and report them as one run")  # fmt: skip
         p.add_argument("--report-only", action="store_true", help="only rebuild table / CSV / plot from --out")
         p.add_argument("--no-attn", action="store_true", help="skip the attention-only timings")
         p.add_argument("--attn-trees", type=cliargs.int_at_least(1), default=8,
@@ -130,17 +156,73 @@ def drafter_specs(ns: argparse.Namespace):
         raise ValueError(str(e).replace("drafters:", "--drafter:", 1)) from None
 
 
+def shard_arg(text: str) -> str | tuple[int, int]:
+    """argparse type of ``--shard``: ``auto`` or ``RANK/WORLD`` (ints, 0 <= RANK < WORLD)."""
+    if text == "auto":
+        return text
+    rank, sep, world = text.partition("/")
+    if not sep or not rank.strip().isdigit() or not world.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected auto or RANK/WORLD (e.g. 0/2), got {text!r}")
+    r, w = int(rank), int(world)
+    if w < 1 or r >= w:
+        raise argparse.ArgumentTypeError(f"expected RANK/WORLD with 0 <= RANK < WORLD, got {text!r}")
+    return r, w
+
+
+def resolve_shard(ns: argparse.Namespace) -> tuple[tuple[int, int] | None, str | None]:
+    """``(shard, device)`` of this process: ``--shard`` (``auto``: ``eval.shard.shard_env``) and
+    ``--device``, which under ``auto`` with more than one process and a CUDA device without an index
+    becomes ``cuda:$LOCAL_RANK``. ValueError naming ``--shard`` on a bad environment."""
+    device = ns.device
+    if getattr(ns, "shard", None) is None:
+        import os
+
+        world = os.environ.get("WORLD_SIZE", "").strip()
+        if world.isdigit() and int(world) > 1:
+            print(f"note: WORLD_SIZE={world} but no --shard: every process evaluates every problem into the same "
+                  "--out; add --shard auto to split the problems", file=sys.stderr)  # fmt: skip
+        return None, device
+    if ns.shard != "auto":
+        return ns.shard, device
+    import os
+
+    from eval.shard import shard_env
+
+    try:
+        place = shard_env()
+    except ValueError as e:
+        raise ValueError(f"--shard auto: {e}") from None
+    if place[1] > 1 and (device is None or device == "cuda"):
+        import torch
+
+        if torch.cuda.is_available():  # (a report-only run may name cuda on a machine without one)
+            local = os.environ.get("LOCAL_RANK", "").strip()
+            index = int(local) if local.isdigit() else place[0]
+            count = torch.cuda.device_count()
+            if index >= count:
+                raise ValueError(f"--shard auto: LOCAL_RANK {index} has no CUDA device (this process sees {count})")
+            device = f"cuda:{index}"
+    return place, device
+
+
 def config_from(ns: argparse.Namespace, dataset: str):
     from eval.config import EvalConfig
 
     out = ns.out or f"results/{dataset}.jsonl"
+    shard, device = resolve_shard(ns)
+    if device is not None and device.startswith("cuda:") and shard is not None and ns.shard == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(device)
     return EvalConfig(
         dataset=dataset, target=ns.target, draft=ns.draft or None, drafters=drafter_specs(ns),
         tree_sizes=tuple(ns.tree_sizes), methods=tuple(ns.methods), problems=ns.problems or None,
         difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, seed=ns.seed, dtype=ns.dtype,
-        device=ns.device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl, compile=ns.compile,
+        device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl, compile=ns.compile,
         warmup=ns.warmup, progress=not ns.no_progress, home=ns.home, method_problems=tuple(ns.method_problems),
+        shard=shard,
     )  # fmt: skip
 
 
@@ -178,10 +260,11 @@ def _run(cfg, ns: argparse.Namespace | None = None):
     return result
 
 
-def _check(cfg, ns: argparse.Namespace, records=None, key: str | None = None, dataset: str | None = None) -> None:
+def _check(cfg, ns: argparse.Namespace, records=None, key: str | None = None, dataset: str | None = None,
+           path: str | None = None) -> None:  # fmt: skip
     """``--check``: verdicts for the records of configuration ``key`` (default: ``cfg``'s) in
-    ``cfg.out`` (``eval.passk``), after all generations (the sandboxes never run beside a timed
-    call), and into ``records`` (in memory) too."""
+    ``path`` (default: ``cfg.results_path``; ``eval.passk``), after all generations (the sandboxes
+    never run beside a timed call), and into ``records`` (in memory) too."""
     from eval import passk
     from eval.config import config_key
     from eval.execution import Limits
@@ -190,7 +273,7 @@ def _check(cfg, ns: argparse.Namespace, records=None, key: str | None = None, da
     key = config_key(cfg) if key is None else key
     dataset = dataset or cfg.dataset
     try:
-        res = passk.check_file(cfg.out, dataset=dataset, data=cfg.data_path, config_key=key,
+        res = passk.check_file(path or cfg.results_path, dataset=dataset, data=cfg.data_path, config_key=key,
                                limits=Limits(timeout_s=ns.check_timeout), workers=ns.check_workers,
                                progress=cfg.progress)  # fmt: skip
     except ValueError as e:
@@ -209,8 +292,42 @@ def main_eval(argv: Sequence[str] | None = None) -> int:
     result = _run(cfg, ns)
     rows = report.summarize(result.all_records)
     print(report.format_table(rows))
-    print(f"{result.new} new record(s), {result.skipped} already in {cfg.out}")
+    print(f"{result.new} new record(s), {result.skipped} already in {cfg.results_path}")
     return verdict(result)
+
+
+def _merged_result(cfg, ns: argparse.Namespace):
+    """``--report-only --shards W``: the records of ``shard_paths(OUT, W)`` as one run (``--check``
+    first checks each shard file). The configuration reported: the last record's of the newest file."""
+    from eval.records import load_records, result_from_records
+    from eval.shard import merge, shard_paths
+
+    paths = [p for p in shard_paths(cfg.out, ns.shards) if p.exists()] if ns.shards > 1 else [Path(cfg.out)]
+    if not paths:
+        raise ValueError(f"--shards: none of the {ns.shards} shard files of {cfg.out} exists "
+                         f"({shard_paths(cfg.out, ns.shards)[0].name}, ...)")  # fmt: skip
+    missing = ns.shards - len(paths) if ns.shards > 1 else 0
+    if missing:
+        print(f"note: {missing} of {ns.shards} shard file(s) of {cfg.out} missing (shards without problems write "
+              "none)", file=sys.stderr)  # fmt: skip
+    lasts = {}
+    for p in paths:
+        recs = load_records(p)
+        if recs:
+            lasts[p] = recs[-1]
+    if not lasts:
+        raise ValueError(f"--shards: no records in the shard files of {cfg.out}")
+    newest = max(lasts, key=lambda p: p.stat().st_mtime)
+    key = lasts[newest].get("config_key")
+    if ns.check:
+        for p in lasts:
+            _check(cfg, ns, key=key, dataset=lasts[newest].get("dataset"), path=str(p))
+    try:
+        records = merge(paths)
+    except ValueError as e:
+        raise ValueError(str(e).replace("paths:", "--shards:", 1)) from None
+    source = f"{cfg.out} ({len(paths)} shard file(s))" if ns.shards > 1 else cfg.out
+    return result_from_records(records, source, key=key)
 
 
 def main_sweep(argv: Sequence[str] | None = None) -> int:
@@ -220,14 +337,30 @@ def main_sweep(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     ns = parser("specdec sweep", sweep=True, report_only="--report-only" in args).parse_args(args)
+    if ns.shards is not None and not ns.report_only:
+        raise ValueError("--shards: only with --report-only (merging the shard files of --out); to run one shard "
+                         "use --shard RANK/WORLD or --shard auto")  # fmt: skip
+    if ns.shards is not None and ns.shard is not None:
+        raise ValueError("--shards: give either --shards WORLD (merge every shard) or --shard (one shard), not both")
     cfg = config_from(ns, ns.dataset)
-    if ns.report_only:
-        result = result_from_file(cfg.out)
+    if ns.report_only and ns.shards is not None:
+        result = _merged_result(cfg, ns)
+    elif ns.report_only:
+        result = result_from_file(cfg.results_path)
         if ns.check:  # the configuration reported: the file's last
             last = result.records[-1]
             _check(cfg, ns, result.records, key=last.get("config_key"), dataset=last.get("dataset"))
     else:
         result = _run(cfg, ns)
+    if cfg.sharded and not ns.report_only:  # one shard's records: its own table only
+        rank, world = cfg.shard
+        print(f"shard {rank}/{world} of {cfg.out}: partial table (this shard's problems only)")
+        if result.all_records:
+            print(report.format_table(report.summarize(result.all_records)))
+        print(f"{result.new} new record(s), {result.skipped} already in {cfg.results_path}")
+        print(f"after every shard: specdec sweep --report-only --out {cfg.out} --shards {world} ... "
+              "(the same settings) for the merged table, CSV, summary and plot")  # fmt: skip
+        return verdict(result)
     stem = Path(cfg.out).with_suffix("")
     attn_rows = None
     attn_path = Path(f"{stem}.attn.jsonl")

@@ -1,0 +1,162 @@
+"""``specdec eval|sweep --shard``: each process runs its shard of the problems into its own file, and
+``sweep --report-only --shards W`` reports the merged files as one run (``eval.shard``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval.config import EvalConfig
+from eval.records import is_warmup, record_key
+from eval.shard import shard_of, shard_path
+from tests.eval import tiny
+
+N = 4  # problem ids 100..103: shard 0 of 2 holds 100, 101; shard 1 holds 102, 103
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target, draft = tiny.save_pair(root)
+    return {"target": str(target), "draft": str(draft), "data": str(tiny.apps_rows(root / "apps.jsonl", n=N))}
+
+
+def _argv(pair, out, *extra) -> list[str]:
+    return ["sweep", "--target", pair["target"], "--draft", pair["draft"], "--drafters",
+            "tests.eval.tiny:make_drafter", "--tree-sizes", "4", "--problems", str(N), "--data", pair["data"], "--max-new-tokens", "6", "--dtype",
+            "fp32", "--device", "cpu", "--attn-impl", "torch", "--warmup", "0", "--no-progress", "--no-attn",
+            "--methods", "hf-static", "specdec", "--method-problems", "hf-static=3", "--out", str(out), *extra]  # fmt: skip
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _timed(recs) -> dict:
+    return {record_key(r): r for r in recs if not is_warmup(r)}
+
+
+_SAME = ("problem_id", "problem_index", "method", "drafter", "tree_size", "token_ids", "match", "prompt_len")
+
+
+@pytest.fixture(scope="module")
+def runs(pair, tmp_path_factory):
+    """One unsharded sweep, then shard 0/2 and shard 1/2 of the same sweep one after the other."""
+    from specdec import cli
+
+    root = tmp_path_factory.mktemp("runs")
+    single, sharded = root / "single.jsonl", root / "dp.jsonl"
+    assert cli.main(_argv(pair, single)) == 0
+    for rank in range(2):
+        assert cli.main(_argv(pair, sharded, "--shard", f"{rank}/2")) == 0
+    return single, sharded
+
+
+def test_shards_hold_disjoint_problems_and_together_the_single_runs_records(runs):
+    single, sharded = runs
+    files = [shard_path(sharded, r, 2) for r in range(2)]
+    assert [f.name for f in files] == ["dp.rank0-of-2.jsonl", "dp.rank1-of-2.jsonl"]
+    assert not sharded.exists()  # only the shard files are written
+    per = [_timed(_records(f)) for f in files]
+    pids = [{k[2] for k in p} for p in per]
+    assert pids == [{"100", "101"}, {"102", "103"}]
+    assert all(shard_of(pid, 2) == r for r, ids in enumerate(pids) for pid in ids)
+    assert not set(per[0]) & set(per[1])
+    want = _timed(_records(single))
+    got = {**per[0], **per[1]}
+    assert set(got) == set(want)
+    # method_problems counts in the whole problem list: hf-static on 100, 101, 102 (102 in shard 1)
+    assert sorted(k[2] for k in got if k[3] == "hf-static") == ["100", "101", "102"]
+    for k, rec in want.items():
+        assert {f: got[k].get(f) for f in _SAME} == {f: rec.get(f) for f in _SAME}, k
+
+
+def test_report_only_merges_the_shards_into_one_table(pair, runs, capsys):
+    from specdec import cli
+
+    single, sharded = runs
+    capsys.readouterr()
+    assert cli.main(_argv(pair, single, "--report-only")) == 0
+    assert cli.main(_argv(pair, sharded, "--report-only", "--shards", "2")) == 0
+    out = capsys.readouterr().out
+    assert "hf-static" in out and "specdec" in out
+
+    def rows(stem):
+        doc = json.loads((stem.parent / f"{stem.stem}.summary.json").read_text())
+        return {(r["method"], r["drafter"], r["tree_size"]): (r["problems"], r["errors"], r["compared"], r["matches"])
+                for r in doc["rows"]}  # fmt: skip
+
+    assert rows(sharded) == rows(single)
+    assert (sharded.parent / "dp.csv").exists()
+
+
+def test_resuming_a_shard_recomputes_nothing(pair, runs, capsys, monkeypatch):
+    from specdec import cli
+
+    _, sharded = runs
+    f0 = shard_path(sharded, 0, 2)
+    before = f0.read_text()
+    capsys.readouterr()
+    assert cli.main(_argv(pair, sharded, "--shard", "0/2")) == 0
+    out = capsys.readouterr().out
+    assert "0 new record(s)" in out and "partial table" in out
+    assert f0.read_text() == before
+    # --shard auto reads the place from torchrun's environment: rank 1 of 2 resumes its own file
+    f1 = shard_path(sharded, 1, 2)
+    before = f1.read_text()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli.main(_argv(pair, sharded, "--shard", "auto")) == 0
+    assert "0 new record(s)" in capsys.readouterr().out
+    assert f1.read_text() == before
+
+
+@pytest.mark.parametrize("bad", ["2/2", "x", "1/0", "-1/2", "0/2/3", "1", "/2"])
+def test_bad_shard_values_are_one_line_errors(pair, tmp_path, capsys, bad):
+    from specdec import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(_argv(pair, tmp_path / "r.jsonl", "--shard", bad))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--shard" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_environment_and_flag_combinations_name_the_flag(pair, tmp_path, capsys, monkeypatch):
+    from specdec import cli
+
+    out = tmp_path / "r.jsonl"
+    monkeypatch.setenv("RANK", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(_argv(pair, out, "--shard", "auto")) == 2
+    err = capsys.readouterr().err
+    assert "--shard auto: RANK" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.delenv("RANK")
+    assert cli.main(_argv(pair, out, "--shards", "2")) == 2  # not without --report-only
+    assert "--shards" in capsys.readouterr().err
+    assert cli.main(_argv(pair, out, "--report-only", "--shards", "2")) == 2  # no shard files
+    assert "--shards" in capsys.readouterr().err
+    assert cli.main(_argv(pair, out, "--report-only", "--shards", "2", "--shard", "0/2")) == 2
+    assert "--shards" in capsys.readouterr().err
+
+
+def test_config_validates_shard():
+    assert EvalConfig(shard=(1, 2), out="r.jsonl").results_path == "r.rank1-of-2.jsonl"
+    assert EvalConfig(shard=[0, 1], out="r.jsonl").results_path == "r.jsonl"  # one shard: out itself
+    assert EvalConfig(out="r.jsonl").results_path == "r.jsonl"
+    for bad in [(2, 2), (-1, 2), (0, 0), (0,), (True, 2), (0.0, 2), "0/2"]:
+        with pytest.raises(ValueError, match="shard"):
+            EvalConfig(shard=bad)
+    with pytest.raises(ValueError, match="out"):
+        EvalConfig(shard=(0, 2), out="r.rank0-of-2.jsonl")
+
+
+def test_an_empty_shard_writes_nothing_and_loads_no_model(pair, tmp_path):
+    from eval import runner
+
+    cfg = EvalConfig(dataset="apps", target="/nonexistent", draft=None, drafters=("lookup",), methods=("hf-static",),
+                     problems=1, data_path=pair["data"], device="cpu", out=str(tmp_path / "r.jsonl"),
+                     progress=False, shard=(1, 2))  # fmt: skip
+    res = runner.run_eval(cfg)  # problem 100 is in shard 0
+    assert res.records == [] and res.new == 0 and not res.failed
