@@ -47,7 +47,7 @@ from typing import Any
 
 from eval import execution
 from eval.execution import Limits, PairedDiff, paired_diff_ci
-from eval.records import is_warmup, load_records, record_drafter
+from eval.records import is_warmup, load_records, record_drafter, row_sort_key
 
 __all__ = [
     "DEFAULT_REFERENCES",
@@ -436,7 +436,6 @@ def pass_rows(records: Iterable[Mapping[str, Any]], reference: str | None = None
     both have: ``paired``, ``diff``, ``low``, ``high`` (Tango), ``better`` / ``worse`` (problems
     only this row / only the reference solved). ValueError naming ``reference`` when it has no
     verdicts or is not one row."""
-    from eval.report import _sort_key
 
     groups, labels, order = _groups(records, dataset)
     methods = {k[1] for k in groups}
@@ -450,7 +449,7 @@ def pass_rows(records: Iterable[Mapping[str, Any]], reference: str | None = None
                          f"({', '.join(sorted(m for (_, m, d, t) in groups if d is None and t is None)) or 'none'})")
     configs = list(dict.fromkeys(k[0] for k in groups))
     rows = []
-    for key in sorted(groups, key=lambda k: (configs.index(k[0]), _sort_key(k[1:], order))):
+    for key in sorted(groups, key=lambda k: (configs.index(k[0]), row_sort_key(k[1:], order))):
         cfg, method, drafter, t = key
         by_problem = groups[key]
         n = len(by_problem)

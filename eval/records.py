@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "METHOD_ORDER",
     "WARMUP",
     "EvalResult",
     "compare_tokens",
@@ -32,6 +33,7 @@ __all__ = [
     "record_key",
     "result_from_file",
     "result_from_records",
+    "row_sort_key",
     "seed_for",
     "write_record",
 ]
@@ -191,3 +193,16 @@ def result_from_records(records: Sequence[Mapping[str, Any]], path: str | os.Pat
     last = timed[-1]
     strict = last.get("temperature") == 0 and last.get("dtype") == "fp32"
     return finalize(EvalResult(records=timed, warmups=[r for r in records if is_warmup(r)], strict=strict))
+
+
+#: The order of the baseline methods in tables and reports.
+METHOD_ORDER = ("hf", "hf-static", "hf-assisted", "hf-lookup", "specdec-plain")
+
+
+def row_sort_key(key: tuple, drafter_order: Mapping[str | None, int] | None = None) -> tuple:
+    """Order of report rows keyed ``(method, drafter, tree size)``: baselines first (``METHOD_ORDER``),
+    then speculative rows by drafter (``drafter_order``) and tree size."""
+    method, drafter, t = key
+    rank = METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+    d = -1 if drafter is None else (drafter_order or {}).get(drafter, 0)
+    return (method.startswith("specdec") and method != "specdec-plain", rank, method, d, -1 if t is None else t)

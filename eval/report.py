@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.latency import STALL_RATIO, first_call_summary, latency_summary, stall_summary
-from eval.records import is_warmup, record_drafter
+from eval.records import is_warmup, record_drafter, row_sort_key
 
 __all__ = [
     "COLUMNS",
@@ -54,7 +54,6 @@ __all__ = [
 ]
 
 SPEEDUP_BASES = ("hf", "hf-static", "hf-assisted")
-_ORDER = ("hf", "hf-static", "hf-assisted", "hf-lookup", "specdec-plain")
 
 #: Every summary row's fields, in CSV column order (the summary JSON also has ``stall_problems`` and,
 #: when recorded, ``draft_phase_ms``).
@@ -100,13 +99,6 @@ def _rate(records: Iterable[Mapping[str, Any]]) -> tuple[float, float]:
 _RowKey = tuple  # (method, drafter key or None, tree size or None)
 
 
-def _sort_key(key: _RowKey, drafter_order: Mapping[str | None, int] | None = None) -> tuple:
-    method, drafter, t = key
-    rank = _ORDER.index(method) if method in _ORDER else len(_ORDER)
-    d = -1 if drafter is None else (drafter_order or {}).get(drafter, 0)
-    return (method.startswith("specdec") and method != "specdec-plain", rank, method, d, -1 if t is None else t)
-
-
 def _row_key(r: Mapping[str, Any]) -> _RowKey:
     return (r["method"], record_drafter(r), r.get("tree_size"))
 
@@ -134,7 +126,7 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
             ok[key].pop(str(r["problem_id"]), None)
             ok[key][str(r["problem_id"])] = r
     rows = []
-    for key in sorted(set(ok) | set(errors), key=lambda k: _sort_key(k, drafter_order)):
+    for key in sorted(set(ok) | set(errors), key=lambda k: row_sort_key(k, drafter_order)):
         method, drafter, t = key
         by_problem = ok.get(key, {})
         recs = list(by_problem.values())
@@ -318,7 +310,7 @@ def agreement_summary(records: Iterable[Mapping[str, Any]], strict: bool = False
     if not groups:
         return "greedy agreement: not compared (sampling, or no reference outputs)"
     lines = ["greedy agreement with target-only generate (hf)" + (" [fp32: any difference is a failure]" if strict else "")]
-    for key in sorted(groups, key=lambda k: _sort_key(k, order)):
+    for key in sorted(groups, key=lambda k: row_sort_key(k, order)):
         method, drafter, t = key
         recs = groups[key]
         same = sum(bool(r["match"]) for r in recs)
