@@ -67,6 +67,7 @@ from drafters.medusa_train import (
     save_examples,
     self_distill,
     target_hidden_states,
+    warmup_cosine,
 )
 from specdec.cli import args as cliargs
 
@@ -302,16 +303,8 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
     parts = TargetParts.of(target)
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    total_steps = config.steps  # lowered once by the time budget
-
-    def lr_at(step: int) -> float:
-        warm = max(1, int(config.warmup * total_steps))
-        if step < warm:
-            return (step + 1) / warm
-        frac = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    total_steps = config.steps  # lowered once by the time budget (the schedule reads it each step)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, total_steps, config.warmup))
     gen = torch.Generator().manual_seed(config.seed)
     losses: list[float] = []
     bar = tqdm(total=config.steps, desc="train eagle", unit="step", disable=not progress)

@@ -51,6 +51,7 @@ __all__ = [
     "self_distill",
     "target_hidden_states",
     "train_heads",
+    "warmup_cosine",
 ]
 
 _MBPP_ENV = "SPECDEC_MBPP"
@@ -277,6 +278,16 @@ def _head_terms(target, heads: MedusaHeads, examples, max_positions: int, gen, d
         yield k, logits, labels
 
 
+def warmup_cosine(step: int, total: int, warmup: float) -> float:
+    """Learning-rate factor at optimizer step ``step`` (0-based) of ``total``: linear warm-up over
+    the first ``warmup`` fraction of the steps (at least one), then cosine decay to 0 at ``total``."""
+    warm = max(1, int(warmup * total))
+    if step < warm:
+        return (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
 def train_heads(
     target,
     heads: MedusaHeads,
@@ -292,15 +303,7 @@ def train_heads(
         p.requires_grad_(False)
     heads.train()
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    warm = max(1, int(config.warmup * config.steps))
-
-    def lr_at(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        frac = (step - warm) / max(1, config.steps - warm)
-        return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, config.steps, config.warmup))
     gen = torch.Generator().manual_seed(config.seed)
     losses: list[float] = []
     bar = tqdm(range(config.steps), desc="train medusa", unit="step", disable=not progress)
