@@ -1,6 +1,7 @@
 """Helpers shared by the drafters: a dynamic tree under construction (``NodePool``); turn nodes in
 creation order into a depth-first ``TokenTree``; pick a dynamic tree's best nodes (``best_first``,
-EAGLE-2's re-ranking)."""
+EAGLE-2's re-ranking); map an accepted path to the expanded nodes whose KV a drafter keeps
+(``expanded_path``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from specdec.tree import TokenTree
 from treeattn.layout import depth_first_order
 
-__all__ = ["NodePool", "best_first", "make_tree", "root_only"]
+__all__ = ["NodePool", "best_first", "expanded_path", "make_tree", "root_only"]
 
 
 
@@ -102,3 +103,16 @@ def best_first(children: list[list[int]], score: list[float], dep: list[int], bu
             c = children[node][0]
             heapq.heappush(heap, (-score[c], dep[c], c, node, 0))
     return picked
+
+
+def expanded_path(path: Sequence[int], node_exp: Sequence[int]) -> list[int]:
+    """The expanded-node indices of an accepted ``path`` (tree nodes, root first), cut at the first
+    node that was never expanded (``node_exp[node] < 0``: a leaf, whose KV the drafter never
+    computed). The root is always expanded node 0."""
+    out = [0]
+    for node in path[1:]:
+        e = node_exp[node]
+        if e < 0:
+            break
+        out.append(e)
+    return out

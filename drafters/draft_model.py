@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters._build import NodePool, best_first as _best_first, make_tree, root_only
+from drafters._build import NodePool, best_first as _best_first, expanded_path, make_tree, root_only
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
 from specdec.graphs import GraphedMaskedForward, _Replayed, replay_modes
@@ -313,12 +313,7 @@ class DraftModelDrafter(BaseDrafter):
         st = self._states.get(context.seq)
         if st is None or not self.reuse_kv or len(st.node_exp) != tree.n:
             return
-        path = [0]
-        for node in verdict.path[1:]:
-            e = st.node_exp[node]
-            if e < 0:
-                break
-            path.append(e)
+        path = expanded_path(verdict.path, st.node_exp)
         st.cache.lengths = [st.base]
         st.cache.commit([path])
         st.committed = context.tokens.tolist() + tree.path_tokens(verdict.path[1 : len(path)])

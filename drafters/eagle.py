@@ -117,7 +117,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters._build import NodePool, best_first, make_tree, root_only
+from drafters._build import NodePool, best_first, expanded_path, make_tree, root_only
 from specdec import hf
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec.graphs import _clear_cublas_workspaces
@@ -785,12 +785,7 @@ class EagleDrafter(BaseDrafter):
         if st is None or st.last is None or st.last.n != tree.n:
             return
         prop, st.last = st.last, None
-        path = [0]
-        for node in verdict.path[1:]:
-            e = prop.node_exp[node]
-            if e < 0:
-                break
-            path.append(e)
+        path = expanded_path(verdict.path, prop.node_exp)
         st.cache.lengths = [prop.base]
         st.cache.commit([path])
         st.slot_pos += [prop.root_pos + j for j in range(len(path))]
