@@ -36,6 +36,33 @@ from treeattn.kernels import _attend_tile
 
 
 @triton.jit
+def _attend_prefix_range(
+    acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, hi, hi_all, offs_n, offs_d, d_ok, qk_scale,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The online-softmax state of ``BLOCK_M`` rows advanced over prefix keys ``[lo, hi_all)`` of
+    one KV head (``k_base`` / ``v_base`` point at its first key): unmasked full tiles in a
+    software-pipelined loop up to ``hi``, then the range's ragged end ``[hi, hi_all)`` as one
+    masked tile (only the split holding the prefix's end has one)."""
+    for start in tl.range(lo, hi, BLOCK_N):
+        kv = start + offs_n
+        if EVEN_D:
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :])
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :])
+        else:
+            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
+    if hi < hi_all:
+        kv = hi + offs_n
+        kv_ok = kv < hi_all
+        k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def cascade_prefix_kernel(
     Q, KS, VS, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qn,
@@ -82,22 +109,8 @@ def cascade_prefix_kernel(
     lo = tl.where(is_last, 0, first + pid_s * chunk)
     hi_all = tl.minimum(tl.where(is_last, first, lo + chunk), prefix_len)
     hi = lo + tl.maximum(hi_all - lo, 0) // BLOCK_N * BLOCK_N
-    for start in tl.range(lo, hi, BLOCK_N):
-        kv = start + offs_n
-        if EVEN_D:
-            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :])
-            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :])
-        else:
-            k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
-    # The range's ragged end [hi, hi_all) as one masked tile (only the split holding the prefix's end).
-    if hi < hi_all:
-        kv = hi + offs_n
-        kv_ok = kv < hi_all
-        k = tl.load(k_base + kv[:, None] * stride_ks + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + kv[:, None] * stride_vs + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION)
+    acc, m_i, l_i = _attend_prefix_range(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, hi, hi_all,
+                                         offs_n, offs_d, d_ok, qk_scale, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # 0 only in padding rows or an empty key range
     o = acc / l_safe[:, None]
@@ -205,21 +218,8 @@ def cascade_fused_kernel(
     hi = lo + tl.maximum(hi_all - lo, 0) // BLOCK_N * BLOCK_N
     ks_base = KS + kvh * stride_ksh
     vs_base = VS + kvh * stride_vsh
-    for start in tl.range(lo, hi, BLOCK_N):
-        kv = start + offs_n
-        if EVEN_D:
-            k = tl.load(ks_base + kv[:, None] * stride_kss + offs_d[None, :])
-            v = tl.load(vs_base + kv[:, None] * stride_vss + offs_d[None, :])
-        else:
-            k = tl.load(ks_base + kv[:, None] * stride_kss + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-            v = tl.load(vs_base + kv[:, None] * stride_vss + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, UPCAST, DOT_PRECISION)
-    if hi < hi_all:
-        kv = hi + offs_n
-        kv_ok = kv < hi_all
-        k = tl.load(ks_base + kv[:, None] * stride_kss + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(vs_base + kv[:, None] * stride_vss + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, kv_ok[None, :], qk_scale, True, UPCAST, DOT_PRECISION)
+    acc, m_i, l_i = _attend_prefix_range(acc, m_i, l_i, q, ks_base, vs_base, stride_kss, stride_vss, lo, hi, hi_all,
+                                         offs_n, offs_d, d_ok, qk_scale, BLOCK_N, EVEN_D, UPCAST, DOT_PRECISION)  # fmt: skip
 
     # Level 2 (last split): each sequence of the row block, its own suffix then its tree.
     if is_last:
