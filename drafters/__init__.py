@@ -6,6 +6,8 @@
 - ``EagleDrafter`` / ``EagleHead`` (``drafters.eagle``): an EAGLE head (fc + one decoder layer on the
   target's features) growing an EAGLE-2-style dynamic tree; trained by ``specdec train-eagle``;
 - ``LookupDrafter`` (``drafters.lookup``): n-gram matches in the prompt and generated text;
+- ``MergedDrafter`` (``drafters.merge``): several drafters' trees merged into one trie (SpecInfer's
+  merge), e.g. ``make_drafter("lookup+eagle", ...)``;
 - ``drafters.trees``: static topologies (Medusa "choices") built from acceptance estimates.
 
 ``make_drafter(name, ...)`` builds one by name. Submodules load lazily (importing ``drafters``
@@ -15,6 +17,7 @@ does not import transformers or the engine).
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from specdec.drafting import BaseDrafter, DraftContext, Drafter
@@ -30,6 +33,7 @@ __all__ = [
     "LookupDrafter",
     "MedusaDrafter",
     "MedusaHeads",
+    "MergedDrafter",
     "make_drafter",
 ]
 
@@ -43,7 +47,13 @@ _LAZY = {
     "LookupDrafter": "drafters.lookup",
     "MedusaDrafter": "drafters.medusa",
     "MedusaHeads": "drafters.medusa",
+    "MergedDrafter": "drafters.merge",
 }
+
+#: The class behind each ``make_drafter`` name (module, class): its constructor's options route a
+#: merged drafter's unprefixed options.
+_CLASSES = {"model": ("drafters.draft_model", "DraftModelDrafter"), "medusa": ("drafters.medusa", "MedusaDrafter"),
+            "lookup": ("drafters.lookup", "LookupDrafter"), "eagle": ("drafters.eagle", "EagleDrafter")}
 
 
 def __getattr__(name: str) -> Any:
@@ -81,7 +91,18 @@ def make_drafter(
         options: constructor options of the drafter (e.g. ``depth``, ``topk`` for ``"model"`` and
             ``"eagle"``, ``draft_vocab``, ``profile`` for ``"eagle"``; ``choices`` for ``"medusa"``;
             ``max_ngram``, ``max_depth`` for ``"lookup"``).
+
+    Merged drafters (``drafters.merge.MergedDrafter``): ``name`` joins names with ``+`` (e.g.
+    ``"lookup+eagle"``), the parts in priority order. The keyword arguments above go to every part
+    (``tree_size`` is the merged tree's cap). An option ``PART.KEY`` goes to that part only; an
+    unprefixed ``KEY`` to every part whose constructor takes it (ValueError if none does);
+    ``caps=[...]`` (one entry per part, None = what remains) bounds each part's nodes per step,
+    default ``max(1, tree_size // 4)`` for every part but the last when ``tree_size`` is given
+    (None without it).
     """
+    if isinstance(name, str) and "+" in name:
+        return _make_merged(name, dict(target=target, draft_model=draft_model, draft=draft, heads=heads,
+                                       tokenizer=tokenizer, device=device, dtype=dtype), tree_size, options)
     del tokenizer  # no drafter needs it yet
     if name == "model":
         from drafters.draft_model import DraftModelDrafter
@@ -119,3 +140,36 @@ def make_drafter(
 
         return LookupDrafter(tree_size=tree_size, **options)
     raise ValueError(f"name: expected one of {DRAFTERS}, got {name!r}")
+
+
+def _constructor_options(name: str) -> set[str]:
+    module, cls = _CLASSES[name]
+    params = inspect.signature(getattr(importlib.import_module(module), cls).__init__).parameters
+    return {p for p in params if p != "self"}
+
+
+def _make_merged(name: str, common: dict[str, Any], tree_size: int | None, options: dict[str, Any]) -> Drafter:
+    from drafters.merge import MergedDrafter
+
+    parts = name.split("+")
+    bad = [p for p in parts if p not in DRAFTERS]
+    if bad or len(set(parts)) != len(parts):
+        raise ValueError(f"name: expected distinct names of {DRAFTERS} joined by '+', got {name!r}")
+    caps = options.pop("caps", None)
+    per: dict[str, dict[str, Any]] = {p: {} for p in parts}
+    for key, val in options.items():
+        part, dot, sub = key.partition(".")
+        if dot:
+            if part not in per:
+                raise ValueError(f"options: {key!r} names no part of {name!r}")
+            per[part][sub] = val
+            continue
+        takers = [p for p in parts if key in _constructor_options(p)]
+        if not takers:
+            raise ValueError(f"options: no part of {name!r} takes {key!r}")
+        for p in takers:
+            per[p][key] = val
+    if caps is None and tree_size is not None:
+        caps = [max(1, tree_size // 4)] * (len(parts) - 1) + [None]
+    drafters = [make_drafter(p, **{**common, "tree_size": None, **per[p]}) for p in parts]
+    return MergedDrafter(drafters, caps=caps, tree_size=tree_size)

@@ -52,17 +52,20 @@ DRAFT_OPTION = "draft"
 
 DRAFTER_SYNTAX = """\
 drafter spec: [LABEL=]NAME[:KEY=VALUE[,KEY=VALUE...]]
-  NAME    a drafters.make_drafter name (model, medusa, lookup, eagle) or module:function (any factory)
+  NAME    a drafters.make_drafter name (model, medusa, lookup, eagle), several joined by '+' (one
+          merged tree, parts in priority order; PART.KEY=VALUE goes to one part) or
+          module:function (any factory)
   KEY=VALUE  constructor options; VALUE is parsed as JSON when it can be (4, true, [1,2]), else a
           string; commas inside [...], {...} or quotes do not split. draft=MODEL loads that draft
           model once for this drafter (default: --draft); heads=DIR loads Medusa / EAGLE heads once.
   LABEL   the name shown in tables and plots (default: NAME when it is unique in the run, else the
           whole spec)
   e.g. lookup  medusa:heads=/tmp/medusa  model:draft=qwen2.5-coder-0.5b,depth=4  m8=model:topk=8
+       lookup+eagle:heads=/tmp/eagle,lookup.max_depth=12
        tests.eval.tiny:make_drafter"""
 
 _LABEL = re.compile(r"^([A-Za-z0-9_.+-]+)=(.*)$", re.S)
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*\.)?[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _known_drafters() -> tuple[str, ...]:
@@ -148,10 +151,10 @@ class DrafterSpec:
                 raise ValueError(f"drafters: malformed option {attr!r} in {self.name!r}; expected KEY=VALUE")
             if not module or not attr or ":" in attr:
                 raise ValueError(f"drafters: expected NAME or module:function, got {self.name!r}")
-        elif self.name not in _known_drafters():
+        elif any(part not in _known_drafters() for part in self.name.split("+")):
             raise ValueError(
                 f"drafters: unknown drafter {self.name!r}; expected one of {', '.join(_known_drafters())} "
-                "or module:function"
+                "(or several joined by '+': a merged tree) or module:function"
             )
 
     @property
@@ -207,7 +210,7 @@ def parse_drafter_spec(text: str, arg: str = "--drafters") -> DrafterSpec:
             key, sep, _ = item.partition("=")
             if not sep or not _KEY.match(key.strip()):
                 raise ValueError(f"{arg}: malformed option {item!r} in {text!r}; expected KEY=VALUE with KEY an "
-                                 "identifier")  # fmt: skip
+                                 "identifier or PART.KEY")  # fmt: skip
         options = parse_options(items, arg)
     try:
         return DrafterSpec(name, options, label)

@@ -126,10 +126,11 @@ def build_drafter(name: str, **kwargs: Any) -> Any:
 def _load_heads(spec: DrafterSpec, target: Any) -> Any | None:
     """Medusa / EAGLE heads named by ``heads=DIR``, loaded once (placed like ``make_drafter`` would)."""
     path = dict(spec.options).get("heads")
-    if spec.name not in ("medusa", "eagle") or not isinstance(path, (str, os.PathLike)):
+    kinds = [p for p in spec.name.split("+") if p in ("medusa", "eagle")]
+    if len(kinds) != 1 or not isinstance(path, (str, os.PathLike)):  # none, or ambiguous: the factory loads
         return None
     lm = target.get_output_embeddings().weight
-    if spec.name == "medusa":
+    if kinds[0] == "medusa":
         from drafters.medusa import MedusaHeads
 
         return MedusaHeads.load(path, device=lm.device, dtype=lm.dtype)

@@ -25,6 +25,7 @@ from drafters.draft_model import DraftModelDrafter
 from drafters.eagle import EagleDrafter, EagleHead
 from drafters.lookup import LookupDrafter
 from drafters.medusa import MedusaDrafter, MedusaHeads
+from drafters.merge import MergedDrafter
 from specdec import SpecDecoder
 from specdec.sampling import SamplingConfig, logits_to_probs
 
@@ -104,11 +105,18 @@ CASES = {
     "eagle": {"eagle": lambda: EagleDrafter(_target(), _eagle_head(), depth=3, topk=3),
               # the reduced draft vocabulary: drafts among 5 of the 8 tokens (warped over the subset)
               "eagle-vocab5": lambda: EagleDrafter(_target(), _eagle_head_ranked(), depth=3, topk=3, draft_vocab=5)},
+    # merged trees (drafters.merge): prompt lookup's chains first (at most 3 nodes), then the other part's
+    "merge": {"lookup+eagle": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
+                                                     EagleDrafter(_target(), _eagle_head(), depth=3, topk=3)], caps=[3, None]),
+              "lookup+model": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
+                                                     DraftModelDrafter(_draft(), sampling_proposal="topk")], caps=[3, None])},
 }
+#: Cases whose drafts come (partly) from prompt lookup: they sample after LOOKUP_PROMPT, where n-grams match.
+_LOOKUP_CASES = ("lookup", "merge")
 
 
 def test_every_drafter_is_covered():
-    assert set(CASES) == set(drafters.DRAFTERS)
+    assert set(CASES) == {*drafters.DRAFTERS, "merge"}
     assert set(draft_model_mod.SAMPLING_PROPOSALS) == {"topk", "iid", "no_replacement"}
 
 
@@ -191,7 +199,7 @@ _ALL = [(name, case) for name, cases in CASES.items() for case in cases]
 @pytest.mark.parametrize("name,case", _ALL, ids=[c for _, c in _ALL])
 def test_first_two_tokens_follow_the_target(name, case):
     """Issue 12's table: 10,000 samples per drafter / proposal kind, batch rows of one prompt."""
-    prompt = LOOKUP_PROMPT if name == "lookup" else PROMPT
+    prompt = LOOKUP_PROMPT if name in _LOOKUP_CASES else PROMPT
     pvals = _check(CASES[name][case](), 10_000, SamplingConfig(TEMPERATURE), batch=100, prompts=(prompt,))
     assert min(pvals) > ALPHA, pvals
 
@@ -216,7 +224,7 @@ FAMILY_ALPHA = ALPHA / (len(_ALL) * len(_WARPS) * _MIXED_PROMPTS)
 @pytest.mark.parametrize("cfg", _WARPS, ids=["top_k=4", "top_p=0.8"])
 def test_with_top_k_and_top_p_and_mixed_batches(name, case, cfg):
     """Warped targets (some tokens impossible) and batches of prompts of different lengths."""
-    prompts = (LOOKUP_PROMPT if name == "lookup" else PROMPT, [3, 0, 0, 6, 4, 3, 0, 0, 6], [7])
+    prompts = (LOOKUP_PROMPT if name in _LOOKUP_CASES else PROMPT, [3, 0, 0, 6, 4, 3, 0, 0, 6], [7])
     assert len(prompts) == _MIXED_PROMPTS
     pvals = _check(CASES[name][case](), 3_000, cfg, batch=60, prompts=prompts)
     assert min(pvals) > FAMILY_ALPHA, pvals

@@ -24,10 +24,18 @@ def test_parse_drafter_specs():
     fac = C.parse_drafter_spec("tiny=tests.eval.tiny:make_drafter:width=2")
     assert (fac.label, fac.name, fac.options) == ("tiny", "tests.eval.tiny:make_drafter", (("width", 2),))
     assert C.parse_drafter_spec("m8=model:topk=8").label == "m8"
+    # merged drafters: names joined by '+', PART.KEY options
+    merged = C.parse_drafter_spec("both=lookup+eagle:heads=/h,lookup.max_depth=12,draft_vocab=4096")
+    assert (merged.label, merged.name) == ("both", "lookup+eagle")
+    assert merged.factory_options() == {"heads": "/h", "lookup.max_depth": 12, "draft_vocab": 4096}
+    assert merged.key == "lookup+eagle:draft_vocab=4096,heads=/h,lookup.max_depth=12"
 
 
 @pytest.mark.parametrize("text, match", [
-    ("nope", "--drafters: unknown drafter 'nope'; expected one of model, medusa, lookup, eagle or module:function"),
+    ("nope", "--drafters: unknown drafter 'nope'; expected one of model, medusa, lookup, eagle \\(or several joined "
+             "by '\\+': a merged tree\\) or module:function"),
+    ("lookup+nope", "--drafters: unknown drafter 'lookup\\+nope'"),
+    ("lookup+eagle:a.b.c=1", "--drafters: malformed option .a.b.c=1."),
     ("model:depth", "--drafters: malformed option 'depth' in 'model:depth'; expected KEY=VALUE"),
     ("model:depth=4,topk", "--drafters: malformed option 'topk' in 'model:depth=4,topk'"),
     ("model:=4", "--drafters: malformed option '=4'"),

@@ -1,0 +1,167 @@
+"""Several drafters' trees merged into one (SpecInfer's token-tree merge).
+
+Drafters fail in different places: an EAGLE head guesses the next few tokens of anything, prompt
+lookup guesses long spans exactly when the answer copies text it has seen (a docstring, a
+signature, an example). ``MergedDrafter([lookup, eagle])`` asks each part in turn for a tree and
+inserts it into one trie: a path both parts proposed is one path, differing continuations become
+siblings, so the target verifies every part's guesses in the same forward.
+
+**Budget.** The parts propose in the given order; part i gets ``min(caps[i], remaining)`` nodes,
+where ``remaining`` is the step's budget minus the merged tree's nodes so far (nodes another part
+already proposed cost nothing). ``caps[i] = None``: whatever remains. A part's nodes are inserted in
+depth-first order, so the merged tree is ancestor-closed and keeps every part's sibling order; the
+earlier part's children of a node come first.
+
+**Sampling.** Merging is lossless under stochastic verification only for deterministic children
+(``proposal="topk"``: prompt lookup, EAGLE, Medusa, the draft model with ``proposal="topk"``): the
+verifier's rule for such trees holds for any fixed set of distinct children. A part that samples
+its children (``"iid"`` / ``"no_replacement"``) raises ``ValueError`` when the context samples.
+
+**State.** Each part sees its own tree in ``update``: the accepted path cut where it leaves that
+part's tree, with the next committed token as its bonus (what the sequence did commit next). A
+part that reads the target's features gets them as it asked (``needs_hidden_states``: the merge
+asks for the most any part needs and hands the ``"last"`` parts only the last row).
+
+Per step ``last_part_nodes`` holds each part's node count before merging (a benchmark's view of
+who proposed what); ``last_phase_s`` is the first profiling part's (e.g. ``EagleDrafter(profile=True)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from drafters._build import make_tree, root_only
+from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, BaseDrafter, DraftContext, hidden_states_request
+from specdec.tree import TokenTree
+from specdec.verify import Verdict
+
+__all__ = ["MergedDrafter"]
+
+
+@dataclass
+class _Merged:
+    """The last merged tree of a sequence: per part, merged node (depth-first index) -> part node or -1."""
+
+    n: int
+    to_part: list[list[int]]
+    parts: list[TokenTree]
+
+
+class MergedDrafter(BaseDrafter):
+    """One tree from several drafters (see the module doc).
+
+    Args:
+        drafters: the parts, in priority order (at least one; each a ``specdec.drafting.Drafter``).
+        caps: per part, the most nodes it may propose per step (None: whatever budget remains);
+            default None for every part.
+        tree_size: optional cap on the merged tree's nodes per step (the engine's budget applies anyway).
+    """
+
+    def __init__(self, drafters: Sequence, caps: Sequence[int | None] | None = None,
+                 tree_size: int | None = None) -> None:  # fmt: skip
+        parts = list(drafters) if isinstance(drafters, Sequence) else None
+        if not parts:
+            raise ValueError(f"drafters: expected a non-empty sequence of drafters, got {drafters!r}")
+        for i, d in enumerate(parts):
+            if not callable(getattr(d, "propose", None)) or not callable(getattr(d, "update", None)):
+                raise ValueError(f"drafters[{i}]: expected a drafter (propose / update), got {type(d).__name__}")
+        caps = [None] * len(parts) if caps is None else list(caps)
+        if len(caps) != len(parts):
+            raise ValueError(f"caps: expected {len(parts)} entries (one per drafter), got {len(caps)}")
+        for i, c in enumerate(caps):
+            if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 0):
+                raise ValueError(f"caps[{i}]: expected None or an int >= 0, got {c!r}")
+        if tree_size is not None and (not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0):
+            raise ValueError(f"tree_size: expected None or an int >= 0, got {tree_size!r}")
+        vocabs = {v for v in (getattr(d, "vocab_size", None) for d in parts) if v is not None}
+        if len(vocabs) > 1:
+            raise ValueError(f"drafters: expected one vocabulary size, got {sorted(vocabs)}")
+        self.drafters, self.caps, self.tree_size = parts, caps, tree_size
+        self.vocab_size = vocabs.pop() if vocabs else None
+        self._wants = [hidden_states_request(d) for d in parts]
+        self.needs_hidden_states = (HIDDEN_ALL if HIDDEN_ALL in self._wants
+                                    else HIDDEN_LAST if HIDDEN_LAST in self._wants else False)  # fmt: skip
+        self._last: dict[int, _Merged] = {}
+        self.last_part_nodes: list[int] = []
+        self.last_phase_s: dict[str, float] | None = None
+
+    def reset(self, input_ids: list[torch.Tensor]) -> None:
+        self._last = {}
+        for d in self.drafters:
+            d.reset(input_ids)
+
+    def _context(self, context: DraftContext, part: int, budget: int) -> DraftContext:
+        want, hidden = self._wants[part], context.hidden
+        if want is None:
+            hidden = None
+        elif want == HIDDEN_LAST and hidden is not None and hidden.dim() == 2:
+            hidden = hidden[-1:]
+        return replace(context, tree_size=budget, hidden=hidden)
+
+    def propose(self, context: DraftContext) -> TokenTree:
+        root = int(context.tokens[-1])
+        budget = context.tree_size if self.tree_size is None else min(self.tree_size, context.tree_size)
+        tok, par = [root], [-1]
+        kids: list[dict[int, int]] = [{}]  # merged node -> {token: child}
+        maps: list[list[int]] = []  # per part: part node -> merged node (creation order)
+        trees: list[TokenTree] = []
+        self.last_part_nodes, self.last_phase_s = [], None
+        for i, d in enumerate(self.drafters):
+            room = budget - (len(tok) - 1)
+            cap = room if self.caps[i] is None else min(self.caps[i], room)
+            tree = d.propose(self._context(context, i, max(cap, 0)))
+            if self.last_phase_s is None:
+                self.last_phase_s = getattr(d, "last_phase_s", None)
+            if int(tree.tokens[0]) != root:
+                raise ValueError(f"drafters[{i}]: proposed a tree rooted at {int(tree.tokens[0])}, expected {root}")
+            if context.sampling is not None and tree.proposal != "topk":
+                raise ValueError(f"drafters[{i}]: merging needs deterministic children (proposal 'topk') when "
+                                 f"sampling, got {tree.proposal!r}")
+            if tree.n - 1 > max(cap, 0):
+                raise ValueError(f"drafters[{i}]: proposed {tree.n - 1} nodes, over its budget of {max(cap, 0)}")
+            self.last_part_nodes.append(tree.n - 1)
+            trees.append(tree)
+            where = [0] * tree.n
+            toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+            for v in range(1, tree.n):  # depth-first: a parent before its children
+                p, t = where[parents[v]], toks[v]
+                child = kids[p].get(t)
+                if child is None:
+                    child = kids[p][t] = len(tok)
+                    tok.append(t)
+                    par.append(p)
+                    kids.append({})
+                where[v] = child
+            maps.append(where)
+        if len(tok) == 1:
+            self._last.pop(context.seq, None)
+            tree = root_only(root)
+            to_part = [[0] for _ in trees]
+        else:
+            tree, order = make_tree(tok, par)
+            new_of = {old: new for new, old in enumerate(order)}
+            to_part = []
+            for where in maps:
+                row = [-1] * tree.n
+                for v, m in enumerate(where):
+                    row[new_of[m]] = v
+                to_part.append(row)
+        self._last[context.seq] = _Merged(tree.n, to_part, trees)
+        return tree
+
+    def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
+        last = self._last.pop(context.seq, None)
+        if last is None or last.n != tree.n:
+            return
+        emitted = verdict.new_tokens(tree)  # the accepted drafted tokens, then the bonus
+        for i, d in enumerate(self.drafters):
+            row, path = last.to_part[i], [0]
+            for node in verdict.path[1:]:
+                if row[node] < 0:
+                    break
+                path.append(row[node])
+            d.update(self._context(context, i, context.tree_size), last.parts[i],
+                     Verdict(tuple(path), emitted[len(path) - 1]))
