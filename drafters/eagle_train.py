@@ -7,6 +7,9 @@ Pipeline (``python -m drafters.eagle_train`` or ``specdec train-eagle``):
    answers every prompt itself (greedy by default); the token ids are cached in
    ``OUT/selfdistill.jsonl`` (``--cache`` elsewhere: a ``train-medusa`` run's cache made with the
    same settings is reused as is). The last ``--heldout`` problems are held out.
+   ``--prompt-styles mbpp,function,stdin,starter`` phrases every problem in several instruction
+   styles (``drafters.medusa_train.PROMPT_STYLES``: the evaluation harness's own instructions applied
+   to MBPP tasks), so the head learns the answer forms it will meet (default ``mbpp`` only).
    ``--answers-per-prompt N`` adds N - 1 answers per training prompt sampled at
    ``--sample-temperature`` (other seeds; each pass cached in ``selfdistill.sampledK.jsonl``):
    more and more varied sequences from the same prompts, at the cost of N generation passes.
@@ -45,6 +48,7 @@ steps fixes how many steps fit, and the learning-rate schedule is rescaled to th
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -58,14 +62,15 @@ from tqdm.auto import tqdm
 
 from drafters.eagle import EagleHead, TargetParts
 from drafters.medusa_train import (
+    PROMPT_STYLES,
     Example,
     _batch,
     encode_prompt,
     load_examples,
     load_mbpp,
-    mbpp_prompt,
     save_examples,
     self_distill,
+    styled_prompts,
     target_hidden_states,
     warmup_cosine,
 )
@@ -383,6 +388,15 @@ def _dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+def _styles(text: str) -> tuple[str, ...]:
+    styles = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in styles if s not in PROMPT_STYLES]
+    if not styles or bad or len(set(styles)) != len(styles):
+        raise argparse.ArgumentTypeError(f"expected distinct styles of {', '.join(PROMPT_STYLES)} separated by "
+                                         f"commas, got {text!r}")
+    return styles
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``specdec train-eagle``: self-distill the target on MBPP and train an EAGLE head."""
     d = EagleTrainConfig()
@@ -417,6 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="temperature of the extra answers")
     parser.add_argument("--time-budget", type=cliargs.float_in(0.0, low_open=True), default=None,
                         help="seconds the optimization may take: fewer steps (schedule rescaled) if --steps would not fit")
+    parser.add_argument("--prompt-styles", type=_styles, default=("mbpp",),
+                        help="comma-separated instruction styles of the training prompts, each MBPP problem in every "
+                             f"one: {', '.join(PROMPT_STYLES)} (see drafters.medusa_train.PROMPT_STYLES; default mbpp)")
     parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
     parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
@@ -446,11 +463,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     eos = eos if eos is not None else tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
-    prompts = [encode_prompt(tok, mbpp_prompt(r), chat=not ns.no_chat) for r in rows]
+    styled = styled_prompts(rows, ns.prompt_styles)
+    prompts = [encode_prompt(tok, text, chat=not ns.no_chat) for _, text in styled]
+    held = [i >= len(rows) - ns.heldout for i, _ in styled]  # the last --heldout problems, in every style
 
     # the same cache key as train-medusa: its answers serve both
     meta = {"target": str(ns.target), "dtype": str(dtype), "max_new_tokens": ns.max_new_tokens,
             "temperature": ns.temperature, "chat": not ns.no_chat, "prompts": len(prompts), "seed": ns.seed}  # fmt: skip
+    if list(ns.prompt_styles) != ["mbpp"]:  # only when set: caches made before the option stay valid
+        meta["styles"] = list(ns.prompt_styles)
     cache = Path(ns.cache) if ns.cache else out / "selfdistill.jsonl"
     examples = load_examples(cache, meta)
     if examples is None:
@@ -459,18 +480,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_examples(examples, cache, meta)
     else:
         print(f"self-distillation data: {len(examples)} cached answers from {cache}")
-    split = len(examples) - ns.heldout
-    train, heldout = examples[:split], examples[split:]
+    train = [e for e, h in zip(examples, held) if not h]
+    heldout = [e for e, h in zip(examples, held) if h]
+    train_prompts = [p for p, h in zip(prompts, held) if not h]
     for k in range(1, ns.answers_per_prompt):  # extra sampled answers to the training prompts, cached per pass
-        extra_meta = {**meta, "prompts": split, "temperature": ns.sample_temperature, "seed": ns.seed + k}
+        extra_meta = {**meta, "prompts": len(train_prompts), "temperature": ns.sample_temperature, "seed": ns.seed + k}
         extra_cache = cache.with_name(f"{cache.stem}.sampled{k}{cache.suffix}")
         extra = load_examples(extra_cache, extra_meta)
         if extra is None:
-            extra = self_distill(target, prompts[:split], ns.max_new_tokens, ns.gen_batch_size, eos, pad,
+            extra = self_distill(target, train_prompts, ns.max_new_tokens, ns.gen_batch_size, eos, pad,
                                  ns.sample_temperature, ns.seed + k, progress)  # fmt: skip
             save_examples(extra, extra_cache, extra_meta)
         train = train + extra
-    print(f"training sequences: {len(train)} ({split} problems x {ns.answers_per_prompt} answers), held out: {len(heldout)}")
+    split = len(rows) - ns.heldout
+    print(f"training sequences: {len(train)} ({split} problems x {len(ns.prompt_styles)} prompt styles "
+          f"({', '.join(ns.prompt_styles)}) x {ns.answers_per_prompt} answers, fewer where a style needs a "
+          f"signature), held out: {len(heldout)}")
 
     torch.manual_seed(ns.seed)
     head = EagleHead(target).to(device)
@@ -484,7 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              if n < head.config.vocab_size}  # fmt: skip
     print(f"answer tokens: {total}, distinct {seen} of {head.config.vocab_size}; the most frequent N cover "
           + (", ".join(f"{c:.1%} (N = {n})" for n, c in cover.items()) or "all"))  # fmt: skip
-    head.save(out, target=str(ns.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": ns.answers_per_prompt},
+    head.save(out, target=str(ns.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": ns.answers_per_prompt,
+                                                  "prompt_styles": list(ns.prompt_styles)},
               train_examples=len(train),
               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
               final_loss=losses[-1] if losses else None,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -47,7 +48,10 @@ __all__ = [
     "rank_rates",
     "load_mbpp",
     "main",
+    "PROMPT_STYLES",
     "mbpp_prompt",
+    "mbpp_signature",
+    "styled_prompts",
     "self_distill",
     "target_hidden_states",
     "train_heads",
@@ -134,13 +138,74 @@ def load_mbpp(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]
     return rows
 
 
-def mbpp_prompt(row: dict[str, Any]) -> str:
-    """The task as a user message: the statement and the tests the code must pass."""
-    tests = "\n".join(row.get("test_list") or [])
+#: Instruction styles of the training prompts built from an MBPP row (``mbpp_prompt(row, style)``):
+#: ``"mbpp"`` the statement and its tests; the evaluation harness's own instructions
+#: (``eval.datasets``; the same text, see ``tests/drafters/test_prompt_styles.py``) applied to the MBPP
+#: task: ``"function"`` as a HumanEval prompt (complete a function given its signature and a docstring
+#: of the statement and examples), ``"stdin"`` as an APPS standard-input problem, ``"starter"`` as an
+#: APPS call-based problem (the signature as starter code). A drafter learns the answers' form
+#: (fenced code, a repeated signature and docstring) it will meet. No evaluation problem is used.
+PROMPT_STYLES = ("mbpp", "function", "stdin", "starter")
+
+_APPS_ASK = "Solve the following programming problem in Python 3.\n\n{question}\n\n{how}\n\n" \
+            "Answer with the complete solution in a single ```python code block."  # fmt: skip
+_APPS_STDIN = "Your program must read the input from standard input and print the answer to standard output."
+_APPS_STARTER = "Complete the following starter code; your answer must define this function:\n```python\n{code}\n```"
+_HUMANEVAL_ASK = "Complete the following Python function. Answer with the complete function in a single " \
+                 "```python code block.\n\n```python\n{code}\n```"  # fmt: skip
+
+
+def mbpp_signature(row: dict[str, Any]) -> str | None:
+    """The ``def NAME(ARGS):`` line of the function the row's tests call (None if the code has none)."""
+    code = str(row.get("code", "")).replace("\r", "")
+    defs = re.findall(r"^def\s+(\w+)\s*\((.*)\)\s*(?:->[^:]*)?:", code, re.M)
+    tests = " ".join(row.get("test_list") or [])
+    for name, args in defs:
+        if re.search(rf"\b{re.escape(name)}\s*\(", tests):
+            return f"def {name}({args.strip()}):"
+    return f"def {defs[-1][0]}({defs[-1][1].strip()}):" if defs else None
+
+
+def _doc_examples(row: dict[str, Any]) -> str:
+    """The row's ``assert CALL == VALUE`` tests as doctest lines (others as they are)."""
+    lines = []
+    for test in row.get("test_list") or []:
+        call, sep, value = test.strip().removeprefix("assert ").partition(" == ")
+        lines += [f">>> {call.strip()}", value.strip()] if sep else [f">>> {test.strip()}"]
+    return "\n".join(f"    {line}" for line in lines)
+
+
+def mbpp_prompt(row: dict[str, Any], style: str = "mbpp") -> str | None:
+    """The task as a user message in one of ``PROMPT_STYLES`` (None: the style needs a function
+    signature and the row's code has none)."""
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"style: expected one of {PROMPT_STYLES}, got {style!r}")
     text = row["text"].strip()
-    if tests:
-        return f"{text}\nYour code should pass these tests:\n\n{tests}\n"
-    return text + "\n"
+    if style == "mbpp":
+        tests = "\n".join(row.get("test_list") or [])
+        return f"{text}\nYour code should pass these tests:\n\n{tests}\n" if tests else text + "\n"
+    if style == "stdin":
+        return _APPS_ASK.format(question=text, how=_APPS_STDIN)
+    sig = mbpp_signature(row)
+    if sig is None:
+        return None
+    if style == "starter":
+        return _APPS_ASK.format(question=text, how=_APPS_STARTER.format(code=sig))
+    examples = _doc_examples(row)
+    doc = f'    """{text}\n' + (f"{examples}\n" if examples else "") + '    """'
+    return _HUMANEVAL_ASK.format(code=f"{sig}\n{doc}")
+
+
+def styled_prompts(rows: Sequence[dict[str, Any]], styles: Sequence[str]) -> list[tuple[int, str]]:
+    """(row index, prompt text) for every row in every style, grouped by style in ``styles`` order
+    (rows a style cannot phrase are left out of it)."""
+    out = []
+    for style in styles:
+        for i, row in enumerate(rows):
+            text = mbpp_prompt(row, style)
+            if text is not None:
+                out.append((i, text))
+    return out
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:

@@ -49,6 +49,10 @@ WARMUP_TOKENS = 16
 #: The drafter option the runner handles itself: a draft model (name, HF id or directory) loaded once
 #: and handed to the factory as ``draft`` / ``draft_model`` (default: the run's ``draft``).
 DRAFT_OPTION = "draft"
+#: The drafter option that configures the engine, not the drafter: ``compile=true`` runs this drafter's
+#: rows with ``SpecDecoder(compile=True)`` (the run's ``--compile`` does it for every row). Rows with it
+#: are another drafter (its key), so compiled and uncompiled rows share one file and its baselines.
+COMPILE_OPTION = "compile"
 
 DRAFTER_SYNTAX = """\
 drafter spec: [LABEL=]NAME[:KEY=VALUE[,KEY=VALUE...]]
@@ -57,7 +61,8 @@ drafter spec: [LABEL=]NAME[:KEY=VALUE[,KEY=VALUE...]]
           module:function (any factory)
   KEY=VALUE  constructor options; VALUE is parsed as JSON when it can be (4, true, [1,2]), else a
           string; commas inside [...], {...} or quotes do not split. draft=MODEL loads that draft
-          model once for this drafter (default: --draft); heads=DIR loads Medusa / EAGLE heads once.
+          model once for this drafter (default: --draft); heads=DIR loads Medusa / EAGLE heads once;
+          compile=true runs this drafter's engine through torch.compile (as --compile does for all).
   LABEL   the name shown in tables and plots (default: NAME when it is unique in the run, else the
           whole spec)
   e.g. lookup  medusa:heads=/tmp/medusa  model:draft=qwen2.5-coder-0.5b,depth=4  m8=model:topk=8
@@ -156,6 +161,7 @@ class DrafterSpec:
                 f"drafters: unknown drafter {self.name!r}; expected one of {', '.join(_known_drafters())} "
                 "(or several joined by '+': a merged tree) or module:function"
             )
+        self.compile  # noqa: B018 -- validates the compile= option now
 
     @property
     def key(self) -> str:
@@ -170,9 +176,18 @@ class DrafterSpec:
         val = dict(self.options).get(DRAFT_OPTION)
         return None if val is None else str(val)
 
+    @property
+    def compile(self) -> bool:
+        """The ``compile=`` option: this drafter's engine through ``torch.compile``."""
+        val = dict(self.options).get(COMPILE_OPTION, False)
+        if not isinstance(val, bool):
+            raise ValueError(f"drafters: expected compile=true or compile=false, got {val!r} in {self.key!r}")
+        return val
+
     def factory_options(self) -> dict[str, Any]:
-        """The options handed to the factory (all but ``draft``, which the runner loads)."""
-        return {k: v for k, v in self.options if k != DRAFT_OPTION}
+        """The options handed to the factory (all but ``draft``, which the runner loads, and ``compile``,
+        an engine option)."""
+        return {k: v for k, v in self.options if k not in (DRAFT_OPTION, COMPILE_OPTION)}
 
     @classmethod
     def parse(cls, text: str, arg: str = "--drafters") -> DrafterSpec:

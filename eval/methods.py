@@ -454,10 +454,10 @@ class Session:
             drafter = None
             if tree_size is not None:
                 drafter = self._recorders[slot] = RecordingDrafter(self._make_drafter(self.drafter, tree_size))
+            comp = self.cfg.compile or (tree_size is not None and self.drafter.compile)
             self._decoders[slot] = SpecDecoder(
                 self.target, drafter, tree_size or 0, max_cache_len=self.max_cache_len + (tree_size or 0),
-                attn_impl=self.cfg.attn_impl, static_shapes=True if self.cfg.compile else None,
-                compile=self.cfg.compile,
+                attn_impl=self.cfg.attn_impl, static_shapes=True if comp else None, compile=comp,
             )  # fmt: skip
         return self._decoders[slot]
 

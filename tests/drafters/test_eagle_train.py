@@ -55,7 +55,7 @@ def _cli_argv(tmp_path, problems: int, heldout: int, new_tokens: int, *extra: st
 def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path, capsys):
     argv, out = _cli_argv(tmp_path, 6, 2, 10, "--answers-per-prompt", "3", "--time-budget", "600")
     assert eagle_train.main(argv) == 0
-    assert "training sequences: 12 (4 problems x 3 answers), held out: 2" in capsys.readouterr().out
+    assert "training sequences: 12 (4 problems x 1 prompt styles (mbpp) x 3 answers" in capsys.readouterr().out
     cfg = json.loads((out / CONFIG_NAME).read_text())
     assert cfg["train_examples"] == 12 and cfg["heldout_examples"] == 2 and cfg["train"]["answers_per_prompt"] == 3
     extra = [out / "selfdistill.sampled1.jsonl", out / "selfdistill.sampled2.jsonl"]
@@ -66,6 +66,23 @@ def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path
     assert eagle_train.main(argv) == 0  # the second run reuses every pass
     assert [p.stat().st_mtime_ns for p in extra] == mtimes
     assert "answer tokens:" in capsys.readouterr().out
+
+
+def test_cli_prompt_styles_phrase_every_problem_in_each_style(tmp_path, capsys):
+    """--prompt-styles: every problem once per style (held-out problems too), a cache of its own;
+    rows without a function skip the styles that need its signature."""
+    argv, out = _cli_argv(tmp_path, 5, 1, 6, "--prompt-styles", "mbpp,stdin,function")
+    assert eagle_train.main(argv) == 0
+    assert "training sequences: 8 (4 problems x 3 prompt styles (mbpp, stdin, function) x 1 answers" \
+        in capsys.readouterr().out  # the rows have no code: no 'function' prompts
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert (cfg["train_examples"], cfg["heldout_examples"]) == (8, 2)
+    assert cfg["train"]["prompt_styles"] == ["mbpp", "stdin", "function"]
+    with open(out / "selfdistill.jsonl") as f:
+        assert json.loads(f.readline())["meta"]["styles"] == ["mbpp", "stdin", "function"]
+    with pytest.raises(SystemExit):
+        eagle_train.main(argv[:-1] + ["mbpp,apps"])
+    assert "expected distinct styles of mbpp, function, stdin, starter" in capsys.readouterr().err
 
 
 def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tmp_path, capsys):

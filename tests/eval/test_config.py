@@ -29,11 +29,15 @@ def test_parse_drafter_specs():
     assert (merged.label, merged.name) == ("both", "lookup+eagle")
     assert merged.factory_options() == {"heads": "/h", "lookup.max_depth": 12, "draft_vocab": 4096}
     assert merged.key == "lookup+eagle:draft_vocab=4096,heads=/h,lookup.max_depth=12"
+    # compile=true: an engine option, kept out of the factory's options
+    comp = C.parse_drafter_spec("eagle:heads=/h,compile=true")
+    assert comp.compile and comp.factory_options() == {"heads": "/h"} and not C.parse_drafter_spec("lookup").compile
 
 
 @pytest.mark.parametrize("text, match", [
     ("nope", "--drafters: unknown drafter 'nope'; expected one of model, medusa, lookup, eagle \\(or several joined "
              "by '\\+': a merged tree\\) or module:function"),
+    ("lookup:compile=yes", "--drafters: expected compile=true or compile=false, got 'yes'"),
     ("lookup+nope", "--drafters: unknown drafter 'lookup\\+nope'"),
     ("lookup+eagle:a.b.c=1", "--drafters: malformed option .a.b.c=1."),
     ("model:depth", "--drafters: malformed option 'depth' in 'model:depth'; expected KEY=VALUE"),

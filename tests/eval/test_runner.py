@@ -601,3 +601,24 @@ def test_eagle_sweep_records_draft_phases_only_when_profiled(pair, loaded, tmp_p
     ms = rows["p"]["draft_phase_ms"]
     assert list(ms) == [*DRAFT_PHASES, "update"] and 0 < sum(ms.values()) <= rows["p"]["draft_ms"] + 0.1
     assert "draft_phase_ms" not in rows["e"] and rows["e"]["draft_ms"] > 0
+
+
+def test_a_compile_option_builds_that_drafters_engine_compiled(pair, loaded, tmp_path, monkeypatch):
+    """``compile=true`` in a drafter spec: that drafter's engine gets ``SpecDecoder(compile=True)`` (static
+    shapes), the others' do not; the factory never sees the option."""
+    import specdec
+
+    from eval.config import parse_drafter_spec
+    from eval.methods import Session
+
+    made, seen = [], []
+    monkeypatch.setattr(specdec, "SpecDecoder", lambda *a, **kw: made.append(kw) or object())
+    target, tok, draft = loaded
+    cfg = _cfg(pair, tmp_path / "r.jsonl", drafters=(f"{DRAFTER}:compile=true", DRAFTER))
+    session = Session(cfg, target, tok, draft, drafter_factory=lambda spec, **kw: seen.append(kw) or object())
+    for spec in cfg.drafters:
+        session.drafter = spec
+        session.decoder(4)
+    assert [(kw["compile"], kw["static_shapes"]) for kw in made] == [(True, True), (False, None)]
+    assert all("compile" not in kw for kw in seen)
+    assert parse_drafter_spec(f"{DRAFTER}:compile=true").key != parse_drafter_spec(DRAFTER).key
