@@ -41,6 +41,9 @@ root r = the last committed token at position L - 1:
    ``(f_{L-2}, r)``; its output ``y_{L-1}`` gives the root's children. Features come from the
    engine (``DraftContext.hidden``) where it has them, else from the head's own predictions kept
    from the last step; a pair with neither is skipped (the head simply never attends to it).
+   With static shapes a chain of at most ``static_width`` pairs (every step after the first: the
+   accepted path) runs padded at the start of the expansion below, inside its CUDA graph; a longer
+   one (the prompt) runs on its own first.
 2. **Expand, one forward per depth, on the device**: the ``topk`` candidates of best cumulative
    draft log-probability at depth d (ties: the earlier candidate) run as one forward of ``topk``
    queries (pair = their token and their parent's output feature, position = root's + d), attending
@@ -60,8 +63,9 @@ root r = the last committed token at position L - 1:
    the last one's output feature is kept for the next step's catch-up.
 
 Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``topk`` rows each), one
-host-to-device copy of the catch-up's inputs and one device-to-host copy of the record (the only
-sync); the re-rank then builds the same node pool on the host as the former per-depth loop did
+host-to-device copy of the step's integer inputs (plus the features' device copy) and one
+device-to-host copy of the record (the only sync); with CUDA graphs, one replay for the catch-up and
+the expansion together; the re-rank then builds the same node pool on the host as the former per-depth loop did
 (``_Plan.pool``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
 running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step; ``profile=True``
 splits it into phases (``last_phase_s``, below).
@@ -79,9 +83,10 @@ never drafted. This covers the root's children too (they come from the first dep
 on the catch-up's root feature).
 
 **Profiling** (``EagleDrafter(profile=True)``): ``propose`` synchronizes the device at its phase
-boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparation, the inputs'
-copy and the catch-up forward), ``expand`` (loading the expansion's inputs and the expansion:
-graph replay or eager loop; a capture included), ``copy`` (the record to the host), ``host_tree``
+boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparation; an unfused
+catch-up's input copy and forward), ``expand`` (loading the expansion's inputs and the expansion:
+graph replay or eager loop, a fused catch-up and any capture included), ``copy`` (the record to the
+host), ``host_tree``
 (node pool, re-rank, ``TokenTree``); ``update`` adds ``update`` (KV commit of the accepted path) to
 the same dict. The syncs serialize host and device work a normal step overlaps, so the sum is an
 upper bound of the unprofiled step. Off (default): no sync, ``last_phase_s`` stays None.
@@ -500,10 +505,17 @@ class _Expansion:
     """
 
     def __init__(self, drafter: "EagleDrafter", cache: KVCache, plan: _Plan, sampling: SamplingConfig | None,
-                 capture: bool) -> None:  # fmt: skip
+                 capture: bool, fused: bool = False) -> None:  # fmt: skip
         dev, w = drafter.device, drafter.head.fc.weight
         self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
-        self.scalars = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.fused = fused
+        width = drafter.static_width if fused else 0
+        # one int64 input block, one host-to-device copy per step: (base, root_pos, keep, m), then with
+        # ``fused`` the catch-up's [3, static_width] (token ids, positions, slots)
+        self.inputs = torch.zeros(4 + 3 * width, dtype=torch.int64, device=dev)
+        self.scalars = self.inputs[:4]
+        self.catch_ints = self.inputs[4:].view(3, width)
+        self.catch_feat = torch.zeros(width, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.feat = torch.zeros(plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.record = torch.zeros(plan.record_size, dtype=torch.int64, device=dev)
         self.tok, self.score, self.pick = plan.views(self.record)
@@ -512,17 +524,26 @@ class _Expansion:
         self.capture_s: float | None = None
 
     @torch.no_grad()
-    def run(self, base: int, root_pos: int, root_feat: torch.Tensor, kv_lens: Sequence[int]) -> torch.Tensor:
+    def run(self, base: int, root_pos: int, root_feat: torch.Tensor | None, kv_lens: Sequence[int],
+            catch_up: "_CatchUp | None" = None) -> torch.Tensor:  # fmt: skip
         """Load the step's inputs, expand, return the record on the host (the step's one sync).
 
         ``kv_lens[d - 1]``: attention reads cache slots ``[0, kv_lens[d - 1])`` at depth d (eager
-        only; a captured graph reads the whole capacity).
+        only; a captured graph reads the whole capacity). Unfused: ``root_feat`` is the catch-up's
+        output for the root. Fused: ``catch_up`` holds the catch-up's inputs (padded to
+        ``static_width`` rows), and the body runs it first (``root_feat`` is None).
         """
-        stage = torch.tensor([base, root_pos], dtype=torch.int64)
-        if self.scalars.is_cuda:
+        if self.fused != (catch_up is not None):
+            raise RuntimeError("catch_up: expected it exactly for a fused expansion")
+        head = [base, root_pos] + ([catch_up.keep, catch_up.m] if catch_up is not None else [0, 0])
+        stage = torch.tensor(head + (catch_up.ints if catch_up is not None else []), dtype=torch.int64)
+        if self.inputs.is_cuda:
             stage = stage.pin_memory()
-        self.scalars.copy_(stage, non_blocking=True)
-        self.feat[0].copy_(root_feat)
+        self.inputs.copy_(stage, non_blocking=True)
+        if catch_up is not None:
+            self.catch_feat[: catch_up.m].copy_(catch_up.feats)
+        else:
+            self.feat[0].copy_(root_feat)
         if self.capture:
             if self.graph is None:
                 self._capture()
@@ -534,8 +555,21 @@ class _Expansion:
         self.drafter._mark("copy")
         return host
 
+    def _catch_up_body(self) -> None:
+        """The fused catch-up: ``static_width`` rows over the whole cache, the root's output to ``feat[0]``."""
+        keep, m = self.scalars[2], self.scalars[3]
+        cap = self.cache.capacity
+        visible = self.drafter._catch_up_visible(keep, m, self.drafter.static_width, cap, padded=True,
+                                                 device=self.feat.device)  # fmt: skip
+        out = self.drafter._forward(self.cache, self.catch_ints[0], self.catch_feat, self.catch_ints[1:2],
+                                    self.catch_ints[2], visible)  # fmt: skip
+        self.feat[:1].copy_(out.index_select(0, (m - 1).view(1)))
+
     def _body(self, kv_lens: Sequence[int]) -> None:
-        """Depths 1 .. plan.depth on the device: candidates, the next frontier, its head forward."""
+        """(Fused: the catch-up, then) depths 1 .. plan.depth on the device: candidates, the next
+        frontier, its head forward."""
+        if self.fused:
+            self._catch_up_body()
         drafter, plan = self.drafter, self.plan
         dev, width, expanded = self.feat.device, plan.width, plan.expanded
         base, root_pos = self.scalars[0], self.scalars[1]
@@ -598,6 +632,18 @@ class _Expansion:
             torch.cuda.synchronize(dev)
             self.capture_s = time.perf_counter() - start
         self.graph = graph
+
+
+@dataclass
+class _CatchUp:
+    """A fused catch-up's inputs: ``ints`` = token ids, positions, slots (``3 * static_width`` host
+    ints, padding rows: token 0, position 0, the scratch slot), ``feats [m, H]`` the real rows'
+    features (device), ``keep`` the committed slots they attend to, ``m`` the real rows."""
+
+    ints: list[int]
+    feats: torch.Tensor
+    keep: int
+    m: int
 
 
 class _PhaseClock:
@@ -831,7 +877,13 @@ class EagleDrafter(BaseDrafter):
         plan = _Plan.make(frontier_width, width, depth)
         base = keep + len(pending) - 1  # slot of the root's pair
         self._ensure_capacity(st, keep, base + expanded_max + int(self.static_shapes))  # + the scratch slot
-        out = self._catch_up(st, tokens, pending, keep, base)
+        # a chain that fits the padded width runs inside the expansion (its graph); a longer one (a
+        # prompt) or dynamic shapes run it here first
+        fused = self.static_shapes and len(pending) <= self.static_width
+        if fused:
+            catch_up, root_out = self._catch_up_inputs(st, tokens, pending, keep, base), None
+        else:
+            catch_up, root_out = None, self._catch_up(st, tokens, pending, keep, base)[-1]
         st.slot_pos = st.slot_pos[:keep] + [p for p, _ in pending[:-1]]
         st.tokens = tokens[:-1]
         st.feats = {}
@@ -839,7 +891,7 @@ class EagleDrafter(BaseDrafter):
         self._mark("catch_up")
 
         # 2. expand depth by depth (EAGLE-2) on the device; pool node 0 = the root = expanded node 0
-        pool, exp_feat = self._expand(st, plan, context.sampling, base, root_pos, out[-1], root)
+        pool, exp_feat = self._expand(st, plan, context.sampling, base, root_pos, root_out, root, catch_up)
 
         # 3. re-rank: the best `budget` nodes by cumulative draft log-probability
         keep_nodes = best_first(pool.children, pool.score, pool.dep, budget)
@@ -849,23 +901,24 @@ class EagleDrafter(BaseDrafter):
         return tree
 
     def _expand(self, st: _SeqState, plan: _Plan, sampling: SamplingConfig | None, base: int, root_pos: int,
-                root_feat: torch.Tensor, root: int) -> tuple[NodePool, torch.Tensor]:  # fmt: skip
-        """Steps 2 of the module doc: the node pool (host) and the ``[E, H]`` expanded features (device).
+                root_feat: torch.Tensor | None, root: int, catch_up: "_CatchUp | None") -> tuple[NodePool, torch.Tensor]:  # fmt: skip
+        """Steps 2 of the module doc (with ``catch_up``: step 1 first, fused): the node pool (host) and
+        the ``[E, H]`` expanded features (device).
 
         The loop runs on the device (``_Expansion``, a CUDA-graph replay with ``cuda_graphs``); its
         record comes back in one copy, from which ``_Plan.pool`` builds the host loop's pool.
         """
-        key = (plan, sampling)
+        key = (plan, sampling, catch_up is not None)
         exp = st.expansions.get(key)
         if exp is None:
-            exp = st.expansions[key] = _Expansion(self, st.cache, plan, sampling, self.cuda_graphs)
+            exp = st.expansions[key] = _Expansion(self, st.cache, plan, sampling, self.cuda_graphs, catch_up is not None)
         cap = st.cache.capacity
         kv_lens = [cap if self.static_shapes else base + plan.offsets[d] + plan.rows[d] for d in range(1, plan.depth)]
         captured = exp.graph is not None
-        record = exp.run(base, root_pos, root_feat, kv_lens)
+        record = exp.run(base, root_pos, root_feat, kv_lens, catch_up)
         if exp.capture and not captured:
             self.last_capture_s = exp.capture_s or 0.0
-        self.last_forwards += plan.depth - 1
+        self.last_forwards += plan.depth - 1 + int(catch_up is not None)
         return plan.pool(record, root), exp.feat
 
     def _mark(self, phase: str) -> None:
@@ -921,31 +974,42 @@ class EagleDrafter(BaseDrafter):
                   base: int) -> torch.Tensor:  # fmt: skip
         """One causal forward of the ``pending`` pairs (position, feature) into slots ``keep .. base``.
 
-        Each pair attends to the committed slots ``[0, keep)`` and to the pending pairs up to itself.
-        With ``static_shapes`` (and a chain of at most ``static_width`` pairs) the forward has
-        ``static_width`` rows over the whole cache; padding rows write and attend to the scratch
-        slot (the last one) only. Inputs go to the device in one asynchronous copy; the mask is
-        built there. Returns the ``[m, H]`` output features (the last one: the root's).
+        Each pair attends to the committed slots ``[0, keep)`` and to the pending pairs up to itself
+        (``_catch_up_visible``). Inputs go to the device in one asynchronous copy; the mask is built
+        there. Runs unpadded: a chain of at most ``static_width`` pairs under ``static_shapes`` runs
+        padded inside the expansion instead (``_catch_up_inputs``, ``_Expansion._catch_up_body``).
+        Returns the ``[m, H]`` output features (the last one: the root's).
         """
-        m, cap, dev = len(pending), st.cache.capacity, self.device
-        ids, positions, slots = [tokens[p] for p, _ in pending], [p for p, _ in pending], list(range(keep, base + 1))
+        ids, positions = [tokens[p] for p, _ in pending], [p for p, _ in pending]
         feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
-        rows, kv_len = m, base + 1
-        padded = self.static_shapes and m <= self.static_width
-        if padded:
-            pad = self.static_width - m
-            ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [cap - 1] * pad
-            feats = torch.cat([feats, feats.new_zeros(pad, feats.shape[1])])
-            rows, kv_len = self.static_width, cap
-        ints = self._to_device(torch.tensor([ids, positions, slots], dtype=torch.int64))
-        row = torch.arange(rows, device=dev)[:, None]
-        col = torch.arange(kv_len, device=dev)[None]
-        visible = (col < keep) | ((col >= keep) & (col <= keep + row))
-        if padded:
-            visible = torch.where(row < m, visible, col == cap - 1)
+        ints = self._to_device(torch.tensor([ids, positions, list(range(keep, base + 1))], dtype=torch.int64))
+        m = len(pending)
+        visible = self._catch_up_visible(keep, m, m, base + 1, padded=False, device=self.device)
         out = self._forward(st.cache, ints[0], feats, ints[1:2], ints[2], visible)
         self.last_forwards += 1
-        return out[:m]
+        return out
+
+    def _catch_up_inputs(self, st: _SeqState, tokens: list[int], pending: list[tuple[int, torch.Tensor]], keep: int,
+                         base: int) -> _CatchUp:  # fmt: skip
+        """The padded catch-up's inputs: ``static_width`` rows; padding rows (token 0, position 0) write
+        and attend to the scratch slot (the cache's last) only."""
+        m, pad, scratch = len(pending), self.static_width - len(pending), st.cache.capacity - 1
+        ints = ([tokens[p] for p, _ in pending] + [0] * pad + [p for p, _ in pending] + [0] * pad
+                + list(range(keep, base + 1)) + [scratch] * pad)  # fmt: skip
+        feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
+        return _CatchUp(ints, feats, keep, m)
+
+    @staticmethod
+    def _catch_up_visible(keep, m, rows: int, kv_len: int, padded: bool, device: torch.device) -> torch.Tensor:
+        """bool ``[rows, kv_len]``: row i < m sees the committed slots ``[0, keep)`` and the pending
+        slots ``keep .. keep + i``; with ``padded``, rows >= m see only the scratch slot ``kv_len - 1``.
+        ``keep`` / ``m``: ints or 0-d device tensors (a captured graph's inputs)."""
+        row = torch.arange(rows, device=device)[:, None]
+        col = torch.arange(kv_len, device=device)[None]
+        visible = (col < keep) | ((col >= keep) & (col <= keep + row))
+        if padded:
+            visible = torch.where(row < m, visible, col == kv_len - 1)
+        return visible
 
     def _forward(self, cache: KVCache, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip

@@ -442,7 +442,14 @@ class _HostLoopDrafter(EagleDrafter):
     scores), the frontier by ``sorted(key=(-score, index))``, masks built on the host, one host sync
     per depth -- over the same head forwards (same rows, same ``kv_len``) as the device loop."""
 
-    def _expand(self, st, plan, sampling, base, root_pos, root_feat, root):
+    def _expand(self, st, plan, sampling, base, root_pos, root_feat, root, catch_up=None):
+        if catch_up is not None:  # the padded catch-up, run here on its own
+            w, cap = self.static_width, st.cache.capacity
+            ints = torch.tensor(catch_up.ints, device=self.device).view(3, w)
+            feats = torch.cat([catch_up.feats, catch_up.feats.new_zeros(w - catch_up.m, catch_up.feats.shape[1])])
+            visible = self._catch_up_visible(catch_up.keep, catch_up.m, w, cap, padded=True, device=self.device)
+            root_feat = self._forward(st.cache, ints[0], feats, ints[1:2], ints[2], visible)[catch_up.m - 1]
+            self.last_forwards += 1
         pool = NodePool.rooted(root)
         tok, par, score, exp = pool.tok, pool.par, pool.score, pool.exp
         exp_feat, exp_anc = [root_feat], [[0]]
@@ -545,12 +552,23 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
         drafter = EagleDrafter(target, head, depth=spec[1], topk=spec[2], static_shapes=spec[4], **options)
         tokens = _prompt(9, 0)
         drafter.reset([tokens])
+        sampling = None if spec[5] is None else SamplingConfig(*spec[5])
         with monkeypatch.context() as m:
             m.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(tuple(t.shape)) or record_cpu(t, *a, **k))
-            tree = drafter.propose(DraftContext(tokens, spec[3], sampling=None if spec[5] is None else
-                                                SamplingConfig(*spec[5]), hidden=_features(target, tokens)[:8]))
+            ctx = DraftContext(tokens, spec[3], sampling=sampling, hidden=_features(target, tokens)[:8])
+            tree = drafter.propose(ctx)
         assert tree.n == spec[3] + 1 and drafter.last_forwards == spec[1]
-    assert len(bodies) == 3 and copies == [(p.record_size,) for p in bodies]  # one copy per step: the record
+        # a second step: a short catch-up (static shapes: fused into the expansion, checked too)
+        child = tree.children[0][0]
+        drafter.update(ctx, tree, Verdict((0, child), 7))
+        longer = torch.cat([tokens, tree.tokens[child : child + 1], torch.tensor([7])])
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(tuple(t.shape)) or record_cpu(t, *a, **k))
+            drafter.propose(DraftContext(longer, spec[3], sampling=sampling, hidden=_features(target, longer)[8:10]))
+        assert drafter.last_forwards == spec[1]
+    fused = [key[2] for d in (drafter,) for st in d._states.values() for key in st.expansions]
+    assert len(bodies) == 6 and copies == [(p.record_size,) for p in bodies]  # one copy per step: the record
+    assert True in fused  # the last case (static shapes) ran a fused catch-up under the guard
 
 
 def test_cuda_graph_options_and_draft_time_counters():
