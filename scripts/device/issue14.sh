@@ -8,17 +8,23 @@
 # Environment: BUDGET (train seconds, default 300), TREES (default "32 64"), EAGLE (drafter spec
 # options after heads=, default none), DRAFTERS (the whole --drafters list instead, e.g.
 # "eagle:heads=/tmp/eagle,profile=true v32k=eagle:heads=/tmp/eagle,profile=true,draft_vocab=32768"), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
-# hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50).
+# hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50), STYLES
+# (train-eagle --prompt-styles, default function,stdin,starter), ANSWERS (--answers-per-prompt, default
+# 1), METHODS (default "specdec hf-static"), TEMP (sampling temperature, default 0 = greedy; results
+# then go to $s-eagle-t$TEMP.jsonl). Every apps / humaneval call adds its rows to one file per dataset
+# (baselines reused), so calls may split drafters and tree sizes.
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 mkdir -p /tmp/results
 trees=(${TREES:-32 64})
 read -ra drafters <<< "${DRAFTERS:-eagle:heads=/tmp/eagle${EAGLE:+,$EAGLE}}"
-train=(--data .evaldata/mbpp.jsonl --out /tmp/eagle --answers-per-prompt 2 --max-new-tokens 192 --gen-batch-size 120
-       --no-progress)
+train=(--data .evaldata/mbpp.jsonl --out /tmp/eagle --answers-per-prompt "${ANSWERS:-1}" --max-new-tokens 192
+       --gen-batch-size 120 --prompt-styles "${STYLES:-function,stdin,starter}" --no-progress)
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
-       --method-problems ${LIMITS:-hf=0})
+       --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}")
+read -ra methods <<< "${METHODS:-specdec hf-static}"
+tag=$([ "${TEMP:-0}" = 0 ] && echo eagle || echo "eagle-t${TEMP}")
 for s in "$@"; do
   echo "== $s $(date +%T)" >> "$out/steps.log"
   case $s in
@@ -31,12 +37,12 @@ for s in "$@"; do
       timeout 580 python3 -m specdec.cli train-eagle "${train[@]}" --time-budget "${BUDGET:-300}" \
         > "$out/train_eagle.log" 2>&1
       cp /tmp/eagle/eagle_config.json "$out/" ;;
-    apps|humaneval)  # EAGLE at each t vs HF static, every problem of the dataset (none used for tuning)
+    apps|humaneval)  # the drafters at each t vs HF static, every problem of the dataset (none used for tuning)
       data=$([ "$s" = apps ] && echo .evaldata/apps_selected150.jsonl || echo "")
       timeout 590 python3 -m specdec.cli sweep --dataset "$s" ${data:+--data $data} "${sweep[@]}" \
-        --draft "" --drafters "${drafters[@]}" --tree-sizes "${trees[@]}" --methods specdec hf-static \
-        --out "/tmp/results/$s-eagle.jsonl" > "$out/$s-eagle.log" 2>&1
-      cp /tmp/results/$s-eagle.* "$out/" 2>/dev/null ;;
+        --draft "" --drafters "${drafters[@]}" --tree-sizes "${trees[@]}" --methods "${methods[@]}" \
+        --out "/tmp/results/$s-$tag.jsonl" >> "$out/$s-$tag.log" 2>&1
+      cp /tmp/results/$s-$tag.* "$out/" 2>/dev/null ;;
     model)  # the draft-model drafter (0.5B) on HumanEval, t = 32, with its own HF static rows
       timeout 590 python3 -m specdec.cli sweep --dataset humaneval "${sweep[@]}" --drafters model:draft=qwen2.5-coder-0.5b \
         --tree-sizes 32 --methods specdec hf-static --out /tmp/results/humaneval-model.jsonl \
