@@ -41,9 +41,10 @@ root r = the last committed token at position L - 1:
    ``(f_{L-2}, r)``; its output ``y_{L-1}`` gives the root's children. Features come from the
    engine (``DraftContext.hidden``) where it has them, else from the head's own predictions kept
    from the last step; a pair with neither is skipped (the head simply never attends to it).
-   With static shapes a chain of at most ``static_width`` pairs (every step after the first: the
-   accepted path) runs padded at the start of the expansion below, inside its CUDA graph; a longer
-   one (the prompt) runs on its own first.
+   With static shapes a chain of at most ``FUSED_CATCH_UP`` pairs (every step after the first: the
+   accepted path) runs padded -- to ``static_width`` rows or the next power-of-two multiple of it, one
+   expansion (and graph) per width -- at the start of the expansion below, inside its CUDA graph; a
+   longer one (the prompt) runs on its own first.
 2. **Expand, one forward per depth, on the device**: the ``topk`` candidates of best cumulative
    draft log-probability at depth d (ties: the earlier candidate) run as one forward of ``topk``
    queries (pair = their token and their parent's output feature, position = root's + d), attending
@@ -135,6 +136,7 @@ __all__ = [
     "ATTENTION_NAME",
     "CONFIG_NAME",
     "DRAFT_PHASES",
+    "FUSED_CATCH_UP",
     "VOCAB_NAME",
     "WEIGHTS_NAME",
     "EagleConfig",
@@ -149,6 +151,10 @@ WEIGHTS_NAME = "eagle_head.safetensors"
 VOCAB_NAME = "draft_vocab.safetensors"
 #: ``EagleDrafter.last_phase_s`` keys of one ``propose`` (``update`` adds ``"update"``).
 DRAFT_PHASES = ("catch_up", "expand", "copy", "host_tree")
+#: Longest chain of pairs a step's catch-up runs inside the expansion's graph (padded to a power-of-two
+#: multiple of ``static_width``); longer ones (a prompt) run eagerly before it. An accepted path
+#: longer than the head's own depth (a merged drafter's prompt-lookup chain) stays well inside.
+FUSED_CATCH_UP = 64
 #: transformers attention-registry name of the head's attention (see ``_head_attention``).
 ATTENTION_NAME = "specdec_eagle_head"
 
@@ -505,13 +511,13 @@ class _Expansion:
     """
 
     def __init__(self, drafter: "EagleDrafter", cache: KVCache, plan: _Plan, sampling: SamplingConfig | None,
-                 capture: bool, fused: bool = False) -> None:  # fmt: skip
+                 capture: bool, width: int = 0) -> None:  # fmt: skip
         dev, w = drafter.device, drafter.head.fc.weight
         self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
-        self.fused = fused
-        width = drafter.static_width if fused else 0
-        # one int64 input block, one host-to-device copy per step: (base, root_pos, keep, m), then with
-        # ``fused`` the catch-up's [3, static_width] (token ids, positions, slots)
+        self.width = width  # rows of the fused catch-up; 0: not fused
+        self.fused = width > 0
+        # one int64 input block, one host-to-device copy per step: (base, root_pos, keep, m), then when
+        # fused the catch-up's [3, width] (token ids, positions, slots)
         self.inputs = torch.zeros(4 + 3 * width, dtype=torch.int64, device=dev)
         self.scalars = self.inputs[:4]
         self.catch_ints = self.inputs[4:].view(3, width)
@@ -531,10 +537,10 @@ class _Expansion:
         ``kv_lens[d - 1]``: attention reads cache slots ``[0, kv_lens[d - 1])`` at depth d (eager
         only; a captured graph reads the whole capacity). Unfused: ``root_feat`` is the catch-up's
         output for the root. Fused: ``catch_up`` holds the catch-up's inputs (padded to
-        ``static_width`` rows), and the body runs it first (``root_feat`` is None).
+        ``width`` rows), and the body runs it first (``root_feat`` is None).
         """
-        if self.fused != (catch_up is not None):
-            raise RuntimeError("catch_up: expected it exactly for a fused expansion")
+        if self.width != (catch_up.width if catch_up is not None else 0):
+            raise RuntimeError("catch_up: expected it exactly for a fused expansion, of its width")
         head = [base, root_pos] + ([catch_up.keep, catch_up.m] if catch_up is not None else [0, 0])
         stage = torch.tensor(head + (catch_up.ints if catch_up is not None else []), dtype=torch.int64)
         if self.inputs.is_cuda:
@@ -556,10 +562,10 @@ class _Expansion:
         return host
 
     def _catch_up_body(self) -> None:
-        """The fused catch-up: ``static_width`` rows over the whole cache, the root's output to ``feat[0]``."""
+        """The fused catch-up: ``width`` rows over the whole cache, the root's output to ``feat[0]``."""
         keep, m = self.scalars[2], self.scalars[3]
         cap = self.cache.capacity
-        visible = self.drafter._catch_up_visible(keep, m, self.drafter.static_width, cap, padded=True,
+        visible = self.drafter._catch_up_visible(keep, m, self.width, cap, padded=True,
                                                  device=self.feat.device)  # fmt: skip
         out = self.drafter._forward(self.cache, self.catch_ints[0], self.catch_feat, self.catch_ints[1:2],
                                     self.catch_ints[2], visible)  # fmt: skip
@@ -636,10 +642,11 @@ class _Expansion:
 
 @dataclass
 class _CatchUp:
-    """A fused catch-up's inputs: ``ints`` = token ids, positions, slots (``3 * static_width`` host
-    ints, padding rows: token 0, position 0, the scratch slot), ``feats [m, H]`` the real rows'
-    features (device), ``keep`` the committed slots they attend to, ``m`` the real rows."""
+    """A fused catch-up's inputs: ``ints`` = token ids, positions, slots (``3 * width`` host ints,
+    padding rows: token 0, position 0, the scratch slot), ``feats [m, H]`` the real rows' features
+    (device), ``keep`` the committed slots they attend to, ``m`` the real rows."""
 
+    width: int
     ints: list[int]
     feats: torch.Tensor
     keep: int
@@ -879,7 +886,7 @@ class EagleDrafter(BaseDrafter):
         self._ensure_capacity(st, keep, base + expanded_max + int(self.static_shapes))  # + the scratch slot
         # a chain that fits the padded width runs inside the expansion (its graph); a longer one (a
         # prompt) or dynamic shapes run it here first
-        fused = self.static_shapes and len(pending) <= self.static_width
+        fused = self._fused_width(len(pending))
         if fused:
             catch_up, root_out = self._catch_up_inputs(st, tokens, pending, keep, base), None
         else:
@@ -908,10 +915,11 @@ class EagleDrafter(BaseDrafter):
         The loop runs on the device (``_Expansion``, a CUDA-graph replay with ``cuda_graphs``); its
         record comes back in one copy, from which ``_Plan.pool`` builds the host loop's pool.
         """
-        key = (plan, sampling, catch_up is not None)
+        width = catch_up.width if catch_up is not None else 0
+        key = (plan, sampling, width)
         exp = st.expansions.get(key)
         if exp is None:
-            exp = st.expansions[key] = _Expansion(self, st.cache, plan, sampling, self.cuda_graphs, catch_up is not None)
+            exp = st.expansions[key] = _Expansion(self, st.cache, plan, sampling, self.cuda_graphs, width)
         cap = st.cache.capacity
         kv_lens = [cap if self.static_shapes else base + plan.offsets[d] + plan.rows[d] for d in range(1, plan.depth)]
         captured = exp.graph is not None
@@ -976,8 +984,9 @@ class EagleDrafter(BaseDrafter):
 
         Each pair attends to the committed slots ``[0, keep)`` and to the pending pairs up to itself
         (``_catch_up_visible``). Inputs go to the device in one asynchronous copy; the mask is built
-        there. Runs unpadded: a chain of at most ``static_width`` pairs under ``static_shapes`` runs
-        padded inside the expansion instead (``_catch_up_inputs``, ``_Expansion._catch_up_body``).
+        there. Runs unpadded: a chain of at most ``FUSED_CATCH_UP`` pairs under ``static_shapes`` runs
+        padded inside the expansion instead (``_fused_width``, ``_catch_up_inputs``,
+        ``_Expansion._catch_up_body``).
         Returns the ``[m, H]`` output features (the last one: the root's).
         """
         ids, positions = [tokens[p] for p, _ in pending], [p for p, _ in pending]
@@ -991,13 +1000,24 @@ class EagleDrafter(BaseDrafter):
 
     def _catch_up_inputs(self, st: _SeqState, tokens: list[int], pending: list[tuple[int, torch.Tensor]], keep: int,
                          base: int) -> _CatchUp:  # fmt: skip
-        """The padded catch-up's inputs: ``static_width`` rows; padding rows (token 0, position 0) write
-        and attend to the scratch slot (the cache's last) only."""
-        m, pad, scratch = len(pending), self.static_width - len(pending), st.cache.capacity - 1
+        """The padded catch-up's inputs: ``_fused_width(m)`` rows; padding rows (token 0, position 0)
+        write and attend to the scratch slot (the cache's last) only."""
+        width = self._fused_width(len(pending))
+        m, pad, scratch = len(pending), width - len(pending), st.cache.capacity - 1
         ints = ([tokens[p] for p, _ in pending] + [0] * pad + [p for p, _ in pending] + [0] * pad
                 + list(range(keep, base + 1)) + [scratch] * pad)  # fmt: skip
         feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
-        return _CatchUp(ints, feats, keep, m)
+        return _CatchUp(width, ints, feats, keep, m)
+
+    def _fused_width(self, m: int) -> int:
+        """Rows of the fused catch-up of ``m`` pairs: ``static_width`` times the smallest power of two
+        that holds them; 0 (run it unfused) without static shapes or beyond ``FUSED_CATCH_UP`` pairs."""
+        if not self.static_shapes or m > max(FUSED_CATCH_UP, self.static_width):
+            return 0
+        width = self.static_width
+        while width < m:
+            width *= 2
+        return width
 
     @staticmethod
     def _catch_up_visible(keep, m, rows: int, kv_len: int, padded: bool, device: torch.device) -> torch.Tensor:

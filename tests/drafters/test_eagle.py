@@ -190,6 +190,34 @@ def test_incremental_catch_up_equals_drafting_from_scratch():
         n_tok += len(path)
 
 
+def test_long_accepted_paths_catch_up_fused_at_wider_widths_like_a_fresh_drafter():
+    """Accepting the deepest path every step (m = depth + 1 pairs to catch up, over ``static_width``):
+    the fused catch-up pads to the next power-of-two multiple (one expansion per width), and every
+    tree equals a fresh drafter's (dynamic shapes, no fusion) given all the target's features."""
+    target, head = _target(), _random_head()
+    drafter = EagleDrafter(target, head, depth=6, topk=2, static_shapes=True)
+    fresh = EagleDrafter(target, head, depth=6, topk=2, static_shapes=False)
+    tokens = _prompt(7, 11)
+    drafter.reset([tokens])
+    seen, widths = 0, set()
+    for step in range(6):
+        feats = _features(target, tokens)
+        ctx = DraftContext(tokens, 24, hidden=feats[seen : len(tokens) - 1])
+        tree = drafter.propose(ctx)
+        fresh.reset([tokens])
+        ref = fresh.propose(DraftContext(tokens, 24, hidden=feats[: len(tokens) - 1]))
+        assert (tree.tokens.tolist(), tree.parents.tolist()) == (ref.tokens.tolist(), ref.parents.tolist()), step
+        leaf = max(range(tree.n), key=lambda v: len(_path_to(tree, v)))
+        path = tuple(_path_to(tree, leaf))
+        drafter.update(ctx, tree, Verdict(path, 9))
+        seen = len(tokens) - 1
+        tokens = torch.cat([tokens, tree.tokens[list(path[1:])], torch.tensor([9])])
+        widths |= {key[2] for st in drafter._states.values() for key in st.expansions}
+    assert widths == {8}  # 7 pairs (the prompt's 6, then a 6-deep path + the bonus) in 2 * 4 rows
+    assert [drafter._fused_width(m) for m in (1, 2, 3, 5, 33, 64, 65)] == [2, 2, 4, 8, 64, 64, 0]
+    assert fresh._fused_width(1) == 0  # dynamic shapes: never fused
+
+
 def test_another_history_without_reset_drafts_like_a_fresh_drafter():
     target, head = _target(), _random_head()
     drafter = EagleDrafter(target, head, depth=3, topk=3)
@@ -444,7 +472,7 @@ class _HostLoopDrafter(EagleDrafter):
 
     def _expand(self, st, plan, sampling, base, root_pos, root_feat, root, catch_up=None):
         if catch_up is not None:  # the padded catch-up, run here on its own
-            w, cap = self.static_width, st.cache.capacity
+            w, cap = catch_up.width, st.cache.capacity
             ints = torch.tensor(catch_up.ints, device=self.device).view(3, w)
             feats = torch.cat([catch_up.feats, catch_up.feats.new_zeros(w - catch_up.m, catch_up.feats.shape[1])])
             visible = self._catch_up_visible(catch_up.keep, catch_up.m, w, cap, padded=True, device=self.device)
@@ -568,7 +596,7 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
         assert drafter.last_forwards == spec[1]
     fused = [key[2] for d in (drafter,) for st in d._states.values() for key in st.expansions]
     assert len(bodies) == 6 and copies == [(p.record_size,) for p in bodies]  # one copy per step: the record
-    assert True in fused  # the last case (static shapes) ran a fused catch-up under the guard
+    assert any(w > 0 for w in fused)  # the last case (static shapes) ran a fused catch-up under the guard
 
 
 def test_cuda_graph_options_and_draft_time_counters():
