@@ -31,8 +31,11 @@ for s in "$@"; do
     tests)  # the CUDA paths new in this session: device-side draft loops, graph replay, all-token features
       timeout 280 python3 -m pytest -q -p no:cacheprovider tests/drafters/test_eagle.py tests/drafters/test_draft_model.py \
         tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -k "cuda" > "$out/pytest_cuda.txt" 2>&1 ;;
-    distill)  # the self-distillation data only (cached in /tmp/eagle): greedy + one sampled answer per prompt
-      timeout 560 python3 -m specdec.cli train-eagle "${train[@]}" --steps 0 > "$out/distill.log" 2>&1 ;;
+    distill)  # the self-distillation data only (cached in /tmp/eagle; a carried .evaldata/selfdistill*.jsonl of
+              # the same settings is reused -- train-eagle checks its settings -- and the cache comes back in $OUT)
+      mkdir -p /tmp/eagle && cp .evaldata/selfdistill*.jsonl /tmp/eagle/ 2>/dev/null
+      timeout 560 python3 -m specdec.cli train-eagle "${train[@]}" --steps 0 > "$out/distill.log" 2>&1
+      cp /tmp/eagle/selfdistill*.jsonl "$out/" ;;
     train)  # the head, on the cached data, within BUDGET seconds of optimization
       timeout 580 python3 -m specdec.cli train-eagle "${train[@]}" --time-budget "${BUDGET:-300}" \
         > "$out/train_eagle.log" 2>&1
