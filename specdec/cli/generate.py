@@ -170,10 +170,15 @@ def run_generate(
     from specdec.engine import SpecDecoder
 
     out = sys.stdout if out is None else out
-    if drafter not in DRAFTERS:
-        raise ValueError(f"drafter: expected one of {DRAFTERS}, got {drafter!r}")
-    if drafter in ("medusa", "eagle") and not heads:
-        raise ValueError(f"heads: --drafter {drafter} needs --heads DIR (trained with specdec train-{drafter})")
+    parts = _drafter_parts(drafter)
+    if parts is None:
+        raise ValueError(f"drafter: expected one of {DRAFTERS} or distinct ones joined by '+' (a merged tree, e.g. "
+                         f"lookup+eagle), got {drafter!r}")  # fmt: skip
+    with_heads = [p for p in parts if p in ("medusa", "eagle")]
+    if with_heads and not heads:
+        raise ValueError(f"heads: --drafter {drafter} needs --heads DIR (trained with specdec train-{with_heads[0]})")
+    if len(with_heads) > 1:
+        raise ValueError(f"drafter: one --heads DIR serves one of medusa / eagle, got {drafter!r}")
     if not temperature >= 0:
         raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -190,9 +195,10 @@ def run_generate(
     target_model = models.load_model(target, dtype=torch_dtype, device=dev, progress=progress)
     options: dict[str, Any] = {}
     draft_model = None
-    if drafter == "model":
+    if "model" in parts:
         draft_model = models.load_model(draft, dtype=torch_dtype, device=dev, progress=progress)
-        options = {k: v for k, v in (("depth", depth), ("topk", topk)) if v is not None}
+        prefix = "" if drafter == "model" else "model."
+        options = {prefix + k: v for k, v in (("depth", depth), ("topk", topk)) if v is not None}
     made = make_drafter(drafter, target=target_model, draft_model=draft_model, heads=heads, device=dev,
                         dtype=torch_dtype, **options)  # fmt: skip
     decoder = SpecDecoder(target_model, made, tree_size=tree_size, attn_impl=attn_impl)
@@ -243,8 +249,26 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _drafter_parts(name: Any) -> list[str] | None:
+    """The drafter names in ``name`` (one, or several joined by '+'), or None if it names no valid drafter."""
     from drafters import DRAFTERS  # light: the drafters load their modules lazily
+
+    parts = name.split("+") if isinstance(name, str) else []
+    if not parts or any(p not in DRAFTERS for p in parts) or len(set(parts)) != len(parts):
+        return None
+    return parts
+
+
+def _drafter_name(text: str) -> str:
+    from drafters import DRAFTERS
+
+    if _drafter_parts(text) is None:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DRAFTERS)} or distinct ones joined by '+', "
+                                         f"got {text!r}")  # fmt: skip
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
 
     parser = cliargs.ArgumentParser(
         prog="specdec generate",
@@ -254,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("prompt", help="the prompt (a user message when the chat template is used)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"default model name, HF id or local dir (default {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
-    parser.add_argument("--drafter", choices=list(DRAFTERS), default="model",
-                        help="draft LM tree (default), Medusa heads (--heads), prompt lookup or EAGLE heads (--heads)")
+    parser.add_argument("--drafter", type=_drafter_name, default="model",
+                        help="model: draft LM tree (default), medusa: Medusa heads (--heads), lookup: prompt lookup, "
+                             "eagle: EAGLE heads (--heads); several joined by '+' merge their trees (lookup+eagle)")
     parser.add_argument("--heads", type=cliargs.existing_path, default=None,
                         help="Medusa / EAGLE heads directory (specdec train-medusa / train-eagle --out)")
     parser.add_argument("--tree-size", type=cliargs.int_at_least(0), default=None, help=f"draft nodes per step (default 64 on cuda; on cpu a chain of {CPU_CHAIN} for --drafter model, else 16)")

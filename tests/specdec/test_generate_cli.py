@@ -48,10 +48,10 @@ def test_help_lists_the_options(capsys):
     for flag in ("--target", "--draft", "--drafter", "--tree-size", "--max-new-tokens", "--temperature", "--top-p",
                  "--seed", "--device", "--dtype", "--stream", "--chat", "--no-chat", "--heads"):
         assert flag in text
-    assert "{model,medusa,lookup,eagle}" in text
+    assert "lookup+eagle" in text and all(name in text for name in ("model", "medusa", "lookup", "eagle"))
 
 
-@pytest.mark.parametrize("drafter", ["model", "lookup", "medusa"])
+@pytest.mark.parametrize("drafter", ["model", "lookup", "medusa", "lookup+medusa", "lookup+model"])
 def test_generate_on_tiny_models_equals_target_greedy(tiny_dirs, drafter):
     from transformers import AutoTokenizer
 
@@ -98,6 +98,13 @@ def test_argument_errors(tiny_dirs):
         run_generate("x", target=str(target), drafter="medusa", progress=False)
     with pytest.raises(ValueError, match=r"dtype: expected one of"):
         run_generate("x", target=str(target), dtype="int8", progress=False)
+    with pytest.raises(ValueError, match=r"heads: --drafter lookup\+eagle needs --heads DIR \(trained with specdec train-eagle"):
+        run_generate("x", target=str(target), drafter="lookup+eagle", progress=False)
+    for bad in ("lookup+lookup", "lookup+nope", "nope"):
+        with pytest.raises(ValueError, match=r"drafter: expected one of .* joined by '\+'"):
+            run_generate("x", target=str(target), drafter=bad, progress=False)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "x", "--drafter", "lookup+nope"])
 
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
