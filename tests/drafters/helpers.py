@@ -65,3 +65,17 @@ def save_tiny_pair(root: Path) -> tuple[Path, Path]:
         tok.save_pretrained(d)
         out.append(d)
     return out[0], out[1]
+
+
+def random_eagle_head(target, seed: int = 0, std: float = 0.2):
+    """An ``EagleHead`` for ``target`` with large random weights (normal(0, ``std``) matrices: decisive,
+    non-trivial drafts), in eval mode."""
+    from drafters.eagle import EagleHead
+
+    torch.manual_seed(seed)
+    head = EagleHead(target)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+    return head.eval()

@@ -29,6 +29,7 @@ from specdec import SpecDecoder
 from specdec.drafting import DraftContext
 from specdec.sampling import SamplingConfig, warp_logits
 from specdec.verify import Verdict
+from tests.drafters.helpers import random_eagle_head
 from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,13 +44,7 @@ def _target(family: str = "qwen2"):
 def _random_head(family: str = "qwen2", seed: int = 0) -> EagleHead:
     """A head with large random weights (decisive, non-trivial drafts)."""
     target = _target(family)  # built before seeding: the head's weights do not depend on the cache's state
-    torch.manual_seed(seed)
-    head = EagleHead(target)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    return head.eval()
+    return random_eagle_head(target, seed)
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,6 +19,7 @@ from specdec.drafting import BaseDrafter, DraftContext
 from specdec.sampling import SamplingConfig
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
+from tests.drafters.helpers import random_eagle_head
 from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,14 +32,7 @@ def _target():
 
 @functools.lru_cache(maxsize=None)
 def _head() -> EagleHead:
-    target = _target()
-    torch.manual_seed(0)
-    head = EagleHead(target)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    return head.eval()
+    return random_eagle_head(_target())
 
 
 class _Fixed(BaseDrafter):

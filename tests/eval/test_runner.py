@@ -565,15 +565,11 @@ def test_eagle_sweep_records_draft_phases_only_when_profiled(pair, loaded, tmp_p
     its ``draft_s``) and the summary their mean ms per step; without ``profile`` neither appears."""
     import torch
 
-    from drafters.eagle import DRAFT_PHASES, EagleHead
+    from drafters.eagle import DRAFT_PHASES
+    from tests.drafters.helpers import random_eagle_head
 
     target = loaded[0]
-    torch.manual_seed(0)
-    head = EagleHead(target)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
+    head = random_eagle_head(target)
     head.set_token_counts(torch.arange(tiny.VOCAB) % 7)  # for draft_vocab
     head.save(tmp_path / "eagle")
     out = tmp_path / "e.jsonl"
