@@ -567,6 +567,7 @@ class SpecDecoder:
         attention_mask: torch.Tensor | None = None,
         pad_token_id: int | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
+        num_return_sequences: int = 1,
     ) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` per sequence; lossless w.r.t. the target.
 
@@ -581,6 +582,10 @@ class SpecDecoder:
             pad_token_id: filler of ``sequences`` after a row's end (default: the first eos id, else 0).
             on_tokens: streaming callback, called after every step as ``on_tokens(seq, tokens)`` with
                 the tokens (host ints) appended to sequence ``seq`` in that step (never empty).
+            num_return_sequences: n sequences per prompt (HF's argument): the output's rows are
+                prompt 0's n sequences, then prompt 1's, ...; each decodes on its own (independent
+                samples when sampling, n equal rows when greedy). Today each row holds its own copy
+                of the prompt's KV (the shared-prefix layout of issue 17 is not in the engine yet).
 
         Returns:
             ``GenerationOutput`` with the sequences and per-step statistics.
@@ -591,7 +596,9 @@ class SpecDecoder:
         eos = set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
         if pad_token_id is None:
             pad_token_id = min(eos) if eos else 0
-        prompts = self._prompts(input_ids, attention_mask)
+        if not isinstance(num_return_sequences, int) or isinstance(num_return_sequences, bool) or num_return_sequences < 1:
+            raise ValueError(f"num_return_sequences: expected an int >= 1, got {num_return_sequences!r}")
+        prompts = [p for p in self._prompts(input_ids, attention_mask) for _ in range(num_return_sequences)]
         batch = len(prompts)
         longest = max(len(p) for p in prompts)
         limit = hf.max_positions(self.target)
@@ -1094,11 +1101,12 @@ class SpeculativeModel:
         attention_mask: torch.Tensor | None = None,
         pad_token_id: int | None = None,
         return_output: bool = False,
+        num_return_sequences: int | None = None,
     ):
         """Like ``model.generate``; unset sampling / eos arguments come from ``model.generation_config``.
 
-        Returns ``sequences`` (int64 ``[B, T]``, prompts without padding, right-padded), or the
-        full ``GenerationOutput`` with ``return_output=True``.
+        Returns ``sequences`` (int64 ``[B * num_return_sequences, T]``, prompts without padding,
+        right-padded), or the full ``GenerationOutput`` with ``return_output=True``.
         """
         gc = getattr(self.model, "generation_config", None)
 
@@ -1119,6 +1127,7 @@ class SpeculativeModel:
             generator=generator,
             attention_mask=attention_mask,
             pad_token_id=pick(pad_token_id, "pad_token_id", None),
+            num_return_sequences=int(pick(num_return_sequences, "num_return_sequences", 1)),
         )
         return out if return_output else out.sequences
 
