@@ -41,10 +41,10 @@ root r = the last committed token at position L - 1:
    ``(f_{L-2}, r)``; its output ``y_{L-1}`` gives the root's children. Features come from the
    engine (``DraftContext.hidden``) where it has them, else from the head's own predictions kept
    from the last step; a pair with neither is skipped (the head simply never attends to it).
-   With static shapes a chain of at most ``FUSED_CATCH_UP`` pairs (every step after the first: the
-   accepted path) runs padded -- to ``static_width`` rows or the next power-of-two multiple of it, one
-   expansion (and graph) per width -- at the start of the expansion below, inside its CUDA graph; a
-   longer one (the prompt) runs on its own first.
+   With static shapes a chain of at most ``FUSED_CATCH_UP`` pairs (the accepted path of every step;
+   the prompt at the first step unless it is longer) runs padded -- to ``static_width`` rows or the
+   next power-of-two multiple of it, one expansion (and graph) per width -- at the start of the
+   expansion below, inside its CUDA graph; a longer one runs on its own first.
 2. **Expand, one forward per depth, on the device**: the ``topk`` candidates of best cumulative
    draft log-probability at depth d (ties: the earlier candidate) run as one forward of ``topk``
    queries (pair = their token and their parent's output feature, position = root's + d), attending
@@ -152,9 +152,10 @@ VOCAB_NAME = "draft_vocab.safetensors"
 #: ``EagleDrafter.last_phase_s`` keys of one ``propose`` (``update`` adds ``"update"``).
 DRAFT_PHASES = ("catch_up", "expand", "copy", "host_tree")
 #: Longest chain of pairs a step's catch-up runs inside the expansion's graph (padded to a power-of-two
-#: multiple of ``static_width``); longer ones (a prompt) run eagerly before it. An accepted path
-#: longer than the head's own depth (a merged drafter's prompt-lookup chain) stays well inside.
-FUSED_CATCH_UP = 64
+#: multiple of ``static_width``): every accepted path, and prompts up to this length, so that no head
+#: forward runs eagerly (on the H100 eager catch-ups of a merged drafter took 44-140 ms; session 7,
+#: specdec/PERF.md v6). Longer prompts run eagerly before the expansion. One graph per width.
+FUSED_CATCH_UP = 2048
 #: transformers attention-registry name of the head's attention (see ``_head_attention``).
 ATTENTION_NAME = "specdec_eagle_head"
 
@@ -884,8 +885,8 @@ class EagleDrafter(BaseDrafter):
         plan = _Plan.make(frontier_width, width, depth)
         base = keep + len(pending) - 1  # slot of the root's pair
         self._ensure_capacity(st, keep, base + expanded_max + int(self.static_shapes))  # + the scratch slot
-        # a chain that fits the padded width runs inside the expansion (its graph); a longer one (a
-        # prompt) or dynamic shapes run it here first
+        # a chain of at most FUSED_CATCH_UP pairs runs inside the expansion (its graph); a longer one
+        # (a long prompt) or dynamic shapes run it here first
         fused = self._fused_width(len(pending))
         if fused:
             catch_up, root_out = self._catch_up_inputs(st, tokens, pending, keep, base), None

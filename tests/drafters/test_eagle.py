@@ -16,6 +16,7 @@ from drafters._build import NodePool
 from drafters.eagle import (
     CONFIG_NAME,
     DRAFT_PHASES,
+    FUSED_CATCH_UP,
     VOCAB_NAME,
     WEIGHTS_NAME,
     EagleDrafter,
@@ -209,7 +210,8 @@ def test_long_accepted_paths_catch_up_fused_at_wider_widths_like_a_fresh_drafter
         tokens = torch.cat([tokens, tree.tokens[list(path[1:])], torch.tensor([9])])
         widths |= {key[2] for st in drafter._states.values() for key in st.expansions}
     assert widths == {8}  # 7 pairs (the prompt's 6, then a 6-deep path + the bonus) in 2 * 4 rows
-    assert [drafter._fused_width(m) for m in (1, 2, 3, 5, 33, 64, 65)] == [2, 2, 4, 8, 64, 64, 0]
+    assert [drafter._fused_width(m) for m in (1, 2, 3, 5, 33, 64, 65, FUSED_CATCH_UP, FUSED_CATCH_UP + 1)] \
+        == [2, 2, 4, 8, 64, 64, 128, FUSED_CATCH_UP, 0]
     assert fresh._fused_width(1) == 0  # dynamic shapes: never fused
 
 
