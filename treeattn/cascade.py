@@ -23,6 +23,7 @@ import torch
 
 from treeattn.layout import TreeMask
 from treeattn.ops import (
+    check_kv_shapes,
     check_lengths,
     check_tree_mask,
     _DTYPES,
@@ -193,16 +194,10 @@ def _check(q, k_shared, v_shared, k, v, suffix_lens, tree_mask, impl) -> tuple[t
             raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous last (head) dim, got stride {t.stride(-1)}")
-    n, hq, t_len, d = q.shape
+    n, _, t_len, d = q.shape
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"q: expected head_dim in [1, {MAX_HEAD_DIM}], got {d}")
-    if k.shape != v.shape:
-        raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[0] != n or k.shape[3] != d:
-        raise ValueError(f"k: expected shape [{n}, Hkv, S, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
-    hkv, seq_len = k.shape[1], k.shape[2]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"q: expected a head count divisible by k's {hkv} KV heads (GQA), got {hq}")
+    hkv, seq_len = check_kv_shapes(q, k, v)
     if ks.shape[0] != hkv or ks.shape[2] != d:
         raise ValueError(f"k_shared: expected shape [{hkv}, P, {d}] (k's KV heads, q's head dim), got {tuple(ks.shape)}")
     if vs.shape != ks.shape:

@@ -265,6 +265,20 @@ def check_tree_mask(tree_mask, n: int, batch: int, device: torch.device, symbol:
         raise ValueError(f"tree_mask: expected device {device} (q's), got {tree_mask.words.device}")
 
 
+def check_kv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """ValueError naming ``v`` / ``k`` / ``q`` unless ``k`` and ``v`` are ``[B, Hkv, S, D]`` for ``q``
+    ``[B, Hq, n, D]`` with ``Hq % Hkv == 0`` (4-D tensors, checked before); returns ``(Hkv, S)``."""
+    batch, hq, _, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[0] != batch or k.shape[3] != d:
+        raise ValueError(f"k: expected shape [{batch}, Hkv, S, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
+    hkv, seq_len = k.shape[1], k.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q: expected a head count divisible by k's {hkv} KV heads (GQA), got {hq}")
+    return hkv, seq_len
+
+
 def check_lengths(name: str, lens, batch: int) -> None:
     """ValueError naming ``name`` unless ``lens`` is an int32 / int64 tensor of shape ``[batch]``."""
     if not isinstance(lens, torch.Tensor) or lens.dtype not in (torch.int32, torch.int64):
@@ -288,14 +302,8 @@ def _check(q, k, v, prefix_lens, tree_mask, impl) -> None:
             raise ValueError(f"{name}: expected a contiguous last (head) dim, got stride {t.stride(-1)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"k, v: expected q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
-    batch, hq, n, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[0] != batch or k.shape[3] != d:
-        raise ValueError(f"k: expected shape [{batch}, Hkv, S, {d}] to match q {tuple(q.shape)}, got {tuple(k.shape)}")
-    hkv, seq_len = k.shape[1], k.shape[2]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"q: expected a head count divisible by k's {hkv} KV heads (GQA), got {hq}")
+    batch, _, n, d = q.shape
+    _, seq_len = check_kv_shapes(q, k, v)
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"q: expected head_dim in [1, {MAX_HEAD_DIM}], got {d}")
     check_tree_mask(tree_mask, n, batch, q.device, "n")
