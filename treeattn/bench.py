@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from treeattn.layout import TreeMask, random_tree_parents
 from treeattn.ops import KernelConfig, pick_config, tree_attention
 from treeattn.reference import dense_tree_mask, flex_tree_mask_mod, tree_attention_ref
-from treeattn.timing import measure_ceilings, time_rotating_graph, write_rows
+from treeattn.timing import markdown_row, markdown_table, measure_ceilings, time_rotating_graph, write_rows
 
 __all__ = ["BenchShape", "make_inputs", "main"]
 
@@ -230,22 +230,16 @@ _COLS = ["L", "t", "triton_us", "eager_us", "sdpa_us", "sdpa_repeat_kv_us", "fle
          "floor_frac", "tflops", "gbps"]
 
 
+def _fmt(col: str, val) -> str | None:
+    return f"{val:.0%}" if col == "floor_frac" and isinstance(val, float) else None
+
+
 def _fmt_row(row: dict) -> str:
-    cells = []
-    for c in _COLS:
-        val = row.get(c)
-        if val is None:
-            cells.append("-")
-        elif isinstance(val, float):
-            cells.append(f"{val:.0%}" if c == "floor_frac" else f"{val:.1f}")
-        else:
-            cells.append(str(val))
-    return "| " + " | ".join(cells) + " |"
+    return markdown_row(row, _COLS, _fmt)
 
 
 def _table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(_COLS) + " |\n|" + "---|" * len(_COLS)
-    return "\n".join([head] + [_fmt_row(r) for r in rows])
+    return markdown_table(rows, _COLS, _fmt)
 
 
 def run_cpu_demo(args) -> list[dict]:

@@ -40,6 +40,7 @@ from treeattn.cascade import (
 from treeattn.cascade_reference import cascade_tree_attention_ref, unshared_layout
 from treeattn.layout import TreeMask, random_tree_parents
 from treeattn.ops import tree_attention
+from treeattn.timing import markdown_row, markdown_table
 
 __all__ = ["CascadeShape", "cascade_roofline", "make_cascade_inputs", "memory_report", "prompt_kv_bytes",
            "run_cascade_cpu_demo", "run_cascade_gpu"]
@@ -216,26 +217,18 @@ _COLS = ["P", "n", "t", "cascade_us", "two_level_us", "prefix_us", "unshared_us"
          "speedup_vs_sdpa_lse", "floor_us", "compute_floor_us", "mem_floor_us", "floor_frac", "tflops", "gbps"]
 
 
+def _fmt(col: str, val) -> str | None:
+    if col == "floor_frac":
+        return f"{val:.0%}"
+    return f"{val:.2f}x" if col.startswith("speedup") else None
+
+
 def _fmt_row(row: dict) -> str:
-    cells = []
-    for c in _COLS:
-        val = row.get(c)
-        if val is None:
-            cells.append("-")
-        elif c == "floor_frac":
-            cells.append(f"{val:.0%}")
-        elif c.startswith("speedup"):
-            cells.append(f"{val:.2f}x")
-        elif isinstance(val, float):
-            cells.append(f"{val:.1f}")
-        else:
-            cells.append(str(val))
-    return "| " + " | ".join(cells) + " |"
+    return markdown_row(row, _COLS, _fmt)
 
 
 def _table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(_COLS) + " |\n|" + "---|" * len(_COLS)
-    return "\n".join([head] + [_fmt_row(r) for r in rows])
+    return markdown_table(rows, _COLS, _fmt)
 
 
 def run_cascade_cpu_demo(args) -> list[dict]:

@@ -1,13 +1,16 @@
 """GPU timing shared by the kernel benchmarks (``treeattn.bench``, ``treeattn.bench_cascade``):
-the machine's measured ceilings, CUDA-graph replay timing over rotating inputs, the JSON writer."""
+the machine's measured ceilings, CUDA-graph replay timing over rotating inputs, the JSON writer and
+the markdown table of the rows."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["measure_ceilings", "time_rotating_graph", "write_rows"]
+__all__ = ["markdown_row", "markdown_table", "measure_ceilings", "time_rotating_graph", "write_rows"]
 
 
 def measure_ceilings(device: str) -> tuple[float, float]:
@@ -68,3 +71,29 @@ def write_rows(args, rows: list[dict]) -> None:
             "torch": torch.__version__, "args": vars(args)}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def markdown_row(row: Mapping[str, Any], cols: Sequence[str],
+                 fmt: Callable[[str, Any], str | None] | None = None) -> str:  # fmt: skip
+    """One markdown table row of ``row``'s ``cols``: ``-`` for a missing value, else ``fmt(col, value)``
+    where it returns a string, else floats with one decimal and anything else as ``str``."""
+    cells = []
+    for c in cols:
+        val = row.get(c)
+        special = None if val is None or fmt is None else fmt(c, val)
+        if val is None:
+            cells.append("-")
+        elif special is not None:
+            cells.append(special)
+        elif isinstance(val, float):
+            cells.append(f"{val:.1f}")
+        else:
+            cells.append(str(val))
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], cols: Sequence[str],
+                   fmt: Callable[[str, Any], str | None] | None = None) -> str:  # fmt: skip
+    """A markdown table: the header of ``cols``, then ``markdown_row`` of each row."""
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+    return "\n".join([head] + [markdown_row(r, cols, fmt) for r in rows])
