@@ -66,8 +66,8 @@ root r = the last committed token at position L - 1:
 Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``topk`` rows each), one
 host-to-device copy of the step's integer inputs (plus the features' device copy) and one
 device-to-host copy of the record (the only sync); with CUDA graphs, one replay for the catch-up and
-the expansion together; the re-rank then builds the same node pool on the host as the former per-depth loop did
-(``_Plan.pool``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
+the expansion together; the re-rank then builds the same node pool on the host as the former
+per-depth loop did (``_Plan.pool``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
 running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step; ``profile=True``
 splits it into phases (``last_phase_s``, below).
 
@@ -87,9 +87,8 @@ on the catch-up's root feature).
 boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparation; an unfused
 catch-up's input copy and forward), ``expand`` (loading the expansion's inputs and the expansion:
 graph replay or eager loop, a fused catch-up and any capture included), ``copy`` (the record to the
-host), ``host_tree``
-(node pool, re-rank, ``TokenTree``); ``update`` adds ``update`` (KV commit of the accepted path) to
-the same dict. The syncs serialize host and device work a normal step overlaps, so the sum is an
+host), ``host_tree`` (node pool, re-rank, ``TokenTree``); ``update`` adds ``update`` (KV commit of
+the accepted path) to the same dict. The syncs serialize host and device work a normal step overlaps, so the sum is an
 upper bound of the unprofiled step. Off (default): no sync, ``last_phase_s`` stays None.
 
 What the engine provides today (``specdec.drafting``; ``needs_hidden_states = "all"``): the
@@ -516,7 +515,6 @@ class _Expansion:
         dev, w = drafter.device, drafter.head.fc.weight
         self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
         self.width = width  # rows of the fused catch-up; 0: not fused
-        self.fused = width > 0
         # one int64 input block, one host-to-device copy per step: (base, root_pos, keep, m), then when
         # fused the catch-up's [3, width] (token ids, positions, slots)
         self.inputs = torch.zeros(4 + 3 * width, dtype=torch.int64, device=dev)
@@ -575,7 +573,7 @@ class _Expansion:
     def _body(self, kv_lens: Sequence[int]) -> None:
         """(Fused: the catch-up, then) depths 1 .. plan.depth on the device: candidates, the next
         frontier, its head forward."""
-        if self.fused:
+        if self.width:
             self._catch_up_body()
         drafter, plan = self.drafter, self.plan
         dev, width, expanded = self.feat.device, plan.width, plan.expanded
@@ -889,7 +887,7 @@ class EagleDrafter(BaseDrafter):
         # (a long prompt) or dynamic shapes run it here first
         fused = self._fused_width(len(pending))
         if fused:
-            catch_up, root_out = self._catch_up_inputs(st, tokens, pending, keep, base), None
+            catch_up, root_out = self._catch_up_inputs(st, tokens, pending, keep, base, fused), None
         else:
             catch_up, root_out = None, self._catch_up(st, tokens, pending, keep, base)[-1]
         st.slot_pos = st.slot_pos[:keep] + [p for p, _ in pending[:-1]]
@@ -1000,10 +998,9 @@ class EagleDrafter(BaseDrafter):
         return out
 
     def _catch_up_inputs(self, st: _SeqState, tokens: list[int], pending: list[tuple[int, torch.Tensor]], keep: int,
-                         base: int) -> _CatchUp:  # fmt: skip
-        """The padded catch-up's inputs: ``_fused_width(m)`` rows; padding rows (token 0, position 0)
-        write and attend to the scratch slot (the cache's last) only."""
-        width = self._fused_width(len(pending))
+                         base: int, width: int) -> _CatchUp:  # fmt: skip
+        """The padded catch-up's inputs: ``width`` (``_fused_width(m)``) rows; padding rows (token 0,
+        position 0) write and attend to the scratch slot (the cache's last) only."""
         m, pad, scratch = len(pending), width - len(pending), st.cache.capacity - 1
         ints = ([tokens[p] for p, _ in pending] + [0] * pad + [p for p, _ in pending] + [0] * pad
                 + list(range(keep, base + 1)) + [scratch] * pad)  # fmt: skip

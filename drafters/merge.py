@@ -110,9 +110,9 @@ class MergedDrafter(BaseDrafter):
         trees: list[TokenTree] = []
         self.last_part_nodes, self.last_phase_s = [], None
         for i, d in enumerate(self.drafters):
-            room = budget - (len(tok) - 1)
+            room = max(budget - (len(tok) - 1), 0)
             cap = room if self.caps[i] is None else min(self.caps[i], room)
-            tree = d.propose(self._context(context, i, max(cap, 0)))
+            tree = d.propose(self._context(context, i, cap))
             if self.last_phase_s is None:
                 self.last_phase_s = getattr(d, "last_phase_s", None)
             if int(tree.tokens[0]) != root:
@@ -120,8 +120,8 @@ class MergedDrafter(BaseDrafter):
             if context.sampling is not None and tree.proposal != "topk":
                 raise ValueError(f"drafters[{i}]: merging needs deterministic children (proposal 'topk') when "
                                  f"sampling, got {tree.proposal!r}")
-            if tree.n - 1 > max(cap, 0):
-                raise ValueError(f"drafters[{i}]: proposed {tree.n - 1} nodes, over its budget of {max(cap, 0)}")
+            if tree.n - 1 > cap:
+                raise ValueError(f"drafters[{i}]: proposed {tree.n - 1} nodes, over its budget of {cap}")
             self.last_part_nodes.append(tree.n - 1)
             trees.append(tree)
             where = [0] * tree.n
@@ -137,7 +137,6 @@ class MergedDrafter(BaseDrafter):
                 where[v] = child
             maps.append(where)
         if len(tok) == 1:
-            self._last.pop(context.seq, None)
             tree = root_only(root)
             to_part = [[0] for _ in trees]
         else:
