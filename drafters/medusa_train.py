@@ -139,20 +139,13 @@ def load_mbpp(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]
 
 
 #: Instruction styles of the training prompts built from an MBPP row (``mbpp_prompt(row, style)``):
-#: ``"mbpp"`` the statement and its tests; the evaluation harness's own instructions
-#: (``eval.datasets``; the same text, see ``tests/drafters/test_prompt_styles.py``) applied to the MBPP
-#: task: ``"function"`` as a HumanEval prompt (complete a function given its signature and a docstring
-#: of the statement and examples), ``"stdin"`` as an APPS standard-input problem, ``"starter"`` as an
-#: APPS call-based problem (the signature as starter code). A drafter learns the answers' form
-#: (fenced code, a repeated signature and docstring) it will meet. No evaluation problem is used.
+#: ``"mbpp"`` the statement and its tests; the evaluation harness's own instructions applied to the
+#: MBPP task (written by ``eval.datasets``' problem classes, so the text is theirs): ``"function"`` as
+#: a HumanEval prompt (complete a function given its signature and a docstring of the statement and
+#: examples), ``"stdin"`` as an APPS standard-input problem, ``"starter"`` as an APPS call-based
+#: problem (the signature as starter code). A drafter learns the answers' form (fenced code, a
+#: repeated signature and docstring) it will meet. No evaluation problem is used.
 PROMPT_STYLES = ("mbpp", "function", "stdin", "starter")
-
-_APPS_ASK = "Solve the following programming problem in Python 3.\n\n{question}\n\n{how}\n\n" \
-            "Answer with the complete solution in a single ```python code block."  # fmt: skip
-_APPS_STDIN = "Your program must read the input from standard input and print the answer to standard output."
-_APPS_STARTER = "Complete the following starter code; your answer must define this function:\n```python\n{code}\n```"
-_HUMANEVAL_ASK = "Complete the following Python function. Answer with the complete function in a single " \
-                 "```python code block.\n\n```python\n{code}\n```"  # fmt: skip
 
 
 def mbpp_signature(row: dict[str, Any]) -> str | None:
@@ -184,16 +177,18 @@ def mbpp_prompt(row: dict[str, Any], style: str = "mbpp") -> str | None:
     if style == "mbpp":
         tests = "\n".join(row.get("test_list") or [])
         return f"{text}\nYour code should pass these tests:\n\n{tests}\n" if tests else text + "\n"
+    from eval.datasets import AppsProblem, HumanEvalProblem  # the harness's instructions (stdlib only)
+
     if style == "stdin":
-        return _APPS_ASK.format(question=text, how=_APPS_STDIN)
+        return AppsProblem("mbpp", "introductory", text).messages()[0]["content"]
     sig = mbpp_signature(row)
     if sig is None:
         return None
     if style == "starter":
-        return _APPS_ASK.format(question=text, how=_APPS_STARTER.format(code=sig))
+        return AppsProblem("mbpp", "introductory", text, starter_code=sig).messages()[0]["content"]
     examples = _doc_examples(row)
     doc = f'    """{text}\n' + (f"{examples}\n" if examples else "") + '    """'
-    return _HUMANEVAL_ASK.format(code=f"{sig}\n{doc}")
+    return HumanEvalProblem("mbpp", f"{sig}\n{doc}\n", "", "", "").messages()[0]["content"]
 
 
 def styled_prompts(rows: Sequence[dict[str, Any]], styles: Sequence[str]) -> list[tuple[int, str]]:
