@@ -125,7 +125,7 @@ from torch import nn
 from drafters._build import NodePool, best_first, expanded_path, make_tree, root_only
 from specdec import hf
 from specdec.drafting import BaseDrafter, DraftContext
-from specdec.graphs import _clear_cublas_workspaces
+from specdec.graphs import COMPILE_VARIANTS, _clear_cublas_workspaces, configure_compile_cache
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, warp_logits
 from specdec.tree import TokenTree
@@ -497,6 +497,55 @@ class _Plan:
         return pool
 
 
+def _expand_depths(drafter: "EagleDrafter", cache: KVCache, plan: _Plan, sampling: SamplingConfig | None,
+                   kv_lens: tuple[int, ...], scalars: torch.Tensor, feat: torch.Tensor, tok: torch.Tensor,
+                   score_out: torch.Tensor, pick_out: torch.Tensor) -> None:  # fmt: skip
+    """Depths 1 .. ``plan.depth`` of an expansion on the device: candidates, the next frontier, its
+    head forward (``_Expansion``'s loop; a module function of tensors and fixed-shape inputs so one
+    ``torch.compile`` of it serves every expansion of the same shapes).
+
+    Args:
+        scalars: int64 ``[>= 2]`` on the device: (slot of the root's pair ``base``, the root's position).
+        feat: ``[E, H]``; row 0 holds the root's output feature, rows ``plan.offsets[d] ..`` get
+            the features of the nodes expanded at depth d.
+        tok, score_out, pick_out: the record's views (``_Plan.views``), written in place.
+        kv_lens: ``kv_lens[d - 1]``: the cache slots ``[0, kv_lens[d - 1])`` the head forward of
+            the nodes picked at depth d attends to (the whole capacity with static shapes).
+    """
+    dev, width, expanded = feat.device, plan.width, plan.expanded
+    base, root_pos = scalars[0], scalars[1]
+    cols = torch.arange(expanded, device=dev)
+    anc = (cols == 0)[None]  # [rows, E]: each frontier row's expanded ancestors-or-self (the root: itself)
+    feats = feat[:1]  # output features of the frontier rows
+    score = torch.zeros(1, dtype=torch.float64, device=dev)  # their cumulative draft log-probabilities
+    for d in range(1, plan.depth + 1):
+        n = plan.cand[d - 1]
+        logits = drafter._draft_logits(feats)  # [rows, V] or, with draft_vocab, [rows, N] over the subset
+        logq = torch.log_softmax(logits if sampling is None else warp_logits(logits, sampling), dim=-1)
+        vals, idx = torch.topk(logq, width, dim=-1)
+        # float64 sums, as the former host loop added Python floats: same scores, same order
+        cand_score = (score[:, None] + vals.double()).reshape(n)
+        cand_tok = drafter._token_ids(idx).reshape(n)
+        tok[d - 1, :n].copy_(cand_tok)
+        score_out[d - 1, :n].copy_(cand_score)
+        if d == plan.depth:
+            break
+        rows, off = plan.rows[d], plan.offsets[d]
+        # the best `rows` candidates; stable: equal scores keep candidate order (the host loop's)
+        pick = torch.sort(cand_score, descending=True, stable=True).indices[:rows]
+        pick_out[d - 1, :rows].copy_(pick)
+        parent = torch.div(pick, width, rounding_mode="floor")  # frontier row of depth d - 1
+        own = off + torch.arange(rows, device=dev)  # expanded indices of the new rows
+        anc = anc[parent] | (cols[None] == own[:, None])
+        rel = torch.arange(kv_lens[d - 1], device=dev) - base  # slot - base: expanded index
+        visible = (rel < 0)[None] | (anc[:, rel.clamp(0, expanded - 1)] & (rel < expanded)[None])
+        positions = (root_pos + d).expand(1, rows)
+        out = drafter._forward(cache, cand_tok[pick], feats[parent], positions, base + own, visible)
+        feat[off : off + rows].copy_(out)
+        feats = feat[off : off + rows]
+        score = cand_score[pick]
+
+
 class _Expansion:
     """One plan's expansion over one sequence's head cache, at fixed addresses.
 
@@ -571,43 +620,12 @@ class _Expansion:
         self.feat[:1].copy_(out.index_select(0, (m - 1).view(1)))
 
     def _body(self, kv_lens: Sequence[int]) -> None:
-        """(Fused: the catch-up, then) depths 1 .. plan.depth on the device: candidates, the next
-        frontier, its head forward."""
+        """(Fused: the catch-up, then) depths 1 .. plan.depth on the device (``_expand_depths``,
+        compiled with ``compile_head``)."""
         if self.width:
             self._catch_up_body()
-        drafter, plan = self.drafter, self.plan
-        dev, width, expanded = self.feat.device, plan.width, plan.expanded
-        base, root_pos = self.scalars[0], self.scalars[1]
-        cols = torch.arange(expanded, device=dev)
-        anc = (cols == 0)[None]  # [rows, E]: each frontier row's expanded ancestors-or-self (the root: itself)
-        feats = self.feat[:1]  # output features of the frontier rows
-        score = torch.zeros(1, dtype=torch.float64, device=dev)  # their cumulative draft log-probabilities
-        for d in range(1, plan.depth + 1):
-            n = plan.cand[d - 1]
-            logits = drafter._draft_logits(feats)  # [rows, V] or, with draft_vocab, [rows, N] over the subset
-            logq = torch.log_softmax(logits if self.sampling is None else warp_logits(logits, self.sampling), dim=-1)
-            vals, idx = torch.topk(logq, width, dim=-1)
-            # float64 sums, as the former host loop added Python floats: same scores, same order
-            cand_score = (score[:, None] + vals.double()).reshape(n)
-            cand_tok = drafter._token_ids(idx).reshape(n)
-            self.tok[d - 1, :n].copy_(cand_tok)
-            self.score[d - 1, :n].copy_(cand_score)
-            if d == plan.depth:
-                break
-            rows, off = plan.rows[d], plan.offsets[d]
-            # the best `rows` candidates; stable: equal scores keep candidate order (the host loop's)
-            pick = torch.sort(cand_score, descending=True, stable=True).indices[:rows]
-            self.pick[d - 1, :rows].copy_(pick)
-            parent = torch.div(pick, width, rounding_mode="floor")  # frontier row of depth d - 1
-            own = off + torch.arange(rows, device=dev)  # expanded indices of the new rows
-            anc = anc[parent] | (cols[None] == own[:, None])
-            rel = torch.arange(kv_lens[d - 1], device=dev) - base  # slot - base: expanded index
-            visible = (rel < 0)[None] | (anc[:, rel.clamp(0, expanded - 1)] & (rel < expanded)[None])
-            positions = (root_pos + d).expand(1, rows)
-            out = drafter._forward(self.cache, cand_tok[pick], feats[parent], positions, base + own, visible)
-            self.feat[off : off + rows].copy_(out)
-            feats = self.feat[off : off + rows]
-            score = cand_score[pick]
+        self.drafter._depth_loop(self.drafter, self.cache, self.plan, self.sampling, tuple(kv_lens), self.scalars,
+                                 self.feat, self.tok, self.score, self.pick)  # fmt: skip
 
     def _capture(self) -> None:
         """Warm up (current stream, then a side stream), then record ``_body`` over the whole cache.
@@ -716,6 +734,11 @@ class EagleDrafter(BaseDrafter):
             with token frequencies (``train-eagle``); 1 <= N <= V.
         profile: synchronize the device at the phase boundaries of every ``propose`` / ``update``
             and keep their seconds in ``last_phase_s`` (keys ``DRAFT_PHASES`` + ``"update"``).
+        compile_head: run the expansion's depth loop (every head forward after the root's, the LM
+            head, top-k and frontier selection) through ``torch.compile`` (True: inductor; or a
+            backend name) before its capture: fewer, fused kernels per depth. Compiled once per
+            (plan, sampling transform, cache capacity) and shared by the catch-up widths (the
+            catch-up stays uncompiled). Needs ``static_shapes``. Default False.
 
     Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
     positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
@@ -727,7 +750,7 @@ class EagleDrafter(BaseDrafter):
 
     def __init__(self, target, head: EagleHead, tree_size: int | None = None, depth: int = 6, topk: int = 8, *,
                  static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | None = None,
-                 profile: bool = False) -> None:  # fmt: skip
+                 profile: bool = False, compile_head: bool | str = False) -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -742,6 +765,8 @@ class EagleDrafter(BaseDrafter):
                 raise ValueError(f"{name}: expected None, True or False, got {val!r}")
         if not isinstance(profile, bool):
             raise ValueError(f"profile: expected True or False, got {profile!r}")
+        if not isinstance(compile_head, (bool, str)) or compile_head == "":
+            raise ValueError(f"compile_head: expected a bool or a torch.compile backend name, got {compile_head!r}")
         if draft_vocab is not None:
             if not isinstance(draft_vocab, int) or isinstance(draft_vocab, bool) or draft_vocab < 1:
                 raise ValueError(f"draft_vocab: expected None or an int >= 1, got {draft_vocab!r}")
@@ -782,6 +807,18 @@ class EagleDrafter(BaseDrafter):
         if cuda_graphs is None:
             cuda_graphs = self.static_shapes and on_cuda and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0"
         self.cuda_graphs = bool(cuda_graphs)
+        if compile_head and not self.static_shapes:
+            raise ValueError("compile_head: needs static_shapes, got static_shapes=False")
+        #: the depth loop (``_expand_depths``) as run by every expansion: compiled with ``compile_head``
+        self._depth_loop = _expand_depths
+        if compile_head:
+            backend = "inductor" if compile_head is True else compile_head
+            if backend == "inductor":
+                configure_compile_cache()
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, COMPILE_VARIANTS)
+            self._depth_loop = torch.compile(_expand_depths, backend=backend, fullgraph=False, dynamic=False)
+        self.compile_head = compile_head
         self.static_width = max(topk, 2)
         self._states: dict[int, _SeqState] = {}
         #: head forwards run by the last ``propose`` (tests and accounting)

@@ -249,7 +249,8 @@ class _PhaseTimer:
     """Seconds per phase of one step: ``with timer("verify"): ...`` adds the block's duration.
 
     Each phase ends with a device sync, so the device work it queued is counted in it (not in the
-    next phase). Phases may nest (``forward`` inside ``verify``); a name used twice adds up.
+    next phase). Phases may nest (``forward`` inside ``verify``); a name used twice adds up. Under
+    an active ``torch.profiler`` each phase is also a ``record_function`` range ``specdec.<phase>``.
     """
 
     def __init__(self, sync: Callable[[], None]) -> None:
@@ -258,10 +259,12 @@ class _PhaseTimer:
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self._sync()
-        self.seconds[phase] += time.perf_counter() - start
+        traced = torch.autograd.profiler._is_profiler_enabled
+        with torch.profiler.record_function(f"specdec.{phase}") if traced else contextlib.nullcontext():
+            start = time.perf_counter()
+            yield
+            self._sync()
+            self.seconds[phase] += time.perf_counter() - start
 
 
 @dataclass(eq=False)

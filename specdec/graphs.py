@@ -63,6 +63,7 @@ from specdec.tree import TokenTree
 from treeattn import TreeMask, num_words
 
 __all__ = [
+    "COMPILE_VARIANTS",
     "GraphedForward",
     "GraphedMaskedForward",
     "InputLayout",
@@ -72,7 +73,7 @@ __all__ = [
 ]
 
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
-_COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
+COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
 _compile_cache_dir: str | None = None  # set by the first configure_compile_cache() of the process
 
 
@@ -272,7 +273,7 @@ class _Replayed:
             # default of 8 variants per code object would silently leave later instances
             # uncompiled (e.g. a sweep over tree sizes, batch sizes and cache capacities).
             cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)
+            cfg.recompile_limit = max(cfg.recompile_limit, COMPILE_VARIANTS)
             self._compiled = torch.compile(self._body, backend=self.compile, fullgraph=False, dynamic=False)
         return self._compiled()
 

@@ -529,6 +529,22 @@ def test_device_expansion_equals_the_host_loop_reference(seed):
     assert got == want, spec
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", True])
+def test_a_compiled_depth_loop_draws_the_same_trees(backend):
+    """``compile_head``: the depth loop through ``torch.compile`` (``aot_eager``: dynamo's trace and
+    the functionalized graph; True: inductor's generated code) draws the uncompiled drafter's trees,
+    forwards and bookkeeping, greedy and warped; bad values raise."""
+    torch._dynamo.reset()
+    for seed, spec in enumerate([("qwen2", 3, 4, 16, True, None, "all"), ("llama", 4, 3, 20, True, (0.8, 0, 0.9), "all")]):
+        if backend is True and seed:  # inductor compiles for tens of seconds per case: one case
+            break
+        assert _run_case(spec, seed, compile_head=backend) == _run_case(spec, seed), spec
+    with pytest.raises(ValueError, match="compile_head: needs static_shapes"):
+        EagleDrafter(_target("qwen2"), _random_head("qwen2"), static_shapes=False, compile_head=True)
+    with pytest.raises(ValueError, match="compile_head: expected a bool or a torch.compile backend name"):
+        EagleDrafter(_target("qwen2"), _random_head("qwen2"), compile_head=1)
+
+
 def test_device_expansion_equals_the_host_loop_when_the_vocabulary_is_narrower_than_the_frontier():
     spec = ("qwen2", 3, 170, 180, False, (1.0, 2, 1.0), "last")  # w = V = 160 < topk: 160 rows at depth 1
     assert _run_case(spec, 5, steps=2) == _run_case(spec, 5, steps=2, make=_HostLoopDrafter)
