@@ -642,6 +642,8 @@ def test_cuda_graph_expansion_equals_eager_and_the_host_loop(name):
     eager = _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=False)
     reference = _run_case(spec, seed, steps=5, make=_HostLoopDrafter, device="cuda", cuda_graphs=False)
     assert graphed == eager == reference
+    if name == "qwen2-topk20-wide":  # the inductor-compiled depth loop, captured: the same trees
+        assert _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=True, compile_head=True) == reference
 
 
 # ----------------------------------------------------------------------------------------------
