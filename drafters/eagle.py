@@ -564,11 +564,11 @@ class _Expansion:
         dev, w = drafter.device, drafter.head.fc.weight
         self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
         self.width = width  # rows of the fused catch-up; 0: not fused
-        # one int64 input block, one host-to-device copy per step: (base, root_pos, keep, m), then when
-        # fused the catch-up's [3, width] (token ids, positions, slots)
-        self.inputs = torch.zeros(4 + 3 * width, dtype=torch.int64, device=dev)
-        self.scalars = self.inputs[:4]
-        self.catch_ints = self.inputs[4:].view(3, width)
+        # the step's int64 inputs: (base, root_pos, keep, m), then when fused the catch-up's [3, width]
+        # (token ids, positions, slots); the scalars in a tensor of their own, so that the compiled depth
+        # loop sees the same input at every catch-up width (a view into a width-sized block would not)
+        self.scalars = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.catch_ints = torch.zeros(3, width, dtype=torch.int64, device=dev)
         self.catch_feat = torch.zeros(width, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.feat = torch.zeros(plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.record = torch.zeros(plan.record_size, dtype=torch.int64, device=dev)
@@ -591,9 +591,11 @@ class _Expansion:
             raise RuntimeError("catch_up: expected it exactly for a fused expansion, of its width")
         head = [base, root_pos] + ([catch_up.keep, catch_up.m] if catch_up is not None else [0, 0])
         stage = torch.tensor(head + (catch_up.ints if catch_up is not None else []), dtype=torch.int64)
-        if self.inputs.is_cuda:
+        if self.scalars.is_cuda:
             stage = stage.pin_memory()
-        self.inputs.copy_(stage, non_blocking=True)
+        self.scalars.copy_(stage[:4], non_blocking=True)
+        if catch_up is not None:
+            self.catch_ints.view(-1).copy_(stage[4:], non_blocking=True)
         if catch_up is not None:
             self.catch_feat[: catch_up.m].copy_(catch_up.feats)
         else:
