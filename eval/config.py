@@ -262,6 +262,12 @@ class EvalConfig:
         data_path: APPS / HumanEval file (None: the loaders' defaults).
         max_new_tokens: new tokens per generation (fewer when eos comes first).
         temperature: 0 = greedy; > 0 samples at this temperature (no top-k / top-p).
+        samples: completions per (problem, method, drafter, tree size), made in ONE batched call
+            (``num_return_sequences=samples``: the engine's and HF ``generate``'s), for pass@k
+            (``eval.passk``) and the aggregate tokens/s of a batch. 1: one completion per record
+            (the records of single-sample runs). > 1 needs ``temperature`` > 0 (greedy decoding gives
+            ``samples`` identical completions); HF assisted generation and prompt lookup
+            (``hf-assisted``, ``hf-lookup``) return one sequence per call and are skipped.
         seed: base seed; every (problem, method, drafter, t) derives its own from it.
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"`` (bf16 on CUDA, fp32 on CPU).
         device: ``"cuda"``, ``"cpu"``, ... (None: cuda if available).
@@ -298,6 +304,7 @@ class EvalConfig:
     data_path: str | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
+    samples: int = 1
     seed: int = 0
     dtype: str = "auto"
     device: str | None = None
@@ -337,6 +344,11 @@ class EvalConfig:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.samples, int) or isinstance(self.samples, bool) or self.samples < 1:
+            raise ValueError(f"samples: expected an int >= 1, got {self.samples!r}")
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"samples: {self.samples} samples per problem need temperature > 0 (greedy decoding "
+                             "gives identical completions), got temperature 0")  # fmt: skip
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.problems is not None and self.problems < 1:
@@ -416,5 +428,7 @@ def config_key(cfg: EvalConfig) -> str:
     }  # fmt: skip
     if cfg.compile:  # only when set: keys of runs made before the option existed stay valid
         keyed["compile"] = True
+    if cfg.samples != 1:  # likewise: single-sample keys are those of runs made before the option
+        keyed["samples"] = cfg.samples
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
 

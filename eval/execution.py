@@ -11,7 +11,8 @@ Public API:
 * :func:`extract_code`, :func:`humaneval_program`, :func:`apps_program` -- what gets run;
 * :func:`pass_at_k` -- the unbiased pass@k estimator of Chen et al. (2021);
 * :func:`paired_diff_ci` -- a confidence interval for the pass@1 difference of two methods on the
-  same problems (Tango's paired score interval by default; Newcombe's or a paired bootstrap).
+  same problems (Tango's paired score interval by default; Newcombe's or a paired bootstrap);
+  :func:`bootstrap_mean_ci` -- the percentile bootstrap interval of a mean over problems.
 
 What runs. HumanEval: ``prompt + completion + test + check(entry_point)`` (a chat answer that
 defines the whole function replaces the prompt's stub instead, see :func:`humaneval_program`);
@@ -85,6 +86,7 @@ __all__ = [
     "Verdict",
     "apps_program",
     "arg_candidates",
+    "bootstrap_mean_ci",
     "check",
     "check_apps",
     "check_humaneval",
@@ -604,6 +606,30 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
+def bootstrap_mean_ci(values: Sequence[float], *, confidence: float = 0.95, n_resamples: int = 10_000,
+                      seed: int = 0) -> tuple[float, float]:  # fmt: skip
+    """The percentile bootstrap interval ``(low, high)`` of the mean of per-problem ``values`` (e.g.
+    pass@k estimates, or paired differences): the ``(1 - confidence) / 2`` and ``(1 + confidence) /
+    2`` quantiles of the mean over ``n_resamples`` resamplings of the problems with replacement,
+    seeded by ``seed`` (the same values give the same interval). Zero width when all values are equal."""
+    if not values:
+        raise ValueError("values: expected at least one value, got none")
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence: expected a number in (0, 1), got {confidence!r}")
+    n_resamples = _count(n_resamples, "n_resamples")
+    if n_resamples < 100:
+        raise ValueError(f"n_resamples: expected at least 100, got {n_resamples}")
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vals = np.asarray(values, dtype=np.float64)
+    idx = rng.integers(0, len(vals), size=(n_resamples, len(vals)))
+    means = vals[idx].mean(axis=1)
+    alpha = 1.0 - confidence
+    low, high = (float(x) for x in np.quantile(means, [alpha / 2, 1 - alpha / 2]))
+    return low, high
+
+
 @dataclass(frozen=True)
 class PairedDiff:
     """A confidence interval for ``mean(a) - mean(b)`` over the same problems.
@@ -740,17 +766,8 @@ def paired_diff_ci(
             both = sum(x == 1.0 and y == 1.0 for x, y in zip(a_vals, b_vals))
             low, high = _newcombe(both, a_better, b_better, n, z)
     elif method == "bootstrap":
-        n_resamples = _count(n_resamples, "n_resamples")
-        if n_resamples < 100:
-            raise ValueError(f"n_resamples: expected at least 100, got {n_resamples}")
-        import numpy as np
-
-        rng = np.random.default_rng(seed)
-        deltas = np.asarray(a_vals) - np.asarray(b_vals)
-        idx = rng.integers(0, n, size=(n_resamples, n))
-        means = deltas[idx].mean(axis=1)
-        alpha = 1.0 - confidence
-        low, high = (float(x) for x in np.quantile(means, [alpha / 2, 1 - alpha / 2]))
+        deltas = [x - y for x, y in zip(a_vals, b_vals)]
+        low, high = bootstrap_mean_ci(deltas, confidence=confidence, n_resamples=n_resamples, seed=seed)
     else:
         raise ValueError(f"method: expected 'tango', 'newcombe' or 'bootstrap', got {method!r}")
     return PairedDiff(diff, max(-1.0, low), min(1.0, high), float(confidence), method, n, a_better, b_better)

@@ -16,6 +16,11 @@ No decoding happens here: a :class:`Session` holds the models and calls the engi
 become visible (``MethodOutput.emit_t`` / ``emit_n``; see ``eval.latency``). Engine decoders and
 drafters are built once per (drafter, tree size) and kept for the whole run; a drafter's draft
 model (``draft=``) and Medusa / EAGLE heads (``heads=DIR``) are loaded once per drafter.
+
+With ``cfg.samples`` = n > 1 every call makes n completions of its prompt at once
+(``num_return_sequences=n``: a batch of n sequences, ``MethodOutput.samples``) and records no
+emission times (a batch's tokens are not one stream); ``hf-assisted`` and ``hf-lookup`` cannot
+(HF assisted generation returns one sequence per call; ``Method.multi_sample``).
 """
 
 from __future__ import annotations
@@ -148,15 +153,21 @@ class MethodOutput:
     """What one timed generation gives back.
 
     Attributes:
-        token_ids: the new tokens (cut after the first eos and at ``max_new_tokens``).
-        wall_s: seconds of the generate call (device synchronized before and after).
+        token_ids: the new tokens (cut after the first eos and at ``max_new_tokens``); with
+            ``samples``, the first sample's.
+        wall_s: seconds of the generate call (device synchronized before and after); with
+            ``samples``, of the one call that made them all.
         steps: per-step arrays (engine methods): ``nodes``, ``depth``, ``accepted``, ``emitted``,
             ``draft_s``, ``verify_s``, ``commit_s``; ``draft_phases`` (one ``{phase: seconds}`` dict
-            per step, inside that step's ``draft_s``) when the drafter profiles its phases.
+            per step, inside that step's ``draft_s``) when the drafter profiles its phases. With
+            ``samples``, ``nodes`` / ``depth`` / ``accepted`` / ``emitted`` are sums over the
+            sequences still decoding in that step, and ``active`` counts them.
         tree_samples: a few proposed trees' parents lists (engine methods with a drafter).
         prefill_s: seconds of the engine's prompt prefill inside ``wall_s`` (engine methods).
         emit_t: seconds from the call's start at which tokens became visible (one per emission).
         emit_n: tokens made visible at each ``emit_t`` (``eval.latency``).
+        samples: with ``cfg.samples`` = n > 1, the n completions' new tokens (cut as ``token_ids``),
+            in ``num_return_sequences`` order; None for a single completion.
     """
 
     token_ids: list[int]
@@ -166,13 +177,21 @@ class MethodOutput:
     prefill_s: float | None = None
     emit_t: list[float] | None = None
     emit_n: list[int] | None = None
+    samples: list[list[int]] | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        """New tokens of the call: of every sample when there are several."""
+        return len(self.token_ids) if self.samples is None else sum(len(s) for s in self.samples)
 
 
 @dataclass(frozen=True)
 class Method:
     """A way to generate. ``run(session, prompt, tree_size)`` -> :class:`MethodOutput`; ``prompt``
     is int64 ``[1, L]`` on the target's device; ``tree_size`` is None unless ``uses_tree``. A method
-    with ``needs_drafter`` runs once per drafter of the run, with ``session.drafter`` set to it."""
+    with ``needs_drafter`` runs once per drafter of the run, with ``session.drafter`` set to it. A
+    method with ``multi_sample`` makes ``session.samples`` completions in one call when that is > 1
+    (``MethodOutput.samples``); the others are skipped by runs with several samples."""
 
     name: str
     run: Callable[[Any, Any, int | None], MethodOutput]
@@ -180,6 +199,7 @@ class Method:
     needs_draft: bool = False
     needs_drafter: bool = False
     engine: bool = False
+    multi_sample: bool = True
     description: str = ""
 
 
@@ -196,6 +216,7 @@ def _run_hf(session: Session, prompt, tree_size: int | None) -> MethodOutput:
 
 
 def _run_hf_static(session: Session, prompt, tree_size: int | None) -> MethodOutput:
+    # HF sizes the static cache for the batch itself: num_return_sequences x max_cache_len slots.
     return session.hf_generate(prompt, cache_implementation="static", max_cache_len=session.max_cache_len)
 
 
@@ -217,9 +238,9 @@ METHODS: dict[str, Method] = {
         Method("hf", _run_hf, description="target-only HF generate, default cache (the reference)"),
         Method("hf-static", _run_hf_static,
                description="target-only HF generate, cache_implementation='static' (compiled decode on CUDA)"),
-        Method("hf-assisted", _run_hf_assisted, needs_draft=True,
+        Method("hf-assisted", _run_hf_assisted, needs_draft=True, multi_sample=False,
                description="HF assisted generation, assistant_model = the draft model"),
-        Method("hf-lookup", _run_hf_lookup,
+        Method("hf-lookup", _run_hf_lookup, multi_sample=False,
                description=f"HF prompt lookup decoding, prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}"),
     )
 }  # fmt: skip
@@ -330,7 +351,8 @@ class Session:
             (default: ``specdec.models.load_model`` with the run's dtype / device / home).
 
     The runner sets ``seed`` and ``drafter`` (the :class:`DrafterSpec` of the next ``specdec`` call)
-    before each call, and lowers ``max_new_tokens`` during warm-up.
+    before each call, and lowers ``max_new_tokens`` during warm-up. Every call makes ``samples``
+    (``cfg.samples``) completions of its prompt.
     """
 
     def __init__(self, cfg: EvalConfig, target: Any, tokenizer: Any, draft: Any = None,
@@ -360,6 +382,7 @@ class Session:
         self.drafter: DrafterSpec | None = None  # set per call by the runner
         self.seed = 0  # set per generation by the runner
         self.max_new_tokens = cfg.max_new_tokens  # lowered during warm-up
+        self.samples = cfg.samples
         if any(m.startswith("specdec") for m in cfg.methods):
             # Route attention through specdec's function before any generate, so every method runs the
             # same (delegating) attention code from the first call on and nothing recompiles mid-run.
@@ -390,22 +413,30 @@ class Session:
     # -- HF generate
 
     def hf_generate(self, prompt, **extra: Any) -> MethodOutput:
+        """``target.generate(prompt, **extra)`` with the run's decoding settings, timed: one completion
+        streamed into an :class:`EmissionClock`, or ``samples`` of them (``num_return_sequences``)."""
         import torch
 
         torch.manual_seed(self.seed)
         clock = EmissionClock()
         kwargs = dict(
             max_new_tokens=self.max_new_tokens, eos_token_id=self.eos or None, pad_token_id=self.pad,
-            attention_mask=torch.ones_like(prompt), streamer=clock.streamer(), **self._sampling_kwargs(), **extra,
+            attention_mask=torch.ones_like(prompt), **self._sampling_kwargs(), **extra,
         )  # fmt: skip
+        if self.samples > 1:
+            kwargs["num_return_sequences"] = self.samples
+        else:
+            kwargs["streamer"] = clock.streamer()
         self._sync()
         t0 = time.perf_counter()
         clock.start()
         out = self.target.generate(prompt, **kwargs)
         self._sync()
         wall = time.perf_counter() - t0
-        ids = self._finish(out[0, prompt.shape[1] :].tolist())
-        return MethodOutput(ids, wall, emit_t=clock.t, emit_n=clock.n)
+        rows = [self._finish(row.tolist()) for row in out[:, prompt.shape[1] :]]  # [samples, T] -> lists
+        if self.samples > 1:
+            return MethodOutput(rows[0], wall, samples=rows)
+        return MethodOutput(rows[0], wall, emit_t=clock.t, emit_n=clock.n)
 
     # -- drafters and the engine
 
@@ -475,12 +506,14 @@ class Session:
         if warm and callable(warmup):
             self._sync()
             t0 = time.perf_counter()
-            warmup(batch_sizes=(1,), max_len=max(self.max_cache_len, 2), log=None)
+            warmup(batch_sizes=(self.samples,), max_len=max(self.max_cache_len, 2), log=None)
             self._sync()
             prep_s = time.perf_counter() - t0
         return load_s, prep_s
 
     def speculative(self, prompt, tree_size: int | None) -> MethodOutput:
+        """The engine for the current drafter at ``tree_size`` (None: no drafter) on ``prompt``, timed:
+        one completion (its emissions clocked) or ``samples`` of them in one batched call."""
         import torch
 
         decoder = self.decoder(tree_size)
@@ -493,33 +526,46 @@ class Session:
         clock.start()
         out = decoder.generate(
             prompt[0], self.max_new_tokens, do_sample=not self.cfg.greedy, temperature=self.cfg.temperature or 1.0,
-            eos_token_id=self.eos or None, generator=generator, pad_token_id=self.pad, on_tokens=clock.on_tokens,
+            eos_token_id=self.eos or None, generator=generator, pad_token_id=self.pad,
+            on_tokens=clock.on_tokens if self.samples == 1 else None, num_return_sequences=self.samples,
         )  # fmt: skip
         self._sync()
         wall = time.perf_counter() - t0
+        # Per step, summed over the batch's sequences (one sequence unless samples > 1). A sequence
+        # still decoding emits >= 1 token per step; finished ones emit and propose nothing.
+        active = [sum(e > 0 for e in s.tokens_emitted) for s in out.steps]
         steps = {
-            "nodes": [s.nodes_proposed[0] for s in out.steps],
-            "accepted": [s.tokens_accepted[0] for s in out.steps],
-            "emitted": [s.tokens_emitted[0] for s in out.steps],
+            "nodes": [sum(s.nodes_proposed) for s in out.steps],
+            "accepted": [sum(s.tokens_accepted) for s in out.steps],
+            "emitted": [sum(s.tokens_emitted) for s in out.steps],
             "draft_s": [s.draft_s for s in out.steps],
             "verify_s": [s.verify_s for s in out.steps],
             "commit_s": [s.commit_s for s in out.steps],
         }
-        samples = None
+        if self.samples > 1:
+            steps["active"] = active
+        trees = None
         rec = self._recorders.get(self._slot(tree_size))
         if rec is not None:
             parents = [None if p is None else [int(x) for x in p.tolist()] for p in rec.parents]
-            depths = [None if p is None else tree_depth(p) for p in parents]
-            if len(depths) != len(out.steps):  # not one proposal per step: depth unknown
-                depths = [None] * len(out.steps)
+            depths: list[int | None] = [None] * len(out.steps)
+            if len(parents) == sum(active):  # one proposal per decoding sequence and step, in batch order
+                start = 0
+                for i, n in enumerate(active):
+                    mine = parents[start : start + n]
+                    start += n
+                    if all(p is not None for p in mine):
+                        depths[i] = sum(tree_depth(p) for p in mine)
             steps["depth"] = depths
             if len(rec.phases) == len(out.steps) and any(p is not None for p in rec.phases):
                 steps["draft_phases"] = [None if p is None else {k: float(v) for k, v in p.items()} for p in rec.phases]
             real = [p for p in parents if p is not None and len(p) > 1]
             if real:
                 pick = sorted({round(i * (len(real) - 1) / max(TREE_SAMPLES - 1, 1)) for i in range(TREE_SAMPLES)})
-                samples = [real[i] for i in pick]
+                trees = [real[i] for i in pick]
         else:
             steps["depth"] = [0] * len(out.steps)
-        return MethodOutput(self._finish(out.new_tokens(0).tolist()), wall, steps, samples, out.prefill_s,
-                            emit_t=clock.t, emit_n=clock.n)  # fmt: skip
+        rows = [self._finish(out.new_tokens(b).tolist()) for b in range(self.samples)]
+        if self.samples > 1:
+            return MethodOutput(rows[0], wall, steps, trees, out.prefill_s, samples=rows)
+        return MethodOutput(rows[0], wall, steps, trees, out.prefill_s, emit_t=clock.t, emit_n=clock.n)

@@ -1,5 +1,5 @@
-"""Pass@1 of a results file: run every completion of an evaluation against its problem's tests,
-write the verdicts into the records, and compare methods with a paired interval.
+"""Pass@1 and pass@k of a results file: run every completion of an evaluation against its problem's
+tests, write the verdicts into the records, and compare methods with a paired interval.
 
 What :func:`check_file` does with a results JSONL (``eval.runner`` records):
 
@@ -14,27 +14,43 @@ What :func:`check_file` does with a results JSONL (``eval.runner`` records):
   ``<|im_end|>``), through ``eval.execution.check`` in its sandbox, ``workers`` at a time.
   Identical (problem, completion) pairs run once and share one verdict: under greedy decoding
   most methods produce the same text, and different methods' identical texts get one verdict.
-* **Resumable.** A record that already carries ``passed`` is not run again (unless
+  A record with several samples (``specdec eval|sweep --samples n``: ``sample_texts``) has each of
+  its n completions run the same way (shared with identical texts of any record).
+* **Resumable.** A record that already carries ``passed`` (``sample_passed``) is not run again (unless
   ``recheck``); its verdict is reused for other records with the same text. Verdicts are written
   every ``checkpoint_s`` seconds and when interrupted, so an interrupted check resumes.
 * **Written.** Each record gets ``passed`` (bool) and ``check_status`` (``pass / fail / timeout /
   error``, ``eval.execution.STATUSES``), and ``check_detail`` (what went wrong first) when it did
-  not pass. The whole file is rewritten atomically (a temporary file beside it, then
-  ``os.replace``), in place or to ``out``; every other line is kept as it was read. The file is
-  read again just before each write, so records appended meanwhile are kept -- but a process
-  still appending to the file (a running sweep) keeps writing to the replaced file: check a file
-  once its run has finished.
+  not pass; a record with several samples gets ``sample_passed`` / ``sample_status`` /
+  ``sample_detail`` (one per sample, in order; detail None where it passed) and ``num_correct``
+  (c of its ``num_samples`` n), once all its samples have verdicts. The whole file is rewritten
+  atomically (a temporary file beside it, then ``os.replace``), in place or to ``out``; every other
+  line is kept as it was read. The file is read again just before each write, so records appended
+  meanwhile are kept -- but a process still appending to the file (a running sweep) keeps writing
+  to the replaced file: check a file once its run has finished.
 
 :func:`pass_rows` then gives one row per (method, drafter, tree size): pass@1 over the problems
 with a verdict, and the difference to a reference method (default ``hf-static``, else ``hf``) with
 its 95% interval, Tango's paired score interval over the problems both have
 (``eval.execution.paired_diff_ci``). Identical outputs give a difference of 0 with an interval of
 ``±z²/(n + z²)``; only problems one method solves and the other does not move it.
+
+**pass@k with several samples** (:func:`pass_fields`, :func:`paired_pass_diff`). A problem with c
+of n samples correct gets the unbiased estimate ``pass@k = 1 - C(n - c, k) / C(n, k)`` (Chen et al.
+2021, ``eval.execution.pass_at_k``; ``c / n`` for k = 1), for k in :data:`PASS_KS` up to n; a row's
+pass@k is the mean over its problems. Its 95% interval is the percentile bootstrap over problems
+(``eval.execution.bootstrap_mean_ci``: 10,000 resamplings of the problems, seeded, so a report is
+reproducible), which covers both the spread between problems and the sampling noise of each
+estimate. The difference to the reference is the mean of the paired per-problem differences of the
+estimates over the problems both have, with the paired bootstrap interval (pairs resampled
+together); it agrees with 0 when the interval holds 0. Rows of single-sample records keep Tango's
+interval for pass@1 as above.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -46,12 +62,13 @@ from pathlib import Path
 from typing import Any
 
 from eval import execution
-from eval.execution import Limits, PairedDiff, paired_diff_ci
+from eval.execution import Limits, PairedDiff, bootstrap_mean_ci, paired_diff_ci, pass_at_k
 from eval.records import is_warmup, load_records, record_drafter, row_sort_key
 
 __all__ = [
     "DEFAULT_REFERENCES",
     "END_MARKERS",
+    "PASS_KS",
     "CheckResult",
     "apply_verdicts",
     "check_file",
@@ -60,12 +77,17 @@ __all__ = [
     "format_pass_table",
     "load_check_problems",
     "paired_pass_diff",
+    "pass_fields",
     "pass_rows",
+    "record_counts",
     "write_records",
 ]
 
 #: The reference of the paired pass@1 difference when none is given: the first with verdicts.
 DEFAULT_REFERENCES = ("hf-static", "hf")
+
+#: The k of pass@k reported for records with several samples (each k up to the samples per problem).
+PASS_KS = (1, 10)
 
 #: Special tokens that end a generation: the completion is cut at the first one found (Qwen /
 #: ChatML, Llama 3, Phi, Gemma, DeepSeek). ``</s>`` and ``<eos>`` are only stripped at the end,
@@ -97,15 +119,54 @@ def _record_dataset(rec: Mapping[str, Any], dataset: str) -> bool:
     return rec.get("dataset", dataset) == dataset
 
 
+def _multi(rec: Mapping[str, Any]) -> bool:
+    """Whether ``rec`` holds several samples (``sample_texts``: a list of texts)."""
+    texts = rec.get("sample_texts")
+    return isinstance(texts, list) and bool(texts) and all(isinstance(t, str) for t in texts)
+
+
 def _eligible(rec: Mapping[str, Any], dataset: str, config_key: str | None) -> bool:
-    """A timed record of ``dataset`` (and ``config_key``) with a completion to check."""
-    if is_warmup(rec) or rec.get("error") or not isinstance(rec.get("text"), str):
+    """A timed record of ``dataset`` (and ``config_key``) with a completion (or samples) to check."""
+    if is_warmup(rec) or rec.get("error") or not (_multi(rec) or isinstance(rec.get("text"), str)):
         return False
     return _record_dataset(rec, dataset) and (config_key is None or rec.get("config_key") == config_key)
 
 
-def _key(rec: Mapping[str, Any]) -> _Key:
-    return (str(rec.get("problem_id")), completion_text(rec["text"]))
+def _keys(rec: Mapping[str, Any]) -> list[_Key]:
+    """(problem id, completion) of each completion of an eligible record (one per sample)."""
+    texts = rec["sample_texts"] if _multi(rec) else [rec["text"]]
+    return [(str(rec.get("problem_id")), completion_text(t)) for t in texts]
+
+
+def record_counts(rec: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``(c, n)`` of a checked record: correct completions and completions -- from ``sample_passed``
+    (several samples), else ``(1, 1)`` / ``(0, 1)`` from ``passed``; None without a verdict."""
+    per = rec.get("sample_passed")
+    if isinstance(per, list) and per:
+        return sum(bool(p) for p in per), len(per)
+    passed = rec.get("passed")
+    return None if passed is None else (int(bool(passed)), 1)
+
+
+def _record_verdicts(rec: Mapping[str, Any]) -> list[tuple[_Key, dict[str, Any]]]:
+    """(key, verdict fields) of every completion of a checked eligible record ([] without verdicts)."""
+    if record_counts(rec) is None:
+        return []
+    keys = _keys(rec)
+    if not _multi(rec):
+        return [(keys[0], {k: rec[k] for k in ("passed", "check_status", "check_detail") if k in rec})]
+    passed = rec["sample_passed"]
+    if len(passed) != len(keys):
+        return []
+    statuses = rec.get("sample_status") or ["pass" if p else "fail" for p in passed]
+    details = rec.get("sample_detail") or [None] * len(passed)
+    out = []
+    for key, ok, status, detail in zip(keys, passed, statuses, details):
+        fields = {"passed": bool(ok), "check_status": status}
+        if detail:
+            fields["check_detail"] = detail
+        out.append((key, fields))
+    return out
 
 
 def _resolve_dataset(records: Sequence[Mapping[str, Any]], dataset: str | None, path: Path) -> str:
@@ -154,16 +215,23 @@ def apply_verdicts(records: Iterable[dict[str, Any]], verdicts: Mapping[_Key, Ma
                    config_key: str | None = None, overwrite: bool = False) -> int:  # fmt: skip
     """Give every eligible record of ``dataset`` (and ``config_key``) whose (problem id,
     :func:`completion_text`) is in ``verdicts`` its ``passed`` / ``check_status`` / ``check_detail``;
-    records that already have ``passed`` only when ``overwrite``. Returns the records changed."""
+    a record with several samples, once every sample's pair is there, ``sample_passed`` /
+    ``sample_status`` / ``sample_detail`` and ``num_correct``. Records that already have a verdict
+    only when ``overwrite``. Returns the records changed."""
     changed = 0
     for rec in records:
-        if not _eligible(rec, dataset, config_key) or (rec.get("passed") is not None and not overwrite):
+        if not _eligible(rec, dataset, config_key) or (record_counts(rec) is not None and not overwrite):
             continue
-        fields = verdicts.get(_key(rec))
-        if fields is None:
+        found = [verdicts.get(key) for key in _keys(rec)]
+        if any(f is None for f in found):
             continue
-        rec.pop("check_detail", None)
-        rec.update(fields)
+        if _multi(rec):
+            rec.update(sample_passed=[f["passed"] for f in found], sample_status=[f["check_status"] for f in found],
+                       sample_detail=[f.get("check_detail") for f in found],
+                       num_correct=sum(bool(f["passed"]) for f in found))  # fmt: skip
+        else:
+            rec.pop("check_detail", None)
+            rec.update(found[0])
         changed += 1
     return changed
 
@@ -207,13 +275,14 @@ class CheckResult:
         path: the file written (the results file, or ``out``).
         dataset: the dataset checked.
         records: every record of the written file (all datasets, warm-ups included).
-        considered: timed records of the dataset with a completion (the rest were skipped).
+        considered: timed records of the dataset with a completion or samples (the rest were skipped).
         skipped: the other records: warm-ups, records with an error or without a text, records
             of other datasets (or configurations, with ``config_key``).
         already: considered records that already had a verdict (and kept it).
         checked: records given a verdict by this call.
+        completions: the completions of those records (more than ``checked`` with several samples).
         run: programs run by this call (unique (problem, completion) pairs).
-        statuses: verdict statuses of the records checked by this call.
+        statuses: verdict statuses of the completions checked by this call.
         verdicts: (problem id, completion) -> the fields written, for every pair run or reused.
         written: whether the file was (re)written.
     """
@@ -225,6 +294,7 @@ class CheckResult:
     skipped: int = 0
     already: int = 0
     checked: int = 0
+    completions: int = 0
     run: int = 0
     statuses: Counter = field(default_factory=Counter)
     verdicts: dict[_Key, dict[str, Any]] = field(default_factory=dict)
@@ -232,8 +302,9 @@ class CheckResult:
 
     def summary(self) -> str:
         """One line: how many records were checked, programs run, and their statuses."""
-        parts = [f"{self.checked} record(s) of {self.dataset} checked ({self.run} program(s) run, "
-                 f"{max(0, self.checked - self.run)} shared an identical completion)"]  # fmt: skip
+        samples = f", {self.completions} completions" if self.completions != self.checked else ""
+        parts = [f"{self.checked} record(s) of {self.dataset} checked{samples} ({self.run} program(s) run, "
+                 f"{max(0, self.completions - self.run)} shared an identical completion)"]  # fmt: skip
         if self.already:
             parts.append(f"{self.already} already checked")
         if self.skipped:
@@ -295,13 +366,13 @@ def check_file(
     cache: dict[_Key, dict[str, Any]] = {}
     if not recheck:
         for r in considered:
-            if r.get("passed") is not None:
-                cache.setdefault(_key(r), {k: r[k] for k in ("passed", "check_status", "check_detail") if k in r})
-    pending = [r for r in considered if recheck or r.get("passed") is None]
+            for key, fields in _record_verdicts(r):
+                cache.setdefault(key, fields)
+    pending = [r for r in considered if recheck or record_counts(r) is None]
     res.already = len(considered) - len(pending)
     jobs: dict[_Key, Any] = {}
     if pending:
-        todo = {_key(r) for r in pending if _key(r) not in cache}
+        todo = {key for r in pending for key in _keys(r) if key not in cache}
         if todo:
             by_id = _problem_map(problems) if problems is not None else load_check_problems(dataset, data)
             missing = sorted({pid for pid, _ in todo} - set(by_id), key=_natural)
@@ -325,13 +396,14 @@ def check_file(
     finally:
         res.written = bool(new or pending or dest != src)
         res.records = flush() if res.written else records
-    res.verdicts = {k: cache[k] for k in {_key(r) for r in pending} if k in cache}
+    res.verdicts = {key: cache[key] for r in pending for key in _keys(r) if key in cache}
     res.run = len(new)
     for r in pending:
-        fields = cache.get(_key(r))
-        if fields is not None:
+        found = [cache.get(key) for key in _keys(r)]
+        if all(f is not None for f in found):
             res.checked += 1
-            res.statuses[fields["check_status"]] += 1
+            res.completions += len(found)
+            res.statuses.update(f["check_status"] for f in found)
     return res
 
 
@@ -385,20 +457,49 @@ def _run_checks(jobs: Mapping[_Key, Any], limits: Limits, workers: int | None, p
 
 
 # ----------------------------------------------------------------------------------------------
-# pass@1 per row
+# pass@1 / pass@k per row
 
 
-def paired_pass_diff(mine: Mapping[str, Mapping[str, Any]], ref: Mapping[str, Mapping[str, Any]], *,
+def pass_fields(by_problem: Mapping[str, Mapping[str, Any]], *, confidence: float = 0.95) -> dict[str, Any]:
+    """The pass@k fields of one row from its record per problem (those without a verdict left out;
+    {} when none has one): ``checked`` (problems) and ``pass_at_1`` (mean over problems of c / n,
+    :func:`record_counts`); when some record holds several samples also ``samples`` (the fewest of
+    a problem), ``completions``, ``correct`` and, for every k of :data:`PASS_KS` up to ``samples``,
+    ``pass_at_{k}`` (mean unbiased estimate) with ``pass_at_{k}_low`` / ``_high`` (percentile
+    bootstrap over problems, ``confidence``)."""
+    counts = [x for x in (record_counts(r) for r in by_problem.values()) if x is not None]
+    if not counts:
+        return {}
+    out: dict[str, Any] = {"checked": len(counts), "pass_at_1": statistics.fmean(c / n for c, n in counts)}
+    if max(n for _, n in counts) == 1:
+        return out
+    fewest = min(n for _, n in counts)
+    out.update(samples=fewest, completions=sum(n for _, n in counts), correct=sum(c for c, _ in counts))
+    for k in (k for k in PASS_KS if k <= fewest):
+        est = [pass_at_k(n, c, k) for c, n in counts]
+        low, high = bootstrap_mean_ci(est, confidence=confidence)
+        out.update({f"pass_at_{k}": statistics.fmean(est), f"pass_at_{k}_low": low, f"pass_at_{k}_high": high})
+    return out
+
+
+def paired_pass_diff(mine: Mapping[str, Mapping[str, Any]], ref: Mapping[str, Mapping[str, Any]], *, k: int = 1,
                      confidence: float = 0.95) -> PairedDiff | None:  # fmt: skip
-    """Tango's interval for pass@1(mine) - pass@1(ref) over the problems both have a verdict for
-    (``problem id -> record``); None when they share none."""
+    """pass@k(mine) - pass@k(ref) over the problems both have a verdict for (``problem id -> record``)
+    with its interval: Tango's when every record of both holds one sample (k = 1: 0/1 outcomes), else
+    the paired percentile bootstrap of the per-problem pass@k estimates (:func:`pass_fields`). None
+    when they share no problem, or when one of those records has fewer than k samples."""
     common = sorted(p for p in set(mine) & set(ref)
-                    if mine[p].get("passed") is not None and ref[p].get("passed") is not None)  # fmt: skip
+                    if record_counts(mine[p]) is not None and record_counts(ref[p]) is not None)  # fmt: skip
     if not common:
         return None
-    a = [bool(mine[p]["passed"]) for p in common]
-    b = [bool(ref[p]["passed"]) for p in common]
-    return paired_diff_ci(a, b, confidence=confidence, method="tango")
+    a = [record_counts(mine[p]) for p in common]
+    b = [record_counts(ref[p]) for p in common]
+    if any(n < k for _, n in a + b):
+        return None
+    if all(n == 1 for _, n in a + b):
+        return paired_diff_ci([c == 1 for c, _ in a], [c == 1 for c, _ in b], confidence=confidence, method="tango")
+    return paired_diff_ci([pass_at_k(n, c, k) for c, n in a], [pass_at_k(n, c, k) for c, n in b],
+                          confidence=confidence, method="bootstrap")  # fmt: skip
 
 
 def _groups(records: Iterable[Mapping[str, Any]], dataset: str | None):
@@ -407,7 +508,7 @@ def _groups(records: Iterable[Mapping[str, Any]], dataset: str | None):
     labels: dict[str | None, str] = {}
     order: dict[str | None, int] = {}
     for r in records:
-        if is_warmup(r) or r.get("error") or r.get("passed") is None:
+        if is_warmup(r) or r.get("error") or record_counts(r) is None:
             continue
         if dataset is not None and not _record_dataset(r, dataset):
             continue
@@ -434,8 +535,12 @@ def pass_rows(records: Iterable[Mapping[str, Any]], reference: str | None = None
     problem): ``checked``, ``passed``, ``pass_at_1``, ``statuses``, and against ``reference`` (a
     method without drafter or tree size; default: :func:`default_reference`) over the problems
     both have: ``paired``, ``diff``, ``low``, ``high`` (Tango), ``better`` / ``worse`` (problems
-    only this row / only the reference solved). ValueError naming ``reference`` when it has no
-    verdicts or is not one row."""
+    only this row / only the reference solved). With several samples per record: ``passed`` counts
+    correct completions, ``statuses`` completions; the fields of :func:`pass_fields`
+    (``samples``, ``pass_at_10``, ...); ``diff`` / ``low`` / ``high`` are pass@1's paired bootstrap
+    difference and ``better`` / ``worse`` the problems whose estimate is higher / lower; and
+    ``pass_at_{k}_diff`` (``_low`` / ``_high``) for the other k. ValueError naming ``reference``
+    when it has no verdicts or is not one row."""
 
     groups, labels, order = _groups(records, dataset)
     methods = {k[1] for k in groups}
@@ -452,20 +557,28 @@ def pass_rows(records: Iterable[Mapping[str, Any]], reference: str | None = None
     for key in sorted(groups, key=lambda k: (configs.index(k[0]), row_sort_key(k[1:], order))):
         cfg, method, drafter, t = key
         by_problem = groups[key]
-        n = len(by_problem)
-        passed = sum(bool(r["passed"]) for r in by_problem.values())
+        fields = pass_fields(by_problem, confidence=confidence)
+        statuses = Counter()
+        for r in by_problem.values():
+            statuses.update(map(str, r["sample_status"]) if r.get("sample_status") else [str(r.get("check_status"))])
         row: dict[str, Any] = {
             "config_key": cfg, "method": method, "drafter": labels.get(drafter), "drafter_key": drafter,
-            "tree_size": t, "checked": n, "passed": passed, "pass_at_1": passed / n,
-            "statuses": dict(Counter(str(r.get("check_status")) for r in by_problem.values())),
-            "reference": reference, "paired": None, "diff": None, "low": None, "high": None, "better": None,
-            "worse": None,
+            "tree_size": t, "checked": fields["checked"],
+            "passed": sum(record_counts(r)[0] for r in by_problem.values()), "pass_at_1": fields["pass_at_1"],
+            "statuses": dict(statuses), "reference": reference, "paired": None, "diff": None, "low": None,
+            "high": None, "better": None, "worse": None,
         }  # fmt: skip
+        row.update(fields)
         ref = groups.get((cfg, reference, None, None))
         if ref is not None and method != reference:
             d = paired_pass_diff(by_problem, ref, confidence=confidence)
             if d is not None:
                 row.update(paired=d.n, diff=d.diff, low=d.low, high=d.high, better=d.a_better, worse=d.b_better)
+            for k in (k for k in PASS_KS[1:] if f"pass_at_{k}" in fields):
+                d = paired_pass_diff(by_problem, ref, k=k, confidence=confidence)
+                if d is not None:
+                    row.update({f"pass_at_{k}_diff": d.diff, f"pass_at_{k}_diff_low": d.low,
+                                f"pass_at_{k}_diff_high": d.high})  # fmt: skip
         rows.append(row)
     return rows
 
@@ -476,23 +589,44 @@ def _pct(x: float | None, sign: bool = False) -> str:
     return f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}%"
 
 
+def _interval(low: float | None, high: float | None, sign: bool = False) -> str:
+    return "-" if low is None else f"[{_pct(low, sign)}, {_pct(high, sign)}]"
+
+
 def format_pass_table(rows: Sequence[Mapping[str, Any]], confidence: float = 0.95) -> str:
     """A Markdown table of :func:`pass_rows`: pass@1 and the difference to the reference in
-    percentage points with its interval; a ``config`` column when there are several."""
+    percentage points with its interval; a ``config`` column when there are several. With several
+    samples per record also ``n`` (samples per problem), each pass@k's interval and, for k > 1,
+    pass@k with its difference to the reference."""
     if not rows:
         return "no records with verdicts"
     several = len({r["config_key"] for r in rows}) > 1
     ref = next((r["reference"] for r in rows if r.get("reference")), None)
-    head = ["method", "drafter", "t", "checked", "passed", "pass@1",
-            f"Δ vs {ref or 'reference'} (pp)", f"{confidence:.0%} interval (pp)", "only this / only ref"]  # fmt: skip
+    sampled = any(r.get("samples") for r in rows)
+    ks = [k for k in PASS_KS[1:] if any(r.get(f"pass_at_{k}") is not None for r in rows)]
+    diff_head = [f"Δ vs {ref or 'reference'} (pp)", f"{confidence:.0%} interval (pp)"]
+    head = ["method", "drafter", "t", "checked", "passed", "pass@1", *diff_head, "only this / only ref"]
+    if sampled:
+        head[3:6] = ["problems", "n", "correct", "pass@1", f"pass@1 {confidence:.0%} interval"]
+        head[-1] = "higher / lower"
+        for k in ks:
+            head += [f"pass@{k}", f"pass@{k} {confidence:.0%} interval", f"Δpass@{k} (pp)",
+                     f"Δpass@{k} interval (pp)"]  # fmt: skip
     if several:
         head.insert(0, "config")
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     for r in rows:
         cells = [r["method"], r["drafter"] or "-", "-" if r["tree_size"] is None else str(r["tree_size"]),
                  str(r["checked"]), str(r["passed"]), _pct(r["pass_at_1"]), _pct(r["diff"], sign=True),
-                 "-" if r["low"] is None else f"[{_pct(r['low'], True)}, {_pct(r['high'], True)}]",
+                 _interval(r["low"], r["high"], sign=True),
                  "-" if r["better"] is None else f"{r['better']} / {r['worse']}"]  # fmt: skip
+        if sampled:
+            cells[4:4] = [str(r.get("samples") or 1)]
+            cells[7:7] = [_interval(r.get("pass_at_1_low"), r.get("pass_at_1_high"))]
+            for k in ks:
+                cells += [_pct(r.get(f"pass_at_{k}")), _interval(r.get(f"pass_at_{k}_low"), r.get(f"pass_at_{k}_high")),
+                          _pct(r.get(f"pass_at_{k}_diff"), sign=True),
+                          _interval(r.get(f"pass_at_{k}_diff_low"), r.get(f"pass_at_{k}_diff_high"), sign=True)]
         if several:
             cells.insert(0, str(r["config_key"])[:10])
         lines.append("| " + " | ".join(cells) + " |")

@@ -9,7 +9,9 @@ baselines (no drafter, no tree size) are shared by every drafter's rows:
 * ``verify_ms`` / ``draft_ms`` / ``commit_ms``: mean milliseconds per step in each phase;
   ``draft_phase_ms`` (summary JSON only, when the records have ``steps.draft_phases``: a profiling
   drafter, e.g. ``eagle:...,profile=true``): ``{phase: mean ms per step}`` inside ``draft_ms``;
+* ``samples``: completions per record (``--samples n`` > 1: each call makes n at once; None for one);
 * ``tokens_per_s``: all new tokens over all wall time of the method's timed calls (stalls included);
+  with several samples per call, every sample's tokens over the batched calls' time (aggregate);
 * ``steady_tokens_per_s``, ``stalls``, ``stall_s``, ``stall_excess_s``, ``first_call_s``: steady
   state apart from stalls and from the first call (compile / capture included), ``eval.latency``;
 * ``itl_p50_ms`` / ``itl_p90_ms`` / ``itl_p99_ms``: time between streamed tokens, ``ttft_p50_ms``:
@@ -23,6 +25,10 @@ baselines (no drafter, no tree size) are shared by every drafter's rows:
   written by ``specdec eval|sweep --check`` / ``specdec check``, ``eval.passk``; None otherwise);
   ``pass_at_1_diff`` (``_low`` / ``_high``): pass@1 minus that of ``pass_at_1_reference``
   (``hf-static``, else ``hf``) over the problems both have, with Tango's paired 95% interval;
+  with several samples per record (``eval.passk.pass_fields``): pass@1 is the mean of c / n over
+  problems, ``pass_at_10`` the mean unbiased pass@10 estimate (when n >= 10), each with a 95%
+  percentile bootstrap interval over problems (``_low`` / ``_high``), and ``pass_at_k_diff`` the
+  paired bootstrap difference to the reference's;
 * ``attn_*``: attention-only µs per layer (``eval.attn_timing``) at the median prompt length.
 """
 
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.latency import STALL_RATIO, first_call_summary, latency_summary, stall_summary
+from eval.passk import PASS_KS, default_reference, paired_pass_diff, pass_fields
 from eval.records import is_warmup, record_drafter, row_sort_key
 
 __all__ = [
@@ -58,20 +65,23 @@ SPEEDUP_BASES = ("hf", "hf-static", "hf-assisted")
 #: Every summary row's fields, in CSV column order (the summary JSON also has ``stall_problems`` and,
 #: when recorded, ``draft_phase_ms``).
 COLUMNS = (
-    "method", "drafter", "tree_size", "drafter_key", "problems", "errors", "new_tokens", "wall_s", "tokens_per_s",
-    "mean_problem_tokens_per_s", "steady_tokens_per_s", "steady_calls", "median_ms_per_token", "first_calls",
-    "stalls", "stall_s", "stall_excess_s", "first_call_s", "first_call_tokens", "first_call_prep_s", "load_s",
-    "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps", "ttft_p50_ms",
-    "ttft_p90_ms", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms", "draft_ms",
-    "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES), "steady_speedup_vs_hf_static",
-    "compared", "matches", "match_rate", "mean_first_divergence", "checked", "pass_at_1", "pass_at_1_reference",
-    "pass_at_1_diff", "pass_at_1_diff_low", "pass_at_1_diff_high", "attn_prompt_len",
-    "attn_tree_us", "attn_sdpa_us", "attn_speedup",
+    "method", "drafter", "tree_size", "drafter_key", "problems", "samples", "errors", "new_tokens", "wall_s",
+    "tokens_per_s", "mean_problem_tokens_per_s", "steady_tokens_per_s", "steady_calls", "median_ms_per_token",
+    "first_calls", "stalls", "stall_s", "stall_excess_s", "first_call_s", "first_call_tokens", "first_call_prep_s",
+    "load_s", "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps",
+    "ttft_p50_ms", "ttft_p90_ms", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms",
+    "draft_ms", "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES),
+    "steady_speedup_vs_hf_static", "compared", "matches", "match_rate", "mean_first_divergence", "checked",
+    "pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_reference", "pass_at_1_diff", "pass_at_1_diff_low",
+    "pass_at_1_diff_high", "pass_at_10", "pass_at_10_low", "pass_at_10_high", "pass_at_10_diff",
+    "pass_at_10_diff_low", "pass_at_10_diff_high", "attn_prompt_len", "attn_tree_us", "attn_sdpa_us", "attn_speedup",
 )  # fmt: skip
 
 #: What the summary JSON says its timing fields mean (see ``eval.latency``).
 DEFINITIONS = {
-    "tokens_per_s": "all new tokens / all wall time of the method's timed calls (first calls and stalls included)",
+    "tokens_per_s": "all new tokens / all wall time of the method's timed calls (first calls and stalls included); "
+                    "with samples > 1 every sample's tokens / the batched calls' time (aggregate)",
+    "samples": "completions per call and record (num_return_sequences); None: one",
     "steady_tokens_per_s": "the same over the calls that are neither a first call in a process nor a stall",
     "stall": f"a timed call whose wall_s / new_tokens is >= {STALL_RATIO:g} x the method's median over its "
              "non-first calls",
@@ -83,7 +93,12 @@ DEFINITIONS = {
     "ttft": "time from the call's start to its first visible token (prefill + first step)",
     "pass_at_1": "fraction of the row's problems whose completion passed its tests (records' 'passed')",
     "pass_at_1_diff": "pass_at_1 minus pass_at_1_reference's (hf-static, else hf) over the problems both have a "
-                      "verdict for; _low / _high: Tango's paired score interval (95%)",
+                      "verdict for; _low / _high: Tango's paired score interval (95%); with samples > 1 the "
+                      "paired percentile bootstrap interval over problems (95%, 10,000 resamplings, seed 0)",
+    "pass_at_k": "with samples > 1: mean over problems of the unbiased estimate 1 - C(n - c, k) / C(n, k) (Chen et "
+                 "al. 2021; c of n samples correct; k = 1: c / n; k = 10 when n >= 10); _low / _high: percentile "
+                 "bootstrap interval over problems (95%, 10,000 resamplings, seed 0); pass_at_k_diff: minus the "
+                 "reference's, paired, with the paired bootstrap interval",
 }  # fmt: skip
 
 
@@ -151,9 +166,11 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
                 row.update(compared=len(compared), matches=sum(bool(r["match"]) for r in compared),
                            match_rate=sum(bool(r["match"]) for r in compared) / len(compared),
                            mean_first_divergence=_mean(diverged))
-            checked = [r for r in recs if r.get("passed") is not None]
-            if checked:  # the pass@1 hook: records carry 'passed' when the runner had a checker
-                row.update(checked=len(checked), pass_at_1=sum(bool(r["passed"]) for r in checked) / len(checked))
+            sampled = [r["num_samples"] for r in recs if r.get("num_samples")]
+            if sampled:
+                row["samples"] = min(sampled)
+            # verdicts: 'passed' (or 'sample_passed') from the runner's checker or eval.passk.check_file
+            row.update({k: v for k, v in pass_fields(by_problem).items() if k in COLUMNS})
         if t is not None and attn_rows:
             _add_attention(row, [a for a in attn_rows if a.get("tree_size") == t])
         rows.append(row)
@@ -171,9 +188,8 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
 
 
 def _add_pass_diff(rows: list[dict[str, Any]], ok: Mapping[_RowKey, Mapping[str, Mapping[str, Any]]]) -> None:
-    """``pass_at_1_diff`` (``_low`` / ``_high``) of every checked row against the reference baseline."""
-    from eval.passk import default_reference, paired_pass_diff
-
+    """``pass_at_k_diff`` (``_low`` / ``_high``) of every checked row against the reference baseline,
+    for each k the row has a ``pass_at_k`` of."""
     ref = default_reference(r["method"] for r in rows if r.get("checked") and r["drafter_key"] is None
                             and r["tree_size"] is None)  # fmt: skip
     if ref is None:
@@ -181,10 +197,11 @@ def _add_pass_diff(rows: list[dict[str, Any]], ok: Mapping[_RowKey, Mapping[str,
     for row in rows:
         if not row.get("checked") or _key_of(row) == (ref, None, None):
             continue
-        d = paired_pass_diff(ok.get(_key_of(row), {}), ok.get((ref, None, None), {}))
-        if d is not None:
-            row.update(pass_at_1_reference=ref, pass_at_1_diff=d.diff, pass_at_1_diff_low=d.low,
-                       pass_at_1_diff_high=d.high)  # fmt: skip
+        for k in (k for k in PASS_KS if row.get(f"pass_at_{k}") is not None):
+            d = paired_pass_diff(ok.get(_key_of(row), {}), ok.get((ref, None, None), {}), k=k)
+            if d is not None:
+                row.update({"pass_at_1_reference": ref, f"pass_at_{k}_diff": d.diff, f"pass_at_{k}_diff_low": d.low,
+                            f"pass_at_{k}_diff_high": d.high})  # fmt: skip
 
 
 def _key_of(row: Mapping[str, Any]) -> _RowKey:
@@ -202,12 +219,24 @@ def _add_steps(row: dict[str, Any], recs: Sequence[Mapping[str, Any]]) -> None:
     count = len(flat["emitted"])
     if not count:
         return
+
+    def per_sequence(name: str) -> float | None:
+        """Mean over (step, decoding sequence) pairs: a step of a call with several samples holds the
+        sum over its ``active`` sequences (one per step without ``active``); None values left out."""
+        total = pairs = 0
+        for s in steps:
+            vals = s.get(name) or []
+            for v, a in zip(vals, s.get("active") or [1] * len(vals)):
+                if v is not None:
+                    total, pairs = total + v, pairs + a
+        return total / pairs if pairs else None
+
     row.update(
         steps=count,
-        tau=sum(flat["emitted"]) / count,
-        accepted_per_step=sum(flat["accepted"]) / count,
-        mean_nodes=_mean(flat["nodes"]),
-        mean_depth=_mean(flat["depth"]),
+        tau=per_sequence("emitted"),
+        accepted_per_step=per_sequence("accepted"),
+        mean_nodes=per_sequence("nodes"),
+        mean_depth=per_sequence("depth"),
         verify_ms=1e3 * sum(flat["verify_s"]) / count,
         draft_ms=1e3 * sum(flat["draft_s"]) / count,
         commit_ms=1e3 * sum(flat["commit_s"]) / count,
@@ -255,6 +284,7 @@ def _fmt(val: Any, spec: str) -> str:
 
 _TABLE = (  # (header, field, format)
     ("method", "method", "s"), ("drafter", "drafter", "s"), ("t", "tree_size", "d"), ("problems", "problems", "d"),
+    ("n", "samples", "d"),
     ("tau", "tau", ".2f"), ("acc/step", "accepted_per_step", ".2f"), ("depth", "mean_depth", ".1f"),
     ("verify ms/step", "verify_ms", ".2f"), ("draft ms/step", "draft_ms", ".2f"), ("tok/s", "tokens_per_s", ".1f"),
     ("steady tok/s", "steady_tokens_per_s", ".1f"), ("vs hf", "speedup_vs_hf", "x"),
@@ -262,11 +292,13 @@ _TABLE = (  # (header, field, format)
     ("vs assisted", "speedup_vs_hf_assisted", "x"), ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
     ("first call s", "first_call_s", ".2f"), ("itl p50 ms", "itl_p50_ms", ".2f"), ("itl p90 ms", "itl_p90_ms", ".2f"),
     ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("same as hf", "match_rate", "%"),
-    ("pass@1", "pass_at_1", "%"), ("Δpass@1", "pass_at_1_diff", "ci"), ("attn L", "attn_prompt_len", "d"), ("attn tree µs", "attn_tree_us", ".1f"),
+    ("pass@1", "pass_at_1", "pk"), ("Δpass@1", "pass_at_1_diff", "ci"), ("pass@10", "pass_at_10", "pk"),
+    ("Δpass@10", "pass_at_10_diff", "ci"), ("attn L", "attn_prompt_len", "d"),
+    ("attn tree µs", "attn_tree_us", ".1f"),
     ("attn sdpa µs", "attn_sdpa_us", ".1f"), ("errors", "errors", "d"),
 )  # fmt: skip
 #: Columns shown even when every row has 0 there (a column of Nones is always left out).
-_SHOW_ZERO = ("stalls", "stall_s", "itl_p50_ms", "pass_at_1", "pass_at_1_diff")
+_SHOW_ZERO = ("stalls", "stall_s", "itl_p50_ms", "pass_at_1", "pass_at_1_diff", "pass_at_10", "pass_at_10_diff")
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -278,7 +310,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
     cols = [c for c in _TABLE if shown(c[1])]
     ref = next((r["pass_at_1_reference"] for r in rows if r.get("pass_at_1_reference")), None)
-    names = [f"Δpass@1 vs {ref} pp (95% CI)" if f == "pass_at_1_diff" else name for name, f, _ in cols]
+    names = [f"{name} vs {ref} pp (95% CI)" if spec == "ci" else name for name, f, spec in cols]
     head = "| " + " | ".join(names) + " |"
     rule = "| " + " | ".join("---" for _ in cols) + " |"
     body = ["| " + " | ".join(_cell(r, f, spec) for _, f, spec in cols) + " |" for r in rows]
@@ -286,6 +318,11 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _cell(row: Mapping[str, Any], field: str, spec: str) -> str:
+    if spec == "pk":  # a pass rate, with its interval when it has one (several samples)
+        val, low, high = (row.get(f"{field}{s}") for s in ("", "_low", "_high"))
+        if val is None or low is None:
+            return _fmt(val, "%")
+        return f"{100 * val:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
     if spec != "ci":
         return _fmt(row.get(field), spec)
     diff, low, high = (row.get(f"{field}{s}") for s in ("", "_low", "_high"))

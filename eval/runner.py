@@ -10,6 +10,13 @@ decoding every method's tokens are compared with the ``hf`` reference of the sam
 float32 any difference is a failure (flagged in the record and on stderr, ``failed``); in bf16/fp16,
 where n-token and 1-token forwards round differently, the agreement and first divergence are kept.
 
+With ``cfg.samples`` = n > 1 (sampling only) each record holds n completions of its prompt made by
+one batched call (``num_return_sequences=n``): ``num_samples``, ``sample_token_ids``,
+``sample_texts``, ``sample_new_tokens`` in place of ``token_ids`` / ``text``; ``new_tokens`` is
+their total, ``wall_s`` the call's, so ``tokens_per_s`` is the batch's aggregate rate. Methods that
+cannot batch samples (``Method.multi_sample``: ``hf-assisted``, ``hf-lookup``) are skipped.
+``eval.passk`` checks every sample (pass@k).
+
 Before a method's (drafter's, tree size's) first timed call in a process, it is warmed up: engine
 methods build their drafter and decoder and run ``SpecDecoder.warmup`` (declared warm-up: every
 fixed-shape forward compiled / captured for the run's longest request), then every method makes
@@ -107,6 +114,9 @@ def _select_methods(cfg: EvalConfig, extra: Mapping[str, Method] | None, have_dr
         if m.needs_draft and not have_draft:
             _say(f"note: skipping {n!r}: it needs a draft model (--draft)")
             continue
+        if cfg.samples > 1 and not m.multi_sample:
+            _say(f"note: skipping {n!r}: it makes one sequence per call, not {cfg.samples} samples at once (--samples)")
+            continue
         if m.needs_drafter and not cfg.drafters:
             raise ValueError(f"drafters: method {n!r} needs at least one drafter (--drafters NAME[:KEY=VALUE,...])")
         chosen.append(m)
@@ -129,23 +139,45 @@ def _drafter_fields(cfg: EvalConfig, spec: DrafterSpec | None) -> dict[str, Any]
 
 
 def _result_fields(res: MethodOutput, tokenizer: Any) -> dict[str, Any]:
-    n = len(res.token_ids)
-    fields: dict[str, Any] = {
-        "new_tokens": n, "wall_s": res.wall_s, "tokens_per_s": n / res.wall_s if res.wall_s > 0 else None,
-        "token_ids": list(res.token_ids), "text": tokenizer.decode(res.token_ids, skip_special_tokens=False),
-        "error": None,
-    }  # fmt: skip
+    n = res.new_tokens
+    fields: dict[str, Any] = {"new_tokens": n, "wall_s": res.wall_s,
+                              "tokens_per_s": n / res.wall_s if res.wall_s > 0 else None}  # fmt: skip
+    if res.samples is None:
+        fields.update(token_ids=list(res.token_ids), text=tokenizer.decode(res.token_ids, skip_special_tokens=False))
+    else:
+        fields.update(num_samples=len(res.samples), sample_new_tokens=[len(s) for s in res.samples],
+                      sample_token_ids=[list(s) for s in res.samples],
+                      sample_texts=[tokenizer.decode(s, skip_special_tokens=False) for s in res.samples])  # fmt: skip
+    fields["error"] = None
     if res.steps is not None:
         steps = res.steps
         num = len(steps["emitted"])
-        fields.update(num_steps=num, tau=sum(steps["emitted"]) / num if num else None,
-                      mean_accepted=sum(steps["accepted"]) / num if num else None, steps=steps)  # fmt: skip
+        seqs = sum(steps["active"]) if "active" in steps else num  # (step, decoding sequence) pairs
+        fields.update(num_steps=num, tau=sum(steps["emitted"]) / seqs if seqs else None,
+                      mean_accepted=sum(steps["accepted"]) / seqs if seqs else None, steps=steps)  # fmt: skip
     if res.tree_samples is not None:
         fields["tree_samples"] = res.tree_samples
     if res.prefill_s is not None:
         fields["prefill_s"] = res.prefill_s
     if res.emit_t is not None and res.emit_n is not None:
         fields.update(emit_t=list(res.emit_t), emit_n=list(res.emit_n))
+    return fields
+
+
+def _check_fields(checker: Callable[[Any, str], Any], problem: Any, rec: Mapping[str, Any]) -> dict[str, Any]:
+    """The checker's verdict on a record's completion (``passed``, ``check_status``), or on each of its
+    samples (``sample_passed``, ``sample_status``, ``num_correct``)."""
+    if "sample_texts" not in rec:
+        verdict = checker(problem, rec["text"])
+        fields = {"passed": getattr(verdict, "passed", verdict)}
+        if hasattr(verdict, "status"):
+            fields["check_status"] = verdict.status
+        return fields
+    verdicts = [checker(problem, text) for text in rec["sample_texts"]]
+    passed = [bool(getattr(v, "passed", v)) for v in verdicts]
+    fields = {"sample_passed": passed, "num_correct": sum(passed)}
+    if all(hasattr(v, "status") for v in verdicts):
+        fields["sample_status"] = [v.status for v in verdicts]
     return fields
 
 
@@ -174,7 +206,7 @@ def _warm_up(session: Session, method: Method, prompt, tree_size: int | None) ->
         for _ in range(runs):
             res = method.run(session, prompt, tree_size)
             fields["warmup_walls"].append(res.wall_s)
-            fields["warmup_tokens"].append(len(res.token_ids))
+            fields["warmup_tokens"].append(res.new_tokens)
     except Exception as e:  # the timed call reports the error in its record
         fields["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -204,8 +236,10 @@ def run_eval(
         problems: the problems (default: loaded from ``cfg``; padding still applies).
         checker: ``checker(problem, text)`` run on every new generation after its timing (the
             pass@1 hook, e.g. ``eval.execution.check``): a bool or a verdict with ``passed`` (and
-            ``status``), kept as the record's ``passed`` (``check_status``); ``eval.report`` turns it
-            into ``pass_at_1`` per row. None: not checked.
+            ``status``), kept as the record's ``passed`` (``check_status``); with several samples
+            run on each, kept as ``sample_passed`` (``sample_status``) and ``num_correct``;
+            ``eval.report`` turns them into ``pass_at_1`` (and ``pass_at_10``) per row. None: not
+            checked.
 
     Returns:
         ``EvalResult``; ``failed`` is True when a method raised, or when greedy float32 outputs
@@ -315,6 +349,10 @@ def run_eval(
                     rec.update(first_call=True, load_s=first_call["load_s"], prep_s=first_call["prep_s"])
                 try:
                     res = method.run(session, prompt, t)
+                    got = 1 if res.samples is None else len(res.samples)
+                    if got != cfg.samples:
+                        raise ValueError(f"samples: method {method.name!r} returned {got} completion(s), expected "
+                                         f"{cfg.samples}")  # fmt: skip
                 except Exception as e:  # record and go on: one failing method must not lose the run
                     rec["error"] = f"{type(e).__name__}: {e}"
                     _say(f"ERROR {cfg.dataset} problem {pid} method {label} t={t}: {rec['error']}")
@@ -324,10 +362,7 @@ def run_eval(
                     rec.update(_result_fields(res, tokenizer))
                     rec.update(_compare(rec, references[pid], cfg.greedy))
                     if checker is not None:  # outside the timed call
-                        verdict = checker(problem, rec["text"])
-                        rec["passed"] = getattr(verdict, "passed", verdict)
-                        if hasattr(verdict, "status"):
-                            rec["check_status"] = verdict.status
+                        rec.update(_check_fields(checker, problem, rec))
                     if method.name == REFERENCE:
                         references[pid] = rec
                 write_record(sink, rec)

@@ -3,7 +3,9 @@
 Runs every completion of a results file (``specdec eval`` / ``sweep``) against its problem's tests
 in ``eval.execution``'s sandbox, writes ``passed`` / ``check_status`` into the records (atomically,
 in place or to ``--out``; resumable), and prints pass@1 per (method, drafter, tree size) with the
-paired difference to a reference method and its 95% interval. The library side is
+paired difference to a reference method and its 95% interval. Records of ``--samples n`` runs have
+every sample checked (``sample_passed``, ``num_correct``) and get pass@1 / pass@10 (unbiased
+estimator, bootstrap intervals over problems). The library side is
 ``eval.passk``; ``specdec sweep --report-only`` then shows the same pass@1 in its table.
 """
 
@@ -46,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
         description="Run the completions of a results file (specdec eval / sweep) against their problems' tests "
         "(sandboxed, see eval/execution.py), write 'passed' / 'check_status' into the records (in place unless "
         "--out; records that already have a verdict are skipped, so an interrupted check resumes), and print "
-        "pass@1 per method with the paired difference to --reference (Tango's 95% interval).",
+        "pass@1 per method with the paired difference to --reference (Tango's 95% interval; for records with "
+        "several samples, --samples: every sample checked, pass@1 / pass@10 with bootstrap intervals).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("results", metavar="RESULTS", type=cliargs.existing_path, help="results JSONL")

@@ -6,7 +6,10 @@ JSON and plot for every (method, drafter, tree size) through ``eval.report``. Th
 as specs, several per run (``--drafters lookup medusa:heads=DIR model:draft=NAME``, syntax in
 ``eval.config.DRAFTER_SYNTAX``); the baselines run once per problem and are shared by every row.
 ``--check`` then runs the completions against their tests (``eval.passk``, as ``specdec check``
-does) so that the table has pass@1.
+does) so that the table has pass@1. ``--samples N`` (with ``--temperature`` > 0) makes N completions
+per problem and method in one batched call (``num_return_sequences=N``; ``hf-assisted`` and
+``hf-lookup`` cannot and are skipped): the table's tokens/s is then the batch's aggregate, and
+``--check`` gives pass@1 / pass@10 (unbiased estimator, bootstrap intervals over problems).
 
 Distributed (data-parallel) evaluation, one whole model per process (``eval.shard``)::
 
@@ -91,6 +94,10 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
     p.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=128)
     p.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0,
                    help="0 = greedy (outputs compared with target-only)")  # fmt: skip
+    p.add_argument("--samples", type=cliargs.int_at_least(1), default=1, metavar="N",
+                   help="completions per problem and method, made in one batched call (num_return_sequences=N; "
+                   "needs --temperature > 0; hf-assisted / hf-lookup are skipped); with --check: pass@1 and "
+                   "pass@10 (N >= 10) by the unbiased estimator, tokens/s aggregated over the batch")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=_DTYPES, default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--device", type=cliargs.device_name if report_only else cliargs.device, default=None,
@@ -113,7 +120,8 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
     p.add_argument("--check", action="store_true",
                    help="pass@1: after the generations, run every completion of this configuration that has no "
                    "verdict yet against its tests (sandboxed, in parallel; never between timed calls) and write "
-                   "'passed' / 'check_status' into the records (as 'specdec check' does)"
+                   "'passed' / 'check_status' into the records (as 'specdec check' does; with --samples every "
+                   "sample: 'sample_passed', 'num_correct', and pass@1 / pass@10 in the table)"
                    + ("; with --report-only: check, then report" if sweep else ""))  # fmt: skip
     from specdec.cli.check import add_limit_arguments
 
@@ -215,15 +223,20 @@ def config_from(ns: argparse.Namespace, dataset: str):
 
         if torch.cuda.is_available():
             torch.cuda.set_device(device)
-    return EvalConfig(
-        dataset=dataset, target=ns.target, draft=ns.draft or None, drafters=drafter_specs(ns),
-        tree_sizes=tuple(ns.tree_sizes), methods=tuple(ns.methods), problems=ns.problems or None,
-        difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
-        max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, seed=ns.seed, dtype=ns.dtype,
-        device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl, compile=ns.compile,
-        warmup=ns.warmup, progress=not ns.no_progress, home=ns.home, method_problems=tuple(ns.method_problems),
-        shard=shard,
-    )  # fmt: skip
+    from specdec.cli.check import flag_error
+
+    try:
+        return EvalConfig(
+            dataset=dataset, target=ns.target, draft=ns.draft or None, drafters=drafter_specs(ns),
+            tree_sizes=tuple(ns.tree_sizes), methods=tuple(ns.methods), problems=ns.problems or None,
+            difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
+            max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, samples=ns.samples, seed=ns.seed,
+            dtype=ns.dtype, device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl,
+            compile=ns.compile, warmup=ns.warmup, progress=not ns.no_progress, home=ns.home,
+            method_problems=tuple(ns.method_problems), shard=shard,
+        )  # fmt: skip
+    except ValueError as e:
+        raise flag_error(e, {"samples": "--samples"}) from None
 
 
 def _method_limit(text: str) -> tuple[str, int]:

@@ -307,3 +307,117 @@ def test_sweep_check_fills_passed(pair, tmp_path, capsys, calls):
                      "--no-progress"]) == 0  # fmt: skip
     assert len(calls) == 2 and all(r.get("passed") is False for r in _lines(out))
     assert "| pass@1 |" in capsys.readouterr().out.splitlines()[0].replace("pass@1 | Δ", "pass@1 |")
+
+
+# ------------------------------------------------------------------------------------------------
+# several samples per record (--samples n): every sample checked, pass@k
+
+
+def _sampled(problem, method, texts, t=None, drafter=None, **extra):
+    """A record of ``specdec eval --samples n`` holding the completions ``texts``."""
+    rec = _rec(problem, method, None, t, drafter, temperature=0.8, match=None, **extra)
+    for key in ("text", "token_ids"):
+        rec.pop(key)
+    rec.update(num_samples=len(texts), sample_texts=list(texts), sample_new_tokens=[10] * len(texts),
+               sample_token_ids=[[1, 2]] * len(texts), new_tokens=10 * len(texts))  # fmt: skip
+    return rec
+
+
+def test_check_file_runs_every_sample_once_per_distinct_text(tmp_path, capsys, calls):
+    records = [
+        _sampled("Synthetic/0", "hf", [ADD_OK, ADD_BAD, ADD_OK, ADD_CHAT]),
+        _sampled("Synthetic/1", "hf", [NEG_OK, NEG_BAD, NEG_BAD, NEG_BAD]),
+        _sampled("Synthetic/0", "specdec", [ADD_BAD] * 4, 4, "lookup"),
+        _sampled("Synthetic/1", "specdec", [NEG_OK] * 4, 4, "lookup"),
+    ]  # fmt: skip
+    path = _write(tmp_path / "r.jsonl", records)
+    res = passk.check_file(path, problems=_problems(), limits=FAST, workers=2, progress=False)
+    assert len(calls) == len(set(calls)) == 5  # 16 completions, 5 distinct (problem, completion) pairs
+    assert (res.considered, res.checked, res.completions, res.run) == (4, 4, 16, 5)
+    assert res.statuses == {"pass": 8, "fail": 8}
+    assert "4 record(s) of humaneval checked, 16 completions (5 program(s) run, 11 shared" in res.summary()
+    got = _lines(path)
+    assert [r["sample_passed"] for r in got] == [[True, False, True, True], [True, False, False, False],
+                                                 [False] * 4, [True] * 4]  # fmt: skip
+    assert [r["num_correct"] for r in got] == [3, 1, 0, 4] and all("passed" not in r for r in got)
+    assert got[0]["sample_status"] == ["pass", "fail", "pass", "pass"]
+    assert got[0]["sample_detail"][0] is None and "assert" in got[0]["sample_detail"][1].lower()
+    assert [passk.record_counts(r) for r in got] == [(3, 4), (1, 4), (0, 4), (4, 4)]
+    # resumable: nothing runs again; a single-sample record reuses a sample's verdict
+    calls.clear()
+    with open(path, "a") as f:
+        f.write(json.dumps(_rec("Synthetic/1", "hf-static", NEG_BAD)) + "\n")
+    again = passk.check_file(path, problems=_problems(), limits=FAST, progress=False)
+    assert calls == [] and (again.already, again.checked, again.run) == (4, 1, 0)
+    assert _lines(path)[-1]["passed"] is False and _lines(path)[-1]["check_status"] == "fail"
+    # specdec check prints pass@1 per row with the samples per problem
+    assert cli.main(["check", str(path), "--data", str(_write_problems(tmp_path / "he.jsonl")), "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    assert "| hf | - | - | 2 | 4 | 4 | 50.0% | [" in table and "| hf-static | - | - | 1 | 1 | 0 | 0.0% |" in table
+
+
+def _checked(problem, method, correct, n=10, t=None, drafter=None):
+    """A checked record of n samples, the first ``correct`` of them passing."""
+    rec = _sampled(problem, method, [f"# sample {i}\n" for i in range(n)], t, drafter)
+    rec.update(sample_passed=[i < correct for i in range(n)], num_correct=correct,
+               sample_status=["pass" if i < correct else "fail" for i in range(n)])  # fmt: skip
+    return rec
+
+
+def _known_records():
+    """Three problems, 10 samples each: hf-static c = 10, 5, 0; specdec c = 9, 5, 1; hf as hf-static."""
+    recs = []
+    for p, (base, spec) in enumerate([(10, 9), (5, 5), (0, 1)]):
+        recs += [_checked(str(p), "hf", base), _checked(str(p), "hf-static", base),
+                 _checked(str(p), "specdec", spec, t=4, drafter="lookup")]  # fmt: skip
+    return recs
+
+
+def test_pass_at_k_rows_from_known_correctness():
+    rows = {r["method"]: r for r in passk.pass_rows(_known_records())}
+    static, spec, hf = rows["hf-static"], rows["specdec"], rows["hf"]
+    assert (static["checked"], static["samples"], static["completions"], static["passed"]) == (3, 10, 30, 15)
+    assert static["pass_at_1"] == pytest.approx(0.5) and spec["pass_at_1"] == pytest.approx(0.5)
+    # pass@10 with n = 10: 1 as soon as one sample is correct
+    assert static["pass_at_10"] == pytest.approx(2 / 3) and spec["pass_at_10"] == pytest.approx(1.0)
+    for r in rows.values():
+        for k in (1, 10):
+            assert r[f"pass_at_{k}_low"] <= r[f"pass_at_{k}"] <= r[f"pass_at_{k}_high"]
+    # paired differences to hf-static: per-problem pass@1 -0.1, 0, +0.1; pass@10 0, 0, +1
+    assert spec["diff"] == pytest.approx(0.0, abs=1e-12) and spec["low"] < 0 < spec["high"]
+    assert spec["pass_at_10_diff"] == pytest.approx(1 / 3) and spec["pass_at_10_diff_low"] == pytest.approx(0.0)
+    assert (spec["better"], spec["worse"]) == (1, 1)
+    assert (hf["diff"], hf["low"], hf["high"]) == (0.0, 0.0, 0.0) and hf["pass_at_10_diff"] == 0.0  # identical
+    assert static["diff"] is None and "pass_at_10_diff" not in static
+    expect = E.paired_diff_ci([0.9, 0.5, 0.1], [1.0, 0.5, 0.0], method="bootstrap")
+    assert (spec["low"], spec["high"]) == pytest.approx((expect.low, expect.high))
+    table = passk.format_pass_table(list(rows.values()))
+    head = [h.strip() for h in table.splitlines()[0].strip("|").split("|")]
+    assert head[:7] == ["method", "drafter", "t", "problems", "n", "correct", "pass@1"] and "pass@10" in head
+    assert "| hf-static | - | - | 3 | 10 | 15 | 50.0% | [" in table
+    # fewer than 10 samples: no pass@10
+    four = [_checked("0", "hf-static", 2, n=4), _checked("1", "hf-static", 4, n=4)]
+    (row,) = passk.pass_rows(four)
+    assert (row["samples"], row["pass_at_1"], row.get("pass_at_10")) == (4, 0.75, None)
+    assert "pass@10" not in passk.format_pass_table([row])
+
+
+def test_report_has_pass_at_k_and_aggregate_tokens_per_s():
+    from eval import report
+
+    recs = _known_records()
+    for r in recs:  # the specdec batches take twice as long as the baselines'
+        r["wall_s"] = 2.0 if r["method"] == "specdec" else 1.0
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    spec = rows["specdec"]
+    assert spec["samples"] == 10 and spec["tokens_per_s"] == pytest.approx(3 * 100 / 6.0)  # every sample's tokens
+    assert spec["speedup_vs_hf_static"] == pytest.approx(0.5)
+    assert spec["pass_at_10"] == pytest.approx(1.0) and spec["pass_at_10_diff"] == pytest.approx(1 / 3)
+    assert spec["pass_at_1_reference"] == "hf-static" and spec["pass_at_1_diff"] == pytest.approx(0.0, abs=1e-12)
+    assert rows["hf-static"]["pass_at_10_low"] <= 2 / 3 <= rows["hf-static"]["pass_at_10_high"]
+    table = report.format_table(list(rows.values()))
+    head = [h.strip() for h in table.splitlines()[0].strip("|").split("|")]
+    assert {"n", "pass@1", "pass@10", "Δpass@10 vs hf-static pp (95% CI)"} <= set(head)
+    cells = dict(zip(head, (c.strip() for c in table.splitlines()[4].strip("|").split("|"))))
+    assert cells["n"] == "10" and cells["pass@10"].startswith("100.0% [") and cells["Δpass@10 vs hf-static pp (95% CI)"]
+    assert {"samples", "pass_at_10", "pass_at_10_diff_high"} <= set(report.COLUMNS)

@@ -67,3 +67,20 @@ def test_config_drafters_labels_and_key(tmp_path):
         EvalConfig(drafters=("a=lookup", "a=model"))
     with pytest.raises(ValueError, match="drafters: unknown drafter 'nope'"):
         EvalConfig(drafters=("nope",))
+
+
+def test_samples_validation_and_key(tmp_path):
+    out = str(tmp_path / "r.jsonl")
+    cfg = EvalConfig(dataset="humaneval", target="t", draft=None, temperature=0.8, dtype="fp32", device="cpu", out=out)
+    assert cfg.samples == 1
+    # one sample: the key of runs made before --samples existed (result files stay resumable)
+    assert C.config_key(cfg) == "4a01d68de074"
+    four = EvalConfig(dataset="humaneval", target="t", draft=None, temperature=0.8, dtype="fp32", device="cpu",
+                      out=out, samples=4)  # fmt: skip
+    assert C.config_key(four) != C.config_key(cfg) and four.describe()["samples"] == 4
+    with pytest.raises(ValueError, match="samples: expected an int >= 1, got 0"):
+        EvalConfig(samples=0, temperature=0.8)
+    with pytest.raises(ValueError, match="samples: expected an int >= 1, got 2.0"):
+        EvalConfig(samples=2.0, temperature=0.8)
+    with pytest.raises(ValueError, match="samples: 4 samples per problem need temperature > 0 .*got temperature 0"):
+        EvalConfig(samples=4)

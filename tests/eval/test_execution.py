@@ -433,8 +433,14 @@ def test_pass_at_k_matches_brute_force():
                 subsets = list(itertools.combinations(samples, k))
                 brute = sum(any(s) for s in subsets) / len(subsets)
                 assert E.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), (n, c, k)
+    for n in range(1, 20):  # known values: all correct -> 1, none -> 0, k = 1 -> c / n
+        for k in range(1, n + 1):
+            assert E.pass_at_k(n, n, k) == 1.0 and E.pass_at_k(n, 0, k) == 0.0
+        assert all(E.pass_at_k(n, c, 1) == pytest.approx(c / n, abs=1e-12) for c in range(n + 1))
     assert E.pass_at_k(200, 13, 1) == pytest.approx(13 / 200)
     assert E.pass_at_k(10**6, 1, 10) == pytest.approx(1e-5, rel=1e-6)
+    with pytest.raises(ValueError, match="n: expected at least 1 sample, got 0"):
+        E.pass_at_k(0, 0, 1)
     with pytest.raises(ValueError, match="c: expected 0 <= c <= n"):
         E.pass_at_k(5, 6, 1)
     with pytest.raises(ValueError, match="k: expected 1 <= k <= n"):
@@ -467,6 +473,22 @@ def test_paired_diff_ci_methods():
         E.paired_diff_ci([True], [True, False])
     with pytest.raises(ValueError, match="method: expected 'tango', 'newcombe' or 'bootstrap'"):
         E.paired_diff_ci([True], [True], method="wald")
+
+
+def test_bootstrap_mean_ci():
+    vals = [0.0, 0.25, 0.5, 1.0, 1.0, 0.75] * 5
+    low, high = E.bootstrap_mean_ci(vals)
+    assert low < sum(vals) / len(vals) < high and high - low < 0.4
+    assert E.bootstrap_mean_ci(vals) == (low, high)  # seeded: reproducible
+    assert E.bootstrap_mean_ci([0.5] * 7) == pytest.approx((0.5, 0.5))  # no spread, no width
+    wide, narrow = E.bootstrap_mean_ci(vals, confidence=0.99), E.bootstrap_mean_ci(vals, confidence=0.5)
+    assert wide[0] < low < narrow[0] < narrow[1] < high < wide[1]
+    with pytest.raises(ValueError, match="values: expected at least one value, got none"):
+        E.bootstrap_mean_ci([])
+    with pytest.raises(ValueError, match="confidence: expected a number in \\(0, 1\\), got 1"):
+        E.bootstrap_mean_ci([1.0], confidence=1)
+    with pytest.raises(ValueError, match="n_resamples: expected at least 100, got 10"):
+        E.bootstrap_mean_ci([1.0], n_resamples=10)
 
 
 def test_tango_interval_agrees_with_mcnemar():

@@ -618,3 +618,106 @@ def test_a_compile_option_builds_that_drafters_engine_compiled(pair, loaded, tmp
     assert [(kw["compile"], kw["static_shapes"]) for kw in made] == [(True, True), (False, None)]
     assert all("compile" not in kw for kw in seen)
     assert parse_drafter_spec(f"{DRAFTER}:compile=true").key != parse_drafter_spec(DRAFTER).key
+
+
+# ------------------------------------------------------------------------------------------------
+# several samples per problem (--samples n): one batched call per method, pass@k
+
+
+def test_sweep_with_samples_batches_each_method_and_resumes(pair, tmp_path, capsys, monkeypatch):
+    from collections import Counter
+
+    import transformers
+
+    shapes = Counter()  # (method, returned rows) of every HF generate call
+    generate = transformers.GenerationMixin.generate
+
+    def counting(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        shapes[(_hf_kind(kwargs), kwargs.get("num_return_sequences", 1), out.shape[0])] += 1
+        return out
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", counting)
+    out = tmp_path / "k.jsonl"
+    argv = ["sweep", "--problems", "2", "--data", pair["data"], "--target", pair["target"], "--draft", pair["draft"],
+            "--drafter", DRAFTER, "--tree-sizes", "4", "--methods", "specdec", "hf", "hf-static", "hf-assisted",
+            "--samples", "4", "--temperature", "0.8", "--max-new-tokens", "6", "--device", "cpu", "--attn-impl",
+            "torch", "--out", str(out), "--warmup", "1", "--no-progress", "--no-attn"]  # fmt: skip
+    assert cli.main([*argv, "--check", "--check-workers", "2", "--check-timeout", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "skipping 'hf-assisted': it makes one sequence per call, not 4 samples at once (--samples)" in captured.err
+    lines = _lines(out)
+    timed = [r for r in lines if r.get("kind") != "warmup"]
+    assert sorted((r["problem_id"], r["method"]) for r in timed) == [
+        ("100", "hf"), ("100", "hf-static"), ("100", "specdec"), ("101", "hf"), ("101", "hf-static"), ("101", "specdec")]
+    for r in timed:
+        assert r["num_samples"] == 4 and len(r["sample_token_ids"]) == len(r["sample_texts"]) == 4
+        assert r["sample_new_tokens"] == [len(s) for s in r["sample_token_ids"]] and max(r["sample_new_tokens"]) <= 6
+        assert r["new_tokens"] == sum(r["sample_new_tokens"]) and r["tokens_per_s"] == r["new_tokens"] / r["wall_s"]
+        assert "token_ids" not in r and "text" not in r and "emit_t" not in r and r["match"] is None
+        assert len(r["sample_passed"]) == 4 and r["num_correct"] == 0  # --check: every sample (random models fail)
+    assert len({tuple(s) for r in timed for s in r["sample_token_ids"]}) > 4  # samples differ
+    spec = [r for r in timed if r["method"] == "specdec"]
+    for r in spec:  # per step: sums over the sequences still decoding ('active')
+        s = r["steps"]
+        assert s["active"][0] == 4 and all(1 <= a <= 4 for a in s["active"]) and sum(s["emitted"]) == r["new_tokens"]
+        assert r["tau"] == pytest.approx(r["new_tokens"] / sum(s["active"]))
+    # HF: one call per problem returning 4 rows (+ warm-ups: hf 1, hf-static 2); hf-static's cache sized by HF
+    assert shapes == {("hf", 4, 4): 3, ("hf-static", 4, 4): 4}
+    assert all(w["warmup_tokens"][0] >= 4 for w in lines if w.get("kind") == "warmup")  # every sample's tokens
+    summary = json.loads((tmp_path / "k.summary.json").read_text())
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert {r["samples"] for r in rows.values()} == {4} and summary["config"]["samples"] == 4
+    assert {(r["pass_at_1"], r["pass_at_10"]) for r in rows.values()} == {(0.0, None)}  # 4 samples: no pass@10
+    new, wall = sum(r["new_tokens"] for r in spec), sum(r["wall_s"] for r in spec)
+    assert rows["specdec"]["tokens_per_s"] == pytest.approx(new / wall)
+    pairs = sum(sum(r["steps"]["active"]) for r in spec)  # tau: tokens per (step, decoding sequence)
+    assert rows["specdec"]["tau"] == pytest.approx(new / pairs) and rows["specdec"]["steps"] < pairs
+    assert "| n |" in captured.out.splitlines()[0]
+    # resume: nothing is generated again; the single-sample run of the same settings is another configuration
+    shapes.clear()
+    assert cli.main(argv) == 0 and not shapes and len(_lines(out)) == len(lines)
+    at = argv.index("--samples")
+    assert cli.main([*argv[:at], *argv[at + 2 :], "--methods", "hf", "--problems", "1"]) == 0
+    assert "token_ids" in _lines(out)[-1] and "num_samples" not in _lines(out)[-1]
+
+
+def test_checker_hook_checks_every_sample(pair, loaded, tmp_path):
+    from eval import report
+
+    def checker(problem, text):  # passes the samples whose text has an even length
+        return len(text) % 2 == 0
+
+    cfg = _cfg(pair, tmp_path / "c.jsonl", methods=("hf",), temperature=0.8, samples=3)
+    res = runner.run_eval(cfg, models=loaded, checker=checker)
+    for r in res.records:
+        assert r["sample_passed"] == [len(t) % 2 == 0 for t in r["sample_texts"]]
+        assert r["num_correct"] == sum(r["sample_passed"]) and "passed" not in r
+    (row,) = report.summarize(res.all_records)
+    want = sum(r["num_correct"] / 3 for r in res.records) / len(res.records)
+    assert (row["samples"], row["checked"], row["pass_at_1"]) == (3, 2, pytest.approx(want))
+    assert row["pass_at_10"] is None  # 3 samples: no pass@10
+
+
+def test_a_method_returning_the_wrong_number_of_samples_is_an_error(pair, loaded, tmp_path):
+    single = {"single": Method("single", lambda session, prompt, t: MethodOutput([1, 2], 0.1))}
+    cfg = _cfg(pair, tmp_path / "w.jsonl", methods=("single",), temperature=0.8, samples=2, problems=1)
+    res = runner.run_eval(cfg, models=loaded, extra_methods=single)
+    assert res.failed and res.errors[0]["error"] == "ValueError: samples: method 'single' returned 1 completion(s), expected 2"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--samples", "0"], "specdec sweep: error: argument --samples: expected an int >= 1, got 0"),
+    (["--samples", "4"], "specdec sweep: error: --samples: 4 samples per problem need temperature > 0"),
+    (["--samples", "4", "--temperature", "0"], "specdec sweep: error: --samples: 4 samples per problem need"),
+])  # fmt: skip
+def test_cli_rejects_bad_samples(pair, tmp_path, capsys, extra, message):
+    argv = ["sweep", "--target", pair["target"], "--out", str(tmp_path / "x.jsonl"), "--no-progress", *extra]
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors exit
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message)
+    assert not (tmp_path / "x.jsonl").exists()
