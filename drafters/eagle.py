@@ -81,7 +81,11 @@ subset, and with a sampling transform the warping (temperature, top-k, top-p) is
 subset's logits: the draft distribution is then the warped distribution *of the subset*. Children
 stay deterministic top-k, so verification stays lossless; tokens outside the subset are simply
 never drafted. This covers the root's children too (they come from the first depth of the expansion,
-on the catch-up's root feature).
+on the catch-up's root feature). **Prompt tokens** (``prompt_vocab``, default on): the training
+answers hold few distinct tokens (about 5k for MBPP's), so a larger subset ends in never-seen ones,
+while answers copy identifiers from their prompt; every ``reset`` therefore puts the prompts' tokens
+that the subset lacks in place of its least frequent ones, regathered into the same buffers (the
+captured graphs stay valid).
 
 **Profiling** (``EagleDrafter(profile=True)``): ``propose`` synchronizes the device at its phase
 boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparation; an unfused
@@ -734,6 +738,10 @@ class EagleDrafter(BaseDrafter):
             training-answer tokens (``EagleHead.token_ids``; the LM-head rows of those tokens are
             gathered once, ``[N, H]`` in the LM head's dtype; see the module doc). Needs a head saved
             with token frequencies (``train-eagle``); 1 <= N <= V.
+        prompt_vocab: with ``draft_vocab``, every ``reset`` (each ``generate`` call) puts the prompts'
+            tokens missing from the subset in place of its least frequent ones (a subset larger than
+            the training answers' distinct tokens ends in never-seen ones), so that identifiers the
+            answer copies from its prompt can be drafted. Default True.
         profile: synchronize the device at the phase boundaries of every ``propose`` / ``update``
             and keep their seconds in ``last_phase_s`` (keys ``DRAFT_PHASES`` + ``"update"``).
         compile_head: run the expansion's depth loop (every head forward after the root's, the LM
@@ -752,7 +760,8 @@ class EagleDrafter(BaseDrafter):
 
     def __init__(self, target, head: EagleHead, tree_size: int | None = None, depth: int = 6, topk: int = 8, *,
                  static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | None = None,
-                 profile: bool = False, compile_head: bool | str = False) -> None:  # fmt: skip
+                 profile: bool = False, compile_head: bool | str = False,
+                 prompt_vocab: bool = True) -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -767,6 +776,8 @@ class EagleDrafter(BaseDrafter):
                 raise ValueError(f"{name}: expected None, True or False, got {val!r}")
         if not isinstance(profile, bool):
             raise ValueError(f"profile: expected True or False, got {profile!r}")
+        if not isinstance(prompt_vocab, bool):
+            raise ValueError(f"prompt_vocab: expected True or False, got {prompt_vocab!r}")
         if not isinstance(compile_head, (bool, str)) or compile_head == "":
             raise ValueError(f"compile_head: expected a bool or a torch.compile backend name, got {compile_head!r}")
         if draft_vocab is not None:
@@ -790,13 +801,18 @@ class EagleDrafter(BaseDrafter):
         self.vocab_size = hf.vocab_size(target)
         self.draft_vocab = draft_vocab
         #: the subset's token ids (int64 ``[N]``, ascending) and LM-head rows (``[N, H]``, bias ``[N]``)
+        #: (fixed buffers: ``prompt_vocab`` regathers them in place, so captured graphs stay valid)
         self._vocab_ids = self._vocab_weight = self._vocab_bias = None
+        self.prompt_vocab = prompt_vocab
         if draft_vocab is not None:
             lm = self.parts.lm_head
-            self._vocab_ids = torch.sort(head.token_ids[:draft_vocab]).values.to(self.device)
-            self._vocab_weight = lm.weight.detach().index_select(0, self._vocab_ids).contiguous()
+            #: the N most frequent training-answer tokens (int64 ``[N]``, CPU, most frequent first)
+            self._vocab_ranked = head.token_ids[:draft_vocab].long().cpu()
+            self._vocab_ids = torch.empty(draft_vocab, dtype=torch.int64, device=self.device)
+            self._vocab_weight = lm.weight.detach().new_empty(draft_vocab, lm.weight.shape[1])
             bias = getattr(lm, "bias", None)
-            self._vocab_bias = None if bias is None else bias.detach().index_select(0, self._vocab_ids)
+            self._vocab_bias = None if bias is None else bias.detach().new_empty(draft_vocab)
+            self._set_vocab(self._vocab_ranked)
         self.profile = profile
         #: seconds per phase of the last ``propose`` (``DRAFT_PHASES``; ``update`` adds ``"update"``)
         #: with ``profile``, a new dict per call; else None
@@ -836,7 +852,10 @@ class EagleDrafter(BaseDrafter):
     # ------------------------------------------------------------------ protocol
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
-        """New ``generate`` call: forget every sequence (cache buffers and captured expansions are reused)."""
+        """New ``generate`` call: forget every sequence (cache buffers and captured expansions are
+        reused); with ``draft_vocab`` and ``prompt_vocab``, the subset takes in the prompts' tokens."""
+        if self._vocab_ids is not None and self.prompt_vocab:
+            self._set_vocab(self.prompt_subset(input_ids))
         old, self._states = self._states, {}
         for b in range(len(input_ids)):
             prev = old.get(b)
@@ -971,6 +990,25 @@ class EagleDrafter(BaseDrafter):
         """With ``profile``: the time since the last mark (device synchronized) goes to ``phase``."""
         if self._clock is not None:
             self._clock.mark(phase)
+
+    def prompt_subset(self, input_ids: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The draft vocabulary for these prompts (``draft_vocab`` needed): int64 ``[N]`` on the CPU,
+        the N most frequent training-answer tokens with the last k replaced by the k prompt tokens
+        (ascending ids, at most N) that they lack."""
+        ranked = self._vocab_ranked
+        prompt = torch.unique(torch.cat([torch.as_tensor(p).flatten().long().cpu() for p in input_ids]))
+        missing = prompt[~torch.isin(prompt, ranked)]
+        k = min(len(missing), len(ranked))
+        return torch.cat([ranked[: len(ranked) - k], missing[:k]])
+
+    def _set_vocab(self, ids: torch.Tensor) -> None:
+        """Gather the subset ``ids`` (int64 ``[N]``, distinct) into the fixed buffers, ascending."""
+        ids = torch.sort(ids).values.to(self.device)
+        lm = self.parts.lm_head
+        self._vocab_ids.copy_(ids)
+        torch.index_select(lm.weight.detach(), 0, ids, out=self._vocab_weight)
+        if self._vocab_bias is not None:
+            torch.index_select(lm.bias.detach(), 0, ids, out=self._vocab_bias)
 
     def _draft_logits(self, feats: torch.Tensor) -> torch.Tensor:
         """float32 draft logits of the output features ``feats [r, H]``: ``[r, V]``, or ``[r, N]`` over

@@ -136,9 +136,9 @@ def test_every_expanded_node_drafts_what_the_unrolled_training_forward_predicts(
     tokens = _prompt(12, 5)
     n_tok = len(tokens)
     feats = _features(target, tokens)
-    allowed = torch.arange(VOCAB) if draft_vocab is None else torch.sort(head.token_ids[:draft_vocab]).values
     drafter = EagleDrafter(target, head, depth=4, topk=3, static_shapes=static_shapes, draft_vocab=draft_vocab)
     drafter.reset([tokens])
+    allowed = torch.arange(VOCAB) if draft_vocab is None else torch.sort(drafter.prompt_subset([tokens])).values
     tree = drafter.propose(DraftContext(tokens, 24, hidden=feats[: n_tok - 1]))
     checked = 0
     for v in range(tree.n):
@@ -676,13 +676,39 @@ def test_a_small_draft_vocab_drafts_only_its_tokens(name, draft_vocab):
     spec, seed = _RECORD_CASES[name], sum(map(ord, name))
     allowed = _subset(_ranked_head(spec[0]), draft_vocab)
     default = _run_case(spec, seed)
-    got = _run_case(spec, seed, make=_with_vocab(draft_vocab))
+    got = _run_case(spec, seed, make=_with_vocab(draft_vocab, prompt_vocab=False))
     for step, ref in zip(got, default):
         assert set(step["tokens"][1:]) <= allowed and len(step["tokens"]) > 1
         # the tree still fills its budget when the subset offers enough children
         if draft_vocab >= 12:
             assert len(step["tokens"]) == len(ref["tokens"])
     assert any(set(s["tokens"][1:]) - allowed for s in default)  # the default does draft other tokens
+
+
+@pytest.mark.parametrize("name,draft_vocab", [("qwen2-greedy-static-all", 12), ("qwen2-topk20-wide", 30),
+                                              ("llama-greedy", 3), ("qwen2-topp-static", 60)])
+def test_the_prompt_tokens_replace_the_least_frequent_ones_in_the_draft_vocab(name, draft_vocab):
+    """prompt_vocab (default): after reset the subset is the N most frequent tokens with the last k
+    replaced by the k prompt tokens missing from them (ascending); trees draw only from it, and
+    the next reset with another prompt regathers the same buffers."""
+    spec, seed = _RECORD_CASES[name], sum(map(ord, name))
+    head = _ranked_head(spec[0])
+    ranked = head.token_ids[:draft_vocab].tolist()
+    prompt = _prompt(9, seed).tolist()  # the prompt _run_case drafts for
+    missing = sorted(set(prompt) - set(ranked))[:draft_vocab]
+    allowed = set(ranked[: draft_vocab - len(missing)]) | set(missing)
+    assert missing and len(allowed) == draft_vocab
+    got = _run_case(spec, seed, make=_with_vocab(draft_vocab))
+    assert all(set(step["tokens"][1:]) <= allowed for step in got)
+    drafter = EagleDrafter(_target(spec[0]), head, draft_vocab=draft_vocab)
+    weight, ids = drafter._vocab_weight, drafter._vocab_ids
+    drafter.reset([torch.tensor(prompt)])
+    assert ids.tolist() == sorted(allowed) and drafter._vocab_weight is weight
+    assert torch.equal(weight, drafter.parts.lm_head.weight[ids])
+    drafter.reset([torch.tensor([ranked[0]])])  # nothing missing: the ranked subset again
+    assert ids.tolist() == sorted(ranked)
+    with pytest.raises(ValueError, match="prompt_vocab: expected True or False, got 1"):
+        EagleDrafter(_target(spec[0]), head, draft_vocab=draft_vocab, prompt_vocab=1)
 
 
 @pytest.mark.parametrize("family,tree_size,static,draft_vocab", [("qwen2", 8, True, 20), ("qwen2", 40, False, 4),
