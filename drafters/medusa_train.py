@@ -227,7 +227,8 @@ def self_distill(
     """The target's own answers to ``prompts`` (batched HF ``generate``, left padding).
 
     Greedy for ``temperature == 0`` (default), else sampling at that temperature. Each answer is
-    cut after its first eos. Returns one :class:`Example` per prompt, in order.
+    cut after its first eos. Batches are formed from the prompts sorted by length (less padding);
+    returns one :class:`Example` per prompt, in the given order.
     """
     from transformers import GenerationConfig
 
@@ -238,9 +239,11 @@ def self_distill(
         top_k=None, top_p=None, eos_token_id=eos or None, pad_token_id=pad_token_id,
     )  # fmt: skip
     torch.manual_seed(seed)
-    out: list[Example] = []
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    out: list[Example | None] = [None] * len(prompts)
     for start in tqdm(range(0, len(prompts), batch_size), desc="self-distill", unit="batch", disable=not progress):
-        chunk = [list(p) for p in prompts[start : start + batch_size]]
+        rows = order[start : start + batch_size]
+        chunk = [list(prompts[i]) for i in rows]
         width = max(len(p) for p in chunk)
         ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -254,7 +257,7 @@ def self_distill(
                 if tok in eos:
                     answer = answer[: j + 1]
                     break
-            out.append(Example(tuple(p) + tuple(answer), len(p)))
+            out[rows[b]] = Example(tuple(p) + tuple(answer), len(p))
     return out
 
 

@@ -4,13 +4,15 @@
 # 1.5B target (and for `model` the 0.5B draft) staged and converted (scripts/device/setup_models.sh)
 # and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
 # and the logs / summaries to $OUT.
-#   bash scripts/device/issue14.sh tests | distill | train | apps | humaneval | model | cascade
+#   bash scripts/device/issue14.sh tests | distill | train | apps | humaneval | cascade
 # Environment: BUDGET (train seconds, default 300), TREES (default "32 64"), EAGLE (drafter spec
 # options after heads=, default none), DRAFTERS (the whole --drafters list instead, e.g.
-# "eagle:heads=/tmp/eagle,profile=true v32k=eagle:heads=/tmp/eagle,profile=true,draft_vocab=32768"), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
+# "eagle:heads=/tmp/eagle,profile=true v32k=eagle:heads=/tmp/eagle,profile=true,draft_vocab=32768"; the draft-model
+# drafter: "m=model:draft=qwen2.5-coder-0.5b,depth=4"), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
 # hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50), STYLES
 # (train-eagle --prompt-styles, default function,stdin,starter), ANSWERS (--answers-per-prompt, default
-# 1), METHODS (default "specdec hf-static"), TEMP (sampling temperature, default 0 = greedy; results
+# 1), GEN (--gen-batch-size, default 384), FRESH (1: distill anew, not from a carried cache), METHODS (default
+# "specdec hf-static"), TEMP (sampling temperature, default 0 = greedy; results
 # then go to $s-eagle-t$TEMP.jsonl). Every apps / humaneval call adds its rows to one file per dataset
 # (baselines reused), so calls may split drafters and tree sizes.
 set -uo pipefail
@@ -20,7 +22,7 @@ mkdir -p /tmp/results
 trees=(${TREES:-32 64})
 read -ra drafters <<< "${DRAFTERS:-eagle:heads=/tmp/eagle${EAGLE:+,$EAGLE}}"
 train=(--data .evaldata/mbpp.jsonl --out /tmp/eagle --answers-per-prompt "${ANSWERS:-1}" --max-new-tokens 192
-       --gen-batch-size 120 --prompt-styles "${STYLES:-function,stdin,starter}" --no-progress)
+       --gen-batch-size "${GEN:-384}" --prompt-styles "${STYLES:-function,stdin,starter}" --no-progress)
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
        --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}")
 read -ra methods <<< "${METHODS:-specdec hf-static}"
@@ -33,7 +35,7 @@ for s in "$@"; do
         tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -k "cuda" > "$out/pytest_cuda.txt" 2>&1 ;;
     distill)  # the self-distillation data only (cached in /tmp/eagle; a carried .evaldata/selfdistill*.jsonl of
               # the same settings is reused -- train-eagle checks its settings -- and the cache comes back in $OUT)
-      mkdir -p /tmp/eagle && cp .evaldata/selfdistill*.jsonl /tmp/eagle/ 2>/dev/null
+      mkdir -p /tmp/eagle && [ "${FRESH:-0}" = 1 ] || cp .evaldata/selfdistill*.jsonl /tmp/eagle/ 2>/dev/null
       timeout 560 python3 -m specdec.cli train-eagle "${train[@]}" --steps 0 > "$out/distill.log" 2>&1
       cp /tmp/eagle/selfdistill*.jsonl "$out/" ;;
     train)  # the head, on the cached data, within BUDGET seconds of optimization
@@ -46,11 +48,6 @@ for s in "$@"; do
         --draft "" --drafters "${drafters[@]}" --tree-sizes "${trees[@]}" --methods "${methods[@]}" \
         --out "/tmp/results/$s-$tag.jsonl" >> "$out/$s-$tag.log" 2>&1
       cp /tmp/results/$s-$tag.* "$out/" 2>/dev/null ;;
-    model)  # the draft-model drafter (0.5B) on HumanEval, t = 32, with its own HF static rows
-      timeout 590 python3 -m specdec.cli sweep --dataset humaneval "${sweep[@]}" --drafters model:draft=qwen2.5-coder-0.5b \
-        --tree-sizes 32 --methods specdec hf-static --out /tmp/results/humaneval-model.jsonl \
-        > "$out/humaneval-model.log" 2>&1
-      cp /tmp/results/humaneval-model.* "$out/" 2>/dev/null ;;
     cascade)  # shared-prefix tree attention vs the unshared kernel and two SDPA calls (issue 17)
       timeout 300 python3 -m treeattn.bench_cascade --out "$out/cascade.json" > "$out/cascade.log" 2>&1 ;;
     *) echo "unknown step $s" >&2; exit 2 ;;

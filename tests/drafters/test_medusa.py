@@ -101,6 +101,16 @@ def _distilled():
     return self_distill(target, prompts, max_new_tokens=40, batch_size=8, progress=False)
 
 
+def test_self_distill_batches_prompts_by_length_and_answers_in_the_given_order():
+    """Prompts of different lengths, batched after sorting by length: each answer is the target's own
+    greedy continuation of its prompt, returned at the prompt's index."""
+    target = _target()
+    prompts = [_prompt(n, 200 + i).tolist() for i, n in enumerate([9, 2, 14, 5, 2, 11, 7])]
+    examples = self_distill(target, prompts, max_new_tokens=12, batch_size=3, progress=False)
+    for p, e in zip(prompts, examples):
+        assert e.prompt_len == len(p) and list(e.ids) == hf_greedy(target, torch.tensor(p), 12)
+
+
 def test_training_lowers_the_loss_and_round_trips_through_save_load(tmp_path):
     target = _target()
     examples = _distilled()
