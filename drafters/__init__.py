@@ -24,6 +24,7 @@ from specdec.drafting import BaseDrafter, DraftContext, Drafter
 
 __all__ = [
     "DRAFTERS",
+    "constructor_options",
     "BaseDrafter",
     "DraftContext",
     "DraftModelDrafter",
@@ -146,6 +147,15 @@ def _constructor_options(name: str) -> set[str]:
     module, cls = _CLASSES[name]
     params = inspect.signature(getattr(importlib.import_module(module), cls).__init__).parameters
     return {p for p in params if p != "self"}
+
+
+def constructor_options(name: str) -> set[str]:
+    """The options the drafter ``name`` (a ``make_drafter`` name, parts joined by ``+`` too) takes:
+    its constructor's parameters, for a merged drafter those of any part; empty for other names."""
+    parts = name.split("+")
+    if not all(p in _CLASSES for p in parts):
+        return set()
+    return set().union(*(_constructor_options(p) for p in parts))
 
 
 def _make_merged(name: str, common: dict[str, Any], tree_size: int | None, options: dict[str, Any]) -> Drafter:

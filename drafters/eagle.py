@@ -839,6 +839,8 @@ class EagleDrafter(BaseDrafter):
         self.compile_head = compile_head
         self.static_width = max(topk, 2)
         self._states: dict[int, _SeqState] = {}
+        #: the least capacity of a new head cache (``warmup`` raises it to what its requests need)
+        self._min_cache = 256
         #: head forwards run by the last ``propose`` (tests and accounting)
         self.last_forwards = 0
         #: wall-clock seconds of the last ``propose`` (it ends with its one device-to-host copy, so the
@@ -864,6 +866,17 @@ class EagleDrafter(BaseDrafter):
             else:
                 prev.cache.reset()
                 self._states[b] = _SeqState(prev.cache, expansions=prev.expansions)
+
+    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None) -> None:
+        """Size the head caches for requests of up to ``max_len`` tokens per sequence (prompt and new
+        tokens; called by ``SpecDecoder.warmup``): a cache that grows mid-run drops its expansions,
+        so their captures (and, with ``compile_head``, the depth loop's compile for the new
+        capacity) would come back inside a timed call. ``batch_sizes`` and ``log`` are not used."""
+        if max_len is not None:
+            self._min_cache = max(self._min_cache, max_len + self.topk * self.depth + 2)
+            for b, st in list(self._states.items()):
+                if st.cache.capacity < self._min_cache:
+                    self._states[b] = _SeqState(self._new_cache(self._min_cache))
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
@@ -1035,8 +1048,9 @@ class EagleDrafter(BaseDrafter):
         return {first + i: row for i, row in enumerate(rows.to(self.device).unbind(0))}
 
     def _new_cache(self, need: int) -> KVCache:
-        """A one-layer cache of at least ``need`` slots (a power of two >= 256)."""
-        return KVCache(1, max(256, 1 << max(need - 1, 1).bit_length()), num_layers=1)
+        """A one-layer cache of at least ``need`` slots (a power of two >= 256 and >= the warmed size)."""
+        need = max(need, self._min_cache)
+        return KVCache(1, 1 << max(need - 1, 1).bit_length(), num_layers=1)
 
     def _ensure_capacity(self, st: _SeqState, keep: int, need: int) -> None:
         """Grow the cache (copying its first ``keep`` slots) when ``need`` slots would not fit."""

@@ -88,6 +88,13 @@ class MergedDrafter(BaseDrafter):
         self.last_part_nodes: list[int] = []
         self.last_phase_s: dict[str, float] | None = None
 
+    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None) -> None:
+        """Each part's ``warmup`` where it has one (``SpecDecoder.warmup`` calls this)."""
+        for d in self.drafters:
+            part = getattr(d, "warmup", None)
+            if callable(part):
+                part(batch_sizes=batch_sizes, max_len=max_len, log=log)
+
     def reset(self, input_ids: list[torch.Tensor]) -> None:
         self._last = {}
         for d in self.drafters:

@@ -49,9 +49,10 @@ WARMUP_TOKENS = 16
 #: The drafter option the runner handles itself: a draft model (name, HF id or directory) loaded once
 #: and handed to the factory as ``draft`` / ``draft_model`` (default: the run's ``draft``).
 DRAFT_OPTION = "draft"
-#: The drafter option that configures the engine, not the drafter: ``compile=true`` runs this drafter's
-#: rows with ``SpecDecoder(compile=True)`` (the run's ``--compile`` does it for every row). Rows with it
-#: are another drafter (its key), so compiled and uncompiled rows share one file and its baselines.
+#: The drafter option that configures the engine: ``compile=true`` runs this drafter's rows with
+#: ``SpecDecoder(compile=True)`` (the run's ``--compile`` does it for every row), and a drafter whose
+#: constructor takes ``compile`` (the draft-model drafter) gets it too. Rows with it are another
+#: drafter (its key), so compiled and uncompiled rows share one file and its baselines.
 COMPILE_OPTION = "compile"
 
 DRAFTER_SYNTAX = """\
@@ -178,7 +179,8 @@ class DrafterSpec:
 
     @property
     def compile(self) -> bool:
-        """The ``compile=`` option: this drafter's engine through ``torch.compile``."""
+        """The ``compile=`` option: this drafter's engine through ``torch.compile``, and the drafter's
+        own forwards where its constructor takes ``compile`` (the draft-model drafter)."""
         val = dict(self.options).get(COMPILE_OPTION, False)
         if not isinstance(val, bool):
             raise ValueError(f"drafters: expected compile=true or compile=false, got {val!r} in {self.key!r}")

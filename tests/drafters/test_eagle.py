@@ -612,6 +612,27 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
     assert any(w > 0 for w in fused)  # the last case (static shapes) ran a fused catch-up under the guard
 
 
+def test_warmup_sizes_the_head_caches_so_that_no_later_call_grows_them():
+    """``SpecDecoder.warmup(max_len=)`` reaches the drafter (through a merged drafter too): every head
+    cache made afterwards holds a request of max_len tokens, and a long history keeps the same cache
+    (growing one would drop its captured / compiled expansions mid-run)."""
+    from drafters.lookup import LookupDrafter
+    from drafters.merge import MergedDrafter
+
+    target = _target()
+    drafter = EagleDrafter(target, _random_head(), depth=3, topk=4, static_shapes=True)
+    SpecDecoder(target, MergedDrafter([LookupDrafter(), drafter]), tree_size=12, attn_impl="torch",
+                static_shapes=True).warmup(max_len=250, log=None)  # fmt: skip
+    assert drafter._min_cache == 250 + 4 * 3 + 2
+    tokens = _prompt(9, 0)
+    drafter.reset([tokens])
+    cache = drafter._states[0].cache
+    assert cache.capacity == 512
+    long = torch.cat([tokens, _prompt(235, 1)])
+    drafter.propose(DraftContext(long, 12, hidden=_features(target, long)[: len(long) - 1]))
+    assert drafter._states[0].cache is cache
+
+
 def test_cuda_graph_options_and_draft_time_counters():
     target, head = _target(), _random_head()
     drafter = EagleDrafter(target, head)

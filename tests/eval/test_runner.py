@@ -618,6 +618,12 @@ def test_a_compile_option_builds_that_drafters_engine_compiled(pair, loaded, tmp
     assert [(kw["compile"], kw["static_shapes"]) for kw in made] == [(True, True), (False, None)]
     assert all("compile" not in kw for kw in seen)
     assert parse_drafter_spec(f"{DRAFTER}:compile=true").key != parse_drafter_spec(DRAFTER).key
+    # a drafter whose constructor takes compile (the draft model's forwards) gets it too; others do not
+    seen.clear()
+    for text in ("model:compile=true", "lookup:compile=true", "model"):
+        session.drafter = parse_drafter_spec(text)
+        session.decoder(4)
+    assert [kw.get("compile") for kw in seen] == [True, None, None]
 
 
 # ------------------------------------------------------------------------------------------------
