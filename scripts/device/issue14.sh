@@ -44,6 +44,8 @@ for s in "$@"; do
       cp /tmp/eagle/eagle_config.json "$out/" ;;
     apps|humaneval)  # the drafters at each t vs HF static, every problem of the dataset (none used for tuning)
       data=$([ "$s" = apps ] && echo .evaldata/apps_selected150.jsonl || echo "")
+      # rows of an earlier machine (carried in .evaldata/results/) are kept: its baselines are reused
+      [ -f "/tmp/results/$s-$tag.jsonl" ] || cp ".evaldata/results/$s-$tag.jsonl" /tmp/results/ 2>/dev/null
       timeout 590 python3 -m specdec.cli sweep --dataset "$s" ${data:+--data $data} "${sweep[@]}" \
         --draft "" --drafters "${drafters[@]}" --tree-sizes "${trees[@]}" --methods "${methods[@]}" \
         --out "/tmp/results/$s-$tag.jsonl" >> "$out/$s-$tag.log" 2>&1
