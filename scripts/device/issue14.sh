@@ -11,7 +11,7 @@
 # drafter: "m=model:draft=qwen2.5-coder-0.5b,depth=4"), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
 # hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50), STYLES
 # (train-eagle --prompt-styles, default function,stdin,starter), ANSWERS (--answers-per-prompt, default
-# 1), GEN (--gen-batch-size, default 384), FRESH (1: distill anew, not from a carried cache), METHODS (default
+# 1), GEN (--gen-batch-size, default 120; 384 ran out of memory on the H100), FRESH (1: distill anew, not from a carried cache), METHODS (default
 # "specdec hf-static"), TEMP (sampling temperature, default 0 = greedy; results
 # then go to $s-eagle-t$TEMP.jsonl). Every apps / humaneval call adds its rows to one file per dataset
 # (baselines reused), so calls may split drafters and tree sizes.
@@ -22,7 +22,7 @@ mkdir -p /tmp/results
 trees=(${TREES:-32 64})
 read -ra drafters <<< "${DRAFTERS:-eagle:heads=/tmp/eagle${EAGLE:+,$EAGLE}}"
 train=(--data .evaldata/mbpp.jsonl --out /tmp/eagle --answers-per-prompt "${ANSWERS:-1}" --max-new-tokens 192
-       --gen-batch-size "${GEN:-384}" --prompt-styles "${STYLES:-function,stdin,starter}" --no-progress)
+       --gen-batch-size "${GEN:-120}" --prompt-styles "${STYLES:-function,stdin,starter}" --no-progress)
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
        --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}")
 read -ra methods <<< "${METHODS:-specdec hf-static}"
