@@ -45,6 +45,7 @@ a 1.5B target per forward, so deep drafting eats the gain.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ import torch
 from drafters._build import NodePool, best_first as _best_first, expanded_path, make_tree, root_only
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
-from specdec.graphs import GraphedMaskedForward, _Replayed, replay_modes
+from specdec.graphs import COMPILE_VARIANTS, GraphedMaskedForward, _Replayed, configure_compile_cache, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
@@ -535,6 +536,18 @@ class _GroupedMaskedState(hf.MaskedState):
         return out.reshape(batch, heads, m, dim).transpose(1, 2), None
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_run_state(backend: bool | str):
+    """``hf.run_state`` through ``torch.compile`` (True: inductor; or a backend name), fixed shapes:
+    one compile per (model, input shapes, cache), shared by every loop of the process."""
+    backend = "inductor" if backend is True else backend
+    if backend == "inductor":
+        configure_compile_cache()
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, COMPILE_VARIANTS)
+    return torch.compile(hf.run_state, backend=backend, fullgraph=False, dynamic=False)
+
+
 class _DeviceLoop(_Replayed):
     """One sequence's whole draft step on the device: fixed shapes, no host sync inside.
 
@@ -578,7 +591,11 @@ class _DeviceLoop(_Replayed):
     def __init__(self, model, cache: KVCache, *, topk: int, width: int, depth: int, proposal: str = "topk",
                  sampling=None, chain: int = 0, capture: bool = False, compile: bool | str = False,
                  warmup: int = 2) -> None:  # fmt: skip
-        super().__init__(model, cache, 1, topk, capture=capture, warmup=warmup, compile=compile, n_name="topk")
+        # the model forward of one level (and of the catch-up) goes through torch.compile, not the whole
+        # body: compiling the loop unrolled (depth x the draft's layers in one graph) took over 7 minutes
+        # for the 0.5B at depth 4 on an H100; per forward, every level shares one compile
+        super().__init__(model, cache, 1, topk, capture=capture, warmup=warmup, compile=False, n_name="topk")
+        self._run_state = _compiled_run_state(compile) if compile else hf.run_state
         for name, val in (("width", width), ("depth", depth)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
@@ -719,7 +736,7 @@ class _DeviceLoop(_Replayed):
         self.chain_visible[0].copy_(torch.where(live[:, None], self._slot_ids[None] <= slots[:, None],
                                                 self._slot_ids[None] == cap - 1))  # fmt: skip
         self.chain_state.clear()
-        logits = hf.run_state(self.model, self.chain_in[None, :wc], self.chain_positions, self.chain_state)[0]
+        logits = self._run_state(self.model, self.chain_in[None, :wc], self.chain_positions, self.chain_state)[0]
         return logits.to(self.device).index_select(0, count - 1)
 
     def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -798,6 +815,6 @@ class _DeviceLoop(_Replayed):
             vis.copy_(prefix.expand(k, cap))
             vis.index_copy_(1, tree_slots, anc)
             self.state.clear()
-            logits = hf.run_state(self.model, self.tokens, self.positions, self.state)[0].to(self.device)  # [K, V]
+            logits = self._run_state(self.model, self.tokens, self.positions, self.state)[0].to(self.device)  # [K, V]
         out = torch.cat([*toks, *[x.view(torch.int64) for x in vals], *keeps, *sels])
         return out, None
