@@ -63,9 +63,10 @@ root r = the last committed token at position L - 1:
 4. **Commit** (``update``): the accepted path's expanded nodes keep their KV (``KVCache.commit``);
    the last one's output feature is kept for the next step's catch-up.
 
-Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``topk`` rows each), one
-host-to-device copy of the step's integer inputs (plus the features' device copy) and one
-device-to-host copy of the record (the only sync); with CUDA graphs, one replay for the catch-up and
+Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``topk`` rows each), the
+step's integer inputs staged once in pinned memory (two host-to-device copies with a fused catch-up:
+the scalars, its rows; plus the features' device copy) and one device-to-host copy of the record
+(the only sync); with CUDA graphs, one replay for the catch-up and
 the expansion together; the re-rank then builds the same node pool on the host as the former
 per-depth loop did (``_Plan.pool``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
 running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step; ``profile=True``
