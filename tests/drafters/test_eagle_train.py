@@ -37,6 +37,29 @@ def test_time_budget_cuts_the_steps_and_rescales_the_schedule():
         train_eagle(target, EagleHead(target), examples, cfg, progress=False, time_budget=0.0)
 
 
+def test_cached_target_features_train_like_the_per_batch_forward(capsys):
+    """cache_features=True: the target runs once over every sequence before the first step; the
+    losses equal those of running it over every batch (padding and batch do not change a causal
+    target's features), and the cache is reported; CPU's default (None) does not cache."""
+    target = tiny_model("qwen2")
+    examples = _examples(target, 7)
+    runs = {}
+    for cache in (True, False, None):
+        torch.manual_seed(0)
+        head = EagleHead(target)
+        cfg = EagleTrainConfig(steps=12, batch_size=3, unroll=3, cache_features=cache)
+        runs[cache] = train_eagle(target, head, examples, cfg, progress=False)
+    assert torch.allclose(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-6)
+    assert runs[None] == runs[False]
+    assert "target features cached: 7 sequences" in capsys.readouterr().out
+    feats = eagle_train._feature_cache(target, examples, torch.device("cpu"), None, batch_size=2)
+    for e, f in zip(examples, feats):
+        want = eagle_train.target_hidden_states(target, torch.tensor([e.ids]), torch.ones(1, len(e.ids)))[0]
+        assert f.shape == (len(e.ids), 64) and torch.allclose(f, want, atol=1e-5)
+    with pytest.raises(ValueError, match="cache_features: expected None, True or False, got 1"):
+        EagleTrainConfig(cache_features=1)
+
+
 def _cli_argv(tmp_path, problems: int, heldout: int, new_tokens: int, *extra: str) -> tuple[list[str], Path]:
     """train-eagle arguments on a tiny saved target and ``problems`` MBPP-like rows; (argv, out dir)."""
     from tests.drafters.helpers import save_tiny_pair
