@@ -36,7 +36,9 @@ Pipeline (``python -m drafters.eagle_train`` or ``specdec train-eagle``):
    the vocabulary ranked by each token's count in the training answers (``answer_token_counts``;
    answers only, prompts not counted), from which ``EagleDrafter(draft_vocab=N)`` drafts (EAGLE-3's
    reduced draft vocabulary). Tokens never seen rank after the seen ones by id (for a BPE vocabulary,
-   merge order). The head itself is trained over the full vocabulary.
+   merge order). The head itself is trained over the full vocabulary unless ``--train-vocab N``
+restricts the cross-entropy to the N most frequent answer tokens (``EagleTrainConfig.train_vocab``;
+not yet compared on a GPU).
 
 Budget: with the defaults (974 MBPP problems, 192-token answers generated 120 at a time, 1500
 steps of 8 sequences and 3 unrolled steps) the run is sized to take about 6 minutes on one H100
@@ -112,6 +114,10 @@ class EagleTrainConfig:
             first step, and keep them on the device (``[len, H]`` per sequence in the target's dtype)
             instead of running the frozen target over every batch. None (default): when the
             device is CUDA and the cache takes at most a quarter of its free memory.
+        train_vocab: None (default): the cross-entropy over the whole vocabulary; N: over the N
+            most frequent tokens of the training answers (``answer_token_counts``'s ranking, the one
+            ``draft_vocab`` drafts from), both distributions renormalized there -- EAGLE-3's
+            reduced vocabulary at training time: an N-row LM-head read instead of V rows.
     """
 
     steps: int = 1500
@@ -127,6 +133,7 @@ class EagleTrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     cache_features: bool | None = None
+    train_vocab: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "unroll", "max_positions"):
@@ -145,6 +152,9 @@ class EagleTrainConfig:
             raise ValueError("ce_weight: expected reg_weight or ce_weight > 0, got both 0")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup: expected a fraction in [0, 1), got {self.warmup!r}")
+        if self.train_vocab is not None and (not isinstance(self.train_vocab, int) or isinstance(self.train_vocab, bool)
+                                             or self.train_vocab < 1):  # fmt: skip
+            raise ValueError(f"train_vocab: expected None or an int >= 1, got {self.train_vocab!r}")
         if not (self.cache_features is None or isinstance(self.cache_features, bool)):
             raise ValueError(f"cache_features: expected None, True or False, got {self.cache_features!r}")
 
@@ -285,16 +295,18 @@ def answer_token_counts(examples: Sequence[Example], vocab_size: int) -> torch.T
     return torch.bincount(flat, minlength=vocab_size)
 
 
-def _loss(parts, pred, feat, pick, config: EagleTrainConfig) -> torch.Tensor:
-    """EAGLE's loss of one step: smooth L1 on the features + CE against the target's distribution."""
+def _loss(parts, pred, feat, pick, config: EagleTrainConfig, vocab=None) -> torch.Tensor:
+    """EAGLE's loss of one step: smooth L1 on the features + CE against the target's distribution
+    (over the LM-head rows ``vocab = (weight [N, H], bias [N] or None)`` when given)."""
+    logits = parts.logits if vocab is None else (lambda x: F.linear(x.to(vocab[0].dtype), *vocab))
     loss = pred.new_zeros((), dtype=torch.float32)
     if config.reg_weight > 0:
         loss = loss + config.reg_weight * F.smooth_l1_loss(pred.float(), feat.float())
     if config.ce_weight > 0:
         p, f = (pred, feat) if pick is None else (pred[pick], feat[pick])
         with torch.no_grad():
-            target_p = parts.logits(f).float().softmax(-1)
-        logq = parts.logits(p).float().log_softmax(-1)
+            target_p = logits(f).float().softmax(-1)
+        logq = logits(p).float().log_softmax(-1)
         loss = loss + config.ce_weight * -(target_p * logq).sum(-1).mean()
     return loss
 
@@ -356,6 +368,12 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
     total_steps = config.steps  # lowered once by the time budget (the schedule reads it each step)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, total_steps, config.warmup))
     gen = torch.Generator().manual_seed(config.seed)
+    vocab = None
+    if config.train_vocab is not None:
+        counts = answer_token_counts(examples, parts.lm_head.weight.shape[0])
+        ids = torch.sort(torch.sort(-counts, stable=True).indices[: config.train_vocab]).values.to(device)
+        bias = getattr(parts.lm_head, "bias", None)
+        vocab = (parts.lm_head.weight.detach()[ids], None if bias is None else bias.detach()[ids])
     cache = config.cache_features if config.cache_features is not None else _cache_fits(target, examples, device)
     cache_start = time.perf_counter()
     features = _feature_cache(target, examples, device, amp) if cache else None
@@ -389,7 +407,7 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
             cached = None if features is None else [features[i] for i in pick]
             for s, pred, feat, _, rows in _step_terms(target, head, parts, [examples[i] for i in pick], config.unroll,
                                                       config.max_positions, gen, device, cached):  # fmt: skip
-                term = config.step_decay ** (s - 1) * _loss(parts, pred, feat, rows, config)
+                term = config.step_decay ** (s - 1) * _loss(parts, pred, feat, rows, config, vocab)
                 total = term if total is None else total + term
         if total is None:  # no answer position in this batch
             losses.append(float("nan"))
@@ -470,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=cliargs.int_at_least(1), default=d.batch_size)
     parser.add_argument("--unroll", type=cliargs.int_at_least(1), default=d.unroll, help="unrolled steps of the training-time test")
     parser.add_argument("--max-positions", type=cliargs.int_at_least(1), default=d.max_positions, help="positions per unrolled step in the cross-entropy")
+    parser.add_argument("--train-vocab", type=cliargs.int_at_least(1), default=None, metavar="N",
+                        help="cross-entropy over the N most frequent answer tokens only (default: the whole vocabulary)")
     parser.add_argument("--reg-weight", type=cliargs.float_in(0.0), default=d.reg_weight, help="smooth-L1 feature loss weight")
     parser.add_argument("--ce-weight", type=cliargs.float_in(0.0), default=d.ce_weight, help="cross-entropy weight")
     parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None, help="use only the first N MBPP problems")
@@ -507,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError(f"--heldout: expected 0 <= heldout < the {len(rows)} problems used, got {ns.heldout}")
     cfg = EagleTrainConfig(steps=max(ns.steps, 1), lr=ns.lr, batch_size=ns.batch_size, unroll=ns.unroll,
                            max_positions=ns.max_positions, reg_weight=ns.reg_weight, ce_weight=ns.ce_weight,
-                           seed=ns.seed)  # fmt: skip
+                           seed=ns.seed, train_vocab=ns.train_vocab)  # fmt: skip
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
 

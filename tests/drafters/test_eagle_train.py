@@ -60,6 +60,32 @@ def test_cached_target_features_train_like_the_per_batch_forward(capsys):
         EagleTrainConfig(cache_features=1)
 
 
+def test_a_reduced_training_vocabulary_renormalizes_the_cross_entropy_over_its_tokens():
+    """train_vocab = V trains exactly like the whole vocabulary; a small N still lowers the loss;
+    the loss of one step is the CE of the distributions renormalized over the N top answer tokens."""
+    target = tiny_model("qwen2")
+    examples = _examples(target, 7)
+    runs = {}
+    for n in (None, VOCAB, 12):
+        torch.manual_seed(0)
+        cfg = EagleTrainConfig(steps=30, batch_size=3, unroll=2, ce_weight=1.0, reg_weight=0.0, train_vocab=n)
+        runs[n] = train_eagle(target, EagleHead(target), examples, cfg, progress=False)
+    assert torch.allclose(torch.tensor(runs[VOCAB]), torch.tensor(runs[None]), rtol=1e-5, atol=1e-6)
+    assert sum(runs[12][-5:]) < sum(runs[12][:5]) and runs[12] != runs[None]
+    # one step's loss by hand over the subset
+    parts = eagle_train.TargetParts.of(target)
+    counts = answer_token_counts(examples, VOCAB)
+    ids = torch.sort(torch.sort(-counts, stable=True).indices[:12]).values
+    pred, feat = torch.randn(5, 64), torch.randn(5, 64)
+    w = parts.lm_head.weight.detach()[ids]
+    want = -(torch.softmax(feat @ w.T, -1) * torch.log_softmax(pred @ w.T, -1)).sum(-1).mean()
+    cfg = EagleTrainConfig(ce_weight=1.0, reg_weight=0.0, train_vocab=12)
+    got = eagle_train._loss(parts, pred, feat, None, cfg, (w, None))
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="train_vocab: expected None or an int >= 1, got 0"):
+        EagleTrainConfig(train_vocab=0)
+
+
 def _cli_argv(tmp_path, problems: int, heldout: int, new_tokens: int, *extra: str) -> tuple[list[str], Path]:
     """train-eagle arguments on a tiny saved target and ``problems`` MBPP-like rows; (argv, out dir)."""
     from tests.drafters.helpers import save_tiny_pair
