@@ -228,7 +228,8 @@ def self_distill(
 
     Greedy for ``temperature == 0`` (default), else sampling at that temperature. Each answer is
     cut after its first eos. Batches are formed from the prompts sorted by length (less padding);
-    returns one :class:`Example` per prompt, in the given order.
+    a batch that runs out of device memory is retried at half the size (with a warning), down to
+    one prompt. Returns one :class:`Example` per prompt, in the given order.
     """
     from transformers import GenerationConfig
 
@@ -241,7 +242,9 @@ def self_distill(
     torch.manual_seed(seed)
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     out: list[Example | None] = [None] * len(prompts)
-    for start in tqdm(range(0, len(prompts), batch_size), desc="self-distill", unit="batch", disable=not progress):
+    bar = tqdm(total=len(prompts), desc="self-distill", unit="prompt", disable=not progress)
+    start = 0
+    while start < len(prompts):
         rows = order[start : start + batch_size]
         chunk = [list(prompts[i]) for i in rows]
         width = max(len(p) for p in chunk)
@@ -250,7 +253,18 @@ def self_distill(
         for b, p in enumerate(chunk):
             ids[b, width - len(p) :] = torch.tensor(p)
             mask[b, width - len(p) :] = 1
-        gen = target.generate(ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        try:
+            gen = target.generate(ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        except torch.OutOfMemoryError:
+            if len(rows) == 1:
+                raise
+            batch_size = (len(rows) + 1) // 2
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            bar.write(f"self-distill: out of device memory at {len(rows)} prompts a batch; retrying at {batch_size}")
+            continue
+        start += len(rows)
+        bar.update(len(rows))
         for b, p in enumerate(chunk):
             answer = gen[b, width:].tolist()
             for j, tok in enumerate(answer):
@@ -258,6 +272,7 @@ def self_distill(
                     answer = answer[: j + 1]
                     break
             out[rows[b]] = Example(tuple(p) + tuple(answer), len(p))
+    bar.close()
     return out
 
 

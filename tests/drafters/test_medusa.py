@@ -111,6 +111,30 @@ def test_self_distill_batches_prompts_by_length_and_answers_in_the_given_order()
         assert e.prompt_len == len(p) and list(e.ids) == hf_greedy(target, torch.tensor(p), 12)
 
 
+def test_self_distill_halves_a_batch_that_runs_out_of_memory(monkeypatch, capsys):
+    """A generate call that raises OutOfMemoryError is retried at half the batch (down to one
+    prompt, where the error propagates); every answer is still the target's greedy one, in order."""
+    target = _target()
+    real, sizes = target.generate, []
+
+    def generate(ids, **kw):
+        sizes.append(ids.shape[0])
+        if ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real(ids, **kw)
+
+    monkeypatch.setattr(target, "generate", generate)
+    prompts = [_prompt(n, 300 + i).tolist() for i, n in enumerate([4, 9, 2, 6, 5])]
+    examples = self_distill(target, prompts, max_new_tokens=6, batch_size=5, progress=True)
+    assert sizes[:3] == [5, 3, 2] and max(sizes[3:]) <= 2 and sum(s for s in sizes if s <= 2) == 5
+    assert "retrying at 3" in capsys.readouterr().out
+    for p, e in zip(prompts, examples):
+        assert list(e.ids) == hf_greedy(target, torch.tensor(p), 6)
+    monkeypatch.setattr(target, "generate", lambda ids, **kw: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
+    with pytest.raises(torch.OutOfMemoryError):
+        self_distill(target, prompts[:1], max_new_tokens=6, batch_size=4, progress=False)
+
+
 def test_training_lowers_the_loss_and_round_trips_through_save_load(tmp_path):
     target = _target()
     examples = _distilled()
