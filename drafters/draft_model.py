@@ -55,7 +55,7 @@ import torch
 from drafters._build import NodePool, best_first as _best_first, expanded_path, make_tree, root_only
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
-from specdec.graphs import COMPILE_VARIANTS, GraphedMaskedForward, _Replayed, configure_compile_cache, replay_modes
+from specdec.graphs import GraphedMaskedForward, _Replayed, compile_fixed_shapes, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
@@ -540,12 +540,7 @@ class _GroupedMaskedState(hf.MaskedState):
 def _compiled_run_state(backend: bool | str):
     """``hf.run_state`` through ``torch.compile`` (True: inductor; or a backend name), fixed shapes:
     one compile per (model, input shapes, cache), shared by every loop of the process."""
-    backend = "inductor" if backend is True else backend
-    if backend == "inductor":
-        configure_compile_cache()
-    cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, COMPILE_VARIANTS)
-    return torch.compile(hf.run_state, backend=backend, fullgraph=False, dynamic=False)
+    return compile_fixed_shapes(hf.run_state, backend)
 
 
 class _DeviceLoop(_Replayed):

@@ -130,7 +130,7 @@ from torch import nn
 from drafters._build import NodePool, best_first, expanded_path, make_tree, root_only
 from specdec import hf
 from specdec.drafting import BaseDrafter, DraftContext
-from specdec.graphs import COMPILE_VARIANTS, _clear_cublas_workspaces, configure_compile_cache
+from specdec.graphs import _clear_cublas_workspaces, compile_fixed_shapes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, warp_logits
 from specdec.tree import TokenTree
@@ -147,6 +147,7 @@ __all__ = [
     "EagleDrafter",
     "EagleHead",
     "TargetParts",
+    "rank_tokens",
 ]
 
 CONFIG_NAME = "eagle_config.json"
@@ -283,6 +284,12 @@ class EagleConfig:
                                  "(the head was made for another model)")  # fmt: skip
 
 
+def rank_tokens(counts: torch.Tensor) -> torch.Tensor:
+    """Token ids by decreasing ``counts`` (int ``[V]``, indexed by id), ties to the smaller id: the
+    ranking ``draft_vocab`` (and ``train-eagle --train-vocab``) takes its N most frequent tokens from."""
+    return torch.sort(-counts, stable=True).indices
+
+
 class EagleHead(nn.Module):
     """EAGLE-1 draft head: ``fc`` (2H -> H) and one decoder layer of the target's architecture.
 
@@ -348,7 +355,7 @@ class EagleHead(nn.Module):
         if counts.numel() != self.config.vocab_size or bool((counts < 0).any()):
             raise ValueError(f"counts: expected {self.config.vocab_size} counts >= 0 (one per token id), got "
                              f"{counts.numel()} values, min {int(counts.min()) if counts.numel() else None}")  # fmt: skip
-        order = torch.sort(-counts, stable=True).indices  # decreasing counts; ties keep the smaller id first
+        order = rank_tokens(counts)
         self.token_ids, self.token_counts = order, counts[order]
 
     def save(self, out_dir: str | os.PathLike[str], **meta: Any) -> Path:
@@ -601,7 +608,6 @@ class _Expansion:
         self.scalars.copy_(stage[:4], non_blocking=True)
         if catch_up is not None:
             self.catch_ints.view(-1).copy_(stage[4:], non_blocking=True)
-        if catch_up is not None:
             self.catch_feat[: catch_up.m].copy_(catch_up.feats)
         else:
             self.feat[0].copy_(root_feat)
@@ -829,15 +835,7 @@ class EagleDrafter(BaseDrafter):
         if compile_head and not self.static_shapes:
             raise ValueError("compile_head: needs static_shapes, got static_shapes=False")
         #: the depth loop (``_expand_depths``) as run by every expansion: compiled with ``compile_head``
-        self._depth_loop = _expand_depths
-        if compile_head:
-            backend = "inductor" if compile_head is True else compile_head
-            if backend == "inductor":
-                configure_compile_cache()
-            cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, COMPILE_VARIANTS)
-            self._depth_loop = torch.compile(_expand_depths, backend=backend, fullgraph=False, dynamic=False)
-        self.compile_head = compile_head
+        self._depth_loop = compile_fixed_shapes(_expand_depths, compile_head) if compile_head else _expand_depths
         self.static_width = max(topk, 2)
         self._states: dict[int, _SeqState] = {}
         #: the least capacity of a new head cache (``warmup`` raises it to what its requests need)

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from drafters.eagle import EagleHead, TargetParts
+from drafters.eagle import EagleHead, TargetParts, rank_tokens
 from drafters.medusa_train import (
     PROMPT_STYLES,
     Example,
@@ -371,7 +371,7 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
     vocab = None
     if config.train_vocab is not None:
         counts = answer_token_counts(examples, parts.lm_head.weight.shape[0])
-        ids = torch.sort(torch.sort(-counts, stable=True).indices[: config.train_vocab]).values.to(device)
+        ids = torch.sort(rank_tokens(counts)[: config.train_vocab]).values.to(device)
         bias = getattr(parts.lm_head, "bias", None)
         vocab = (parts.lm_head.weight.detach()[ids], None if bias is None else bias.detach()[ids])
     cache = config.cache_features if config.cache_features is not None else _cache_fits(target, examples, device)

@@ -63,17 +63,17 @@ from specdec.tree import TokenTree
 from treeattn import TreeMask, num_words
 
 __all__ = [
-    "COMPILE_VARIANTS",
     "GraphedForward",
     "GraphedMaskedForward",
     "InputLayout",
+    "compile_fixed_shapes",
     "configure_compile_cache",
     "pack_trees",
     "replay_modes",
 ]
 
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
-COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
+_COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
 _compile_cache_dir: str | None = None  # set by the first configure_compile_cache() of the process
 
 
@@ -196,6 +196,20 @@ def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: I
     return out
 
 
+def compile_fixed_shapes(fn, backend: bool | str):
+    """``torch.compile(fn)`` for fixed shapes (``dynamic=False``, graph breaks allowed); ``backend``:
+    True or ``"inductor"`` (whose on-disk caches ``configure_compile_cache`` makes persistent), or
+    another backend name. Every caller compiles its code object for its own shapes and buffers;
+    dynamo's default of 8 variants per code object would silently leave later ones uncompiled (e.g.
+    a sweep over tree sizes, batch sizes and cache capacities), so the limit is raised."""
+    backend = "inductor" if backend is True else backend
+    if backend == "inductor":
+        configure_compile_cache()
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)
+    return torch.compile(fn, backend=backend, fullgraph=False, dynamic=False)
+
+
 class _Replayed:
     """What both fixed-address forwards share: argument checks, the output tensors, eager replay and
     the CUDA-graph capture of ``_body`` (which subclasses define over their fixed input buffers)."""
@@ -267,14 +281,7 @@ class _Replayed:
         if self.compile is None:
             return self._body()
         if self._compiled is None:
-            if self.compile == "inductor":
-                configure_compile_cache()
-            # Every instance compiles the same code object for its own shapes and buffers; dynamo's
-            # default of 8 variants per code object would silently leave later instances
-            # uncompiled (e.g. a sweep over tree sizes, batch sizes and cache capacities).
-            cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, COMPILE_VARIANTS)
-            self._compiled = torch.compile(self._body, backend=self.compile, fullgraph=False, dynamic=False)
+            self._compiled = compile_fixed_shapes(self._body, self.compile)
         return self._compiled()
 
     @torch.no_grad()
