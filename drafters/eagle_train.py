@@ -55,6 +55,7 @@ steps fixes how many steps fit, and the learning-rate schedule is rescaled to th
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -67,6 +68,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drafters.eagle import EagleHead, TargetParts, rank_tokens
+from drafters.exercises import exercise_prompt, exercise_request, humaneval_names, select_exercises
 from drafters.medusa_train import (
     PROMPT_STYLES,
     Example,
@@ -161,6 +163,8 @@ class EagleTrainConfig:
 
 #: Steps timed (after 3 warm-up steps) before a ``time_budget`` fixes the number of steps.
 _BUDGET_PROBE = 10
+#: new-token limit of the target's exercise writing (a stub with its docstring takes ~100-200 tokens)
+EXERCISE_TOKENS = 256
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +472,41 @@ def _styles(text: str) -> tuple[str, ...]:
     return styles
 
 
+def _exercise_examples(target, tok, rows: Sequence[dict], ns: argparse.Namespace, meta: dict, cache: Path, eos,
+                       pad: int) -> list[Example]:  # fmt: skip
+    """The target's answers to ``ns.exercises`` exercises it writes itself from the training ``rows``
+    (cycled), cached beside ``cache`` (``*.exercises.jsonl``; the stubs in ``*.exercises.stubs.jsonl``)."""
+    ex_meta = {**meta, "prompts": ns.exercises, "exercises_from": len(rows),
+               "exercise_temperature": ns.exercise_temperature}  # fmt: skip
+    ex_cache = cache.with_name(f"{cache.stem}.exercises{cache.suffix}")
+    examples = load_examples(ex_cache, ex_meta)
+    if examples is not None:
+        print(f"self-written exercises: {len(examples)} cached answers from {ex_cache}")
+        return examples
+    progress = not ns.no_progress
+    requests = [encode_prompt(tok, exercise_request(rows[i % len(rows)]), chat=not ns.no_chat)
+                for i in range(ns.exercises)]  # fmt: skip
+    written = self_distill(target, requests, EXERCISE_TOKENS, ns.gen_batch_size, eos, pad, ns.exercise_temperature,
+                           ns.seed + 1000, progress)  # fmt: skip
+    answers = [tok.decode(e.ids[e.prompt_len :], skip_special_tokens=True) for e in written]
+    stubs, report = select_exercises(answers, humaneval_names())
+    print(report.line())
+    _save_stubs(stubs, report, ex_cache.with_name(f"{ex_cache.stem}.stubs{ex_cache.suffix}"))
+    prompts = [encode_prompt(tok, exercise_prompt(s), chat=not ns.no_chat) for s in stubs]
+    examples = self_distill(target, prompts, ns.max_new_tokens, ns.gen_batch_size, eos, pad, ns.temperature, ns.seed,
+                            progress)  # fmt: skip
+    save_examples(examples, ex_cache, ex_meta)
+    return examples
+
+
+def _save_stubs(stubs: Sequence[str], report, path: Path) -> None:
+    """The kept exercise stubs as JSONL (first line: the selection's counts), for inspection."""
+    with open(path, "w") as f:
+        f.write(json.dumps({"report": asdict(report)}) + "\n")
+        for stub in stubs:
+            f.write(json.dumps({"stub": stub}) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``specdec train-eagle``: self-distill the target on MBPP and train an EAGLE head."""
     d = EagleTrainConfig()
@@ -507,6 +546,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-styles", type=_styles, default=("mbpp",),
                         help="comma-separated instruction styles of the training prompts, each MBPP problem in every "
                              f"one: {', '.join(PROMPT_STYLES)} (see drafters.medusa_train.PROMPT_STYLES; default mbpp)")
+    parser.add_argument("--exercises", type=cliargs.int_at_least(0), default=0, metavar="N",
+                        help="the target first writes N new exercises (function stubs with typed signatures and "
+                             "docstrings, each from a training MBPP task) and answers them too: more varied training "
+                             "sequences (drafters.exercises; default 0)")
+    parser.add_argument("--exercise-temperature", type=cliargs.float_in(0.0, low_open=True), default=0.8,
+                        help="sampling temperature of the exercise writing")
     parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
     parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
@@ -566,9 +611,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             save_examples(extra, extra_cache, extra_meta)
         train = train + extra
     split = len(rows) - ns.heldout
-    print(f"training sequences: {len(train)} ({split} problems x {len(ns.prompt_styles)} prompt styles "
-          f"({', '.join(ns.prompt_styles)}) x {ns.answers_per_prompt} answers, fewer where a style needs a "
-          f"signature), held out: {len(heldout)}")
+    exercises = _exercise_examples(target, tok, rows[:split], ns, meta, cache, eos, pad) if ns.exercises else []
+    print(f"training sequences: {len(train) + len(exercises)} ({split} problems x {len(ns.prompt_styles)} prompt "
+          f"styles ({', '.join(ns.prompt_styles)}) x {ns.answers_per_prompt} answers, fewer where a style needs a "
+          f"signature; {len(exercises)} answers to self-written exercises), held out: {len(heldout)}")
+    train = train + exercises
 
     torch.manual_seed(ns.seed)
     head = EagleHead(target).to(device)
@@ -583,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"answer tokens: {total}, distinct {seen} of {head.config.vocab_size}; the most frequent N cover "
           + (", ".join(f"{c:.1%} (N = {n})" for n, c in cover.items()) or "all"))  # fmt: skip
     head.save(out, target=str(ns.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": ns.answers_per_prompt,
-                                                  "prompt_styles": list(ns.prompt_styles)},
+                                                  "prompt_styles": list(ns.prompt_styles), "exercises": ns.exercises},
               train_examples=len(train),
               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
               final_loss=losses[-1] if losses else None,

@@ -5,7 +5,9 @@
 # and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
 # and the logs / summaries to $OUT.
 #   bash scripts/device/issue14.sh tests | distill | train | apps | humaneval | cascade
-# Environment: BUDGET (train seconds, default 300), TREES (default "32 64"), EAGLE (drafter spec
+# Environment: BUDGET (train seconds, default 300), TREES (default "32 64"), HEAD (the head's directory,
+# default /tmp/eagle; a new one gives the sweeps new drafter keys), EX (train-eagle --exercises: self-written
+# exercises, default 0), TRAIN_ARGS (more train-eagle arguments, e.g. "--train-vocab 8192"), EAGLE (drafter spec
 # options after heads=, default none), DRAFTERS (the whole --drafters list instead, e.g.
 # "eagle:heads=/tmp/eagle,profile=true v32k=eagle:heads=/tmp/eagle,profile=true,draft_vocab=32768"; the draft-model
 # drafter: "m=model:draft=qwen2.5-coder-0.5b,depth=4"), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
@@ -20,9 +22,11 @@ export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 mkdir -p /tmp/results
 trees=(${TREES:-32 64})
-read -ra drafters <<< "${DRAFTERS:-eagle:heads=/tmp/eagle${EAGLE:+,$EAGLE}}"
-train=(--data .evaldata/mbpp.jsonl --out /tmp/eagle --answers-per-prompt "${ANSWERS:-1}" --max-new-tokens 192
-       --gen-batch-size "${GEN:-120}" --prompt-styles "${STYLES:-function,stdin,starter}" --no-progress)
+head=${HEAD:-/tmp/eagle}
+read -ra drafters <<< "${DRAFTERS:-eagle:heads=$head${EAGLE:+,$EAGLE}}"
+train=(--data .evaldata/mbpp.jsonl --out "$head" --answers-per-prompt "${ANSWERS:-1}" --max-new-tokens 192
+       --gen-batch-size "${GEN:-120}" --prompt-styles "${STYLES:-function,stdin,starter}" --exercises "${EX:-0}"
+       ${TRAIN_ARGS:-} --no-progress)
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
        --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}")
 read -ra methods <<< "${METHODS:-specdec hf-static}"
@@ -35,13 +39,14 @@ for s in "$@"; do
         tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -k "cuda" > "$out/pytest_cuda.txt" 2>&1 ;;
     distill)  # the self-distillation data only (cached in /tmp/eagle; a carried .evaldata/selfdistill*.jsonl of
               # the same settings is reused -- train-eagle checks its settings -- and the cache comes back in $OUT)
-      mkdir -p /tmp/eagle && [ "${FRESH:-0}" = 1 ] || cp .evaldata/selfdistill*.jsonl /tmp/eagle/ 2>/dev/null
-      timeout 560 python3 -m specdec.cli train-eagle "${train[@]}" --steps 0 > "$out/distill.log" 2>&1
-      cp /tmp/eagle/selfdistill*.jsonl "$out/" ;;
+      mkdir -p "$head" && [ "${FRESH:-0}" = 1 ] || cp .evaldata/selfdistill*.jsonl "$head/" 2>/dev/null
+      timeout 560 python3 -m specdec.cli train-eagle "${train[@]}" --steps 0 \
+        > "$out/distill.log" 2>&1
+      cp "$head"/selfdistill*.jsonl "$out/" ;;
     train)  # the head, on the cached data, within BUDGET seconds of optimization
-      timeout 580 python3 -m specdec.cli train-eagle "${train[@]}" --time-budget "${BUDGET:-300}" \
-        > "$out/train_eagle.log" 2>&1
-      cp /tmp/eagle/eagle_config.json "$out/" ;;
+      timeout 580 python3 -m specdec.cli train-eagle "${train[@]}" \
+        --time-budget "${BUDGET:-300}" > "$out/train_eagle.log" 2>&1
+      cp "$head/eagle_config.json" "$out/" ;;
     apps|humaneval)  # the drafters at each t vs HF static, every problem of the dataset (none used for tuning)
       data=$([ "$s" = apps ] && echo .evaldata/apps_selected150.jsonl || echo "")
       # rows of an earlier machine (carried in .evaldata/results/) are kept: its baselines are reused

