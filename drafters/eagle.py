@@ -57,9 +57,11 @@ root r = the last committed token at position L - 1:
    on (``topk``, ``w``, depth) and the cache, so the loop is one CUDA graph (``cuda_graphs``).
    Per depth the candidates' tokens, scores and the picked frontier go to one preallocated record,
    copied to the host once after the loop: the step's only device-to-host transfer.
-3. **Re-rank**: the best ``tree_size`` candidates by cumulative draft log-probability
-   (``drafters._build.best_first``: ancestor-closed). Children are deterministic (``"topk"``), so
-   stochastic verification stays lossless without ``draft_probs``.
+3. **Re-rank** (host, vectorized over the record: ``_Plan.tree``): the best ``tree_size`` candidates
+   by cumulative draft log-probability, ties to the earlier candidate -- the nodes and order of
+   ``drafters._build.best_first`` over the former host loop's node pool (ancestor-closed), then
+   depth-first. Children are deterministic (``"topk"``), so stochastic verification stays lossless
+   without ``draft_probs``.
 4. **Commit** (``update``): the accepted path's expanded nodes keep their KV (``KVCache.commit``);
    the last one's output feature is kept for the next step's catch-up.
 
@@ -67,8 +69,8 @@ Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``top
 step's integer inputs staged once in pinned memory (two host-to-device copies with a fused catch-up:
 the scalars, its rows; plus the features' device copy) and one device-to-host copy of the record
 (the only sync); with CUDA graphs, one replay for the catch-up and
-the expansion together; the re-rank then builds the same node pool on the host as the former
-per-depth loop did (``_Plan.pool``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
+the expansion together; the re-rank then picks from the record the nodes the former per-depth host
+loop's pool and ``best_first`` picked (``_Plan.tree``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
 running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step; ``profile=True``
 splits it into phases (``last_phase_s``, below).
 
@@ -92,7 +94,7 @@ captured graphs stay valid).
 boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparation; an unfused
 catch-up's input copy and forward), ``expand`` (loading the expansion's inputs and the expansion:
 graph replay or eager loop, a fused catch-up and any capture included), ``copy`` (the record to the
-host), ``host_tree`` (node pool, re-rank, ``TokenTree``); ``update`` adds ``update`` (KV commit of
+host), ``host_tree`` (re-rank, ``TokenTree``); ``update`` adds ``update`` (KV commit of
 the accepted path) to the same dict. The syncs serialize host and device work a normal step overlaps, so the sum is an
 upper bound of the unprofiled step. Off (default): no sync, ``last_phase_s`` stays None.
 
@@ -113,6 +115,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
 import inspect
 import json
 import math
@@ -123,11 +126,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters._build import NodePool, best_first, expanded_path, make_tree, root_only
+from drafters._build import expanded_path, root_only
 from specdec import hf
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec.graphs import _clear_cublas_workspaces, compile_fixed_shapes
@@ -450,7 +454,9 @@ class _Plan:
     cand: tuple[int, ...]
 
     @classmethod
+    @functools.lru_cache(maxsize=256)
     def make(cls, topk: int, width: int, depth: int) -> "_Plan":
+        """The plan of these sizes (one object per sizes: ``tree``'s index arrays are computed once)."""
         rows, offsets, cand = [1], [0], []
         for d in range(1, depth + 1):
             cand.append(rows[-1] * width)
@@ -481,32 +487,76 @@ class _Plan:
         pick = record[2 * size :].view(self.depth - 1, self.topk)
         return tok, score, pick
 
-    def pool(self, record: torch.Tensor, root: int) -> NodePool:
-        """The node pool of the former host loop, from a host copy of the record.
-
-        Nodes in creation order: the root, then depth by depth the candidates of each frontier row
-        (rows in frontier order, children in top-``width`` order); ``exp`` = expanded index of the
-        frontier nodes (-1 for the others), ``score`` = the device's float64 cumulative scores.
-        """
-        tok, score, pick = (t.tolist() for t in self.views(record))
-        pool = NodePool.rooted(root)
-        width, frontier = self.width, [0]  # pool nodes expanded at depth d - 1, in row order
-        for d in range(1, self.depth + 1):
-            first, toks, scores = len(pool.tok), tok[d - 1], score[d - 1]
-            for c in range(self.cand[d - 1]):
-                parent = frontier[c // width]
-                pool.tok.append(toks[c])
-                pool.par.append(parent)
-                pool.score.append(scores[c])
-                pool.dep.append(d)
-                pool.exp.append(-1)
-                pool.children.append([])
-                pool.children[parent].append(first + c)
+    @functools.cached_property
+    def _index(self) -> dict[str, np.ndarray]:
+        """Fixed index arrays of ``tree`` over the P pool nodes (computed once per plan); ``*_at``:
+        positions in the int64 record. ``tok_at`` / ``score_at`` ``[P]``: each node's token / score
+        (the root's: any entry); ``pick_at`` ``[P]``: the pick of its parent's frontier row (nodes of
+        depth <= 1: any entry), ``parent_base`` ``[P]``: the first node of its parent's depth (depth
+        <= 1: 0, and the root's parent is itself); ``frontier_at`` / ``frontier_base`` /
+        ``frontier_exp``: per real frontier row of depths 1 .. depth - 1, its pick, the first node of
+        its depth and its expanded index; ``first`` ``[depth + 2]``: the first node of each depth;
+        ``anc`` ``[depth, P]``: each node itself at row depth - 1, -1 elsewhere."""
+        size, first = self.depth * self.n_max, np.cumsum([0, 1, *self.cand])
+        tok_at, score_at, pick_at, parent_base = [[0] for _ in range(4)]
+        frontier_at, frontier_base, frontier_exp = [], [], []
+        for d, c in enumerate(self.cand, start=1):
+            tok_at += range((d - 1) * self.n_max, (d - 1) * self.n_max + c)
+            score_at += range(size + (d - 1) * self.n_max, size + (d - 1) * self.n_max + c)
+            row = np.arange(c) // self.width  # the frontier row of depth d - 1 each candidate comes from
+            pick_at += (2 * size + (d - 2) * self.topk + row).tolist() if d >= 2 else [0] * c
+            parent_base += [int(first[d - 1]) if d >= 2 else 0] * c
             if d < self.depth:
-                frontier = [first + c for c in pick[d - 1][: self.rows[d]]]
-                for q, node in enumerate(frontier):
-                    pool.exp[node] = self.offsets[d] + q
-        return pool
+                frontier_at += range(2 * size + (d - 1) * self.topk, 2 * size + (d - 1) * self.topk + self.rows[d])
+                frontier_base += [int(first[d])] * self.rows[d]
+                frontier_exp += range(self.offsets[d], self.offsets[d] + self.rows[d])
+        anc = np.full((self.depth, int(first[-1])), -1, dtype=np.int64)
+        for d in range(1, self.depth + 1):
+            anc[d - 1, first[d] : first[d + 1]] = np.arange(first[d], first[d + 1])
+        arrays = dict(tok_at=tok_at, score_at=score_at, pick_at=pick_at, parent_base=parent_base,
+                      frontier_at=frontier_at, frontier_base=frontier_base, frontier_exp=frontier_exp)  # fmt: skip
+        return {k: np.array(v, dtype=np.int64) for k, v in arrays.items()} | {"first": first, "anc": anc}
+
+    def tree(self, record: torch.Tensor, root: int, budget: int) -> tuple[TokenTree, list[int]]:
+        """The re-ranked tree from a host copy of the record, and each tree node's expanded index
+        (-1: a node never expanded). Equals ``drafters._build.best_first`` + ``make_tree`` over the
+        former host loop's node pool, vectorized.
+
+        The pool, in creation order: the root, then depth by depth the candidates of each frontier
+        row (rows in frontier order, children in top-``width`` order), ``score`` = the device's
+        float64 cumulative scores. Kept: the first ``budget + 1`` nodes by (score descending,
+        creation index) -- what ``best_first``'s heap pops, as its key (-score, depth, node) orders
+        like (-score, node) here (creation order is by depth) and increases strictly from a node to
+        its first child (log-probs <= 0, float64 sums: score never rises; ties: one level deeper) and
+        to its next sibling (top-k order: score never rises; ties: a later node): so every node's
+        generator is popped before it, the pops come in key order, and the kept set is ancestor-closed.
+        The tree is their depth-first order, children in creation order (= ``best_first``'s pick order
+        among siblings, which ``make_tree`` keeps): a lexicographic sort by each node's ancestors.
+        """
+        ix = self._index
+        rec = record.numpy()
+        scores = rec[ix["score_at"]].view(np.float64)
+        scores[0] = 0.0
+        kept = np.argsort(-scores, kind="stable")[: budget + 1]
+        pick = rec[ix["pick_at"]]
+        pick[: 1 + self.cand[0]] = 0
+        parent = ix["parent_base"] + pick  # the root: itself
+        # anc[k - 1, i]: node i's ancestor-or-self at depth k, -1 beyond its depth (parents sort first)
+        anc, first = ix["anc"].copy(), ix["first"]
+        for d in range(2, self.depth + 1):
+            nodes = slice(first[d], first[d + 1])
+            anc[: d - 1, nodes] = anc[: d - 1, parent[nodes]]
+        order = kept[np.lexsort(anc[::-1, kept])]
+        new = np.full(len(parent), -1, dtype=np.int64)  # a parent not kept would stay -1: TokenTree raises
+        new[order] = np.arange(len(order))
+        parents = new[parent[order]]
+        parents[0] = -1
+        tokens = rec[ix["tok_at"][order]]
+        tokens[0] = root
+        exp = np.full(len(parent), -1, dtype=np.int64)
+        exp[ix["frontier_base"] + rec[ix["frontier_at"]]] = ix["frontier_exp"]
+        exp[0] = 0
+        return TokenTree(torch.from_numpy(tokens), torch.from_numpy(parents)), exp[order].tolist()
 
 
 def _expand_depths(drafter: "EagleDrafter", cache: KVCache, plan: _Plan, sampling: SamplingConfig | None,
@@ -700,6 +750,11 @@ class _PhaseClock:
         self.t = now
 
 
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (no copy), or a host copy of a device one."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+
+
 @dataclass
 class _Proposal:
     """The last proposed tree of a sequence, for ``update``."""
@@ -715,7 +770,8 @@ class _Proposal:
 class _SeqState:
     cache: KVCache  # the head's KV; slots [0, len(slot_pos)) hold committed pairs
     slot_pos: list[int] = field(default_factory=list)  # position of the pair in each committed slot (ascending)
-    tokens: list[int] = field(default_factory=list)  # tokens the committed pairs were computed for
+    #: the tokens the committed pairs were computed for (int64, a copy: compared with each step's history)
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     feats: dict[int, torch.Tensor] = field(default_factory=dict)  # position q -> predicted f_q (for pair q + 1)
     last: _Proposal | None = None
     #: (plan, sampling) -> its expansion over ``cache`` (buffers and CUDA graph; dropped with the cache)
@@ -911,7 +967,8 @@ class EagleDrafter(BaseDrafter):
         st.cache.lengths = [prop.base]
         st.cache.commit([path])
         st.slot_pos += [prop.root_pos + j for j in range(len(path))]
-        st.tokens = context.tokens.tolist() + tree.path_tokens(verdict.path[1 : len(path)])
+        accepted = _host_array(tree.tokens)[list(verdict.path[1 : len(path)])]
+        st.tokens = np.concatenate([_host_array(context.tokens), accepted])
         # predicts the token after the last committed pair: an accepted leaf's, or the next root's
         # (a copy: the expansion's feature buffer is rewritten by the next step)
         st.feats = {prop.root_pos + len(path) - 1: prop.exp_feat[path[-1]].clone()}
@@ -919,8 +976,8 @@ class EagleDrafter(BaseDrafter):
     # ------------------------------------------------------------------ internals
 
     def _propose(self, context: DraftContext) -> TokenTree:
-        tokens = context.tokens.tolist()
-        n_tok, root = len(tokens), tokens[-1]
+        tokens = _host_array(context.tokens)
+        n_tok, root = len(tokens), int(tokens[-1])
         root_pos = n_tok - 1
         budget = context.tree_size if self.tree_size is None else min(self.tree_size, context.tree_size)
         st = self._states.get(context.seq)
@@ -930,8 +987,8 @@ class EagleDrafter(BaseDrafter):
         real = self._real_features(context.hidden, n_tok)
         # The settled pairs still valid: those of a common token prefix (another history resets).
         c = min(len(st.tokens), n_tok - 1)
-        if st.tokens[:c] != tokens[:c]:
-            c = next(i for i, (a, b) in enumerate(zip(st.tokens, tokens)) if a != b)
+        if not np.array_equal(st.tokens[:c], tokens[:c]):
+            c = int(np.flatnonzero(st.tokens[:c] != tokens[:c])[0])
         predicted = st.feats if c == len(st.tokens) else {}
         root_feat = real.get(root_pos - 1, predicted.get(root_pos - 1))
         if budget <= 0 or root_feat is None:
@@ -960,29 +1017,28 @@ class EagleDrafter(BaseDrafter):
             catch_up, root_out = self._catch_up_inputs(st, tokens, pending, keep, base, fused), None
         else:
             catch_up, root_out = None, self._catch_up(st, tokens, pending, keep, base)[-1]
-        st.slot_pos = st.slot_pos[:keep] + [p for p, _ in pending[:-1]]
-        st.tokens = tokens[:-1]
+        del st.slot_pos[keep:]
+        st.slot_pos += [p for p, _ in pending[:-1]]
+        st.tokens = tokens[:-1].copy()
         st.feats = {}
         st.cache.lengths = [base]
         self._mark("catch_up")
 
-        # 2. expand depth by depth (EAGLE-2) on the device; pool node 0 = the root = expanded node 0
-        pool, exp_feat = self._expand(st, plan, context.sampling, base, root_pos, root_out, root, catch_up)
-
-        # 3. re-rank: the best `budget` nodes by cumulative draft log-probability
-        keep_nodes = best_first(pool.children, pool.score, pool.dep, budget)
-        index = {old: new for new, old in enumerate(keep_nodes)}
-        tree, order = make_tree([pool.tok[i] for i in keep_nodes], [-1] + [index[pool.par[i]] for i in keep_nodes[1:]])
-        st.last = _Proposal(tree.n, [pool.exp[keep_nodes[o]] for o in order], exp_feat, base, root_pos)
+        # 2. expand depth by depth (EAGLE-2) on the device; 3. re-rank: the best `budget` nodes
+        tree, node_exp, exp_feat = self._expand(st, plan, context.sampling, base, root_pos, root_out, root, catch_up,
+                                                budget)  # fmt: skip
+        st.last = _Proposal(tree.n, node_exp, exp_feat, base, root_pos)
         return tree
 
     def _expand(self, st: _SeqState, plan: _Plan, sampling: SamplingConfig | None, base: int, root_pos: int,
-                root_feat: torch.Tensor | None, root: int, catch_up: "_CatchUp | None") -> tuple[NodePool, torch.Tensor]:  # fmt: skip
-        """Steps 2 of the module doc (with ``catch_up``: step 1 first, fused): the node pool (host) and
-        the ``[E, H]`` expanded features (device).
+                root_feat: torch.Tensor | None, root: int, catch_up: "_CatchUp | None",
+                budget: int) -> tuple[TokenTree, list[int], torch.Tensor]:  # fmt: skip
+        """Steps 2 and 3 of the module doc (with ``catch_up``: step 1 first, fused): the tree of the
+        best ``budget`` nodes, each tree node's expanded index (-1: never expanded) and the ``[E, H]``
+        expanded features (device).
 
         The loop runs on the device (``_Expansion``, a CUDA-graph replay with ``cuda_graphs``); its
-        record comes back in one copy, from which ``_Plan.pool`` builds the host loop's pool.
+        record comes back in one copy, from which ``_Plan.tree`` re-ranks.
         """
         width = catch_up.width if catch_up is not None else 0
         key = (plan, sampling, width)
@@ -996,7 +1052,7 @@ class EagleDrafter(BaseDrafter):
         if exp.capture and not captured:
             self.last_capture_s = exp.capture_s or 0.0
         self.last_forwards += plan.depth - 1 + int(catch_up is not None)
-        return plan.pool(record, root), exp.feat
+        return (*plan.tree(record, root, budget), exp.feat)
 
     def _mark(self, phase: str) -> None:
         """With ``profile``: the time since the last mark (device synchronized) goes to ``phase``."""
@@ -1067,7 +1123,7 @@ class EagleDrafter(BaseDrafter):
             return host.pin_memory().to(self.device, non_blocking=True)
         return host.to(self.device)
 
-    def _catch_up(self, st: _SeqState, tokens: list[int], pending: list[tuple[int, torch.Tensor]], keep: int,
+    def _catch_up(self, st: _SeqState, tokens: np.ndarray, pending: list[tuple[int, torch.Tensor]], keep: int,
                   base: int) -> torch.Tensor:  # fmt: skip
         """One causal forward of the ``pending`` pairs (position, feature) into slots ``keep .. base``.
 
@@ -1078,7 +1134,8 @@ class EagleDrafter(BaseDrafter):
         ``_Expansion._catch_up_body``).
         Returns the ``[m, H]`` output features (the last one: the root's).
         """
-        ids, positions = [tokens[p] for p, _ in pending], [p for p, _ in pending]
+        positions = [p for p, _ in pending]
+        ids = tokens[positions].tolist()
         feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
         ints = self._to_device(torch.tensor([ids, positions, list(range(keep, base + 1))], dtype=torch.int64))
         m = len(pending)
@@ -1087,12 +1144,13 @@ class EagleDrafter(BaseDrafter):
         self.last_forwards += 1
         return out
 
-    def _catch_up_inputs(self, st: _SeqState, tokens: list[int], pending: list[tuple[int, torch.Tensor]], keep: int,
+    def _catch_up_inputs(self, st: _SeqState, tokens: np.ndarray, pending: list[tuple[int, torch.Tensor]], keep: int,
                          base: int, width: int) -> _CatchUp:  # fmt: skip
         """The padded catch-up's inputs: ``width`` (``_fused_width(m)``) rows; padding rows (token 0,
         position 0) write and attend to the scratch slot (the cache's last) only."""
         m, pad, scratch = len(pending), width - len(pending), st.cache.capacity - 1
-        ints = ([tokens[p] for p, _ in pending] + [0] * pad + [p for p, _ in pending] + [0] * pad
+        positions = [p for p, _ in pending]
+        ints = (tokens[positions].tolist() + [0] * pad + positions + [0] * pad
                 + list(range(keep, base + 1)) + [scratch] * pad)  # fmt: skip
         feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
         return _CatchUp(width, ints, feats, keep, m)

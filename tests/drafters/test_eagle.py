@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafters import make_drafter
-from drafters._build import NodePool
+from drafters._build import NodePool, best_first, make_tree
 from drafters.eagle import (
     CONFIG_NAME,
     DRAFT_PHASES,
@@ -22,6 +22,7 @@ from drafters.eagle import (
     EagleDrafter,
     EagleHead,
     TargetParts,
+    _Plan,
 )
 from drafters.eagle_train import EagleTrainConfig, evaluate_eagle, train_eagle, unrolled_features
 from drafters.medusa import MedusaHeads
@@ -467,7 +468,7 @@ class _HostLoopDrafter(EagleDrafter):
     scores), the frontier by ``sorted(key=(-score, index))``, masks built on the host, one host sync
     per depth -- over the same head forwards (same rows, same ``kv_len``) as the device loop."""
 
-    def _expand(self, st, plan, sampling, base, root_pos, root_feat, root, catch_up=None):
+    def _expand(self, st, plan, sampling, base, root_pos, root_feat, root, catch_up, budget):
         if catch_up is not None:  # the padded catch-up, run here on its own
             w, cap = catch_up.width, st.cache.capacity
             ints = torch.tensor(catch_up.ints, device=self.device).view(3, w)
@@ -504,7 +505,83 @@ class _HostLoopDrafter(EagleDrafter):
             self.last_forwards += 1
             exp_feat.extend(out.unbind(0))
             logits = self.parts.logits(out)
-        return pool, torch.stack(exp_feat)
+        return (*_pool_tree(pool, budget), torch.stack(exp_feat))
+
+
+def _pool_tree(pool: NodePool, budget: int) -> tuple:
+    """Reference re-rank: ``best_first`` over the pool, then ``make_tree``; and the tree nodes'
+    expanded indices."""
+    keep = best_first(pool.children, pool.score, pool.dep, budget)
+    index = {old: new for new, old in enumerate(keep)}
+    tree, order = make_tree([pool.tok[i] for i in keep], [-1] + [index[pool.par[i]] for i in keep[1:]])
+    return tree, [pool.exp[keep[o]] for o in order]
+
+
+def _record_pool(plan: _Plan, record: torch.Tensor, root: int) -> NodePool:
+    """Reference: the former host loop's node pool from a host record, node by node (the root, then
+    depth by depth the candidates of each frontier row; ``exp`` = the frontier rows' expanded index)."""
+    tok, score, pick = (t.tolist() for t in plan.views(record))
+    pool = NodePool.rooted(root)
+    frontier = [0]
+    for d in range(1, plan.depth + 1):
+        first = len(pool.tok)
+        for c in range(plan.cand[d - 1]):
+            parent = frontier[c // plan.width]
+            pool.tok.append(tok[d - 1][c])
+            pool.par.append(parent)
+            pool.score.append(score[d - 1][c])
+            pool.dep.append(d)
+            pool.exp.append(-1)
+            pool.children.append([])
+            pool.children[parent].append(first + c)
+        if d < plan.depth:
+            frontier = [first + c for c in pick[d - 1][: plan.rows[d]]]
+            for q, node in enumerate(frontier):
+                pool.exp[node] = plan.offsets[d] + q
+    return pool
+
+
+def _random_record(plan: _Plan, g: torch.Generator) -> torch.Tensor:
+    """A record as the device loop writes it, from random draft log-probs with many ties: per
+    frontier row its top-``width`` log-probs (<= 0, non-increasing; exact zeros, repeats and -inf),
+    float64 cumulative scores, the next frontier by a stable descending sort."""
+    record = torch.zeros(plan.record_size, dtype=torch.int64)
+    tok, score_out, pick_out = plan.views(record)
+    score = torch.zeros(1, dtype=torch.float64)
+    for d in range(1, plan.depth + 1):
+        n = plan.cand[d - 1]
+        levels = torch.tensor([0.0, -0.5, -1.0, -1.5, -2.0, -float("inf")])
+        logp = levels[torch.randint(len(levels), (len(score), plan.width), generator=g)]
+        if d % 2:  # continuous values on odd depths: ties only where a parent's scores meet
+            logp = torch.where(logp > -10, -torch.rand(logp.shape, generator=g).float() * 3, logp)
+        vals = torch.sort(logp.float(), dim=-1, descending=True).values
+        cand = (score[:, None] + vals.double()).reshape(n)
+        tok[d - 1, :n] = torch.randint(1000, (n,), generator=g)
+        score_out[d - 1, :n] = cand
+        if d < plan.depth:
+            pick = torch.sort(cand, descending=True, stable=True).indices[: plan.rows[d]]
+            pick_out[d - 1, : plan.rows[d]] = pick
+            score = cand[pick]
+    return record
+
+
+@pytest.mark.parametrize("sizes", [(8, 8, 6), (8, 16, 6), (4, 3, 5), (1, 7, 4), (3, 5, 1), (6, 2, 3)])
+def test_the_vectorized_re_rank_builds_the_trees_of_best_first_over_the_node_pool(sizes):
+    """``_Plan.tree`` on random records (tied and -inf scores, zero log-probs: children tied with
+    their parent) for budgets 1 .. 256 equals the former path: the node pool, ``best_first``,
+    ``make_tree`` -- tokens, parents, order and expanded indices."""
+    plan = _Plan.make(*sizes)
+    g = torch.Generator().manual_seed(sum(sizes))
+    for trial in range(6):
+        record = _random_record(plan, g)
+        root = int(torch.randint(1000, (1,), generator=g))
+        pool = _record_pool(plan, record, root)
+        for budget in sorted({1, 2, 3, 7, 9, 33, 63, 64, 65, 100, 127, 129, 255, 256, len(pool.tok) - 1}):
+            got, got_exp = plan.tree(record, root, budget)
+            want, want_exp = _pool_tree(pool, budget)
+            assert got.tokens.tolist() == want.tokens.tolist(), (sizes, trial, budget)
+            assert got.parents.tolist() == want.parents.tolist(), (sizes, trial, budget)
+            assert got_exp == want_exp and got.draft_probs is None and got.proposal == want.proposal
 
 
 def _random_spec(seed: int) -> tuple:
