@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -159,6 +160,8 @@ class DraftModelDrafter(BaseDrafter):
         #: rows of the fixed-shape draft forward: a frontier, or a catch-up chain of up to depth + 1 tokens
         self.static_width = max(topk, depth + 1)
         self._states: dict[int, _SeqState] = {}
+        #: the least capacity of a new draft cache (``warmup`` raises it to what its requests need)
+        self._min_cache = 256
         self.device_loop = device_loop
         #: draft forwards run by the last ``propose`` (catch-up included; for tests and accounting)
         self.last_forwards = 0
@@ -180,6 +183,17 @@ class DraftModelDrafter(BaseDrafter):
             # The fixed-shape forward and loops (and their CUDA graphs) stay valid as long as the cache does.
             self._states[b] = _SeqState(cache, [], [], fwd=prev.fwd if prev is not None else None,
                                         loops=prev.loops if prev is not None else {})
+
+    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None) -> None:
+        """Size the draft caches for requests of up to ``max_len`` tokens per sequence (prompt and new
+        tokens; called by ``SpecDecoder.warmup``): a cache that grows mid-run drops its device loops,
+        so their captures (and, with ``compile``, the level forward's compile for the new capacity)
+        would come back inside a timed call. ``batch_sizes`` and ``log`` are not used."""
+        if max_len is not None:
+            self._min_cache = max(self._min_cache, max_len + self.topk * self.depth + 2)
+            for b, st in list(self._states.items()):
+                if st.cache.capacity < self._min_cache:
+                    self._states[b] = _SeqState(self._new_cache(self._min_cache), [], [])
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
@@ -323,8 +337,9 @@ class DraftModelDrafter(BaseDrafter):
     # ------------------------------------------------------------------ internals
 
     def _new_cache(self, need: int) -> KVCache:
-        """A cache of at least ``need`` slots (a power of two >= 256), all layers in one tensor."""
-        return KVCache(1, max(256, 1 << max(need - 1, 1).bit_length()), num_layers=hf.num_layers(self.model))
+        """A cache of at least ``need`` slots (a power of two, at least ``_min_cache``), all layers in one tensor."""
+        need = max(need, self._min_cache)
+        return KVCache(1, 1 << max(need - 1, 1).bit_length(), num_layers=hf.num_layers(self.model))
 
     def _state(self, seq: int, length: int) -> _SeqState:
         st = self._states.get(seq)

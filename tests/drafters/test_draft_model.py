@@ -636,3 +636,27 @@ def test_grouped_masked_attention_equals_masked_state(heads, kv_heads, m, kv_len
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[1], outs[0], **tol)
     assert all(torch.equal(a, b) for a, b in zip(*caches))
+
+
+def test_warmup_sizes_the_draft_caches_so_that_no_later_call_grows_them():
+    """``SpecDecoder.warmup(max_len=)`` reaches the draft-model drafter: every draft cache made
+    afterwards holds a request of max_len tokens, and a long history keeps the same cache (growing
+    one drops its captured / compiled device loops mid-run: the stalls of the compiled draft model)."""
+    target, draft = _target(), _draft()
+    drafter = DraftModelDrafter(draft, depth=3, topk=4, static_shapes=True)
+    SpecDecoder(target, drafter, tree_size=12, attn_impl="torch", static_shapes=True).warmup(max_len=250, log=None)
+    assert drafter._min_cache == 250 + 4 * 3 + 2
+    tokens = _prompt(9, 0)
+    drafter.reset([tokens])
+    cache = drafter._states[0].cache
+    assert cache.capacity == 512
+    drafter.propose(DraftContext(tokens, 12))
+    long = torch.cat([tokens, _prompt(235, 1)])
+    drafter.propose(DraftContext(long, 12))
+    assert drafter._states[0].cache is cache
+    fresh = DraftModelDrafter(draft, depth=3, topk=4, static_shapes=True)
+    fresh.reset([tokens])
+    fresh.propose(DraftContext(tokens, 12))
+    first = fresh._states[0].cache
+    fresh.propose(DraftContext(torch.cat([long, _prompt(60, 2)]), 12))
+    assert first.capacity == 256 and fresh._states[0].cache.capacity == 512  # without the warm-up: grown
