@@ -39,12 +39,11 @@ without CUDA graphs, with ``prefill_width=0`` / None, or for a cache smaller tha
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -57,7 +56,7 @@ from specdec.graphs import GraphedForward, configure_compile_cache, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
-from specdec.verify import Verdict, verify_greedy, verify_stochastic
+from specdec.verify import Verdict, greedy_verdict, verify_stochastic
 from treeattn import TreeMask
 
 __all__ = [
@@ -80,6 +79,7 @@ DEFAULT_PREFILL_WIDTH = 256
 _UNBOUNDED_TOP = 1 << 20  # the largest default bucket of a target that declares no context length
 
 _log = logging.getLogger(__name__)
+_ROOT_PARENTS = torch.tensor([-1])  # the parents of every root-only tree (trees never modify their tensors)
 
 #: A target forward over one step's trees, inputs ready: returns (logits [B, n, V], hidden [B, n, H] or None).
 _Forward = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
@@ -257,14 +257,30 @@ class _PhaseTimer:
         self._sync = sync
         self.seconds: defaultdict[str, float] = defaultdict(float)
 
-    @contextlib.contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        traced = torch.autograd.profiler._is_profiler_enabled
-        with torch.profiler.record_function(f"specdec.{phase}") if traced else contextlib.nullcontext():
-            start = time.perf_counter()
-            yield
-            self._sync()
-            self.seconds[phase] += time.perf_counter() - start
+    def __call__(self, phase: str) -> "_Phase":
+        return _Phase(self, phase)
+
+
+class _Phase:
+    """One ``with timer(phase)`` block (a plain context manager: cheaper than a generator's)."""
+
+    __slots__ = ("timer", "phase", "start", "range")
+
+    def __init__(self, timer: _PhaseTimer, phase: str) -> None:
+        self.timer, self.phase, self.range = timer, phase, None
+
+    def __enter__(self) -> None:
+        if torch.autograd.profiler._is_profiler_enabled:
+            self.range = torch.profiler.record_function(f"specdec.{self.phase}")
+            self.range.__enter__()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.timer._sync()
+            self.timer.seconds[self.phase] += time.perf_counter() - self.start
+        if self.range is not None:
+            self.range.__exit__(*exc)
 
 
 @dataclass(eq=False)
@@ -802,13 +818,14 @@ class SpecDecoder:
         context it was asked with (None when it was not asked)."""
         trees: list[TokenTree] = []
         contexts: list[DraftContext | None] = []
+        ids = run.seqs.numpy()  # a view, for reading host ints
         for b, n in enumerate(run.lens):
             if run.done[b] or self.drafter is None or self.tree_size == 0:
-                trees.append(TokenTree(run.seqs[b, n - 1 : n].clone(), torch.tensor([-1])))
+                trees.append(TokenTree(run.seqs[b, n - 1 : n].clone(), _ROOT_PARENTS))
                 contexts.append(None)
                 continue
             ctx = DraftContext(run.seqs[b, :n], self.tree_size, b, run.sampling, run.generator, run.hidden[b])
-            trees.append(self._checked_tree(self.drafter.propose(ctx), ctx))
+            trees.append(self._checked_tree(self.drafter.propose(ctx), ctx, int(ids[b, n - 1])))
             contexts.append(ctx)
         return trees, contexts
 
@@ -844,13 +861,22 @@ class SpecDecoder:
         return forward
 
     def _verify(self, run: _Run, trees: list[TokenTree], logits: torch.Tensor) -> list[Verdict | None]:
-        """Per sequence, the accepted path and bonus token (None for finished sequences)."""
+        """Per sequence, the accepted path and bonus token (None for finished sequences).
+
+        Greedy: one argmax over the logits of the first m rows of every sequence (m: the largest
+        tree's size) and one device-to-host copy of its ``[B, m]`` tokens, then ``greedy_verdict``
+        per tree on the host (the trees were checked by ``_checked_tree``, or are root-only trees of
+        committed tokens).
+        """
+        best = None
+        if run.sampling is None:
+            best = logits[:, : max(t.n for t in trees)].argmax(dim=-1).tolist()
         verdicts: list[Verdict | None] = []
         for b, t in enumerate(trees):
             if run.done[b]:
                 verdicts.append(None)
-            elif run.sampling is None:
-                verdicts.append(verify_greedy(t, logits[b, : t.n]))
+            elif best is not None:
+                verdicts.append(greedy_verdict(t, best[b]))
             else:
                 probs = logits_to_probs(logits[b, : t.n], run.sampling)
                 verdicts.append(verify_stochastic(t, probs, run.generator))
@@ -873,6 +899,7 @@ class SpecDecoder:
         """
         appended: list[list[int]] = []
         paths: list[tuple[int, ...] | None] = []
+        seqs = run.seqs.numpy()  # a view: writes of host ints into it cost no tensor per sequence
         for b, v in enumerate(verdicts):
             if v is None:
                 appended.append([])
@@ -884,7 +911,7 @@ class SpecDecoder:
                 if tok in run.eos:
                     new = new[: j + 1]
                     break
-            run.seqs[b, run.lens[b] : run.lens[b] + len(new)] = torch.tensor(new, dtype=torch.int64)
+            seqs[b, run.lens[b] : run.lens[b] + len(new)] = new
             run.lens[b] += len(new)
             if run.lens[b] - len(run.prompts[b]) >= run.max_new_tokens or (new and new[-1] in run.eos):
                 run.done[b] = True
@@ -892,10 +919,13 @@ class SpecDecoder:
             appended.append(new)
             paths.append(kept)
             if node_hidden is not None:  # copies: the next forward overwrites node_hidden
-                if self._hidden_mode == HIDDEN_ALL:
-                    run.hidden[b] = node_hidden[b, list(kept)]  # advanced indexing copies
+                last = kept[-1]
+                if self._hidden_mode == HIDDEN_LAST:
+                    run.hidden[b] = node_hidden[b, last : last + 1].clone()
+                elif last == len(kept) - 1:  # nodes 0 .. last (a first-child chain): a slice
+                    run.hidden[b] = node_hidden[b, : last + 1].clone()
                 else:
-                    run.hidden[b] = node_hidden[b, kept[-1] : kept[-1] + 1].clone()
+                    run.hidden[b] = node_hidden[b, list(kept)]  # advanced indexing copies
         return appended, paths
 
     def _graphed(self, cache: KVCache, batch: int, n: int) -> GraphedForward:
@@ -1057,16 +1087,25 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ checks
 
-    def _checked_tree(self, tree, ctx: DraftContext) -> TokenTree:
+    def _checked_tree(self, tree, ctx: DraftContext, last: int) -> TokenTree:
+        """The drafter's tree, checked against what the forward and the verification assume (the
+        tree's own structure was checked when it was made); ``last``: the last committed token."""
         if not isinstance(tree, TokenTree):
             raise ValueError(f"drafter: propose() must return a specdec.TokenTree, got {type(tree).__name__}")
         if tree.n - 1 > ctx.tree_size:
             raise ValueError(f"drafter: expected at most tree_size = {ctx.tree_size} nodes besides the root, got {tree.n - 1}")
-        root, last = int(tree.tokens[0]), int(ctx.tokens[-1])
+        root = tree.token_list[0]
         if root != last:
             raise ValueError(f"drafter: expected the tree's root token to be the last committed token {last}, got {root}")
-        if ctx.sampling is not None and tree.proposal != "topk" and tree.draft_probs is None:
-            raise ValueError(f"drafter: a {tree.proposal!r} tree needs draft_probs for stochastic verification")
+        top = max(tree.token_list)
+        if top >= self.vocab_size:
+            raise ValueError(f"drafter: expected token ids < V = {self.vocab_size} (the target's vocabulary), got {top}")
+        if ctx.sampling is not None and tree.proposal != "topk":
+            if tree.draft_probs is None:
+                raise ValueError(f"drafter: a {tree.proposal!r} tree needs draft_probs for stochastic verification")
+            if tree.draft_probs.shape[1] != self.vocab_size:
+                raise ValueError(f"drafter: expected draft_probs over the target's vocabulary V = {self.vocab_size}, "
+                                 f"got {tree.draft_probs.shape[1]}")  # fmt: skip
         return tree
 
     def _sync(self) -> None:

@@ -50,6 +50,7 @@ compiling the same shapes loads the compiled code from disk instead of regenerat
 from __future__ import annotations
 
 import array
+import functools
 import os
 import struct
 import time
@@ -154,8 +155,8 @@ class InputLayout:
         return flat[start : start + size].view(shape)
 
 
-def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: InputLayout) -> list[int]:
-    """The flat input vector (host ints, ``layout.size`` long) for one step.
+def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: InputLayout) -> array.array:
+    """The flat input vector (host int64s, ``layout.size`` long) for one step.
 
     Args:
         trees: B token trees of at most n nodes each (validated ``TokenTree``: depth-first, root first).
@@ -164,36 +165,42 @@ def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: I
         layout: the ``InputLayout`` of the ``[B, n]`` forward.
 
     Returns:
-        ``list[int]`` in ``layout`` order. Node i of tree b: token ``tokens[i]``, position
+        ``array.array("q")`` in ``layout`` order. Node i of tree b: token ``tokens[i]``, position
         ``prefix_len + depth(i)``, slot ``prefix_len + i``, ancestor-or-self bits (bit j of word w
         set iff node ``64 w + j`` is i or one of its ancestors; the same bits as
         ``TreeMask.from_parents``); padding nodes (i >= tree.n) hang off the root with token 0.
     """
     n, width = layout.n, layout.words_per_node
-    out = [0] * layout.size
+    out = array.array("q", [0]) * layout.size
     off = layout.offsets
-    nbytes = 8 * width
     for b, (tree, prefix) in enumerate(zip(trees, prefix_lens)):
-        toks = tree.tokens.tolist()
-        par = tree.parents.tolist()
-        m = len(toks)
-        anc = [1] * n  # ancestor-or-self bits as Python ints (bit i = node i)
-        depth = [0] * n
-        for i in range(1, n):
-            p = par[i] if i < m else 0  # parents precede children (depth-first); padding under the root
-            anc[i] = anc[p] | (1 << i)
-            depth[i] = depth[p] + 1
+        depth, words = _shape_inputs(tuple(tree.parent_list), n, width)
         row = b * n
-        out[off["tokens"] + row : off["tokens"] + row + m] = toks
-        out[off["positions"] + row : off["positions"] + row + n] = [prefix + d for d in depth]
-        out[off["slots"] + row : off["slots"] + row + n] = range(prefix, prefix + n)
+        out[off["tokens"] + row : off["tokens"] + row + tree.n] = array.array("q", tree.token_list)
+        out[off["positions"] + row : off["positions"] + row + n] = array.array("q", [prefix + d for d in depth])
+        out[off["slots"] + row : off["slots"] + row + n] = array.array("q", range(prefix, prefix + n))
         out[off["depth"] + row : off["depth"] + row + n] = depth
-        # Little-endian bytes of each node's bits, read back as int64 words (bit 63 -> the sign bit).
-        raw = b"".join(a.to_bytes(nbytes, "little") for a in anc)
         start = off["words"] + row * width
-        out[start : start + n * width] = struct.unpack(f"<{n * width}q", raw)
+        out[start : start + n * width] = words
         out[off["prefix_lens"] + b] = prefix
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_inputs(parents: tuple[int, ...], n: int, width: int) -> tuple[array.array, array.array]:
+    """Depths ``[n]`` and ancestor words ``[n * width]`` of a tree padded to n nodes (int64 arrays;
+    callers copy them, never modify). Cached: plain decoding and static trees repeat their shape."""
+    anc = [1] * n  # ancestor-or-self bits as Python ints (bit i = node i)
+    depth = [0] * n
+    m = len(parents)
+    for i in range(1, n):
+        p = parents[i] if i < m else 0  # parents precede children (depth-first); padding under the root
+        anc[i] = anc[p] | (1 << i)
+        depth[i] = depth[p] + 1
+    # Little-endian bytes of each node's bits, read back as int64 words (bit 63 -> the sign bit).
+    nbytes = 8 * width
+    words = array.array("q", struct.unpack(f"<{n * width}q", b"".join(a.to_bytes(nbytes, "little") for a in anc)))
+    return array.array("q", depth), words
 
 
 def compile_fixed_shapes(fn, backend: bool | str):
@@ -459,8 +466,7 @@ class GraphedForward(_Replayed):
                 f"prefix_lens: expected 0 <= prefix_len and prefix_len + n <= {self.cache.capacity} (cache capacity, "
                 f"n = {self.n}), got values in [{lo}, {hi}]"
             )
-        packed = torch.frombuffer(array.array("q", pack_trees(trees, prefix, self.layout)), dtype=torch.int64)
-        self._copy.put(packed)
+        self._copy.put(torch.frombuffer(pack_trees(trees, prefix, self.layout), dtype=torch.int64))
         self.state.refresh()
 
     def run(self, trees: Sequence[TokenTree], prefix_lens) -> tuple[torch.Tensor, torch.Tensor | None]:

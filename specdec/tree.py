@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,14 +32,20 @@ class TokenTree:
             node i were drawn from (rows of leaves are ignored). Needed for stochastic verification
             of ``"iid"`` and ``"no_replacement"`` trees.
         proposal: one of ``PROPOSALS``.
+        token_list, parent_list: ``tokens`` / ``parents`` as host ints (set at construction; not
+            arguments).
 
-    Validation happens at construction (host-side, O(n)); bad input raises ``ValueError``.
+    Validation happens at construction (host-side, O(n)); bad input raises ``ValueError``. The
+    host copies (``token_list``, ``parent_list``, ``children``) are made once, so the tensors must
+    not be changed in place afterwards.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
     proposal: str = "topk"
+    token_list: list[int] = field(init=False, repr=False)
+    parent_list: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         t, p, q = self.tokens, self.parents, self.draft_probs
@@ -55,15 +61,18 @@ class TokenTree:
             raise ValueError(f"parents: expected shape [{n}] (tokens' length), got {tuple(p.shape)}")
         if self.proposal not in PROPOSALS:
             raise ValueError(f"proposal: expected one of {PROPOSALS}, got {self.proposal!r}")
-        if int(t.min()) < 0:
-            raise ValueError(f"tokens: expected non-negative token ids, got minimum {int(t.min())}")
+        toks, par = t.tolist(), p.tolist()
+        if min(toks) < 0:
+            raise ValueError(f"tokens: expected non-negative token ids, got minimum {min(toks)}")
         if q is not None:
             if not isinstance(q, torch.Tensor) or not q.dtype.is_floating_point or q.dim() != 2 or q.shape[0] != n:
                 got = f"{q.dtype} {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
                 raise ValueError(f"draft_probs: expected a float tensor of shape [{n}, V], got {got}")
-            if int(t.max()) >= q.shape[1]:
-                raise ValueError(f"tokens: expected ids < V = {q.shape[1]} (draft_probs' vocab), got {int(t.max())}")
-        _check_dfs(p.tolist())
+            if max(toks) >= q.shape[1]:
+                raise ValueError(f"tokens: expected ids < V = {q.shape[1]} (draft_probs' vocab), got {max(toks)}")
+        _check_dfs(par)
+        object.__setattr__(self, "token_list", toks)  # the validation's host copies, kept for the engine
+        object.__setattr__(self, "parent_list", par)
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None, proposal: str = "topk") -> "TokenTree":
@@ -101,13 +110,13 @@ class TokenTree:
     def children(self) -> tuple[tuple[int, ...], ...]:
         """``children[i]``: node i's children in proposal order (host ints)."""
         out: list[list[int]] = [[] for _ in range(self.n)]
-        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+        for i, p in enumerate(self.parent_list[1:], start=1):
             out[p].append(i)
         return tuple(tuple(c) for c in out)
 
     def path_tokens(self, path: tuple[int, ...] | list[int]) -> list[int]:
         """Tokens at the given nodes (host ints)."""
-        toks = self.tokens.tolist()
+        toks = self.token_list
         return [toks[i] for i in path]
 
 

@@ -23,7 +23,7 @@ import torch
 
 from specdec.tree import TokenTree
 
-__all__ = ["Verdict", "verify_greedy", "verify_stochastic"]
+__all__ = ["Verdict", "greedy_verdict", "verify_greedy", "verify_stochastic"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ def _check_scores(tree: TokenTree, scores: torch.Tensor, name: str) -> None:
         raise ValueError(
             f"tree.draft_probs: expected the target's vocabulary size V = {vocab}, got {tree.draft_probs.shape[1]}"
         )
-    if int(tree.tokens.max()) >= vocab:
-        raise ValueError(f"tree.tokens: expected ids < V = {vocab} (target vocabulary), got {int(tree.tokens.max())}")
+    if max(tree.token_list) >= vocab:
+        raise ValueError(f"tree.tokens: expected ids < V = {vocab} (target vocabulary), got {max(tree.token_list)}")
 
 
 def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> Verdict:
@@ -77,15 +77,29 @@ def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> Verdict:
         ``Verdict``; among siblings with the same token the first is followed.
     """
     _check_scores(tree, target_logits, "target_logits")
-    best = target_logits.argmax(dim=-1).tolist()
-    tokens = tree.tokens.tolist()
-    path = [0]
-    while True:
-        want = best[path[-1]]
-        nxt = next((c for c in tree.children[path[-1]] if tokens[c] == want), None)
-        if nxt is None:
-            return Verdict(tuple(path), int(want))
-        path.append(nxt)
+    return greedy_verdict(tree, target_logits.argmax(dim=-1).tolist())
+
+
+def greedy_verdict(tree: TokenTree, argmax: list[int]) -> Verdict:
+    """``verify_greedy`` from the target's argmax tokens, on the host (no checks).
+
+    Args:
+        tree: the proposed tree (n nodes).
+        argmax: host ints, at least n: ``argmax[i]`` = the target's argmax token after node i's
+            path (entries past n are ignored: e.g. a padded row of a batched argmax).
+
+    Returns:
+        ``Verdict``; among siblings with the same token the first is followed.
+    """
+    tokens, parents = tree.token_list, tree.parent_list
+    path, node, want = [0], 0, argmax[0]
+    # Depth-first order: node's children come after it, in proposal order, and the subtree of the
+    # child taken comes before the child's later siblings; so one pass in index order follows the path.
+    for i in range(1, len(tokens)):
+        if parents[i] == node and tokens[i] == want:
+            path.append(i)
+            node, want = i, argmax[i]
+    return Verdict(tuple(path), want)
 
 
 def verify_stochastic(
@@ -112,7 +126,7 @@ def verify_stochastic(
             raise ValueError(f"tree.draft_probs: expected [n, V] proposal probabilities for a {kind!r} tree, got None")
         q_all = q_all.to(target_probs.device)
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list
     path = [0]
     while True:
         node = path[-1]

@@ -323,6 +323,13 @@ def test_drafter_contract_errors():
     no_probs = _Fixed(lambda ctx: TokenTree.chain(torch.cat([ctx.tokens[-1:], torch.tensor([3])]), proposal="iid"))
     with pytest.raises(ValueError, match=r"drafter: a 'iid' tree needs draft_probs for stochastic verification"):
         SpecDecoder(model, no_probs, tree_size=2, attn_impl="torch").generate(prompt, 5, do_sample=True)
+    out_of_vocab = _Fixed(lambda ctx: TokenTree.chain(torch.cat([ctx.tokens[-1:], torch.tensor([3, VOCAB])])))
+    with pytest.raises(ValueError, match=rf"drafter: expected token ids < V = {VOCAB} \(the target's vocabulary\), got {VOCAB}"):
+        SpecDecoder(model, out_of_vocab, tree_size=2, attn_impl="torch").generate(prompt, 5)
+    small_probs = _Fixed(lambda ctx: TokenTree.chain(torch.cat([ctx.tokens[-1:], torch.tensor([3])]),
+                                                     torch.full((2, VOCAB + 1), 1.0 / (VOCAB + 1)), "iid"))
+    with pytest.raises(ValueError, match=rf"drafter: expected draft_probs over the target's vocabulary V = {VOCAB}, got {VOCAB + 1}"):
+        SpecDecoder(model, small_probs, tree_size=2, attn_impl="torch").generate(prompt, 5, do_sample=True)
 
 
 def test_cache_overflow_is_an_error_not_truncation():

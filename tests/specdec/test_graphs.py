@@ -52,11 +52,18 @@ def _model(family: str):
 
 @pytest.mark.parametrize("n", [1, 2, 17, 63, 64, 65, 128, 129, 200])
 def test_graph_inputs_pack_like_treemask(n):
-    """Tokens, positions, slots, depths and ancestor words equal TreeMask.from_parents' layout."""
-    trees = [_tree(n, seed=n), _tree(max(1, n // 3), seed=n + 1, root=7), _tree(1, 0, root=9)]
-    prefix = [11, 0, 40]
+    """Tokens, positions, slots, depths and ancestor words equal TreeMask.from_parents' layout (also
+    when the same tree shapes come again with other tokens and prefixes: per-shape inputs are cached)."""
+    for tokens_seed, prefix in ((n, [11, 0, 40]), (n + 100, [3, 7, 0])):
+        trees = [_tree(n, seed=n), _tree(max(1, n // 3), seed=n + 1, root=7), _tree(1, 0, root=9)]
+        trees = [TokenTree(torch.randint(3, VOCAB, (t.n,), generator=torch.Generator().manual_seed(tokens_seed)),
+                           t.parents) for t in trees]  # fmt: skip
+        _check_packed(trees, prefix, n)
+
+
+def _check_packed(trees, prefix, n):
     layout = InputLayout(len(trees), n)
-    flat = torch.tensor(pack_trees(trees, prefix, layout), dtype=torch.int64)
+    flat = torch.frombuffer(pack_trees(trees, prefix, layout), dtype=torch.int64)
     assert flat.numel() == layout.size
     tokens = torch.zeros(3, n, dtype=torch.int64)
     parents = torch.zeros(3, n, dtype=torch.int64)  # padding nodes hang off the root

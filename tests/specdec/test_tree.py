@@ -12,6 +12,9 @@ def test_valid_tree_and_children():
     assert tree.children == ((1, 3), (2,), (), (4,), ())
     assert tree.path_tokens([0, 3, 4]) == [5, 3, 4]
     assert TokenTree.chain(torch.tensor([9, 8, 7])).parents.tolist() == [-1, 0, 1]
+    assert tree.token_list == [5, 1, 2, 3, 4] and tree.parent_list == [-1, 0, 1, 0, 3]  # host copies
+    with pytest.raises(TypeError):
+        TokenTree(torch.tensor([5]), torch.tensor([-1]), token_list=[5])  # not an argument
 
 
 def test_from_any_order_reorders_depth_first():

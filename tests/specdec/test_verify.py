@@ -17,6 +17,8 @@ import torch
 
 import specdec.verify as verify_mod
 from specdec import TokenTree, Verdict, verify_greedy, verify_stochastic
+from specdec.verify import greedy_verdict
+from treeattn.layout import random_tree_parents
 
 V = 5
 K1, K2 = 3, 2  # children of the root, children of each depth-1 node
@@ -165,6 +167,32 @@ def test_greedy_follows_argmax_path():
     assert verify_greedy(tree, logits) == Verdict((0, 3), 2)
     logits[0, 8], logits[0, 5] = 0, 1
     assert verify_greedy(tree, logits) == Verdict((0,), 5)
+
+
+def _greedy_by_children(tree: TokenTree, best: list[int]) -> Verdict:
+    """The greedy walk as specified: from the root, the first child (proposal order) holding the argmax."""
+    path = [0]
+    while True:
+        want = best[path[-1]]
+        nxt = next((c for c in tree.children[path[-1]] if tree.token_list[c] == want), None)
+        if nxt is None:
+            return Verdict(tuple(path), want)
+        path.append(nxt)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 33, 65, 130])
+def test_greedy_verdict_equals_the_walk_over_children(n):
+    """One pass in index order finds the walk's path on random depth-first trees with a tiny vocabulary
+    (many duplicate siblings, long accepted paths); padded argmax rows are ignored."""
+    gen = torch.Generator().manual_seed(n)
+    for trial in range(40):
+        par = random_tree_parents(n, max_depth=1 + trial % 9, generator=gen)
+        tree = TokenTree.from_any_order(torch.randint(3, (n,), generator=gen), par)
+        best = torch.randint(3, (n + 5,), generator=gen).tolist()
+        want = _greedy_by_children(tree, best)
+        assert greedy_verdict(tree, best) == want, trial
+        logits = torch.randn(n, 3, generator=gen)
+        assert verify_greedy(tree, logits) == _greedy_by_children(tree, logits.argmax(-1).tolist())
 
 
 def test_verify_errors():
