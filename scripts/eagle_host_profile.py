@@ -27,26 +27,12 @@ import statistics
 import time
 
 import torch
+from host_profile import randomize, tiny_qwen2  # this directory (the script's own) is on sys.path
 
 DETAIL = ("drafters.eagle:_Plan.pool", "drafters.eagle:best_first", "drafters.eagle:make_tree",
           "drafters.eagle:_Plan.tree", "drafters.eagle:EagleDrafter._real_features",
           "drafters.eagle:EagleDrafter._catch_up_inputs", "drafters.eagle:EagleDrafter._history",
           "drafters.eagle:expanded_path", "specdec.tree:TokenTree.__init__")
-
-
-def _target(vocab: int, hidden: int, seed: int):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    return model.eval()
 
 
 def _wrap(spec: str, times: dict[str, float]) -> None:
@@ -158,14 +144,9 @@ def main() -> None:
 
     from drafters.eagle import EagleHead
 
-    target = _target(args.vocab, args.hidden, args.seed)
+    target = tiny_qwen2(args.vocab, args.hidden, 2, args.seed)
     torch.manual_seed(args.seed + 1)
-    head = EagleHead(target)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    head.eval()
+    head = randomize(EagleHead(target))
     for size in args.sizes:
         res = profile(size, args, target, head)
         if args.json:

@@ -30,23 +30,24 @@ import torch
 PHASES = ("draft_host", "load", "verify", "accept", "commit", "rest")
 
 
-def _tiny_qwen2(vocab: int, layers: int, seed: int):
-    import transformers as tf
-
-    from specdec.hf import prepare_model
-
-    torch.manual_seed(seed)
-    cfg = tf.Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+def randomize(module: torch.nn.Module) -> torch.nn.Module:
+    """Every matrix of ``module`` drawn from N(0, 0.2) (peaked, varied logits), in eval mode."""
     with torch.no_grad():
-        for p in model.parameters():
+        for p in module.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.2)
-    model.eval()
-    prepare_model(model)
-    return model
+    return module.eval()
+
+
+def tiny_qwen2(vocab: int, hidden: int, layers: int, seed: int):
+    """A random Qwen2 causal LM of the given sizes (4 query heads, 2 KV heads), not yet prepared."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+    return randomize(tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
 
 
 def _drafter(name: str, target, args):
@@ -59,12 +60,8 @@ def _drafter(name: str, target, args):
     from drafters.eagle import EagleDrafter, EagleHead
 
     torch.manual_seed(args.seed + 1)
-    head = EagleHead(target)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    return EagleDrafter(target, head.eval(), depth=args.depth, topk=args.topk, static_shapes=True)
+    head = randomize(EagleHead(target))
+    return EagleDrafter(target, head, depth=args.depth, topk=args.topk, static_shapes=True)
 
 
 class _Clock:
@@ -116,10 +113,12 @@ def main(argv=None) -> None:
 
     from specdec.engine import SpecDecoder
     from specdec.graphs import GraphedForward
+    from specdec.hf import prepare_model
     from specdec.kv import KVCache
 
     torch.set_num_threads(args.threads)
-    target = _tiny_qwen2(args.vocab, args.layers, args.seed)
+    target = tiny_qwen2(args.vocab, 64, args.layers, args.seed)
+    prepare_model(target)
     drafter = _drafter(args.drafter, target, args)
     tree_size = args.tree_size if drafter is not None else 0
     dec = SpecDecoder(target, drafter, tree_size, static_shapes=True, cuda_graphs=False,
