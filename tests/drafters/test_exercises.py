@@ -87,6 +87,7 @@ def test_cli_exercises_are_written_answered_cached_and_counted(tmp_path, capsys,
     assert seen == [3] and "exercises: 0 kept of 3 written" in text
     assert "training sequences: 7 (4 problems x 1 prompt styles (mbpp) x 1 answers" in text
     assert "3 answers to self-written exercises" in text
+    assert "time: model " in text and " data " in text and " training " in text  # where the minutes go
     cfg = json.loads((out / "eagle_config.json").read_text())
     assert cfg["train_examples"] == 7 and cfg["train"]["exercises"] == 3
     cache = out / "selfdistill.exercises.jsonl"
