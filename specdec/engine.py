@@ -211,6 +211,8 @@ class WarmupEntry:
         prefill_capture_s: its CUDA-graph capture; None without CUDA graphs, if done before, or
             without that forward.
         prefill_built: whether this warm-up made that forward.
+        capture_warmup_s: the part of ``capture_s`` spent in the side-stream warm-up forwards before
+            the recording (``specdec.graphs.capture_warmup``); None when ``capture_s`` is.
     """
 
     batch_size: int
@@ -225,6 +227,7 @@ class WarmupEntry:
     prefill_first_run_s: float | None = None
     prefill_capture_s: float | None = None
     prefill_built: bool = False
+    capture_warmup_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -951,13 +954,15 @@ class SpecDecoder:
         batch_sizes: Sequence[int] = (1,),
         max_len: int | None = None,
         *,
+        min_len: int | None = None,
         log: Callable[[str], None] | None = _stderr,
     ) -> WarmupReport:
         """Make every target forward that later ``generate`` calls will use, before timing them.
 
         For each batch size B and each capacity S a request of at most ``max_len`` tokens per
         sequence can get (every bucket of ``cache_buckets`` up to the one holding ``max_len +
-        tree_size``: a shorter request gets a smaller one; ``max_cache_len`` when set):
+        tree_size``: a shorter request gets a smaller one; ``max_cache_len`` when set) -- from the
+        bucket holding ``min_len + tree_size`` when ``min_len`` is given:
 
         1. the kept KV cache ``[B, S]`` is made and a prefill of a 2-token dummy prompt per
            sequence allocates its buffers: with static shapes and ``S >= prefill_width``, through
@@ -982,10 +987,21 @@ class SpecDecoder:
         Memory: every warmed cache stays allocated (see the class docstring), e.g. all six default
         buckets of Qwen2.5-1.5B in bf16 take 1.7 GiB per sequence of batch size.
 
+        Warming only what the first request needs (time to first token): ``min_len = max_len =
+        prompt + max_new_tokens`` of that request builds exactly the one bucket its ``generate``
+        uses (each bucket costs a compile -- or, with a warm compile cache, a trace and cache load
+        -- and a capture: ~15 s per bucket for Qwen2.5-1.5B compiled on an H100, PERF.md v4). The
+        trade-off: a later request that needs another bucket (a longer one, or a shorter one whose
+        smaller bucket was skipped) builds it on its first call, a stall of that size; warm the
+        range the workload spans (``min_len`` None) before timing a run.
+
         Args:
             batch_sizes: the batch sizes (numbers of prompts per call) to come.
             max_len: the most tokens per sequence the calls to come reach (longest prompt +
                 max_new_tokens); None: every bucket (up to the target's context).
+            min_len: the fewest tokens per sequence the calls to come reach (shortest prompt +
+                max_new_tokens): the buckets of shorter requests are skipped. None (default): from
+                the smallest bucket. At most ``max_len`` when both are given.
             log: called with progress messages (default: print to stderr); None: silent.
 
         Returns:
@@ -997,13 +1013,17 @@ class SpecDecoder:
             raise ValueError(f"batch_sizes: expected a non-empty sequence of ints >= 1, got {batch_sizes!r}")
         if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2):
             raise ValueError(f"max_len: expected None or an int >= 2 (prompt + max_new_tokens), got {max_len!r}")
+        if min_len is not None and (not isinstance(min_len, int) or isinstance(min_len, bool) or min_len < 2):
+            raise ValueError(f"min_len: expected None or an int >= 2 (prompt + max_new_tokens), got {min_len!r}")
+        if min_len is not None and max_len is not None and min_len > max_len:
+            raise ValueError(f"min_len: expected at most max_len = {max_len}, got {min_len}")
         limit = hf.max_positions(self.target)
         if max_len is not None and limit is not None and max_len > limit:
             raise ValueError(f"max_len: expected at most the target's context of {limit} positions, got {max_len}")
         if log is not None and not callable(log):
             raise ValueError(f"log: expected a callable or None, got {type(log).__name__}")
         say = log or (lambda message: None)
-        capacities = self._warm_capacities(max_len)
+        capacities = self._warm_capacities(max_len, min_len)
         batch_sizes = sorted(set(batch_sizes))
         n = self.tree_size + 1
         cache_dir = None
@@ -1029,7 +1049,10 @@ class SpecDecoder:
                 if entry.first_run_s is not None and self.compile:
                     parts.append(f"compile {entry.first_run_s:.1f} s")
                 if entry.capture_s is not None:
-                    parts.append(f"capture {entry.capture_s:.1f} s")
+                    split = ("" if entry.capture_warmup_s is None else
+                             f" (warm-up forwards {entry.capture_warmup_s:.1f}, "
+                             f"recording {entry.capture_s - entry.capture_warmup_s:.1f})")  # fmt: skip
+                    parts.append(f"capture {entry.capture_s:.1f} s{split}")
                 if entry.prefill_capture_s is not None:
                     parts.append(f"prefill capture {entry.prefill_capture_s:.1f} s")
                 if self.static_shapes and not entry.built:
@@ -1047,16 +1070,24 @@ class SpecDecoder:
         say(f"specdec warmup: done in {total:.1f} s")
         return WarmupReport(tuple(entries), drafter_s, total, cache_dir)
 
-    def _warm_capacities(self, max_len: int | None) -> list[int]:
-        """The cache capacities requests of at most ``max_len`` tokens per sequence can get."""
+    def _warm_capacities(self, max_len: int | None, min_len: int | None = None) -> list[int]:
+        """The cache capacities requests of ``min_len`` (None: any) to ``max_len`` (None: any) tokens
+        per sequence can get: the same rule as ``generate``'s (``_capacity`` of the tokens + tree_size)."""
         if max_len is None:
             if self.max_cache_len is not None:
                 return [self.max_cache_len]
-            return list(self.cache_buckets) if self.cache_buckets is not None else [self.tree_size + 2]
-        top = self._capacity(max_len + self.tree_size, "max_len", "max_len + tree_size")
-        if self.cache_buckets is None:
-            return [top]
-        return [c for c in self.cache_buckets if c <= top]
+            if self.cache_buckets is None:
+                return [self.tree_size + 2 if min_len is None else min_len + self.tree_size]
+            caps = list(self.cache_buckets)
+        else:
+            top = self._capacity(max_len + self.tree_size, "max_len", "max_len + tree_size")
+            if self.cache_buckets is None:
+                return [top]
+            caps = [c for c in self.cache_buckets if c <= top]
+        if min_len is not None:
+            low = self._capacity(min_len + self.tree_size, "min_len", "min_len + tree_size")
+            caps = [c for c in caps if c >= low]
+        return caps
 
     def _warm_one(self, batch: int, capacity: int, n: int) -> WarmupEntry:
         """Prefill a dummy prompt into the ``[batch, capacity]`` cache (through its prefill forward, if
@@ -1083,7 +1114,8 @@ class SpecDecoder:
                            prefill_n=None if pre is None else pre.n,
                            prefill_first_run_s=pre.first_run_s if pre_first else None,
                            prefill_capture_s=pre.capture_s if pre_first else None,
-                           prefill_built=pre is not None and pre is not existing_prefill)  # fmt: skip
+                           prefill_built=pre is not None and pre is not existing_prefill,
+                           capture_warmup_s=graphed.capture_warmup_s if first else None)  # fmt: skip
 
     # ------------------------------------------------------------------ checks
 

@@ -33,9 +33,10 @@ past a call's token count are padding that writes only the cache's last slot (ke
 caller) and attends only to it.
 
 Both classes run the same code on the same buffers in two modes: ``capture=True`` records the body once as a
-``torch.cuda.CUDAGraph`` (after one forward on the current stream, which allocates the cache's
-buffers if needed and compiles the kernels, and ``warmup`` more on a side stream, the standard
-pattern) and replays it; ``capture=False`` ("eager replay", any device) calls the body each time
+``torch.cuda.CUDAGraph`` (after a first forward, which compiles the kernels -- and allocates the
+cache's buffers if nothing wrote them yet --, and ``warmup`` more -- default 1,
+``SPECDEC_CAPTURE_WARMUP`` -- on the side stream the graph is then recorded on; see ``_capture``)
+and replays it; ``capture=False`` ("eager replay", any device) calls the body each time
 and copies its results into the same fixed output tensors. The eager mode is what CPU tests run:
 it checks everything the graph depends on (what is copied where, output aliasing) but the capture.
 
@@ -67,6 +68,7 @@ __all__ = [
     "GraphedForward",
     "GraphedMaskedForward",
     "InputLayout",
+    "capture_warmup",
     "compile_fixed_shapes",
     "configure_compile_cache",
     "pack_trees",
@@ -76,6 +78,24 @@ __all__ = [
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
 _COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
 _compile_cache_dir: str | None = None  # set by the first configure_compile_cache() of the process
+#: side-stream forwards before a capture when a forward is made with ``warmup=None`` (the default)
+DEFAULT_CAPTURE_WARMUP = 1
+CAPTURE_WARMUP_ENV = "SPECDEC_CAPTURE_WARMUP"
+
+
+def capture_warmup(warmup: int | None = None) -> int:
+    """The side-stream warm-up forwards before a CUDA-graph capture: ``warmup`` if given, else
+    ``$SPECDEC_CAPTURE_WARMUP`` if set, else ``DEFAULT_CAPTURE_WARMUP`` (1). See ``_Replayed._capture``."""
+    if warmup is not None:
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(f"warmup: expected None or an int >= 0, got {warmup!r}")
+        return warmup
+    env = os.environ.get(CAPTURE_WARMUP_ENV, "").strip()
+    if not env:
+        return DEFAULT_CAPTURE_WARMUP
+    if not env.isdigit():
+        raise ValueError(f"{CAPTURE_WARMUP_ENV}: expected an int >= 0, got {env!r}")
+    return int(env)
 
 
 def configure_compile_cache() -> str:
@@ -221,7 +241,7 @@ class _Replayed:
     """What both fixed-address forwards share: argument checks, the output tensors, eager replay and
     the CUDA-graph capture of ``_body`` (which subclasses define over their fixed input buffers)."""
 
-    def __init__(self, model, cache: KVCache, batch: int, n: int, *, capture: bool, warmup: int,
+    def __init__(self, model, cache: KVCache, batch: int, n: int, *, capture: bool, warmup: int | None = None,
                  compile: bool | str = False, n_name: str = "n") -> None:  # fmt: skip
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected a specdec.KVCache, got {type(cache).__name__}")
@@ -232,8 +252,7 @@ class _Replayed:
             raise ValueError(f"cache: expected batch size {batch}, got a cache of batch size {cache.batch_size}")
         if n > cache.capacity:
             raise ValueError(f"{n_name}: expected at most the cache capacity {cache.capacity}, got {n}")
-        if not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
+        warmup = capture_warmup(warmup)
         if not isinstance(compile, (bool, str)) or compile == "":
             raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
         self.device = hf.input_device(model)
@@ -264,6 +283,8 @@ class _Replayed:
         #: seconds of the capture after that first run (side-stream warm-up forwards and the
         #: recording); None without ``capture`` or before it.
         self.capture_s: float | None = None
+        #: the part of ``capture_s`` spent in the side-stream warm-up forwards (the rest: the recording)
+        self.capture_warmup_s: float | None = None
 
     def _stage(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, "_Copy"]:
         """A device input vector and its copier from a host staging vector (pinned on CUDA)."""
@@ -321,7 +342,27 @@ class _Replayed:
         return self.graph is not None
 
     def _capture(self) -> None:
-        """Warm up (current stream once, then a side stream), then record ``_body`` as a CUDA graph.
+        """Warm up (a first forward, then ``warmup`` more on a side stream), then record ``_body`` as
+        a CUDA graph on that same side stream.
+
+        Why these forwards: nothing lazily initialized may happen inside a capture (kernel loading
+        or compilation, cuBLAS handle creation, cuDNN / autotuning benchmarks, caching-allocator
+        growth of the general pool, the KV cache's first allocation). The first forward does all
+        of that (and torch.compile's compile or cache load). It runs on the side stream the graph is
+        then recorded on when the cache's buffers exist (the engine's case: its prefill wrote them),
+        so that the compiled code is called on one stream only (torch.compile's stream-aware
+        tracing in recent PyTorch can tell streams apart; a guard on the current stream would
+        recompile at the first call on another one), else on the current stream, so that the
+        buffers it allocates belong to the stream every later step runs on. What can still be lazy
+        is state kept per stream (PyTorch's cuBLAS / cuBLASLt workspace of a stream; hipBLASLt
+        handles on ROCm), so the warm-up forwards run on the stream the graph is recorded on
+        (before PERF.md v9: first forward on the current stream, two on a side stream, recording on
+        ``torch.cuda.graph``'s own default capture stream, one the warm-up never touched; PyTorch's
+        ``make_graphed_callables`` moved to one stream for warm-up and capture too, pytorch#187745). No op of the forward autotunes or benchmarks (no cuDNN,
+        no Triton autotune, inductor's default mode), so one such forward suffices; PyTorch's
+        ``make_graphed_callables`` defaults to 3 for autograd and DDP (which needs 11). ``warmup``
+        (``capture_warmup``: default 1, 2 before v9) sets the count; 0 records right after the first
+        forward.
 
         The body is idempotent for fixed inputs (it rewrites the same slots of the cache and reads
         them back), so the warm-up forwards on the loaded inputs change nothing that the replay
@@ -329,22 +370,29 @@ class _Replayed:
         """
         device = self.device
         with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)
             start = self._clock()
-            self._run()  # allocates the cache's buffers (first forward) on this stream; compiles kernels
+            if self.cache.layer_indices:  # buffers exist (the engine prefilled): every forward on one stream
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    self._run()  # compiles (or loads from the compile cache) and loads the kernels
+            else:
+                self._run()  # allocates the cache's buffers on this stream (the one later steps run on)
+                side.wait_stream(torch.cuda.current_stream(device))
             self.first_run_s = self._clock() - start
             layers = list(self.cache.layer_indices)
             if not layers:
                 raise RuntimeError("cache: the warm-up forward wrote no KV buffers; cannot capture the forward")
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
                     self._run()
             torch.cuda.current_stream(device).wait_stream(side)
+            self.capture_warmup_s = self._clock() - start - self.first_run_s
             graph = torch.cuda.CUDAGraph()
             _clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 logits, hidden = self._run()
+            torch.cuda.current_stream(device).wait_stream(side)
             _clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
             if list(self.cache.layer_indices) != layers:
                 raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
@@ -409,7 +457,8 @@ class GraphedForward(_Replayed):
         impl: ``treeattn.tree_attention``'s ``impl``.
         return_hidden: also produce the final hidden states (for drafters that read them).
         capture: record a CUDA graph (the model must be on CUDA); False = eager replay.
-        warmup: side-stream forwards before the capture (after one on the current stream).
+        warmup: side-stream forwards before the capture (after one on the current stream); None:
+            ``capture_warmup()`` (1 unless ``$SPECDEC_CAPTURE_WARMUP`` says otherwise).
         compile: run the body through ``torch.compile`` (True: inductor; or a backend name), e.g.
             to fuse the layers' elementwise kernels before the capture.
         logits_to_keep: 0 (default) = logits (and hidden states) of all n nodes; k in [1, n] = of
@@ -422,7 +471,7 @@ class GraphedForward(_Replayed):
     """
 
     def __init__(self, model, cache: KVCache, batch: int, n: int, *, impl: str = "auto",
-                 return_hidden: bool = False, capture: bool = False, warmup: int = 2,
+                 return_hidden: bool = False, capture: bool = False, warmup: int | None = None,
                  compile: bool | str = False, logits_to_keep: int = 0) -> None:  # fmt: skip
         super().__init__(model, cache, batch, n, capture=capture, warmup=warmup, compile=compile)
         if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or not 0 <= logits_to_keep <= n:
@@ -486,7 +535,7 @@ class GraphedMaskedForward(_Replayed):
         batch, m: the static shape: B sequences, m input tokens each.
         return_hidden: also produce the final hidden states.
         capture: record a CUDA graph (the model must be on CUDA); False = eager replay.
-        warmup: side-stream forwards before the capture.
+        warmup: side-stream forwards before the capture; None: ``capture_warmup()``.
         compile: run the body through ``torch.compile`` (True: inductor; or a backend name).
 
     Use: ``load(tokens, positions, slots, visible, key_positions)`` then ``forward()`` returns
@@ -495,7 +544,7 @@ class GraphedMaskedForward(_Replayed):
     """
 
     def __init__(self, model, cache: KVCache, batch: int, m: int, *, return_hidden: bool = False,
-                 capture: bool = False, warmup: int = 2, compile: bool | str = False) -> None:  # fmt: skip
+                 capture: bool = False, warmup: int | None = None, compile: bool | str = False) -> None:  # fmt: skip
         super().__init__(model, cache, batch, m, capture=capture, warmup=warmup, compile=compile, n_name="m")
         if m >= cache.capacity:
             raise ValueError(f"m: expected fewer tokens than the cache capacity {cache.capacity} (one slot is scratch), got {m}")

