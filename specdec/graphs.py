@@ -34,8 +34,8 @@ caller) and attends only to it.
 
 Both classes run the same code on the same buffers in two modes: ``capture=True`` records the body once as a
 ``torch.cuda.CUDAGraph`` (after a first forward, which compiles the kernels -- and allocates the
-cache's buffers if nothing wrote them yet --, and ``warmup`` more -- default 1,
-``SPECDEC_CAPTURE_WARMUP`` -- on the side stream the graph is then recorded on; see ``_capture``)
+cache's buffers if nothing wrote them yet --, and ``warmup`` more -- default 2,
+``SPECDEC_CAPTURE_WARMUP`` -- on a side stream; see ``_capture``)
 and replays it; ``capture=False`` ("eager replay", any device) calls the body each time
 and copies its results into the same fixed output tensors. The eager mode is what CPU tests run:
 it checks everything the graph depends on (what is copied where, output aliasing) but the capture.
@@ -79,13 +79,15 @@ _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte bo
 _COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
 _compile_cache_dir: str | None = None  # set by the first configure_compile_cache() of the process
 #: side-stream forwards before a capture when a forward is made with ``warmup=None`` (the default)
-DEFAULT_CAPTURE_WARMUP = 1
+DEFAULT_CAPTURE_WARMUP = 2
 CAPTURE_WARMUP_ENV = "SPECDEC_CAPTURE_WARMUP"
+#: "1": the first forward, the warm-up and the recording of a capture on one side stream (PERF.md v9)
+ONE_STREAM_ENV = "SPECDEC_CAPTURE_ONE_STREAM"
 
 
 def capture_warmup(warmup: int | None = None) -> int:
     """The side-stream warm-up forwards before a CUDA-graph capture: ``warmup`` if given, else
-    ``$SPECDEC_CAPTURE_WARMUP`` if set, else ``DEFAULT_CAPTURE_WARMUP`` (1). See ``_Replayed._capture``."""
+    ``$SPECDEC_CAPTURE_WARMUP`` if set, else ``DEFAULT_CAPTURE_WARMUP`` (2). See ``_Replayed._capture``."""
     if warmup is not None:
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
             raise ValueError(f"warmup: expected None or an int >= 0, got {warmup!r}")
@@ -343,26 +345,25 @@ class _Replayed:
 
     def _capture(self) -> None:
         """Warm up (a first forward, then ``warmup`` more on a side stream), then record ``_body`` as
-        a CUDA graph on that same side stream.
+        a CUDA graph.
 
         Why these forwards: nothing lazily initialized may happen inside a capture (kernel loading
         or compilation, cuBLAS handle creation, cuDNN / autotuning benchmarks, caching-allocator
         growth of the general pool, the KV cache's first allocation). The first forward does all
-        of that (and torch.compile's compile or cache load). It runs on the side stream the graph is
-        then recorded on when the cache's buffers exist (the engine's case: its prefill wrote them),
-        so that the compiled code is called on one stream only (torch.compile's stream-aware
-        tracing in recent PyTorch can tell streams apart; a guard on the current stream would
-        recompile at the first call on another one), else on the current stream, so that the
-        buffers it allocates belong to the stream every later step runs on. What can still be lazy
-        is state kept per stream (PyTorch's cuBLAS / cuBLASLt workspace of a stream; hipBLASLt
-        handles on ROCm), so the warm-up forwards run on the stream the graph is recorded on
-        (before PERF.md v9: first forward on the current stream, two on a side stream, recording on
-        ``torch.cuda.graph``'s own default capture stream, one the warm-up never touched; PyTorch's
-        ``make_graphed_callables`` moved to one stream for warm-up and capture too, pytorch#187745). No op of the forward autotunes or benchmarks (no cuDNN,
-        no Triton autotune, inductor's default mode), so one such forward suffices; PyTorch's
-        ``make_graphed_callables`` defaults to 3 for autograd and DDP (which needs 11). ``warmup``
-        (``capture_warmup``: default 1, 2 before v9) sets the count; 0 records right after the first
-        forward.
+        of that (and torch.compile's compile or cache load) on the current stream, so that the
+        buffers it allocates belong to the stream every later step runs on; the warm-up forwards
+        run on a side stream, and the recording on ``torch.cuda.graph``'s own capture stream (what
+        every GPU measurement so far ran). ``warmup`` (``capture_warmup``: default 2) sets the count.
+
+        With ``$SPECDEC_CAPTURE_ONE_STREAM=1`` (a candidate for a faster first token, PERF.md v9,
+        not yet run on a GPU): when the cache's buffers exist (the engine's case: its prefill wrote
+        them) the first forward runs on the side stream too, and the graph is recorded on that same
+        stream, so that the compiled code is called on one stream only (a guard on the current stream
+        would recompile at the first call on another one) and the per-stream lazy state (PyTorch's
+        cuBLAS / cuBLASLt workspace of a stream) is warmed on the stream the graph is recorded on, as
+        PyTorch's ``make_graphed_callables`` does since pytorch#187745. No op of the forward autotunes
+        or benchmarks (inductor's default mode), so one warm-up forward should suffice there
+        (``SPECDEC_CAPTURE_WARMUP=1``).
 
         The body is idempotent for fixed inputs (it rewrites the same slots of the cache and reads
         them back), so the warm-up forwards on the loaded inputs change nothing that the replay
@@ -371,8 +372,9 @@ class _Replayed:
         device = self.device
         with torch.cuda.device(device):
             side = torch.cuda.Stream(device)
+            one_stream = os.environ.get(ONE_STREAM_ENV, "0") == "1"
             start = self._clock()
-            if self.cache.layer_indices:  # buffers exist (the engine prefilled): every forward on one stream
+            if one_stream and self.cache.layer_indices:  # buffers exist (the engine prefilled): one stream
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     self._run()  # compiles (or loads from the compile cache) and loads the kernels
@@ -390,7 +392,7 @@ class _Replayed:
             self.capture_warmup_s = self._clock() - start - self.first_run_s
             graph = torch.cuda.CUDAGraph()
             _clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=side if one_stream else None, capture_error_mode="thread_local"):
                 logits, hidden = self._run()
             torch.cuda.current_stream(device).wait_stream(side)
             _clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
@@ -458,7 +460,7 @@ class GraphedForward(_Replayed):
         return_hidden: also produce the final hidden states (for drafters that read them).
         capture: record a CUDA graph (the model must be on CUDA); False = eager replay.
         warmup: side-stream forwards before the capture (after one on the current stream); None:
-            ``capture_warmup()`` (1 unless ``$SPECDEC_CAPTURE_WARMUP`` says otherwise).
+            ``capture_warmup()`` (2 unless ``$SPECDEC_CAPTURE_WARMUP`` says otherwise).
         compile: run the body through ``torch.compile`` (True: inductor; or a backend name), e.g.
             to fuse the layers' elementwise kernels before the capture.
         logits_to_keep: 0 (default) = logits (and hidden states) of all n nodes; k in [1, n] = of

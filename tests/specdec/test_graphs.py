@@ -466,9 +466,13 @@ def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager():
 
 
 @cuda_only
-def test_cuda_capture_of_a_compiled_forward_compiles_once():
-    """The capture's forwards (first run, warm-up, recording: one side stream since v9) compile the
-    body once: as many dynamo graphs as one eager-replay (uncaptured) call of the same forward."""
+def test_cuda_capture_of_a_compiled_forward_compiles_once(monkeypatch):
+    """With ``$SPECDEC_CAPTURE_ONE_STREAM=1`` (PERF.md v9's candidate) the capture's forwards (first
+    run, warm-up, recording: one side stream) compile the body once: as many dynamo graphs as one
+    eager-replay (uncaptured) call of the same forward."""
+    from specdec.graphs import ONE_STREAM_ENV
+
+    monkeypatch.setenv(ONE_STREAM_ENV, "1")
     model = _cuda_model("qwen2")
 
     def graphs_made(capture: bool, capacity: int, n: int) -> int:  # new shapes each: a compile of their own
@@ -642,17 +646,17 @@ def test_cuda_graph_replay_after_cublas_workspaces_are_cleared():
 
 
 def test_capture_warmup_count(monkeypatch):
-    """Side-stream forwards before a capture: 1 by default (PERF.md v9), ``$SPECDEC_CAPTURE_WARMUP``, or the argument."""
+    """Side-stream forwards before a capture: 2 by default, ``$SPECDEC_CAPTURE_WARMUP``, or the argument."""
     from specdec.graphs import CAPTURE_WARMUP_ENV, capture_warmup
 
     monkeypatch.delenv(CAPTURE_WARMUP_ENV, raising=False)
-    assert capture_warmup() == 1 and capture_warmup(0) == 0 and capture_warmup(3) == 3
-    monkeypatch.setenv(CAPTURE_WARMUP_ENV, "2")
-    assert capture_warmup() == 2 and capture_warmup(0) == 0
+    assert capture_warmup() == 2 and capture_warmup(0) == 0 and capture_warmup(3) == 3
+    monkeypatch.setenv(CAPTURE_WARMUP_ENV, "1")
+    assert capture_warmup() == 1 and capture_warmup(0) == 0
     model = tiny_model("llama")
     prepare_model(model, "target")
     cache = KVCache(1, 32, num_layers=2)
-    assert GraphedForward(model, cache, 1, 4).warmup == 2
+    assert GraphedForward(model, cache, 1, 4).warmup == 1
     assert GraphedForward(model, cache, 1, 4, warmup=0).warmup == 0
     monkeypatch.setenv(CAPTURE_WARMUP_ENV, "two")
     with pytest.raises(ValueError, match=r"SPECDEC_CAPTURE_WARMUP: expected an int >= 0, got 'two'"):
@@ -661,4 +665,4 @@ def test_capture_warmup_count(monkeypatch):
     with pytest.raises(ValueError, match=r"warmup: expected None or an int >= 0, got -1"):
         GraphedForward(model, cache, 1, 4, warmup=-1)
     gf = GraphedForward(model, cache, 1, 4)
-    assert gf.warmup == 1 and gf.capture_s is None and gf.capture_warmup_s is None
+    assert gf.warmup == 2 and gf.capture_s is None and gf.capture_warmup_s is None
