@@ -63,7 +63,8 @@ drafter spec: [LABEL=]NAME[:KEY=VALUE[,KEY=VALUE...]]
   KEY=VALUE  constructor options; VALUE is parsed as JSON when it can be (4, true, [1,2]), else a
           string; commas inside [...], {...} or quotes do not split. draft=MODEL loads that draft
           model once for this drafter (default: --draft); heads=DIR loads Medusa / EAGLE heads once;
-          compile=true runs this drafter's engine through torch.compile (as --compile does for all).
+          compile=true runs this drafter's engine through torch.compile (as --compile does for all);
+          compile=max-autotune also times Triton GEMM templates for every matmul shape (longer compile).
   LABEL   the name shown in tables and plots (default: NAME when it is unique in the run, else the
           whole spec)
   e.g. lookup  medusa:heads=/tmp/medusa  model:draft=qwen2.5-coder-0.5b,depth=4  m8=model:topk=8
@@ -178,12 +179,14 @@ class DrafterSpec:
         return None if val is None else str(val)
 
     @property
-    def compile(self) -> bool:
-        """The ``compile=`` option: this drafter's engine through ``torch.compile``, and the drafter's
-        own forwards where its constructor takes ``compile`` (the draft-model drafter)."""
+    def compile(self) -> bool | str:
+        """The ``compile=`` option: this drafter's engine through ``torch.compile`` (true; or
+        ``max-autotune``: inductor timing GEMM templates, ``specdec.graphs.compile_fixed_shapes``), and
+        the drafter's own forwards where its constructor takes ``compile`` (the draft-model drafter)."""
         val = dict(self.options).get(COMPILE_OPTION, False)
-        if not isinstance(val, bool):
-            raise ValueError(f"drafters: expected compile=true or compile=false, got {val!r} in {self.key!r}")
+        if not isinstance(val, bool) and val != "max-autotune":
+            raise ValueError(f"drafters: expected compile=true, compile=false or compile=max-autotune, got {val!r} "
+                             f"in {self.key!r}")  # fmt: skip
         return val
 
     def factory_options(self) -> dict[str, Any]:

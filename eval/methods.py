@@ -462,7 +462,7 @@ class Session:
 
         options = spec.factory_options()
         if spec.compile and "compile" in constructor_options(spec.name):  # the draft model's forwards too
-            options["compile"] = True
+            options["compile"] = spec.compile
         if spec.key not in self._heads:
             self._heads[spec.key] = _load_heads(spec, self.target)
         if self._heads[spec.key] is not None:

@@ -348,7 +348,8 @@ class SpecDecoder:
             static, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``; False on CPU). Needs
             static shapes.
         compile: run the fixed-shape tree forward through ``torch.compile`` before it is captured
-            (True: inductor, or a backend name; needs static shapes): fuses the layers'
+            (True: inductor; ``"max-autotune"``: inductor timing GEMM templates per matmul shape,
+            a longer first compile; or a backend name; needs static shapes): fuses the layers'
             elementwise kernels; the tree attention stays one custom op. The first forward of
             each (batch size, cache capacity) compiles (tens of seconds for a real model the first
             time; inductor's on-disk cache, ``specdec.graphs.configure_compile_cache``, makes later
@@ -1027,7 +1028,7 @@ class SpecDecoder:
         batch_sizes = sorted(set(batch_sizes))
         n = self.tree_size + 1
         cache_dir = None
-        if self.compile in (True, "inductor"):
+        if self.compile in (True, "inductor", "max-autotune"):
             cache_dir = configure_compile_cache()
         how = [f"torch.compile ({'inductor' if self.compile is True else self.compile})"] if self.compile else []
         how += ["CUDA graphs"] if self.cuda_graphs else (["fixed shapes, eager"] if self.static_shapes else ["eager"])

@@ -227,16 +227,20 @@ def _shape_inputs(parents: tuple[int, ...], n: int, width: int) -> tuple[array.a
 
 def compile_fixed_shapes(fn, backend: bool | str):
     """``torch.compile(fn)`` for fixed shapes (``dynamic=False``, graph breaks allowed); ``backend``:
-    True or ``"inductor"`` (whose on-disk caches ``configure_compile_cache`` makes persistent), or
-    another backend name. Every caller compiles its code object for its own shapes and buffers;
-    dynamo's default of 8 variants per code object would silently leave later ones uncompiled (e.g.
-    a sweep over tree sizes, batch sizes and cache capacities), so the limit is raised."""
-    backend = "inductor" if backend is True else backend
+    True or ``"inductor"`` (whose on-disk caches ``configure_compile_cache`` makes persistent),
+    ``"max-autotune"`` (inductor timing Triton GEMM templates against cuBLAS for every matmul shape,
+    mode ``max-autotune-no-cudagraphs``: the callers capture their own graphs; a longer first compile,
+    cached on disk like the rest), or another backend name. Every caller compiles its code object for
+    its own shapes and buffers; dynamo's default of 8 variants per code object would silently leave
+    later ones uncompiled (e.g. a sweep over tree sizes, batch sizes and cache capacities), so the
+    limit is raised."""
+    mode = "max-autotune-no-cudagraphs" if backend == "max-autotune" else None
+    backend = "inductor" if backend is True or mode else backend
     if backend == "inductor":
         configure_compile_cache()
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)
-    return torch.compile(fn, backend=backend, fullgraph=False, dynamic=False)
+    return torch.compile(fn, backend=backend, mode=mode, fullgraph=False, dynamic=False)
 
 
 class _Replayed:

@@ -666,3 +666,18 @@ def test_capture_warmup_count(monkeypatch):
         GraphedForward(model, cache, 1, 4, warmup=-1)
     gf = GraphedForward(model, cache, 1, 4)
     assert gf.warmup == 2 and gf.capture_s is None and gf.capture_warmup_s is None
+
+
+def test_compile_fixed_shapes_modes(monkeypatch):
+    """True / "inductor": inductor's default mode; "max-autotune": inductor timing GEMM templates,
+    without its own CUDA graphs (the forwards capture theirs); another string: that backend."""
+    from specdec import graphs
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    monkeypatch.setattr(graphs, "configure_compile_cache", lambda: "/tmp/unused")
+    for backend in (True, "inductor", "max-autotune", "aot_eager"):
+        graphs.compile_fixed_shapes(len, backend)
+    assert [(c["backend"], c["mode"]) for c in calls] == [
+        ("inductor", None), ("inductor", None), ("inductor", "max-autotune-no-cudagraphs"), ("aot_eager", None)]
+    assert all(c["dynamic"] is False for c in calls)
