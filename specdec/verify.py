@@ -152,7 +152,6 @@ def greedy_verdict(tree: TokenTree, argmax: list[int]) -> Verdict:
     return Verdict(tuple(path), want)
 
 
-
 def verify_stochastic(
     tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
 ) -> Verdict:
@@ -195,7 +194,8 @@ def verify_stochastic_batch(
     Returns:
         Per tree, its ``Verdict`` (None where the tree is None).
     """
-    if not isinstance(target_probs, torch.Tensor) or not target_probs.dtype.is_floating_point or target_probs.dim() != 3:
+    if (not isinstance(target_probs, torch.Tensor) or not target_probs.dtype.is_floating_point
+            or target_probs.dim() != 3):  # fmt: skip
         got = (f"{target_probs.dtype} {tuple(target_probs.shape)}" if isinstance(target_probs, torch.Tensor)
                else type(target_probs).__name__)  # fmt: skip
         raise ValueError(f"target_probs: expected a float tensor of shape [B, m, V], got {got}")

@@ -308,6 +308,9 @@ def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family, refer
 # greedy and ``"topk"`` children are a deterministic function of the draft's logits (sampled
 # proposals: ``test_device_loop_samples_as_the_host_loop_for_fixed_draws`` and the lossless suite). Re-record (only when a change is meant to alter the trees) with the old
 # module: ``git show c74be21:drafters/draft_model.py > /tmp/old.py`` and ``_tree_cases(old_class)``.
+# The four sampled ``"gen"`` cases were re-recorded that way when the stochastic verifier moved to
+# one device-to-host copy per step (it draws a different random stream; the old module and the
+# device loop still propose identical trees under it).
 
 _TREES_FILE = __import__("pathlib").Path(__file__).parent / "data" / "draft_model_trees.json"
 
