@@ -269,3 +269,74 @@ def test_inverse_cdf_draws_each_row_from_its_distribution(chunk_rows, monkeypatc
     assert verify_mod._inverse_cdf(rows, top).tolist() == [6, 6, 6, 7] and rows[1, 6] > 0
     for r in range(3):
         assert not _chi2_fails(counts[r], rows[r] / rows[r].sum())
+
+
+# --------------------------------------------------------------------------- the verdict's exact law
+
+
+def _exact_verdicts(tree: TokenTree, p_rows: torch.Tensor, q_rows: torch.Tensor, kind: str) -> dict:
+    """(path, bonus) -> probability under the module docstring's rule, enumerated in float64."""
+    out: dict = {}
+    tokens, children = tree.token_list, tree.children
+
+    def visit(node, path, prob):
+        p = p_rows[node].double()
+        q = None if kind == "topk" else q_rows[node].double()
+        for c in children[node]:
+            x = tokens[c]
+            if kind == "topk":
+                a = float(p[x])
+            else:
+                a = (1.0 if p[x] > 0 else 0.0) if q[x] == 0 else min(1.0, float(p[x] / q[x]))
+            if a > 0:
+                visit(c, path + (c,), prob * a)
+            prob *= 1 - a
+            if prob <= 0:
+                return
+            rest = p.clone()
+            if kind == "topk":
+                rest[x] = 0.0
+            else:
+                rest = (p - q).clamp(min=0.0)
+                if kind == "no_replacement":
+                    q2 = q.clone()
+                    q2[x] = 0.0
+                    q = q2 / q2.sum() if q2.sum() > 0 else q
+            p = rest / rest.sum() if rest.sum() > 0 else p
+        for y in range(p.shape[0]):
+            if p[y] > 0:
+                out[(path, y)] = out.get((path, y), 0.0) + prob * float(p[y] / p.sum())
+
+    visit(0, (0,), 1.0)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["topk", "iid", "no_replacement"])
+def test_verdicts_follow_the_exact_law_of_the_rule(kind):
+    """Stronger than the two-token joints: the whole verdict (accepted path, bonus) of one fixed
+    21-node tree (duplicate siblings, a top-k-warped target favouring the drafted tokens so that
+    deep paths are common) against its exact distribution, enumerated from the rule."""
+    from tests.drafters.test_lossless import chi2_pvalue
+
+    vocab = 8
+    toks = [7, 0, 0, 0, 1, 6, 1, 6, 2, 1, 0, 0, 1, 4, 0, 0, 0, 1, 1, 6, 2]
+    par = [-1, 0, 1, 2, 2, 2, 1, 1, 7, 0, 9, 10, 9, 0, 0, 14, 15, 15, 14, 14, 19]
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(len(toks), vocab, generator=gen)
+    for c in range(1, len(toks)):
+        logits[par[c], toks[c]] += 2.5
+    p_rows = logits_to_probs(logits, SamplingConfig(0.9, top_k=4))
+    q_rows = (torch.randn(len(toks), vocab, generator=gen) + 0.8 * logits).softmax(-1)
+    tree = TokenTree(torch.tensor(toks), torch.tensor(par), q_rows, kind)
+    law = _exact_verdicts(tree, p_rows, q_rows, kind)
+    assert abs(sum(law.values()) - 1.0) < 1e-9
+    counts: dict = {}
+    for _ in range(6000):
+        v = verify_stochastic(tree, p_rows, gen)
+        counts[(v.path, v.bonus_token)] = counts.get((v.path, v.bonus_token), 0) + 1
+    cells = sorted(set(law) | set(counts))
+    assert all(law.get(c, 0.0) > 0 for c in counts), [c for c in counts if law.get(c, 0.0) == 0]
+    assert len(law) >= 8  # deep paths and several bonuses are exercised
+    observed = torch.tensor([float(counts.get(c, 0)) for c in cells])
+    pval = chi2_pvalue(observed, torch.tensor([law.get(c, 0.0) for c in cells]))
+    assert pval > 1e-3, pval
