@@ -10,7 +10,7 @@ from specdec.engine import GenerationOutput, SpecDecoder, SpeculativeModel, Step
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs, warp_logits
 from specdec.tree import PROPOSALS, TokenTree
-from specdec.verify import Verdict, verify_greedy, verify_stochastic
+from specdec.verify import Verdict, verify_greedy, verify_stochastic, verify_stochastic_batch
 
 __all__ = [
     "GenerationOutput",
@@ -25,6 +25,7 @@ __all__ = [
     "logits_to_probs",
     "verify_greedy",
     "verify_stochastic",
+    "verify_stochastic_batch",
     "warp_logits",
     "wrap",
 ]

@@ -56,7 +56,7 @@ from specdec.graphs import GraphedForward, configure_compile_cache, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
-from specdec.verify import Verdict, greedy_verdict, verify_stochastic
+from specdec.verify import Verdict, greedy_verdict, verify_stochastic_batch
 from treeattn import TreeMask
 
 __all__ = [
@@ -870,21 +870,17 @@ class SpecDecoder:
         Greedy: one argmax over the logits of the first m rows of every sequence (m: the largest
         tree's size) and one device-to-host copy of its ``[B, m]`` tokens, then ``greedy_verdict``
         per tree on the host (the trees were checked by ``_checked_tree``, or are root-only trees of
-        committed tokens).
+        committed tokens). Sampling: the target distributions of the same ``[B, m]`` rows, then
+        ``verify_stochastic_batch``: the residuals and draws of every node on the device, one
+        device-to-host copy for the batch, the walks on the host.
         """
-        best = None
-        if run.sampling is None:
-            best = logits[:, : max(t.n for t in trees)].argmax(dim=-1).tolist()
-        verdicts: list[Verdict | None] = []
-        for b, t in enumerate(trees):
-            if run.done[b]:
-                verdicts.append(None)
-            elif best is not None:
-                verdicts.append(greedy_verdict(t, best[b]))
-            else:
-                probs = logits_to_probs(logits[b, : t.n], run.sampling)
-                verdicts.append(verify_stochastic(t, probs, run.generator))
-        return verdicts
+        m = max(t.n for t in trees)
+        if run.sampling is not None:
+            probs = logits_to_probs(logits[:, :m], run.sampling)
+            return verify_stochastic_batch([None if run.done[b] else t for b, t in enumerate(trees)], probs,
+                                           run.generator)  # fmt: skip
+        best = logits[:, :m].argmax(dim=-1).tolist()
+        return [None if run.done[b] else greedy_verdict(t, best[b]) for b, t in enumerate(trees)]
 
     def _accept(self, run: _Run, trees: list[TokenTree], verdicts: list[Verdict | None],
                 node_hidden: torch.Tensor | None) -> tuple[list[list[int]], list[tuple[int, ...] | None]]:  # fmt: skip

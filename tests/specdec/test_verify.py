@@ -115,7 +115,10 @@ def test_mislabelled_proposal_is_detected(dists, draw_kind, label):
 
 @pytest.mark.parametrize("kind", ["iid", "topk"])
 def test_missing_residual_update_is_detected(dists, kind, monkeypatch):
-    monkeypatch.setattr(verify_mod, "_normalized", lambda x, fallback: fallback)
+    # every residual update of the one-copy verifier disabled: p stays the target's row at each node
+    monkeypatch.setattr(verify_mod, "_sampled_residual", lambda p, q: p)
+    monkeypatch.setattr(verify_mod, "_zero_children", lambda rows, flat: None)
+    monkeypatch.setattr(verify_mod, "_topk_remaining", lambda remaining, g: remaining)
     counts = _joint_counts(dists, kind, kind, SAMPLES // 3)
     assert _chi2_fails(counts, _target_joint(dists))
 
