@@ -443,8 +443,8 @@ def _walk(plan: _Plan, host: list[float], k: int, tree: TokenTree) -> Verdict:
     """The verification walk of tree k on host floats (``_device_pass``'s copy)."""
     C, L = plan.num_children, plan.num_loop
     base = plan.child_base[k]
-    uni, g, num, den = host, host[C:], host[2 * C :], host[2 * C + L :]
-    bonus = host[2 * C + 2 * L :]
+    # offsets into the one copy (the list is shared by every tree of the batch: indexed, not sliced)
+    u_at, g_at, num_at, den_at, bonus_at = base - 1, C + base - 1, 2 * C, 2 * C + L, 2 * C + 2 * L
     tokens, children = tree.token_list, tree.children
     topk = plan.kinds[k] == "topk"
     loop_pos = plan.loop_pos[k]
@@ -455,8 +455,8 @@ def _walk(plan: _Plan, host: list[float], k: int, tree: TokenTree) -> Verdict:
             remaining, seen = 1.0, set()
             for c in children[node]:
                 x = tokens[c]
-                gx = 0.0 if x in seen else g[base + c - 1]
-                if gx > 0.0 and uni[base + c - 1] * remaining < gx:  # u < g / remaining
+                gx = 0.0 if x in seen else host[g_at + c]
+                if gx > 0.0 and host[u_at + c] * remaining < gx:  # u < g / remaining
                     accepted = c
                     break
                 seen.add(x)
@@ -464,24 +464,24 @@ def _walk(plan: _Plan, host: list[float], k: int, tree: TokenTree) -> Verdict:
         else:
             for c in children[node]:
                 at = loop_pos[c]
-                if uni[base + c - 1] * den[at] < num[at]:  # u < p(x) / q(x), also right for q(x) = 0
+                if host[u_at + c] * host[den_at + at] < host[num_at + at]:  # u < p(x) / q(x), also for q(x) = 0
                     accepted = c
                     break
         if accepted is None:
-            token = int(bonus[plan.row_of[k][node]])
+            token = int(host[bonus_at + plan.row_of[k][node]])
             if token >= plan.vocab:  # the residual had no mass
-                token = _fallback_bonus(tree, node, g, base, plan.seqs[k])
+                token = _fallback_bonus(tree, node, host, g_at, plan.seqs[k])
             return Verdict(tuple(path), token)
         path.append(accepted)
         node = accepted
 
 
-def _fallback_bonus(tree: TokenTree, node: int, g: list[float], base: int, b: int) -> int:
-    """The bonus when a node's residual has no mass left: its last child with target mass (the
-    target's mass was all on the children's tokens, so only rounding gets here); a ValueError
-    if the node's target row itself has no mass."""
+def _fallback_bonus(tree: TokenTree, node: int, host: list[float], g_at: int, b: int) -> int:
+    """The bonus when a node's residual has no mass left: its last child with target mass
+    (``host[g_at + c]``; the target's mass was all on the children's tokens, so only rounding gets
+    here); a ValueError if the node's target row itself has no mass."""
     for c in reversed(tree.children[node]):
-        if g[base + c - 1] > 0.0:
+        if host[g_at + c] > 0.0:
             return tree.token_list[c]
     raise ValueError(
         f"target_probs: expected rows with positive mass, got none (NaN or all zeros) at node {node} of trees[{b}]"
