@@ -20,7 +20,8 @@
 # (train-eagle --prompt-styles, default function,stdin,starter), ANSWERS (--answers-per-prompt, default
 # 1), GEN (--gen-batch-size, default 120; 384 ran out of memory on the H100), FRESH (1: distill anew, not from a carried cache), METHODS (default
 # "specdec hf-static"), TEMP (sampling temperature, default 0 = greedy; results
-# then go to $s-eagle-t$TEMP.jsonl). Every apps / humaneval call adds its rows to one file per dataset
+# then go to $s-eagle-t$TEMP.jsonl), TAG (the results file is $s-$TAG.jsonl instead: a new TAG starts a new file,
+# so its baselines run again in this process). Every apps / humaneval call adds its rows to one file per dataset
 # (baselines reused), so calls may split drafters and tree sizes.
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
@@ -35,7 +36,7 @@ train=(--data .evaldata/mbpp.jsonl --out "$head" --answers-per-prompt "${ANSWERS
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
        --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}")
 read -ra methods <<< "${METHODS:-specdec hf-static}"
-tag=$([ "${TEMP:-0}" = 0 ] && echo eagle || echo "eagle-t${TEMP}")
+tag=${TAG:-$([ "${TEMP:-0}" = 0 ] && echo eagle || echo "eagle-t${TEMP}")}
 for s in "$@"; do
   echo "== $s $(date +%T)" >> "$out/steps.log"
   case $s in
