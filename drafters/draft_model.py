@@ -61,11 +61,16 @@ from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
+from treeattn.layout import BITS_PER_WORD, num_words
+from treeattn.ops import tree_attention_op
 
-__all__ = ["DraftModelDrafter", "SAMPLING_PROPOSALS"]
+__all__ = ["DraftModelDrafter", "SAMPLING_PROPOSALS", "ATTENTIONS"]
 
 #: How children are chosen when the engine samples: deterministic top-k of the warped draft, or drawn.
 SAMPLING_PROPOSALS = ("topk", "iid", "no_replacement")
+
+#: How the device loop's draft forwards attend: SDPA under a dense mask over the whole cache, or treeattn's kernel.
+ATTENTIONS = ("sdpa", "tree")
 
 
 @dataclass
@@ -111,6 +116,11 @@ class DraftModelDrafter(BaseDrafter):
             in one CUDA graph, one host sync per step); False = the host-driven loop (one forward,
             masks built on the host and one host sync per depth), kept as the reference the device
             loop is tested against.
+        attention: how the device loop's forwards attend: ``"sdpa"`` (default; SDPA under a dense
+            mask over the whole draft cache, every layer kind) or ``"tree"`` (treeattn's kernel:
+            the committed prefix read up to its length, split over many thread blocks, the tree
+            part through ancestor bit words; no sliding-window or soft-capped layers). The
+            host-driven loop always uses SDPA.
 
     Counters of the last ``propose`` (for benchmarks: draft ms per step come from the engine's
     ``StepStats.draft_s``): ``last_forwards`` (draft forwards, catch-up included), ``last_depth``
@@ -136,8 +146,11 @@ class DraftModelDrafter(BaseDrafter):
         cuda_graphs: bool | None = None,
         compile: bool | str = False,
         device_loop: bool = True,
+        attention: str = "sdpa",
     ) -> None:
         hf.prepare_model(draft_model, "draft_model")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
         if not isinstance(device_loop, bool):
             raise ValueError(f"device_loop: expected True or False, got {device_loop!r}")
         for name, val in (("depth", depth), ("topk", topk)):
@@ -163,6 +176,7 @@ class DraftModelDrafter(BaseDrafter):
         #: the least capacity of a new draft cache (``warmup`` raises it to what its requests need)
         self._min_cache = 256
         self.device_loop = device_loop
+        self.attention = attention
         #: draft forwards run by the last ``propose`` (catch-up included; for tests and accounting)
         self.last_forwards = 0
         #: levels drafted by the last ``propose`` (0 for a root-only tree)
@@ -267,7 +281,8 @@ class DraftModelDrafter(BaseDrafter):
         if loop is None:
             loop = st.loops[key] = _DeviceLoop(self.model, st.cache, topk=frontier_width, width=width, depth=depth,
                                                proposal=proposal, sampling=sampling, chain=chain_width,
-                                               capture=self.cuda_graphs, compile=self.compile)  # fmt: skip
+                                               capture=self.cuda_graphs, compile=self.compile,
+                                               attention=self.attention)  # fmt: skip
         levels = loop.run(logits, base, budget, generator, chain=chain)
         self.last_device_loop = True
         self.last_forwards += depth - 1  # run on the device even where the host stops early (sampled)
@@ -551,6 +566,65 @@ class _GroupedMaskedState(hf.MaskedState):
         return out.reshape(batch, heads, m, dim).transpose(1, 2), None
 
 
+def _pack_bits(mask: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R, ceil(n / 64)]``: bit j of word w of row r is ``mask[r, 64 w + j]`` (bool ``[R, n]``;
+    ``shifts``: int64 ``arange(64)`` on the mask's device). The bits are disjoint, so the sum is the OR."""
+    rows, n = mask.shape
+    words = num_words(n)
+    padded = torch.nn.functional.pad(mask, (0, words * BITS_PER_WORD - n)).view(rows, words, BITS_PER_WORD)
+    return (padded.to(torch.int64) << shifts).sum(-1)
+
+
+class _TreeState:
+    """Attention of one fixed-shape draft forward through treeattn's tree kernel (``attention="tree"``).
+
+    The draft's cache is laid out as the kernel expects: the committed prefix at ``[0, prefix_lens)``
+    and then ``n`` "tree" slots, each query seeing the prefix and the tree slots its mask words set.
+    The prefix length is a device tensor, so the kernel reads only the committed part of the cache
+    (split over many blocks) where SDPA under a dense mask (``_GroupedMaskedState``) reads the whole
+    capacity in two thread blocks. Two uses:
+
+    - a level of the tree: the ``m`` frontier rows are ``m`` of the ``n = E`` expanded nodes (slots
+      ``base + e``); their queries go to rows ``rows`` of ``n`` zero queries (the other rows' outputs
+      are dropped), ``words`` holds each row's ancestors-or-self;
+    - the catch-up chain (``rows`` None): ``n`` = the chain width, causal words; the chain starts at
+      ``prefix_lens``, padding rows after it write the next (expanded) slots, which the levels overwrite.
+
+    Attributes: cache; slots ``[1, m]`` (where this forward's keys / values go); prefix_lens int64
+    ``[1]``; words int64 ``[1, n, ceil(n / 64)]``; depth int64 ``[1, n]`` (``TreeMask.depth``, not
+    read by the kernel); rows int64 ``[m]`` or None (m == n). All updated in place by the loop.
+    Sliding-window and soft-capped layers are refused (``attention="sdpa"`` handles them).
+    """
+
+    def __init__(self, cache: KVCache, slots, prefix_lens, words, depth, rows=None) -> None:
+        self.cache, self.slots, self.prefix_lens, self.words, self.depth, self.rows = (
+            cache, slots, prefix_lens, words, depth, rows)  # fmt: skip
+        self.n = words.shape[1]
+
+    def clear(self) -> None:
+        """Nothing is cached between forwards (the loop updates the tensors in place)."""
+
+    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
+        """Write this layer's keys / values at ``slots`` and attend. query ``[1, Hq, m, D]``; returns
+        ``([1, m, Hq, D], None)`` as transformers' attention functions do."""
+        if softcap is not None or (sliding_window is not None and sliding_window < self.cache.capacity):
+            raise ValueError("attention: 'tree' has no sliding-window or soft-capped layers (the draft model has "
+                             "them); use attention='sdpa'")  # fmt: skip
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is None:
+            raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
+        k_buf, v_buf = self.cache.write(layer_idx, key, value, self.slots)
+        batch, heads, m, dim = query.shape
+        scale = dim**-0.5 if scaling is None else float(scaling)
+        q = query
+        if self.rows is not None:
+            q = query.new_zeros(batch, heads, self.n, dim).index_copy_(2, self.rows, query)
+        out = tree_attention_op(q, k_buf, v_buf, self.prefix_lens, self.words, self.depth, scale, "auto")
+        if self.rows is not None:
+            out = out.index_select(2, self.rows)
+        return out.transpose(1, 2), None
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_run_state(backend: bool | str):
     """``hf.run_state`` through ``torch.compile`` (True: inductor; or a backend name), fixed shapes:
@@ -600,7 +674,7 @@ class _DeviceLoop(_Replayed):
 
     def __init__(self, model, cache: KVCache, *, topk: int, width: int, depth: int, proposal: str = "topk",
                  sampling=None, chain: int = 0, capture: bool = False, compile: bool | str = False,
-                 warmup: int = 2) -> None:  # fmt: skip
+                 warmup: int = 2, attention: str = "sdpa") -> None:  # fmt: skip
         # the model forward of one level (and of the catch-up) goes through torch.compile, not the whole
         # body: compiling the loop unrolled (depth x the draft's layers in one graph) took over 7 minutes
         # for the 0.5B at depth 4 on an H100; per forward, every level shares one compile
@@ -615,6 +689,8 @@ class _DeviceLoop(_Replayed):
             raise ValueError(f"proposal: expected one of {SAMPLING_PROPOSALS}, got {proposal!r}")
         if proposal != "topk" and sampling is None:
             raise ValueError(f"sampling: a {proposal!r} proposal needs the sampling transform, got None")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
         k, w, cap = topk, width, cache.capacity
         self.topk, self.width, self.depth, self.proposal, self.sampling = k, w, depth, proposal, sampling
         self.expanded = e = 1 + k * (depth - 1)  # E
@@ -634,15 +710,34 @@ class _DeviceLoop(_Replayed):
         self.slots = torch.zeros(1, k, **i64)
         self.visible = torch.zeros(1, k, cap, dtype=torch.bool, device=dev)
         self.key_positions = torch.zeros(1, cap, **i64)
-        self.state = _GroupedMaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
+        self.attention = attention
+        if attention == "tree":  # the levels: K of the E expanded nodes as queries, each row's ancestors as words
+            self._shifts = torch.arange(BITS_PER_WORD, **i64)
+            self.rows = torch.zeros(k, **i64)
+            self.words = torch.zeros(1, e, num_words(e), **i64)
+            self._own_words = _pack_bits(torch.eye(e, dtype=torch.bool, device=dev), self._shifts)  # [E, nw]
+            self._level_rows = {d: 1 + (d - 1) * k + torch.arange(k, **i64) for d in range(1, depth)}
+            depth_ids = torch.tensor([[0] + [d for d in range(1, depth) for _ in range(k)]], **i64)
+            self.state = _TreeState(cache, self.slots, self.base, self.words, depth_ids, self.rows)
+        else:
+            self.state = _GroupedMaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
+        #: the catch-up through the tree kernel: the chain's padding rows write the slots after the root
+        #: (expanded nodes, overwritten by the levels), which must exist: chain <= E + 1
+        self._chain_tree = attention == "tree" and chain <= e + 1
         if chain:  # the catch-up stage: its tokens, then their count, in one vector (one host-to-device copy)
             self.chain_in = torch.zeros(chain + 1, **i64)
             self._chain_host = torch.zeros(chain + 1, dtype=torch.int64, pin_memory=dev.type == "cuda")
             self.chain_positions = torch.zeros(1, chain, **i64)
             self.chain_slots = torch.zeros(1, chain, **i64)
             self.chain_visible = torch.zeros(1, chain, cap, dtype=torch.bool, device=dev)
-            self.chain_state = _GroupedMaskedState(cache, self.chain_slots, self.chain_positions, self.chain_visible,
-                                                   self.key_positions)  # fmt: skip
+            if self._chain_tree:  # causal words: row j sees chain rows 0..j (padding rows included)
+                self.chain_prefix = torch.zeros(1, **i64)
+                causal = torch.ones(chain, chain, dtype=torch.bool, device=dev).tril()
+                self.chain_state = _TreeState(cache, self.chain_slots, self.chain_prefix,
+                                              _pack_bits(causal, self._shifts)[None], torch.arange(chain, **i64)[None])
+            else:
+                self.chain_state = _GroupedMaskedState(cache, self.chain_slots, self.chain_positions,
+                                                       self.chain_visible, self.key_positions)  # fmt: skip
             self._chain_ids = torch.arange(chain, **i64)
         vocab = hf.vocab_size(model)
         #: sampled proposals: row e = the distribution expanded node e's children were drawn from;
@@ -740,11 +835,16 @@ class _DeviceLoop(_Replayed):
         wc, cap = self.chain, self.cache.capacity
         count = self.chain_in[wc:]  # [1]: m
         live = self._chain_ids < count
-        slots = torch.where(live, self.base - count + 1 + self._chain_ids, cap - 1)
+        if self._chain_tree:  # contiguous from the chain's start; padding rows write the slots after the root
+            start = self.base - count + 1
+            slots = start + self._chain_ids
+            self.chain_prefix.copy_(start)
+        else:
+            slots = torch.where(live, self.base - count + 1 + self._chain_ids, cap - 1)
+            self.chain_visible[0].copy_(torch.where(live[:, None], self._slot_ids[None] <= slots[:, None],
+                                                    self._slot_ids[None] == cap - 1))  # fmt: skip
         self.chain_slots[0].copy_(slots)
         self.chain_positions[0].copy_(torch.where(live, slots, 0))
-        self.chain_visible[0].copy_(torch.where(live[:, None], self._slot_ids[None] <= slots[:, None],
-                                                self._slot_ids[None] == cap - 1))  # fmt: skip
         self.chain_state.clear()
         logits = self._run_state(self.model, self.chain_in[None, :wc], self.chain_positions, self.chain_state)[0]
         return logits.to(self.device).index_select(0, count - 1)
@@ -789,10 +889,12 @@ class _DeviceLoop(_Replayed):
         k, w, cap = self.topk, self.width, self.cache.capacity
         base = self.base
         tree_slots = base + self._exp_ids  # [E]: slot of every expanded node
-        keypos = self.key_positions[0]
-        keypos.copy_(self._slot_ids)
-        keypos.index_copy_(0, tree_slots, base + self._exp_depth)
-        prefix = self._slot_ids < base  # [S]: the committed tokens
+        tree = self.attention == "tree"
+        if not tree:
+            keypos = self.key_positions[0]
+            keypos.copy_(self._slot_ids)
+            keypos.index_copy_(0, tree_slots, base + self._exp_depth)
+            prefix = self._slot_ids < base  # [S]: the committed tokens
         logits = self._catch_up() if self.chain else self.root_logits  # [1, V]: the root's
         score, anc = self._zero_score, self._root_anc
         live, left = self._root_live, self.budget
@@ -821,9 +923,14 @@ class _DeviceLoop(_Replayed):
             self.tokens[0].copy_(ctok[order])
             self.positions[0].copy_((base + d).expand(k))
             self.slots[0].copy_(tree_slots[1 + (d - 1) * k : 1 + d * k])
-            vis = self.visible[0]
-            vis.copy_(prefix.expand(k, cap))
-            vis.index_copy_(1, tree_slots, anc)
+            if tree:  # this level's rows: their ancestors-or-self; the other expanded nodes see themselves
+                self.rows.copy_(self._level_rows[d])
+                self.words[0].copy_(self._own_words)
+                self.words[0].index_copy_(0, self.rows, _pack_bits(anc, self._shifts))
+            else:
+                vis = self.visible[0]
+                vis.copy_(prefix.expand(k, cap))
+                vis.index_copy_(1, tree_slots, anc)
             self.state.clear()
             logits = self._run_state(self.model, self.tokens, self.positions, self.state)[0].to(self.device)  # [K, V]
         out = torch.cat([*toks, *[x.view(torch.int64) for x in vals], *keeps, *sels])

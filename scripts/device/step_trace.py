@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
 
     import drafters.eagle
+    from drafters import constructor_options
     from eval.config import parse_drafter_spec
     from eval.methods import build_drafter
     from specdec import SpecDecoder, hf
@@ -108,12 +109,17 @@ def main(argv=None) -> int:
     timed, traced = prompts[: ns.problems], prompts[ns.problems :]
     max_len = max(len(x) for x in prompts) + ns.max_new_tokens
     summary = {"args": vars(ns), "configs": {}}
+    drafts: dict = {}  # draft models by name (``draft=`` in a spec)
     for item in ns.configs:
         label, _, text = item.partition("=")
         spec = parse_drafter_spec(text)
         opts = spec.factory_options()
-        drafter = build_drafter(spec.name, target=target, tokenizer=tokenizer, tree_size=ns.tree_size,
-                                device=dev, dtype=dtype, **opts)  # fmt: skip
+        if spec.compile and "compile" in constructor_options(spec.name):  # the drafter's forwards too (as the sweep)
+            opts["compile"] = spec.compile
+        if spec.draft is not None and spec.draft not in drafts:  # a draft model, loaded once
+            drafts[spec.draft] = load_model(spec.draft, dtype=dtype, device=dev, progress=False)
+        drafter = build_drafter(spec.name, target=target, draft=drafts.get(spec.draft), tokenizer=tokenizer,
+                                tree_size=ns.tree_size, device=dev, dtype=dtype, **opts)  # fmt: skip
         t0 = time.perf_counter()
         decoder = SpecDecoder(target, drafter, ns.tree_size, max_cache_len=max_len + ns.tree_size,
                               compile=bool(spec.compile))  # fmt: skip

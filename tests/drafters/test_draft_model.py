@@ -159,12 +159,15 @@ def test_draft_cache_grows_and_keeps_its_prefix(static):
     assert reuse._states[0].cache.capacity >= 2000
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "tree"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("tree_size", [1, 5, 32, 64])
-def test_greedy_equals_target_generate(family, tree_size):
+def test_greedy_equals_target_generate(family, tree_size, attention):
+    """fp32 greedy output = the target's; with ``attention="tree"`` t = 1 also takes the SDPA catch-up
+    (a chain wider than the expanded nodes + 1)."""
     prompt = _prompt(10, 0)
     ref = hf_greedy(_target(family), prompt, NEW)
-    drafter = DraftModelDrafter(_draft(family))
+    drafter = DraftModelDrafter(_draft(family), attention=attention)
     out = SpecDecoder(_target(family), drafter, tree_size=tree_size, attn_impl="torch").generate(prompt, NEW)
     assert out.sequences[0].tolist() == ref
     if tree_size >= 5:
@@ -275,16 +278,18 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @pytest.mark.parametrize("reference", [dict(static_shapes=False), dict(device_loop=False)],
                          ids=["eager-device-loop", "host-loop-graphed"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family, reference):
+@pytest.mark.parametrize("attention", ["sdpa", "tree"])
+def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family, reference, attention):
     """CUDA default: each proposal's device loop (catch-up chain + every level) replayed as one graph;
-    the same trees as the device loop run eagerly, and as the host-driven loop (one graph per depth)."""
+    the same trees as the device loop run eagerly, and as the host-driven loop (one graph per depth).
+    With ``attention="tree"`` the graphed loop attends through treeattn's Triton kernel."""
     target = tiny_model(family).to("cuda")
     draft = perturbed_copy(tiny_model(family), 0.05, seed=1).to("cuda")
     prompt = _prompt(10, 0)
     ids = prompt[None].to("cuda")
     ref = target.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
                           attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
-    graphed = DraftModelDrafter(draft, depth=3, topk=4)
+    graphed = DraftModelDrafter(draft, depth=3, topk=4, attention=attention)
     assert graphed.static_shapes and graphed.cuda_graphs
     eager = DraftModelDrafter(draft, depth=3, topk=4, **reference)
     cmp = _Compare(graphed, eager, draft, reference_every=0)  # the reference tree is the CPU tests' job
@@ -418,12 +423,15 @@ def _recorded_trees() -> dict:
 
 
 @pytest.mark.parametrize("name", list(_TREE_CASES))
-@pytest.mark.parametrize("device_loop", [True, False])
-def test_device_loop_proposes_the_recorded_trees(name, device_loop):
-    """Exactly the trees of the host-driven drafter (commit c74be21), step by step; the host loop
-    (``device_loop=False``, kept for the sampled proposals) still proposes them too."""
+@pytest.mark.parametrize("device_loop,attention", [(True, "sdpa"), (True, "tree"), (False, "sdpa")])
+def test_device_loop_proposes_the_recorded_trees(name, device_loop, attention):
+    """Exactly the trees of the host-driven drafter (commit c74be21), step by step, with either
+    attention of the device loop; the host loop (``device_loop=False``, kept for the sampled
+    proposals) still proposes them too."""
+    if attention == "tree" and name.startswith("gemma3"):
+        pytest.skip("sliding-window layers: attention='tree' refuses them (test_tree_attention_refuses_...)")
     want = _recorded_trees()[name]
-    got = _tree_cases(names=[name], device_loop=device_loop)[name]
+    got = _tree_cases(names=[name], device_loop=device_loop, attention=attention)[name]
     assert len(got) == len(want)
     assert all(g["device_loop"] == device_loop for g in got)
     for step, (g, w) in enumerate(zip(got, want)):
@@ -475,9 +483,11 @@ class _SameTrees(BaseDrafter):
 
     @classmethod
     def _paths(cls, tree) -> tuple[list[tuple[int, ...]], list[int]]:
-        """Every node's token path from the root, sorted, and the node order that sorts them."""
+        """Every node's token path from the root, sorted, and the node order that sorts them (of
+        duplicate paths, the unexpanded ones -- no draft_probs row -- first)."""
         paths = cls._node_paths(tree)
-        order = sorted(range(len(paths)), key=lambda i: paths[i])
+        expanded = [False] * len(paths) if tree.draft_probs is None else tree.draft_probs.ne(0).any(-1).tolist()
+        order = sorted(range(len(paths)), key=lambda i: (paths[i], expanded[i]))
         return [paths[i] for i in order], order
 
     def propose(self, ctx):
@@ -486,7 +496,9 @@ class _SameTrees(BaseDrafter):
         # The same tree as a multiset of token paths. Node for node it may differ where i.i.d. draws
         # repeat a token under one parent: the duplicates' subtrees tie exactly in score, and the two
         # loops' forwards (different shapes) round their logits differently, which breaks the tie
-        # for a different duplicate (seen on a vocabulary of 8 with top_k = 4).
+        # for a different duplicate (seen on a vocabulary of 8 with top_k = 4, and with the tree kernel's
+        # rounding on the qwen2 case): which duplicate is expanded may differ too, so duplicates are
+        # matched unexpanded first.
         (pa, oa), (pb, ob) = self._paths(ta), self._paths(tb)
         assert pa == pb
         assert ta.proposal == tb.proposal
@@ -521,12 +533,15 @@ class _SameTrees(BaseDrafter):
     ("vocab8", dict(depth=3, topk=10), 20, dict(temperature=0.9, top_k=4)),  # dead rows: topk > vocabulary
     ("vocab8", dict(tree_size=6), 6, dict(temperature=0.9)),  # the lossless suite's configuration
 ])  # fmt: skip
-def test_device_loop_samples_as_the_host_loop_for_fixed_draws(monkeypatch, proposal, kind, kwargs, tree_size, cfg):
-    """Sampled proposals: with the draws fixed, the device loop makes the host loop's decisions
-    (allotment of kept draws per node, budget per level, early stops, frontier, draft_probs rows)."""
+@pytest.mark.parametrize("attention", ["sdpa", "tree"])
+def test_device_loop_samples_as_the_host_loop_for_fixed_draws(monkeypatch, proposal, kind, kwargs, tree_size, cfg,
+                                                              attention):  # fmt: skip
+    """Sampled proposals: with the draws fixed, the device loop (either attention) makes the host
+    loop's decisions (allotment of kept draws per node, budget per level, early stops, frontier,
+    draft_probs rows)."""
     _fixed_draws(monkeypatch)
     target, draft = _case_models(kind)
-    dev = DraftModelDrafter(draft, sampling_proposal=proposal, **kwargs)
+    dev = DraftModelDrafter(draft, sampling_proposal=proposal, attention=attention, **kwargs)
     host = DraftModelDrafter(draft, sampling_proposal=proposal, device_loop=False, **kwargs)
     same = _SameTrees(dev, host)
     prompts = [torch.tensor([1, 5, 2, 7]), torch.tensor([7])] if kind == "vocab8" else [_prompt(8, 7), _prompt(3, 1)]
@@ -614,16 +629,44 @@ def test_device_loop_argument_errors():
         chained.load(None, 1)
     with pytest.raises(ValueError, match=r"device_loop: expected True or False, got 1"):
         DraftModelDrafter(draft, device_loop=1)
+    with pytest.raises(ValueError, match=r"attention: expected one of \('sdpa', 'tree'\), got 'flash'"):
+        DraftModelDrafter(draft, attention="flash")
+    with pytest.raises(ValueError, match=r"attention: expected one of \('sdpa', 'tree'\), got 'flash'"):
+        _DeviceLoop(draft, cache, topk=2, width=2, depth=2, attention="flash")
+
+
+def test_tree_attention_refuses_sliding_window_layers():
+    """A draft with sliding-window layers (Gemma 3) and ``attention="tree"``: a ValueError naming
+    the option at the first forward, not silently wrong attention."""
+    drafter = DraftModelDrafter(_draft("gemma3"), depth=3, topk=3, attention="tree")
+    prompt = _prompt(12, 1)
+    drafter.reset([prompt])
+    with pytest.raises(ValueError, match=r"attention: 'tree' has no sliding-window or soft-capped layers"):
+        drafter.propose(DraftContext(prompt, 16))
+
+
+@pytest.mark.parametrize("n", [3, 64, 70, 130])
+def test_pack_bits_matches_tree_mask_words(n):
+    """``_pack_bits`` packs a bool matrix as ``TreeMask.from_parents`` packs ancestors (bit 63 included)."""
+    from drafters.draft_model import _pack_bits
+    from treeattn.layout import TreeMask, random_tree_parents
+
+    parents = random_tree_parents(n, max_depth=n, generator=torch.Generator().manual_seed(n))
+    mask = TreeMask.from_parents(parents)
+    got = _pack_bits(mask.to_dense()[0], torch.arange(64))
+    assert torch.equal(got, mask.words[0])
 
 
 @cuda_only
+@pytest.mark.parametrize("attention", ["sdpa", "tree"])
 @pytest.mark.parametrize("proposal", ["no_replacement", "iid", "topk"])
-def test_cuda_graph_device_loop_samples_as_the_eager_loop(proposal):
+def test_cuda_graph_device_loop_samples_as_the_eager_loop(proposal, attention):
     """Captured device loop vs the same loop run eagerly, with the same generator seeds: the same
     trees and draft_probs; and fresh draws every replay (the uniforms are not baked into the graph)."""
     draft = perturbed_copy(tiny_model("qwen2"), 0.05, seed=1).to("cuda")
-    graphed = DraftModelDrafter(draft, depth=4, topk=3, sampling_proposal=proposal)
-    eager = DraftModelDrafter(draft, depth=4, topk=3, sampling_proposal=proposal, cuda_graphs=False)
+    graphed = DraftModelDrafter(draft, depth=4, topk=3, sampling_proposal=proposal, attention=attention)
+    eager = DraftModelDrafter(draft, depth=4, topk=3, sampling_proposal=proposal, cuda_graphs=False,
+                              attention=attention)  # fmt: skip
     assert graphed.cuda_graphs and not eager.cuda_graphs
     prompt = _prompt(10, 0)
     cfg = SamplingConfig(temperature=1.3, top_p=0.9)
