@@ -56,7 +56,7 @@ import torch
 from drafters._build import NodePool, best_first as _best_first, expanded_path, make_tree, root_only
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
-from specdec.graphs import GraphedMaskedForward, _Replayed, compile_fixed_shapes, replay_modes
+from specdec.graphs import GraphedForward, GraphedMaskedForward, _Replayed, compile_fixed_shapes, prefill_chunks, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
@@ -80,6 +80,7 @@ class _SeqState:
     node_exp: list[int]  # for the last proposed tree: tree node -> expanded index (-1: not expanded)
     base: int = 0  # slot of the root (expanded index 0) in the last propose
     fwd: GraphedMaskedForward | None = None  # fixed-shape forward over ``cache`` (static shapes)
+    prefill: GraphedForward | None = None  # the fixed-shape prompt prefill over ``cache`` (``prefill_width``)
     #: device loops over ``cache``, one per (frontier width, children, depth, proposal, sampling transform)
     loops: dict = field(default_factory=dict)
 
@@ -116,6 +117,11 @@ class DraftModelDrafter(BaseDrafter):
             in one CUDA graph, one host sync per step); False = the host-driven loop (one forward,
             masks built on the host and one host sync per depth), kept as the reference the device
             loop is tested against.
+        prefill_width: with the device loop and static shapes, a sequence's first proposal writes the
+            prompt's KV (all but the root) in chunks of this many tokens through one fixed-shape
+            forward (``specdec.graphs.GraphedForward``, captured like the loop; the engine's
+            chunked prefill), and the root then runs as the loop's catch-up, so the step needs no
+            eager forward of the draft. None (default) = one eager causal forward over the prompt.
         attention: how the device loop's forwards attend: ``"sdpa"`` (default; SDPA under a dense
             mask over the whole draft cache, every layer kind) or ``"tree"`` (treeattn's kernel:
             the committed prefix read up to its length, split over many thread blocks, the tree
@@ -147,10 +153,14 @@ class DraftModelDrafter(BaseDrafter):
         compile: bool | str = False,
         device_loop: bool = True,
         attention: str = "sdpa",
+        prefill_width: int | None = None,
     ) -> None:
         hf.prepare_model(draft_model, "draft_model")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
+        if prefill_width is not None and (not isinstance(prefill_width, int) or isinstance(prefill_width, bool)
+                                          or prefill_width < 1):  # fmt: skip
+            raise ValueError(f"prefill_width: expected None or an int >= 1, got {prefill_width!r}")
         if not isinstance(device_loop, bool):
             raise ValueError(f"device_loop: expected True or False, got {device_loop!r}")
         for name, val in (("depth", depth), ("topk", topk)):
@@ -177,6 +187,7 @@ class DraftModelDrafter(BaseDrafter):
         self._min_cache = 256
         self.device_loop = device_loop
         self.attention = attention
+        self.prefill_width = prefill_width
         #: draft forwards run by the last ``propose`` (catch-up included; for tests and accounting)
         self.last_forwards = 0
         #: levels drafted by the last ``propose`` (0 for a root-only tree)
@@ -196,7 +207,8 @@ class DraftModelDrafter(BaseDrafter):
             cache.reset()
             # The fixed-shape forward and loops (and their CUDA graphs) stay valid as long as the cache does.
             self._states[b] = _SeqState(cache, [], [], fwd=prev.fwd if prev is not None else None,
-                                        loops=prev.loops if prev is not None else {})
+                                        prefill=prev.prefill if prev is not None else None,
+                                        loops=prev.loops if prev is not None else {})  # fmt: skip
 
     def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None) -> None:
         """Size the draft caches for requests of up to ``max_len`` tokens per sequence (prompt and new
@@ -234,6 +246,8 @@ class DraftModelDrafter(BaseDrafter):
         if self.device_loop:
             chain = None
             seen = self._seen(st, tokens)
+            if seen == 0 and len(tokens) > 1 and self.prefill_width and self.static_shapes:
+                seen = self._chunked_prefill(st, tokens[:-1])
             if 0 < seen and len(tokens) - seen <= self.static_width:  # the catch-up runs inside the loop
                 chain = tokens[seen:]
                 self.last_forwards += 1
@@ -375,6 +389,24 @@ class DraftModelDrafter(BaseDrafter):
                 new.write(layer, k[:, :, :keep], v[:, :, :keep], torch.arange(keep, device=k.device)[None])
         st.cache = new
         st.loops = {}  # fixed to the old cache's buffers (the catch-up forward is replaced on its next use)
+        st.prefill = None
+
+    def _chunked_prefill(self, st: _SeqState, prompt: list[int]) -> int:
+        """Write the KV of ``prompt`` (the committed tokens before the root) into the empty draft cache
+        as chains of at most W = ``prefill_width`` tokens through the sequence's fixed-shape forward
+        (``specdec.graphs.prefill_chunks``: the engine's rules; a chunk's padding nodes write slots
+        past the tokens prefilled so far, which later chunks, the root's catch-up and the tree's
+        levels overwrite before anything reads them). Returns ``len(prompt)``: the tokens now seen."""
+        cap = st.cache.capacity
+        width = min(self.prefill_width, cap)
+        if st.prefill is None or st.prefill.n != width:
+            st.prefill = GraphedForward(self.model, st.cache, 1, width, capture=self.cuda_graphs, logits_to_keep=1)
+        for start, stop in prefill_chunks(len(prompt), width, cap):
+            st.prefill.run([TokenTree.chain(torch.tensor(prompt[start:stop], dtype=torch.int64))], [start])
+            self.last_forwards += 1
+        st.committed = list(prompt)
+        st.cache.lengths = [len(prompt)]
+        return len(prompt)
 
     def _seen(self, st: _SeqState, tokens: list[int]) -> int:
         """How many leading ``tokens`` have their KV in the draft cache (never the root)."""

@@ -52,7 +52,7 @@ import torch
 from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request
 from specdec import hf
 from specdec.distributed import RankSync
-from specdec.graphs import GraphedForward, configure_compile_cache, replay_modes
+from specdec.graphs import GraphedForward, configure_compile_cache, prefill_chunks, replay_modes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
@@ -724,7 +724,7 @@ class SpecDecoder:
         W = ``graphed.n`` tokens through the fixed-shape forward ``graphed`` (KV only; lengths are
         left to the caller).
 
-        Chunks: ``_prefill_chunks(longest - 1, W, S)`` -- ``[0, W), [W, 2W), ...``, except that no
+        Chunks: ``prefill_chunks(longest - 1, W, S)`` -- ``[0, W), [W, 2W), ...``, except that no
         chunk starts past ``S - W`` (see there: every load fits the cache). In the chunk
         ``[start, stop)``, sequence b with ``end_b = lens[b] - 1 > start`` gets the chain of its
         tokens ``[start, min(stop, end_b))`` loaded at prefix ``start``: node i has position and
@@ -755,7 +755,7 @@ class SpecDecoder:
         ends = [n - 1 for n in lens]
         hidden: list[torch.Tensor | None] = [None] * batch
         dummy = TokenTree(torch.zeros(1, dtype=torch.int64), torch.tensor([-1]))
-        for start, stop in _prefill_chunks(max(ends), width, capacity):
+        for start, stop in prefill_chunks(max(ends), width, capacity):
             trees, prefix = [], []
             for b, end in enumerate(ends):
                 if end > start:
@@ -1210,37 +1210,6 @@ def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) 
     ``attn_impl``, ``cuda_graphs``, ``compile``, ``prefill_width``, ``rank_sync``).
     """
     return SpeculativeModel(model, drafter, tree_size, **decoder_kwargs)
-
-
-def _prefill_chunks(total: int, width: int, capacity: int) -> list[tuple[int, int]]:
-    """The chunks ``[start, stop)`` that prefill prompt positions ``[0, total)`` through a fixed
-    forward of ``width`` nodes over a cache of ``capacity`` slots (``width <= capacity``, ``total
-    <= capacity``).
-
-    A chunk loaded at prefix ``start`` writes slots ``[start, start + width)``, so it needs
-    ``start <= last = capacity - width``. Rule (W = width): a chunk takes all the rest if that is
-    at most W tokens, else it stops at ``min(start + W, last)``. So the starts are 0, W, 2W, ...
-    until one would pass ``last``; that one is clamped to ``last``, and the chunk before it is
-    shorter than W.
-
-    Proof that every chunk fits the cache, has 1..W tokens, and the chunks tile ``[0, total)`` in
-    order: by induction, every start satisfies ``start <= last`` (true for 0). If ``total - start
-    <= W`` the chunk ``[start, total)`` is the last one (``start <= last``: it fits). Otherwise
-    ``start < last`` (``start == last`` would give ``total - start <= capacity - last = W``), so
-    the stop ``min(start + W, last)`` is larger than start, at most ``start + W``, and, as the next
-    start, at most ``last``. Count: ``ceil(total / W)`` chunks, one more when a W-aligned start
-    passes ``last`` before the end (a request nearly filling its cache).
-    """
-    if not 1 <= width <= capacity or not 0 <= total <= capacity:
-        raise ValueError(f"width, total: expected 1 <= width <= capacity {capacity} and 0 <= total <= capacity, "
-                         f"got width {width}, total {total}")  # fmt: skip
-    chunks = []
-    start, last = 0, capacity - width
-    while start < total:
-        stop = total if total - start <= width else min(start + width, last)
-        chunks.append((start, stop))
-        start = stop
-    return chunks
 
 
 def _checked_buckets(buckets, least: int) -> tuple[int, ...]:

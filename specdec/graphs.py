@@ -72,6 +72,7 @@ __all__ = [
     "compile_fixed_shapes",
     "configure_compile_cache",
     "pack_trees",
+    "prefill_chunks",
     "replay_modes",
 ]
 
@@ -450,6 +451,37 @@ class _Copy:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.flat.device))
             self._pending = True
+
+
+def prefill_chunks(total: int, width: int, capacity: int) -> list[tuple[int, int]]:
+    """The chunks ``[start, stop)`` that prefill prompt positions ``[0, total)`` through a fixed
+    forward of ``width`` nodes over a cache of ``capacity`` slots (``width <= capacity``, ``total
+    <= capacity``).
+
+    A chunk loaded at prefix ``start`` writes slots ``[start, start + width)``, so it needs
+    ``start <= last = capacity - width``. Rule (W = width): a chunk takes all the rest if that is
+    at most W tokens, else it stops at ``min(start + W, last)``. So the starts are 0, W, 2W, ...
+    until one would pass ``last``; that one is clamped to ``last``, and the chunk before it is
+    shorter than W.
+
+    Proof that every chunk fits the cache, has 1..W tokens, and the chunks tile ``[0, total)`` in
+    order: by induction, every start satisfies ``start <= last`` (true for 0). If ``total - start
+    <= W`` the chunk ``[start, total)`` is the last one (``start <= last``: it fits). Otherwise
+    ``start < last`` (``start == last`` would give ``total - start <= capacity - last = W``), so
+    the stop ``min(start + W, last)`` is larger than start, at most ``start + W``, and, as the next
+    start, at most ``last``. Count: ``ceil(total / W)`` chunks, one more when a W-aligned start
+    passes ``last`` before the end (a request nearly filling its cache).
+    """
+    if not 1 <= width <= capacity or not 0 <= total <= capacity:
+        raise ValueError(f"width, total: expected 1 <= width <= capacity {capacity} and 0 <= total <= capacity, "
+                         f"got width {width}, total {total}")  # fmt: skip
+    chunks = []
+    start, last = 0, capacity - width
+    while start < total:
+        stop = total if total - start <= width else min(start + width, last)
+        chunks.append((start, stop))
+        start = stop
+    return chunks
 
 
 class GraphedForward(_Replayed):

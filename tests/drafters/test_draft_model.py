@@ -460,6 +460,26 @@ def _fixed_draws(monkeypatch):
     monkeypatch.setattr(dm, "_multinomial", iid)
 
 
+_PREFILL_CASES = ["qwen2-greedy-40-4-4-static", "qwen2-greedy-batch", "qwen2-topk-sampled-top_k-static",
+                  "qwen2-propose-d3-k8", "llama-greedy-24-4-3-static", "gemma3-greedy-16-4-3-static",
+                  "vocab8-topk-sampled-6"]
+
+
+@pytest.mark.parametrize("name", _PREFILL_CASES)
+@pytest.mark.parametrize("width", [4, 256])
+def test_chunked_prefill_proposes_the_recorded_trees(name, width):
+    """``prefill_width``: the prompt's KV written in fixed-shape chunks, the root as the loop's
+    catch-up; the same trees as the eager prefill (recorded), and the chunks counted as forwards."""
+    extra = {} if "static_shapes" in _TREE_CASES[name][1] else {"static_shapes": True}
+    got = _tree_cases(names=[name], prefill_width=width, **extra)[name]
+    want = _recorded_trees()[name]
+    assert [(g["tree_tokens"], g["tree_parents"]) for g in got] == [(w["tree_tokens"], w["tree_parents"]) for w in want]
+    first = got[0]
+    chunks = -(-(len(first["tokens"]) - 1) // width)  # the prompt's tokens but the root
+    levels = want[0]["forwards"] - 1  # the recorded first step: one eager prefill + the levels
+    assert first["forwards"] == chunks + 1 + levels if len(first["tokens"]) > 1 else True
+
+
 class _SameTrees(BaseDrafter):
     """Proposes with ``a`` and ``b`` on every context, checks that the trees are the same, and hands
     each drafter the verdict in its own tree's node indices."""
@@ -631,6 +651,8 @@ def test_device_loop_argument_errors():
         DraftModelDrafter(draft, device_loop=1)
     with pytest.raises(ValueError, match=r"attention: expected one of \('sdpa', 'tree'\), got 'flash'"):
         DraftModelDrafter(draft, attention="flash")
+    with pytest.raises(ValueError, match=r"prefill_width: expected None or an int >= 1, got 0"):
+        DraftModelDrafter(draft, prefill_width=0)
     with pytest.raises(ValueError, match=r"attention: expected one of \('sdpa', 'tree'\), got 'flash'"):
         _DeviceLoop(draft, cache, topk=2, width=2, depth=2, attention="flash")
 
@@ -655,6 +677,24 @@ def test_pack_bits_matches_tree_mask_words(n):
     mask = TreeMask.from_parents(parents)
     got = _pack_bits(mask.to_dense()[0], torch.arange(64))
     assert torch.equal(got, mask.words[0])
+
+
+@cuda_only
+def test_cuda_graph_chunked_prefill_equals_target_generate():
+    """``prefill_width`` on CUDA: the prompt's chunks through a captured fixed-shape forward, then the
+    captured loop; fp32 greedy output = the target's, and the prefill forward was captured once."""
+    target = tiny_model("qwen2").to("cuda")
+    draft = perturbed_copy(tiny_model("qwen2"), 0.05, seed=1).to("cuda")
+    prompts = [_prompt(10, 0), _prompt(23, 3)]
+    drafter = DraftModelDrafter(draft, depth=3, topk=4, prefill_width=4)
+    dec = SpecDecoder(target, drafter, tree_size=20)
+    for prompt in prompts:
+        ids = prompt[None].to("cuda")
+        ref = target.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+        assert dec.generate(prompt, NEW).sequences[0].tolist() == ref
+    st = drafter._states[0]
+    assert st.prefill is not None and st.prefill.captured
 
 
 @cuda_only

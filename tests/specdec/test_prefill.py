@@ -15,7 +15,8 @@ import torch
 
 import specdec.engine as engine
 from specdec import SpecDecoder, hf
-from specdec.engine import DEFAULT_PREFILL_WIDTH, _prefill_chunks
+from specdec.engine import DEFAULT_PREFILL_WIDTH
+from specdec.graphs import prefill_chunks
 from specdec.graphs import GraphedForward
 from specdec.hf import prepare_model
 from specdec.kv import KVCache
@@ -104,29 +105,29 @@ def built(monkeypatch):
 
 def test_prefill_chunks_rule():
     assert DEFAULT_PREFILL_WIDTH == 256
-    assert _prefill_chunks(0, 8, 48) == []
-    assert _prefill_chunks(1, 8, 48) == [(0, 1)]
-    assert _prefill_chunks(8, 8, 48) == [(0, 8)]
-    assert _prefill_chunks(9, 8, 48) == [(0, 8), (8, 9)]
-    assert _prefill_chunks(19, 8, 48) == [(0, 8), (8, 16), (16, 19)]
-    assert _prefill_chunks(250, 256, 262) == [(0, 250)]  # one chunk: it fits at prefix 0
+    assert prefill_chunks(0, 8, 48) == []
+    assert prefill_chunks(1, 8, 48) == [(0, 1)]
+    assert prefill_chunks(8, 8, 48) == [(0, 8)]
+    assert prefill_chunks(9, 8, 48) == [(0, 8), (8, 9)]
+    assert prefill_chunks(19, 8, 48) == [(0, 8), (8, 16), (16, 19)]
+    assert prefill_chunks(250, 256, 262) == [(0, 250)]  # one chunk: it fits at prefix 0
     # W-aligned starts until one would pass capacity - W (= 28): clamped, the chunk before is shorter.
-    assert _prefill_chunks(33, 16, 44) == [(0, 16), (16, 28), (28, 33)]
-    assert _prefill_chunks(44, 16, 44) == [(0, 16), (16, 28), (28, 44)]
-    assert _prefill_chunks(262, 256, 262) == [(0, 6), (6, 262)]
+    assert prefill_chunks(33, 16, 44) == [(0, 16), (16, 28), (28, 33)]
+    assert prefill_chunks(44, 16, 44) == [(0, 16), (16, 28), (28, 44)]
+    assert prefill_chunks(262, 256, 262) == [(0, 6), (6, 262)]
     for capacity in range(1, 40):
         for width in range(1, capacity + 1):
             for total in range(capacity + 1):
-                chunks = _prefill_chunks(total, width, capacity)
+                chunks = prefill_chunks(total, width, capacity)
                 at = 0
                 for start, stop in chunks:
                     assert start == at and 0 < stop - start <= width and start + width <= capacity
                     at = stop
                 assert at == total and len(chunks) <= math.ceil(total / width) + 1
     with pytest.raises(ValueError, match=r"width, total: expected 1 <= width <= capacity 8"):
-        _prefill_chunks(4, 9, 8)
+        prefill_chunks(4, 9, 8)
     with pytest.raises(ValueError, match=r"width, total: expected .* got width 4, total 9"):
-        _prefill_chunks(9, 4, 8)
+        prefill_chunks(9, 4, 8)
 
 
 # ---------------------------------------------------------------------------- end to end
