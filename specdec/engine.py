@@ -349,7 +349,8 @@ class SpecDecoder:
             static shapes.
         compile: run the fixed-shape tree forward through ``torch.compile`` before it is captured
             (True: inductor; ``"max-autotune"``: inductor timing GEMM templates per matmul shape,
-            a longer first compile; or a backend name; needs static shapes): fuses the layers'
+            a longer first compile; ``"freeze"``: inductor with the weights frozen, so that matmuls
+            sharing an input run as one; or a backend name; needs static shapes): fuses the layers'
             elementwise kernels; the tree attention stays one custom op. The first forward of
             each (batch size, cache capacity) compiles (tens of seconds for a real model the first
             time; inductor's on-disk cache, ``specdec.graphs.configure_compile_cache``, makes later
@@ -1024,7 +1025,7 @@ class SpecDecoder:
         batch_sizes = sorted(set(batch_sizes))
         n = self.tree_size + 1
         cache_dir = None
-        if self.compile in (True, "inductor", "max-autotune"):
+        if self.compile in (True, "inductor", "max-autotune", "freeze"):
             cache_dir = configure_compile_cache()
         how = [f"torch.compile ({'inductor' if self.compile is True else self.compile})"] if self.compile else []
         how += ["CUDA graphs"] if self.cuda_graphs else (["fixed shapes, eager"] if self.static_shapes else ["eager"])

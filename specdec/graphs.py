@@ -231,17 +231,33 @@ def compile_fixed_shapes(fn, backend: bool | str):
     True or ``"inductor"`` (whose on-disk caches ``configure_compile_cache`` makes persistent),
     ``"max-autotune"`` (inductor timing Triton GEMM templates against cuBLAS for every matmul shape,
     mode ``max-autotune-no-cudagraphs``: the callers capture their own graphs; a longer first compile,
-    cached on disk like the rest), or another backend name. Every caller compiles its code object for
+    cached on disk like the rest), ``"freeze"`` (inductor with the parameters frozen as constants,
+    ``torch._inductor.config.freezing``: inference only, the weights must not change afterwards; on
+    CUDA its patterns concatenate the weights of matmuls that share an input, e.g. a layer's q / k / v
+    projections into one GEMM and gate / up into another), or another backend name. Every caller compiles its code object for
     its own shapes and buffers; dynamo's default of 8 variants per code object would silently leave
     later ones uncompiled (e.g. a sweep over tree sizes, batch sizes and cache capacities), so the
     limit is raised."""
     mode = "max-autotune-no-cudagraphs" if backend == "max-autotune" else None
-    backend = "inductor" if backend is True or mode else backend
+    freeze = backend == "freeze"
+    backend = "inductor" if backend is True or mode or freeze else backend
     if backend == "inductor":
         configure_compile_cache()
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)
-    return torch.compile(fn, backend=backend, mode=mode, fullgraph=False, dynamic=False)
+    compiled = torch.compile(fn, backend=backend, mode=mode, fullgraph=False, dynamic=False)
+    if not freeze:
+        return compiled
+
+    # torch.compile(options={"freezing": True}) does not freeze (the decision is taken outside the
+    # options' patch); the global setting does, so it is patched around every call (compiles happen
+    # inside the first ones; a patch is a few attribute writes).
+    @functools.wraps(fn)
+    def frozen(*args, **kwargs):
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+
+    return frozen
 
 
 class _Replayed:
