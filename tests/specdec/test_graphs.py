@@ -466,6 +466,26 @@ def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager():
 
 
 @cuda_only
+def test_cuda_graph_of_the_frozen_compiled_forward_equals_hf_generate():
+    """compile="freeze" (weights frozen, projections sharing an input as one GEMM) + capture: the
+    replayed forward's greedy output equals HF's, for the target and for a draft model's loop."""
+    from drafters.draft_model import DraftModelDrafter
+    from tests.specdec.helpers import perturbed_copy
+
+    model = _cuda_model("qwen2")
+    prompt = _prompt(10, 0)
+    ref = _hf_greedy_cuda(model, prompt, 30)
+    dec = SpecDecoder(model, RandomTreeDrafter(seed=4), tree_size=31, compile="freeze")
+    assert dec.generate(prompt, 30).sequences[0].tolist() == ref
+    (gf,) = dec._graphs.values()
+    assert gf.captured and gf.compile == "freeze"
+    draft = perturbed_copy(tiny_model("qwen2"), 0.05, seed=1).to("cuda")
+    drafter = DraftModelDrafter(draft, depth=3, topk=4, compile="freeze", prefill_width=4)
+    assert SpecDecoder(model, drafter, tree_size=20).generate(prompt, 30).sequences[0].tolist() == ref
+    assert drafter.last_device_loop
+
+
+@cuda_only
 def test_cuda_capture_of_a_compiled_forward_compiles_once(monkeypatch):
     """With ``$SPECDEC_CAPTURE_ONE_STREAM=1`` (PERF.md v9's candidate) the capture's forwards (first
     run, warm-up, recording: one side stream) compile the body once: as many dynamo graphs as one
