@@ -61,7 +61,7 @@ from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
-from treeattn.layout import BITS_PER_WORD, num_words
+from treeattn.layout import num_words, pack_bits
 from treeattn.ops import tree_attention_op
 
 __all__ = ["DraftModelDrafter", "SAMPLING_PROPOSALS", "ATTENTIONS"]
@@ -598,15 +598,6 @@ class _GroupedMaskedState(hf.MaskedState):
         return out.reshape(batch, heads, m, dim).transpose(1, 2), None
 
 
-def _pack_bits(mask: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """int64 ``[R, ceil(n / 64)]``: bit j of word w of row r is ``mask[r, 64 w + j]`` (bool ``[R, n]``;
-    ``shifts``: int64 ``arange(64)`` on the mask's device). The bits are disjoint, so the sum is the OR."""
-    rows, n = mask.shape
-    words = num_words(n)
-    padded = torch.nn.functional.pad(mask, (0, words * BITS_PER_WORD - n)).view(rows, words, BITS_PER_WORD)
-    return (padded.to(torch.int64) << shifts).sum(-1)
-
-
 class _TreeState:
     """Attention of one fixed-shape draft forward through treeattn's tree kernel (``attention="tree"``).
 
@@ -742,15 +733,14 @@ class _DeviceLoop(_Replayed):
         self.slots = torch.zeros(1, k, **i64)
         self.visible = torch.zeros(1, k, cap, dtype=torch.bool, device=dev)
         self.key_positions = torch.zeros(1, cap, **i64)
+        self._exp_depth = torch.tensor([0] + [d for d in range(1, depth) for _ in range(k)], **i64)  # per expanded node
         self.attention = attention
         if attention == "tree":  # the levels: K of the E expanded nodes as queries, each row's ancestors as words
-            self._shifts = torch.arange(BITS_PER_WORD, **i64)
             self.rows = torch.zeros(k, **i64)
             self.words = torch.zeros(1, e, num_words(e), **i64)
-            self._own_words = _pack_bits(torch.eye(e, dtype=torch.bool, device=dev), self._shifts)  # [E, nw]
+            self._own_words = pack_bits(torch.eye(e, dtype=torch.bool, device=dev))  # [E, nw]
             self._level_rows = {d: 1 + (d - 1) * k + torch.arange(k, **i64) for d in range(1, depth)}
-            depth_ids = torch.tensor([[0] + [d for d in range(1, depth) for _ in range(k)]], **i64)
-            self.state = _TreeState(cache, self.slots, self.base, self.words, depth_ids, self.rows)
+            self.state = _TreeState(cache, self.slots, self.base, self.words, self._exp_depth[None], self.rows)
         else:
             self.state = _GroupedMaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
         #: the catch-up through the tree kernel: the chain's padding rows write the slots after the root
@@ -762,15 +752,15 @@ class _DeviceLoop(_Replayed):
             self.chain_positions = torch.zeros(1, chain, **i64)
             self.chain_slots = torch.zeros(1, chain, **i64)
             self.chain_visible = torch.zeros(1, chain, cap, dtype=torch.bool, device=dev)
+            self._chain_ids = torch.arange(chain, **i64)
             if self._chain_tree:  # causal words: row j sees chain rows 0..j (padding rows included)
                 self.chain_prefix = torch.zeros(1, **i64)
                 causal = torch.ones(chain, chain, dtype=torch.bool, device=dev).tril()
                 self.chain_state = _TreeState(cache, self.chain_slots, self.chain_prefix,
-                                              _pack_bits(causal, self._shifts)[None], torch.arange(chain, **i64)[None])
+                                              pack_bits(causal)[None], self._chain_ids[None])
             else:
                 self.chain_state = _GroupedMaskedState(cache, self.chain_slots, self.chain_positions,
                                                        self.chain_visible, self.key_positions)  # fmt: skip
-            self._chain_ids = torch.arange(chain, **i64)
         vocab = hf.vocab_size(model)
         #: sampled proposals: row e = the distribution expanded node e's children were drawn from;
         #: row E stays zero (nodes never expanded)
@@ -783,7 +773,6 @@ class _DeviceLoop(_Replayed):
         # constants
         self._slot_ids = torch.arange(cap, **i64)
         self._exp_ids = torch.arange(e, **i64)
-        self._exp_depth = torch.tensor([0] + [d for d in range(1, depth) for _ in range(k)], **i64)
         self._zero_score = torch.zeros(1, dtype=torch.float64, device=dev)
         self._root_anc = torch.zeros(1, e, dtype=torch.bool, device=dev)
         self._root_anc[0, 0] = True
@@ -958,7 +947,7 @@ class _DeviceLoop(_Replayed):
             if tree:  # this level's rows: their ancestors-or-self; the other expanded nodes see themselves
                 self.rows.copy_(self._level_rows[d])
                 self.words[0].copy_(self._own_words)
-                self.words[0].index_copy_(0, self.rows, _pack_bits(anc, self._shifts))
+                self.words[0].index_copy_(0, self.rows, pack_bits(anc))
             else:
                 vis = self.visible[0]
                 vis.copy_(prefix.expand(k, cap))

@@ -52,7 +52,7 @@ import torch
 from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request
 from specdec import hf
 from specdec.distributed import RankSync
-from specdec.graphs import GraphedForward, configure_compile_cache, prefill_chunks, replay_modes
+from specdec.graphs import GraphedForward, configure_compile_cache, prefill_chunks, replay_modes, uses_inductor
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
@@ -1025,7 +1025,7 @@ class SpecDecoder:
         batch_sizes = sorted(set(batch_sizes))
         n = self.tree_size + 1
         cache_dir = None
-        if self.compile in (True, "inductor", "max-autotune", "freeze"):
+        if uses_inductor(self.compile):
             cache_dir = configure_compile_cache()
         how = [f"torch.compile ({'inductor' if self.compile is True else self.compile})"] if self.compile else []
         how += ["CUDA graphs"] if self.cuda_graphs else (["fixed shapes, eager"] if self.static_shapes else ["eager"])

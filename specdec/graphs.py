@@ -74,6 +74,7 @@ __all__ = [
     "pack_trees",
     "prefill_chunks",
     "replay_modes",
+    "uses_inductor",
 ]
 
 _ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
@@ -226,6 +227,12 @@ def _shape_inputs(parents: tuple[int, ...], n: int, width: int) -> tuple[array.a
     return array.array("q", depth), words
 
 
+def uses_inductor(backend: bool | str) -> bool:
+    """Whether ``compile_fixed_shapes(fn, backend)`` compiles with inductor (True, ``"inductor"``,
+    ``"max-autotune"``, ``"freeze"``): the compiles whose on-disk caches ``configure_compile_cache`` sets."""
+    return backend is True or backend in ("inductor", "max-autotune", "freeze")
+
+
 def compile_fixed_shapes(fn, backend: bool | str):
     """``torch.compile(fn)`` for fixed shapes (``dynamic=False``, graph breaks allowed); ``backend``:
     True or ``"inductor"`` (whose on-disk caches ``configure_compile_cache`` makes persistent),
@@ -240,8 +247,8 @@ def compile_fixed_shapes(fn, backend: bool | str):
     limit is raised."""
     mode = "max-autotune-no-cudagraphs" if backend == "max-autotune" else None
     freeze = backend == "freeze"
-    backend = "inductor" if backend is True or mode or freeze else backend
-    if backend == "inductor":
+    if uses_inductor(backend):
+        backend = "inductor"
         configure_compile_cache()
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)

@@ -15,12 +15,25 @@ import torch
 
 BITS_PER_WORD = 64
 
-__all__ = ["BITS_PER_WORD", "TreeMask", "depth_first_order", "num_words", "random_tree_parents"]
+__all__ = ["BITS_PER_WORD", "TreeMask", "depth_first_order", "num_words", "pack_bits", "random_tree_parents"]
 
 
 def num_words(n: int) -> int:
     """Words per query for a tree of ``n`` nodes: ``ceil(n / 64)``."""
     return (n + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[..., ceil(n / 64)]``: bit ``j`` of word ``w`` is ``mask[..., 64 * w + j]`` (bool ``[..., n]``).
+
+    The layout of ``TreeMask.words`` for any bool matrix (e.g. an ancestor set that is not a tree's,
+    built on the device). The bits are disjoint, so their sum is the OR (bit 63 wraps to the sign bit).
+    """
+    n = mask.shape[-1]
+    words = num_words(n)
+    padded = torch.nn.functional.pad(mask, (0, words * BITS_PER_WORD - n)).view(*mask.shape[:-1], words, BITS_PER_WORD)
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int64, device=mask.device)
+    return (padded.to(torch.int64) << shifts).sum(-1)
 
 
 def _validate_parents(parents: torch.Tensor) -> torch.Tensor:
@@ -116,9 +129,7 @@ class TreeMask:
             live = nxt >= 0
             depth += live.long()
             cur = nxt
-        shifts = torch.arange(BITS_PER_WORD, dtype=torch.int64)
-        # Bits are disjoint, so the sum equals the bitwise OR (bit 63 wraps to the sign bit).
-        words = (anc.view(batch, n, -1, BITS_PER_WORD).long() << shifts).sum(-1)
+        words = pack_bits(anc)
         return cls(words=words.to(out_device), depth=depth.to(out_device))
 
     @property

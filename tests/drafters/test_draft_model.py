@@ -667,18 +667,6 @@ def test_tree_attention_refuses_sliding_window_layers():
         drafter.propose(DraftContext(prompt, 16))
 
 
-@pytest.mark.parametrize("n", [3, 64, 70, 130])
-def test_pack_bits_matches_tree_mask_words(n):
-    """``_pack_bits`` packs a bool matrix as ``TreeMask.from_parents`` packs ancestors (bit 63 included)."""
-    from drafters.draft_model import _pack_bits
-    from treeattn.layout import TreeMask, random_tree_parents
-
-    parents = random_tree_parents(n, max_depth=n, generator=torch.Generator().manual_seed(n))
-    mask = TreeMask.from_parents(parents)
-    got = _pack_bits(mask.to_dense()[0], torch.arange(64))
-    assert torch.equal(got, mask.words[0])
-
-
 @cuda_only
 def test_cuda_graph_chunked_prefill_equals_target_generate():
     """``prefill_width`` on CUDA: the prompt's chunks through a captured fixed-shape forward, then the

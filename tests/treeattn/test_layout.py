@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from treeattn import TreeMask, num_words
-from treeattn.layout import random_tree_parents
+from treeattn.layout import pack_bits, random_tree_parents
 
 
 def _ancestors_naive(parents: list[int]) -> list[set[int]]:
@@ -100,3 +100,20 @@ def test_invalid_parent_types():
         TreeMask.from_parents(torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="words: expected 2 words per query"):
         TreeMask(words=torch.zeros(1, 65, 1, dtype=torch.int64), depth=torch.zeros(1, 65, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 64), (5, 70), (2, 3, 130)])
+def test_pack_bits_of_any_bool_matrix(shape):
+    """``pack_bits``: bit j of word w is ``mask[..., 64 w + j]`` (checked bit by bit, bit 63 included),
+    for masks that are no tree's; ``TreeMask.from_parents`` packs its ancestor sets the same way."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    mask = torch.rand(shape, generator=gen) < 0.5
+    words = pack_bits(mask)
+    n = shape[-1]
+    assert words.shape == (*shape[:-1], num_words(n)) and words.dtype == torch.int64
+    flat_mask, flat_words = mask.reshape(-1, n), words.reshape(-1, num_words(n))
+    for r in range(flat_mask.shape[0]):
+        for j in range(n):
+            assert bool((int(flat_words[r, j // 64]) >> (j % 64)) & 1) == bool(flat_mask[r, j])
+    tree = TreeMask.from_parents(random_tree_parents(n, max_depth=n, generator=gen))
+    assert torch.equal(pack_bits(tree.to_dense()), tree.words)
