@@ -137,6 +137,7 @@ from specdec.drafting import BaseDrafter, DraftContext
 from specdec.graphs import _clear_cublas_workspaces, compile_fixed_shapes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, warp_logits
+from specdec.transfer import to_device
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
 
@@ -1117,12 +1118,6 @@ class EagleDrafter(BaseDrafter):
             k, v = old.buffers(0)
             st.cache.write(0, k[:, :, :keep], v[:, :, :keep], torch.arange(keep, device=k.device)[None])
 
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """An asynchronous host-to-device copy (through pinned memory on CUDA; no sync)."""
-        if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host.to(self.device)
-
     def _catch_up(self, st: _SeqState, tokens: np.ndarray, pending: list[tuple[int, torch.Tensor]], keep: int,
                   base: int) -> torch.Tensor:  # fmt: skip
         """One causal forward of the ``pending`` pairs (position, feature) into slots ``keep .. base``.
@@ -1137,7 +1132,7 @@ class EagleDrafter(BaseDrafter):
         positions = [p for p, _ in pending]
         ids = tokens[positions].tolist()
         feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
-        ints = self._to_device(torch.tensor([ids, positions, list(range(keep, base + 1))], dtype=torch.int64))
+        ints = to_device(torch.tensor([ids, positions, list(range(keep, base + 1))], dtype=torch.int64), self.device)
         m = len(pending)
         visible = self._catch_up_visible(keep, m, m, base + 1, padded=False, device=self.device)
         out = self._forward(st.cache, ints[0], feats, ints[1:2], ints[2], visible)

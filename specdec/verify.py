@@ -71,6 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.transfer import to_device
 from specdec.tree import TokenTree
 
 __all__ = ["Verdict", "greedy_verdict", "verify_greedy", "verify_stochastic", "verify_stochastic_batch"]
@@ -324,26 +325,17 @@ class _Plan:
         self.meta = meta
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host-to-device without a host sync: through pinned memory and an asynchronous copy on CUDA."""
-    if host.device == device:
-        return host
-    if device.type == "cuda" and host.device.type == "cpu":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _device_pass(plan: _Plan, target_probs: torch.Tensor, generator: torch.Generator | None) -> list[float]:
     """All of the verification's tensor work; returns the one host copy (a float64 list)."""
     dev = target_probs.device
-    meta = _to_device(torch.tensor(plan.meta, dtype=torch.int64), dev)
+    meta = to_device(torch.tensor(plan.meta, dtype=torch.int64), dev)
 
     def seg(where: tuple[int, int]) -> torch.Tensor:
         return meta[where[0] : where[0] + where[1]]
 
     C, R = plan.num_children, plan.num_rows
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    u = _to_device(torch.rand(C + R, dtype=torch.float64, generator=generator, device=gen_device), dev)
+    u = to_device(torch.rand(C + R, dtype=torch.float64, generator=generator, device=gen_device), dev)
     rows = target_probs[seg(plan.rows_b), seg(plan.rows_i)].float()  # [R, V]: a fresh tensor (advanced indexing)
     g = target_probs[seg(plan.g_b), seg(plan.g_i), seg(plan.g_tok)].double()  # [C]: p_parent(token)
     if plan.fill[1]:
@@ -356,7 +348,7 @@ def _device_pass(plan: _Plan, target_probs: torch.Tensor, generator: torch.Gener
             q = plan.drafts[k]
             # draft rows on another device (a CPU drafter for a GPU target): indexed there, then moved
             idx = seg(where) if q.device == dev else torch.tensor(local, device=q.device)
-            parts.append(_to_device(q.index_select(0, idx), dev).float())  # fresh rows: updated in place below
+            parts.append(to_device(q.index_select(0, idx), dev).float())  # fresh rows: updated in place below
         q_rows = torch.cat(parts) if len(parts) > 1 else parts[0]
         if perm is not None:
             q_rows = q_rows.index_select(0, seg(perm))
