@@ -56,7 +56,8 @@ import torch
 from drafters._build import NodePool, best_first as _best_first, expanded_path, make_tree, root_only
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
-from specdec.graphs import GraphedForward, GraphedMaskedForward, _Replayed, compile_fixed_shapes, prefill_chunks, replay_modes
+from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, GraphedMaskedForward, _Replayed, compile_fixed_shapes,
+                            prefill_chunks, replay_modes)
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
@@ -121,7 +122,9 @@ class DraftModelDrafter(BaseDrafter):
             prompt's KV (all but the root) in chunks of this many tokens through one fixed-shape
             forward (``specdec.graphs.GraphedForward``, captured like the loop; the engine's
             chunked prefill), and the root then runs as the loop's catch-up, so the step needs no
-            eager forward of the draft. None (default) = one eager causal forward over the prompt.
+            eager forward of the draft. Default ``DEFAULT_PREFILL_WIDTH`` (256; measured on the H100:
+            a call's first draft step 107 -> 14 ms, PERF.md v13); 0 or None = one eager causal
+            forward over the prompt (what dynamic shapes always use).
         attention: how the device loop's forwards attend: ``"sdpa"`` (default; SDPA under a dense
             mask over the whole draft cache, every layer kind) or ``"tree"`` (treeattn's kernel:
             the committed prefix read up to its length, split over many thread blocks, the tree
@@ -153,14 +156,14 @@ class DraftModelDrafter(BaseDrafter):
         compile: bool | str = False,
         device_loop: bool = True,
         attention: str = "sdpa",
-        prefill_width: int | None = None,
+        prefill_width: int | None = DEFAULT_PREFILL_WIDTH,
     ) -> None:
         hf.prepare_model(draft_model, "draft_model")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention: expected one of {ATTENTIONS}, got {attention!r}")
         if prefill_width is not None and (not isinstance(prefill_width, int) or isinstance(prefill_width, bool)
-                                          or prefill_width < 1):  # fmt: skip
-            raise ValueError(f"prefill_width: expected None or an int >= 1, got {prefill_width!r}")
+                                          or prefill_width < 0):  # fmt: skip
+            raise ValueError(f"prefill_width: expected None or an int >= 0 (0 or None: the eager prefill), got {prefill_width!r}")
         if not isinstance(device_loop, bool):
             raise ValueError(f"device_loop: expected True or False, got {device_loop!r}")
         for name, val in (("depth", depth), ("topk", topk)):

@@ -52,7 +52,8 @@ import torch
 from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request
 from specdec import hf
 from specdec.distributed import RankSync
-from specdec.graphs import GraphedForward, configure_compile_cache, prefill_chunks, replay_modes, uses_inductor
+from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, configure_compile_cache, prefill_chunks, replay_modes,
+                            uses_inductor)
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.tree import TokenTree
@@ -74,8 +75,6 @@ __all__ = [
 
 #: The smallest KV capacity (slots per sequence) of the default cache buckets.
 MIN_CACHE_BUCKET = 1024
-#: Prompt tokens per chunk of the fixed-shape prompt prefill (``SpecDecoder(prefill_width=...)``'s default).
-DEFAULT_PREFILL_WIDTH = 256
 _UNBOUNDED_TOP = 1 << 20  # the largest default bucket of a target that declares no context length
 
 _log = logging.getLogger(__name__)

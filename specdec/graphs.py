@@ -73,6 +73,7 @@ __all__ = [
     "configure_compile_cache",
     "pack_trees",
     "prefill_chunks",
+    "DEFAULT_PREFILL_WIDTH",
     "replay_modes",
     "uses_inductor",
 ]
@@ -474,6 +475,11 @@ class _Copy:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.flat.device))
             self._pending = True
+
+
+#: Prompt tokens per chunk of the fixed-shape prompt prefill (the default ``prefill_width`` of
+#: ``SpecDecoder`` and of the draft-model drafter's device loop).
+DEFAULT_PREFILL_WIDTH = 256
 
 
 def prefill_chunks(total: int, width: int, capacity: int) -> list[tuple[int, int]]:

@@ -236,9 +236,10 @@ def test_sampled_tokens_follow_the_target_distribution(proposal):
 
 @pytest.mark.parametrize("family,compile", [("llama", False), ("qwen2", False), ("qwen2", "aot_eager")])
 def test_static_shapes_greedy_equals_target_generate_in_a_batch(family, compile):
-    """compile: the fixed-shape draft forwards traced by torch.compile (aot_eager on CPU)."""
+    """compile: the fixed-shape draft forwards traced by torch.compile (aot_eager on CPU). The eager
+    prompt prefill (``prefill_width=0``; the chunked one: ``test_chunked_prefill_proposes_the_recorded_trees``)."""
     prompts = [_prompt(10, 0), _prompt(3, 8)]
-    drafter = DraftModelDrafter(_draft(family), depth=4, topk=3, static_shapes=True, compile=compile)
+    drafter = DraftModelDrafter(_draft(family), depth=4, topk=3, static_shapes=True, compile=compile, prefill_width=0)
     assert drafter.static_shapes and not drafter.cuda_graphs and drafter.static_width == 5
     out = SpecDecoder(_target(family), drafter, tree_size=24, attn_impl="torch").generate(prompts, NEW)
     for b, p in enumerate(prompts):
@@ -390,7 +391,10 @@ def _case_prompt(spec) -> torch.Tensor:
 
 def _tree_cases(cls=DraftModelDrafter, names=None, **extra) -> dict[str, list[dict]]:
     """Run each case of ``_TREE_CASES`` with drafter class ``cls`` (``extra``: more constructor
-    arguments); name -> recorded proposals."""
+    arguments; the prompt is prefilled eagerly unless they give a ``prefill_width``, which is how
+    the trees were recorded); name -> recorded proposals."""
+    if cls is DraftModelDrafter:
+        extra = {"prefill_width": 0, **extra}
     out = {}
     for name in names or _TREE_CASES:
         kind, kwargs, run = _TREE_CASES[name]
@@ -601,7 +605,8 @@ class _HostReads(__import__("torch.utils._python_dispatch", fromlist=["TorchDisp
 def test_device_loop_body_never_reads_device_data_on_the_host(proposal, cfg):
     """The body replayed per step (every depth's bookkeeping and forward): no ``.item()``, no
     nonzero / boolean-mask indexing; the only read is ``run``'s one copy of the packed outputs."""
-    drafter = DraftModelDrafter(_draft(), depth=4, topk=4, sampling_proposal=proposal, static_shapes=True)
+    drafter = DraftModelDrafter(_draft(), depth=4, topk=4, sampling_proposal=proposal, static_shapes=True,
+                                prefill_width=0)  # the loop without the catch-up stage after an eager prefill
     prompt = _prompt(12, 0)
     drafter.reset([prompt])
     sampling = None if cfg is None else SamplingConfig(**cfg)
@@ -651,8 +656,8 @@ def test_device_loop_argument_errors():
         DraftModelDrafter(draft, device_loop=1)
     with pytest.raises(ValueError, match=r"attention: expected one of \('sdpa', 'tree'\), got 'flash'"):
         DraftModelDrafter(draft, attention="flash")
-    with pytest.raises(ValueError, match=r"prefill_width: expected None or an int >= 1, got 0"):
-        DraftModelDrafter(draft, prefill_width=0)
+    with pytest.raises(ValueError, match=r"prefill_width: expected None or an int >= 0 \(0 or None: the eager prefill\), got -1"):
+        DraftModelDrafter(draft, prefill_width=-1)
     with pytest.raises(ValueError, match=r"attention: expected one of \('sdpa', 'tree'\), got 'flash'"):
         _DeviceLoop(draft, cache, topk=2, width=2, depth=2, attention="flash")
 

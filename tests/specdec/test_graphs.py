@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from specdec.drafting import DraftContext
 from specdec import KVCache, SpecDecoder, TokenTree
-from specdec.graphs import GraphedForward, GraphedMaskedForward, InputLayout, pack_trees
+from specdec.graphs import GraphedForward, GraphedMaskedForward, InputLayout, capture_warmup, pack_trees
 from specdec.hf import masked_forward, prefill, prepare_model, tree_forward
 from tests.specdec.helpers import VOCAB, OracleDrafter, RandomTreeDrafter, hf_greedy, tiny_model
 from treeattn import TreeMask
@@ -462,7 +462,7 @@ def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager():
     assert dec.generate(prompt, 30).sequences[0].tolist() == ref
     (gf,) = dec._graphs.values()
     assert gf.captured and gf.compile == "inductor"
-    assert gf.warmup == 1 and 0 <= gf.capture_warmup_s <= gf.capture_s
+    assert gf.warmup == capture_warmup() and 0 <= gf.capture_warmup_s <= gf.capture_s
 
 
 @cuda_only
@@ -486,6 +486,8 @@ def test_cuda_graph_of_the_frozen_compiled_forward_equals_hf_generate():
 
 
 @cuda_only
+@pytest.mark.xfail(strict=True, reason="measured on the H100 (session 11): the one-stream capture still makes 2 dynamo "
+                   "graphs where an uncaptured call makes 1; the opt-in candidate does not compile once")
 def test_cuda_capture_of_a_compiled_forward_compiles_once(monkeypatch):
     """With ``$SPECDEC_CAPTURE_ONE_STREAM=1`` (PERF.md v9's candidate) the capture's forwards (first
     run, warm-up, recording: one side stream) compile the body once: as many dynamo graphs as one
