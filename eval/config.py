@@ -64,8 +64,7 @@ drafter spec: [LABEL=]NAME[:KEY=VALUE[,KEY=VALUE...]]
           string; commas inside [...], {...} or quotes do not split. draft=MODEL loads that draft
           model once for this drafter (default: --draft); heads=DIR loads Medusa / EAGLE heads once;
           compile=true runs this drafter's engine through torch.compile (as --compile does for all);
-          compile=max-autotune also times Triton GEMM templates for every matmul shape (longer compile);
-          compile=freeze freezes the weights so that matmuls sharing an input become one (q/k/v, gate/up).
+          compile=max-autotune also times Triton GEMM templates for every matmul shape (longer compile).
   LABEL   the name shown in tables and plots (default: NAME when it is unique in the run, else the
           whole spec)
   e.g. lookup  medusa:heads=/tmp/medusa  model:draft=qwen2.5-coder-0.5b,depth=4  m8=model:topk=8
@@ -182,12 +181,11 @@ class DrafterSpec:
     @property
     def compile(self) -> bool | str:
         """The ``compile=`` option: this drafter's engine through ``torch.compile`` (true; or
-        ``max-autotune``: inductor timing GEMM templates; ``freeze``: weights frozen, projections that
-        share an input concatenated; ``specdec.graphs.compile_fixed_shapes``), and
+        ``max-autotune``: inductor timing GEMM templates; ``specdec.graphs.compile_fixed_shapes``), and
         the drafter's own forwards where its constructor takes ``compile`` (the draft-model drafter)."""
         val = dict(self.options).get(COMPILE_OPTION, False)
-        if not isinstance(val, bool) and val not in ("max-autotune", "freeze"):
-            raise ValueError(f"drafters: expected compile=true, compile=false, compile=max-autotune or compile=freeze, "
+        if not isinstance(val, bool) and val != "max-autotune":
+            raise ValueError(f"drafters: expected compile=true, compile=false or compile=max-autotune, "
                              f"got {val!r} in {self.key!r}")  # fmt: skip
         return val
 

@@ -348,8 +348,7 @@ class SpecDecoder:
             static shapes.
         compile: run the fixed-shape tree forward through ``torch.compile`` before it is captured
             (True: inductor; ``"max-autotune"``: inductor timing GEMM templates per matmul shape,
-            a longer first compile; ``"freeze"``: inductor with the weights frozen, so that matmuls
-            sharing an input run as one; or a backend name; needs static shapes): fuses the layers'
+            a longer first compile; or a backend name; needs static shapes): fuses the layers'
             elementwise kernels; the tree attention stays one custom op. The first forward of
             each (batch size, cache capacity) compiles (tens of seconds for a real model the first
             time; inductor's on-disk cache, ``specdec.graphs.configure_compile_cache``, makes later

@@ -230,8 +230,8 @@ def _shape_inputs(parents: tuple[int, ...], n: int, width: int) -> tuple[array.a
 
 def uses_inductor(backend: bool | str) -> bool:
     """Whether ``compile_fixed_shapes(fn, backend)`` compiles with inductor (True, ``"inductor"``,
-    ``"max-autotune"``, ``"freeze"``): the compiles whose on-disk caches ``configure_compile_cache`` sets."""
-    return backend is True or backend in ("inductor", "max-autotune", "freeze")
+    ``"max-autotune"``): the compiles whose on-disk caches ``configure_compile_cache`` sets."""
+    return backend is True or backend in ("inductor", "max-autotune")
 
 
 def compile_fixed_shapes(fn, backend: bool | str):
@@ -239,33 +239,18 @@ def compile_fixed_shapes(fn, backend: bool | str):
     True or ``"inductor"`` (whose on-disk caches ``configure_compile_cache`` makes persistent),
     ``"max-autotune"`` (inductor timing Triton GEMM templates against cuBLAS for every matmul shape,
     mode ``max-autotune-no-cudagraphs``: the callers capture their own graphs; a longer first compile,
-    cached on disk like the rest), ``"freeze"`` (inductor with the parameters frozen as constants,
-    ``torch._inductor.config.freezing``: inference only, the weights must not change afterwards; on
-    CUDA its patterns concatenate the weights of matmuls that share an input, e.g. a layer's q / k / v
-    projections into one GEMM and gate / up into another), or another backend name. Every caller compiles its code object for
+    cached on disk like the rest), or another backend name. Every caller compiles its code object for
     its own shapes and buffers; dynamo's default of 8 variants per code object would silently leave
     later ones uncompiled (e.g. a sweep over tree sizes, batch sizes and cache capacities), so the
-    limit is raised."""
+    limit is raised. (Inductor's weight freezing, which concatenates a layer's q / k / v and gate / up
+    weights into one GEMM each, was tried and measured no faster on the H100: PERF.md v13.)"""
     mode = "max-autotune-no-cudagraphs" if backend == "max-autotune" else None
-    freeze = backend == "freeze"
     if uses_inductor(backend):
         backend = "inductor"
         configure_compile_cache()
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)
-    compiled = torch.compile(fn, backend=backend, mode=mode, fullgraph=False, dynamic=False)
-    if not freeze:
-        return compiled
-
-    # torch.compile(options={"freezing": True}) does not freeze (the decision is taken outside the
-    # options' patch); the global setting does, so it is patched around every call (compiles happen
-    # inside the first ones; a patch is a few attribute writes).
-    @functools.wraps(fn)
-    def frozen(*args, **kwargs):
-        with torch._inductor.config.patch(freezing=True):
-            return compiled(*args, **kwargs)
-
-    return frozen
+    return torch.compile(fn, backend=backend, mode=mode, fullgraph=False, dynamic=False)
 
 
 class _Replayed:
