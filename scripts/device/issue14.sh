@@ -21,7 +21,9 @@
 # 1), GEN (--gen-batch-size, default 120; 384 ran out of memory on the H100), FRESH (1: distill anew, not from a carried cache), METHODS (default
 # "specdec hf-static"), TEMP (sampling temperature, default 0 = greedy; results
 # then go to $s-eagle-t$TEMP.jsonl), TAG (the results file is $s-$TAG.jsonl instead: a new TAG starts a new file,
-# so its baselines run again in this process). Every apps / humaneval call adds its rows to one file per dataset
+# so its baselines run again in this process), SWEEP_S (the sweep's time limit in seconds, default 590: a
+# shorter one leaves time in the call for the copy to $OUT; never wrap this script in an outer timeout,
+# which kills it before that copy). Every apps / humaneval call adds its rows to one file per dataset
 # (baselines reused), so calls may split drafters and tree sizes.
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
@@ -57,7 +59,7 @@ for s in "$@"; do
       data=$([ "$s" = apps ] && echo .evaldata/apps_selected150.jsonl || echo "")
       # rows of an earlier machine (carried in .evaldata/results/) are kept: its baselines are reused
       [ -f "/tmp/results/$s-$tag.jsonl" ] || cp ".evaldata/results/$s-$tag.jsonl" /tmp/results/ 2>/dev/null
-      timeout 590 python3 -m specdec.cli sweep --dataset "$s" ${data:+--data $data} "${sweep[@]}" \
+      timeout "${SWEEP_S:-590}" python3 -m specdec.cli sweep --dataset "$s" ${data:+--data $data} "${sweep[@]}" \
         --draft "" --drafters "${drafters[@]}" --tree-sizes "${trees[@]}" --methods "${methods[@]}" \
         --out "/tmp/results/$s-$tag.jsonl" >> "$out/$s-$tag.log" 2>&1
       cp /tmp/results/$s-$tag.* "$out/" 2>/dev/null ;;
