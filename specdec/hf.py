@@ -6,7 +6,8 @@ model to it. That function behaves exactly like the model's previous implementat
 the model's own ``eager``) unless the forward call carries a ``ForwardState`` in the
 ``specdec_state`` keyword, which transformers forwards untouched to every attention call. With a
 state, the function writes the new keys / values into the state's ``KVCache`` and attends with
-``treeattn.tree_attention`` (or a dense fallback for sliding-window / soft-capped layers). No
+``treeattn.tree_attention`` (or a dense fallback for sliding-window / soft-capped layers; with a
+shared prompt, ``ForwardState.shared``, ``treeattn.cascade.cascade_tree_attention``). No
 modeling file is copied, no model attribute or global carries tree metadata: everything a layer
 needs arrives in that call's state.
 
