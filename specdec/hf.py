@@ -6,7 +6,8 @@ model to it. That function behaves exactly like the model's previous implementat
 the model's own ``eager``) unless the forward call carries a ``ForwardState`` in the
 ``specdec_state`` keyword, which transformers forwards untouched to every attention call. With a
 state, the function writes the new keys / values into the state's ``KVCache`` and attends with
-``treeattn.tree_attention`` (or a dense fallback for sliding-window / soft-capped layers). No
+``treeattn.tree_attention`` (or a dense fallback for sliding-window / soft-capped layers; with a
+shared prompt, ``ForwardState.shared``, ``treeattn.cascade.cascade_tree_attention``). No
 modeling file is copied, no model attribute or global carries tree metadata: everything a layer
 needs arrives in that call's state.
 
@@ -18,6 +19,7 @@ prepared"), and every shape depends only on (B, n, capacity): ready for CUDA-gra
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from specdec.kv import KVCache
 from treeattn import TreeMask, tree_attention
+from treeattn.cascade import cascade_tree_attention
 from treeattn.ops import tree_attention_op
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "input_device",
     "masked_forward",
     "prefill",
+    "prefill_shared",
     "run_state",
     "tree_forward",
     "vocab_size",
@@ -171,10 +175,18 @@ class ForwardState:
         positions: int64 ``[B, m]``, their position ids (used by sliding-window layers).
         tree_mask: the tree of the m tokens (verification), or None for a prefill (causal over
             the m tokens, which start at slot 0).
-        prefix_lens: int64 ``[B]``, committed tokens before the tree (verification only).
-        kv_len: attend over buffer slots ``[0, kv_len)`` only (an eager-mode saving); None = the
-            whole capacity (static shapes).
-        impl: ``tree_attention``'s ``impl``.
+        prefix_lens: int64 ``[B]``, committed tokens before the tree (verification only); with
+            ``shared``, the committed tokens after the shared prompt (the suffix lengths).
+        kv_len: attend over buffer slots ``[0, kv_len)`` of ``cache`` only (an eager-mode
+            saving); None = the whole capacity (static shapes).
+        impl: ``tree_attention``'s (or ``cascade_tree_attention``'s) ``impl``.
+        shared: optional batch-1 ``KVCache`` holding a prompt that all B sequences share, at its
+            slots ``[0, P)``, ``P = shared.lengths[0]`` (``prefill_shared`` builds it). ``cache``
+            then holds only what follows the prompt: its slot s is position ``P + s`` (``slots``
+            index ``cache``, ``positions`` are absolute). Verification forwards only; each layer
+            attends with ``treeattn.cascade.cascade_tree_attention`` over the prompt's KV once
+            and each sequence's own suffix + tree. Not for sliding-window layers whose window is
+            shorter than ``P + kv_len`` nor for soft-capped layers (``attend`` raises).
     """
 
     cache: KVCache
@@ -184,6 +196,7 @@ class ForwardState:
     prefix_lens: torch.Tensor | None = None
     kv_len: int | None = None
     impl: str = "auto"
+    shared: KVCache | None = None
     _moved: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -191,6 +204,9 @@ class ForwardState:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
         if (self.tree_mask is None) != (self.prefix_lens is None):
             raise ValueError("tree_mask, prefix_lens: expected both (verification) or neither (prefill)")
+        if self.shared is not None:
+            _check_shared(self.shared, self.tree_mask)
+            _shared_attention_outside_graph()  # built here, eagerly, before any compiled forward reads it
 
     def refresh(self) -> None:
         """Drop the per-device copies; call after updating the state's tensors in place."""
@@ -217,6 +233,11 @@ class ForwardState:
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         k_buf, v_buf = self.cache.write(layer_idx, key, value, slots)
         seq_len = self.cache.capacity if self.kv_len is None else self.kv_len
+        if self.shared is not None:
+            k_all, v_all = k_buf[:, :, :seq_len], v_buf[:, :, :seq_len]
+            out = _shared_attention_outside_graph()(self.shared, layer_idx, query, k_all, v_all, prefix_lens,
+                                                    tree_mask, scale, self.impl, sliding_window, softcap)
+            return out.transpose(1, 2), None
         window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
         if tree_mask is None:
             if window is None and softcap is None:
@@ -240,6 +261,50 @@ class ForwardState:
                 visible = _tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window)
                 out = _masked_attention(query, k_all, v_all, visible, scale, softcap)
         return out.transpose(1, 2), None
+
+
+def _check_shared(shared, tree_mask) -> None:
+    """Raise ``ValueError`` (naming ``shared``) for a shared prefix ``ForwardState`` cannot use."""
+    if not isinstance(shared, KVCache):
+        raise ValueError(f"shared: expected a KVCache or None, got {type(shared).__name__}")
+    if shared.batch_size != 1:
+        raise ValueError(f"shared: expected a KVCache of batch size 1 (the one shared prompt), got batch size "
+                         f"{shared.batch_size}")
+    if tree_mask is None:
+        raise ValueError("shared: expected a verification forward (tree_mask and prefix_lens set), got a prefill "
+                         "(tree_mask None); prefill the shared prompt into its own cache (prefill_shared)")
+    if not 0 <= shared.lengths[0] <= shared.capacity:
+        raise ValueError(f"shared: expected a prompt length 0 <= lengths[0] <= capacity {shared.capacity}, got "
+                         f"{shared.lengths[0]}")
+
+
+def _shared_attention(shared, layer_idx, query, k_all, v_all, suffix_lens, tree_mask, scale, impl, sliding_window,
+                      softcap) -> torch.Tensor:
+    """``[B, Hq, n, D]``: the tree queries ``query`` ``[B, Hq, n, D]`` attending the shared prompt's KV
+    (``shared``'s slots ``[0, P)``) and each sequence's own ``k_all, v_all`` ``[B, Hkv, S, D]``
+    (suffix at ``[0, suffix_lens[b])``, int64 ``[B]``, then the tree)."""
+    prompt_len = shared.lengths[0]
+    if softcap is not None:
+        raise ValueError(f"shared: expected no attention-logit soft-capping with a shared prefix, got softcap="
+                         f"{softcap} in layer {layer_idx}")
+    if sliding_window is not None and sliding_window < prompt_len + k_all.shape[2]:
+        raise ValueError(f"shared: expected no sliding window shorter than the context ({prompt_len} shared + "
+                         f"{k_all.shape[2]} per-sequence slots) with a shared prefix, got sliding_window="
+                         f"{sliding_window} in layer {layer_idx}")
+    if layer_idx not in shared.layer_indices:
+        raise ValueError(f"shared: expected the shared prompt's KV of layer {layer_idx} (prefill_shared with the "
+                         f"same model), got a cache without it")
+    k_sh, v_sh = shared.buffers(layer_idx)
+    return cascade_tree_attention(query, k_sh[:, :, :prompt_len], v_sh[:, :, :prompt_len], k_all, v_all, suffix_lens,
+                                  tree_mask, scale=scale, impl=impl, check_suffix_lens=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_attention_outside_graph():
+    """``_shared_attention`` behind ``torch.compiler.disable``: under torch.compile it runs eagerly, a graph
+    break per layer (there is no opaque op for the cascade yet). Built on first use, not at import
+    (wrapping imports torch._dynamo, about 0.7 s)."""
+    return torch.compiler.disable(_shared_attention)
 
 
 def _tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window) -> torch.Tensor:
@@ -454,6 +519,28 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto",
 
 
 @torch.no_grad()
+def prefill_shared(model, prompt_ids: torch.Tensor, num_layers: int | None = None, impl: str = "auto") -> KVCache:
+    """The KV of one prompt that several sequences share: ``ForwardState.shared`` / ``tree_forward(shared=)``.
+
+    Args:
+        model: a causal LM after ``prepare_model``.
+        prompt_ids: int64 ``[1, P]`` (or ``[P]``), ``P >= 1``.
+        num_layers: as ``KVCache``'s (one stacked allocation), e.g. ``num_layers(model)``.
+        impl: ``prefill``'s ``impl``.
+
+    Returns:
+        A ``KVCache(1, P)`` whose slots ``[0, P)`` hold the prompt's KV (``prefill``), ``lengths == [P]``.
+    """
+    ids = prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+        raise ValueError(f"prompt_ids: expected shape [1, P] or [P] with P >= 1, got {tuple(prompt_ids.shape)}")
+    cache = KVCache(1, int(ids.shape[1]), num_layers=num_layers)
+    prefill(model, ids, cache, impl=impl)
+    cache.lengths = [int(ids.shape[1])]
+    return cache
+
+
+@torch.no_grad()
 def tree_forward(
     model,
     tokens: torch.Tensor,
@@ -464,6 +551,7 @@ def tree_forward(
     kv_len: int | None = None,
     impl: str = "auto",
     return_hidden: bool = False,
+    shared: KVCache | None = None,
 ):
     """Score every node of B token trees in one forward over the committed KV.
 
@@ -478,6 +566,10 @@ def tree_forward(
             ``kv_len >= max(prefix_lens) + n``); None = full capacity (static shapes).
         impl: ``tree_attention``'s ``impl``.
         return_hidden: also return the ``[B, n, H]`` final hidden states (see ``run_state``).
+        shared: a prompt all B sequences share (``prefill_shared``; ``ForwardState.shared``), P =
+            ``shared.lengths[0]`` tokens. ``cache`` and ``prefix_lens`` then describe only what
+            follows the prompt: node j's KV goes to slot ``prefix_lens[b] + j`` of ``cache``, its
+            position id is ``P + prefix_lens[b] + depth``.
 
     Returns:
         ``[B, n, V]`` logits; row i is the target's prediction after node i's root path (and the
@@ -487,10 +579,10 @@ def tree_forward(
     batch, n = tokens.shape
     tree_mask = tree_mask.to(device)
     prefix = prefix_lens.to(device=device, dtype=torch.int64)
-    positions = tree_mask.position_ids(prefix)
+    positions = tree_mask.position_ids(prefix if shared is None else prefix + shared.lengths[0])
     slots = prefix[:, None] + torch.arange(n, device=device)
     state = ForwardState(cache=cache, slots=slots, positions=positions, tree_mask=tree_mask, prefix_lens=prefix,
-                         kv_len=kv_len, impl=impl)
+                         kv_len=kv_len, impl=impl, shared=shared)
     return run_state(model, tokens.to(device), positions, state, return_hidden=return_hidden)
 
 
