@@ -19,7 +19,6 @@ prepared"), and every shape depends only on (B, n, capacity): ready for CUDA-gra
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -299,12 +298,17 @@ def _shared_attention(shared, layer_idx, query, k_all, v_all, suffix_lens, tree_
                                   tree_mask, scale=scale, impl=impl, check_suffix_lens=False)
 
 
-@functools.lru_cache(maxsize=None)
+_SHARED_OUTSIDE_GRAPH = None
+
+
 def _shared_attention_outside_graph():
     """``_shared_attention`` behind ``torch.compiler.disable``: under torch.compile it runs eagerly, a graph
     break per layer (there is no opaque op for the cascade yet). Built on first use, not at import
     (wrapping imports torch._dynamo, about 0.7 s)."""
-    return torch.compiler.disable(_shared_attention)
+    global _SHARED_OUTSIDE_GRAPH
+    if _SHARED_OUTSIDE_GRAPH is None:
+        _SHARED_OUTSIDE_GRAPH = torch.compiler.disable(_shared_attention)
+    return _SHARED_OUTSIDE_GRAPH
 
 
 def _tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window) -> torch.Tensor:
