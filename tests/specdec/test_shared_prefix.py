@@ -30,14 +30,15 @@ def _model(family: str):
 
 
 def _case(n_seqs: int, prompt_len: int, tree_size: int, seed: int):
-    """A random prompt, per sequence a random suffix (lengths differ, the first is 0) and a random tree."""
+    """A random prompt, per sequence a random suffix (lengths differ, the first is 0) and a random tree
+    (its mask; ``parents`` int64 ``[n_seqs, tree_size]``), and the trees' tokens."""
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, VOCAB, (prompt_len,), generator=gen)
     lens = [0] + [int(x) for x in torch.randint(1, 14, (n_seqs - 1,), generator=gen)]
     suffixes = [torch.randint(3, VOCAB, (s,), generator=gen) for s in lens]
     parents = torch.stack([random_tree_parents(tree_size, max_depth=6, generator=gen) for _ in range(n_seqs)])
     tokens = torch.randint(3, VOCAB, (n_seqs, tree_size), generator=gen)
-    return prompt, suffixes, TreeMask.from_parents(parents), tokens
+    return prompt, suffixes, TreeMask.from_parents(parents), parents, tokens
 
 
 def _unshared(model, prompt, suffixes, mask, tokens, num_layers, kv_len):
@@ -81,7 +82,7 @@ def _shared(model, prompt, suffixes, mask, tokens, num_layers, kv_len, impl="tor
 def test_shared_layout_equals_unshared(family, n_seqs, prompt_len, tree_size, static):
     model = _model(family)
     layers = model.config.num_hidden_layers
-    prompt, suffixes, mask, tokens = _case(n_seqs, prompt_len, tree_size, seed=100 * n_seqs + prompt_len)
+    prompt, suffixes, mask, parents, tokens = _case(n_seqs, prompt_len, tree_size, seed=100 * n_seqs + prompt_len)
     kv_len = None if static else max(len(s) for s in suffixes) + tree_size
     ucache, want = _unshared(model, prompt, suffixes, mask, tokens, layers, kv_len)
     shared, scache, got = _shared(model, prompt, suffixes, mask, tokens, layers, kv_len)
@@ -98,30 +99,20 @@ def test_shared_layout_equals_unshared(family, n_seqs, prompt_len, tree_size, st
     b = n_seqs - 1
     node = int(mask.depth[b].argmax())
     path, j = [], node
-    parents = _parents_from_mask(mask, b)
     while j >= 0:
         path.append(j)
-        j = parents[j]
+        j = int(parents[b, j])
     ids = torch.cat([prompt, suffixes[b], tokens[b, path[::-1]]])
     with torch.no_grad():
         fresh = model(ids[None]).logits[0, -1]
     torch.testing.assert_close(got[b, node], fresh, atol=2e-5, rtol=1e-4)
 
 
-def _parents_from_mask(mask: TreeMask, b: int) -> list[int]:
-    dense, depth = mask.to_dense()[b], mask.depth[b]
-    parents = []
-    for i in range(mask.n):
-        anc = [j for j in range(i) if dense[i, j] and depth[j] == depth[i] - 1]
-        parents.append(anc[0] if anc else -1)
-    return parents
-
-
 def test_shared_layout_per_sequence_cache_is_smaller():
     model = _model("qwen2")
     cfg = model.config
     layers, n_seqs, prompt_len, tree_size = cfg.num_hidden_layers, 5, 70, 13
-    prompt, suffixes, mask, tokens = _case(n_seqs, prompt_len, tree_size, seed=7)
+    prompt, suffixes, mask, _, tokens = _case(n_seqs, prompt_len, tree_size, seed=7)
     ucache, _ = _unshared(model, prompt, suffixes, mask, tokens, layers, None)
     shared, scache, _ = _shared(model, prompt, suffixes, mask, tokens, layers, None)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -144,7 +135,7 @@ def test_shared_layout_through_triton_interpreter():
         pytest.skip("TRITON_INTERPRET=1 not set (tests/conftest.py sets it on CPU machines)")
     model = _model("llama")
     layers = model.config.num_hidden_layers
-    prompt, suffixes, mask, tokens = _case(3, 37, 7, seed=11)
+    prompt, suffixes, mask, _, tokens = _case(3, 37, 7, seed=11)
     _, want = _unshared(model, prompt, suffixes, mask, tokens, layers, None)
     _, _, got = _shared(model, prompt, suffixes, mask, tokens, layers, None, impl="triton")
     torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
@@ -221,7 +212,7 @@ def test_shared_layout_under_torch_compile():
     from specdec.hf import run_state
 
     model = _model("llama")
-    prompt, suffixes, mask, tokens = _case(3, 37, 9, seed=3)
+    prompt, suffixes, mask, _, tokens = _case(3, 37, 9, seed=3)
     shared, cache, want = _shared(model, prompt, suffixes, mask, tokens, model.config.num_hidden_layers, None)
     suffix_lens = torch.tensor(cache.lengths)
     positions = mask.position_ids(suffix_lens + len(prompt))
