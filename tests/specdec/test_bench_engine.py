@@ -262,8 +262,21 @@ def test_build_scale_model_values_are_small_and_finite():
     with torch.no_grad():
         logits = model(torch.arange(8)[None]).logits
     assert torch.isfinite(logits).all()
-    with pytest.raises(ValueError, match=r"name: expected one of \('llama3-8b', 'tiny'\), got 'gpt'"):
+    with pytest.raises(ValueError, match=r"name: expected one of \('llama3-8b', .*'tiny'\), got 'gpt'"):
         bench.build_scale_model("gpt", "cpu", torch.float32)
+
+
+def test_build_scale_model_qwen_shapes_match_the_loaded_defaults():
+    import torch
+
+    from specdec.cli.bench.floor import weight_bytes
+
+    # The GGUF load unties the embedding: 630M and 1.78B parameters (../shared/MODELS.md), with q / k / v biases.
+    for name, params in (("qwen2.5-0.5b", 630_167_424), ("qwen2.5-1.5b", 1_777_088_000)):
+        model = bench.build_scale_model(name, "meta", torch.bfloat16, max_positions=4096)
+        assert type(model).__name__ == "Qwen2ForCausalLM"
+        assert model.model.layers[0].self_attn.k_proj.bias is not None
+        assert weight_bytes(model)["params"] == params
 
 
 def test_summarize_kernels_categories_and_names():

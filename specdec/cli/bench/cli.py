@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-config", choices=sorted(SCALE_CONFIGS), default=None,
                    help="model shape (default: llama3-8b on CUDA, tiny on CPU)")
     g.add_argument("--scale-prompts", type=cliargs.int_at_least(2), nargs="+", default=None,
-                   help="prompt lengths, random token ids (default 1024 16384 for llama3-8b, 64 256 for tiny)")
+                   help="prompt lengths, random token ids (default 1024 16384 for llama3-8b, 512 for the qwen2.5 shapes, 64 256 for tiny)")
     g.add_argument("--scale-new-tokens", type=cliargs.int_at_least(2), default=64, help="plain decode tokens timed (default 64)")
     g.add_argument("--scale-tree-sizes", type=cliargs.int_at_least(1), nargs="+", default=list(SCALE_TREE_SIZES),
                    help="verify forwards of t draft nodes + the root (t = 0 always; default 1 2 4 ... 256)")

@@ -19,18 +19,28 @@ SCALE_PARTS = ("engine-graph", "engine-compiled", "hf-static", "verify")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
-#: ``scale`` section models (``LlamaConfig`` fields; ``max_position_embeddings`` is at least this
-#: and at least the largest cache the run needs).
+#: ``scale`` section models: config fields of transformers' ``model_type`` (default ``"llama"``);
+#: ``max_position_embeddings`` is at least this and at least the largest cache the run needs. The
+#: Qwen2.5 rows are the default draft / target's shapes as loaded here (the GGUF load unties the
+#: embedding), for timing without staging the weights.
 SCALE_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=17408, rope_theta=500000.0,
                       rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rope_theta=500000.0,
                  rms_norm_eps=1e-5, tie_word_embeddings=False),
 }  # fmt: skip
 #: ``--scale-prompts`` default per config
-SCALE_PROMPTS = {"llama3-8b": (1024, 16384), "tiny": (64, 256)}
+SCALE_PROMPTS = {"llama3-8b": (1024, 16384), "qwen2.5-0.5b": (512,), "qwen2.5-1.5b": (512,), "tiny": (64, 256)}
 SCALE_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_BANDWIDTH_GBS = 3000.0  # H100 device copy, bytes read + written (../shared/DEVICE.md)
 

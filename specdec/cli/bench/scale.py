@@ -30,7 +30,8 @@ def _no_init_weights():
 
 
 def build_scale_model(name: str, device, dtype, max_positions: int = 0, seed: int = 0, std: float = 0.02):
-    """A random-weight Llama causal LM of ``SCALE_CONFIGS[name]`` built directly on ``device``.
+    """A random-weight causal LM of ``SCALE_CONFIGS[name]`` (Llama unless the entry names another
+    ``model_type``) built directly on ``device``.
 
     HF's weight init is skipped (``no_init_weights``) and replaced by one cheap pass on the device:
     matrices normal(0, ``std``) from a seeded generator, norm weights 1, biases 0 (finite, small;
@@ -39,13 +40,14 @@ def build_scale_model(name: str, device, dtype, max_positions: int = 0, seed: in
     plain decoding always runs to ``max_new_tokens``.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     if name not in SCALE_CONFIGS:
         raise ValueError(f"name: expected one of {tuple(SCALE_CONFIGS)}, got {name!r}")
     fields = dict(SCALE_CONFIGS[name])
+    model_type = fields.pop("model_type", "llama")
     fields["max_position_embeddings"] = max(int(fields["max_position_embeddings"]), int(max_positions))
-    config = LlamaConfig(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    config = AutoConfig.for_model(model_type, **fields, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     device = torch.device(device)
     with torch.device(device), _no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
