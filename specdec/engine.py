@@ -35,6 +35,16 @@ Python per layer) dominates the prefill of short prompts on a GPU. With dynamic 
 without CUDA graphs, with ``prefill_width=0`` / None, or for a cache smaller than
 ``prefill_width``, the prompts go through one eager forward (``hf.prefill``, SDPA). See
 ``SpecDecoder._chunked_prefill`` for the chunking rules.
+
+Shared prompt (``num_return_sequences = n > 1`` of one prompt, dynamic shapes): the prompt's KV but
+its last token is written once, into a batch-1 ``KVCache`` (``hf.prefill_shared``); the n sequences'
+own cache (``[n, S]``) holds only what follows it -- its slot s is position ``P + s`` (P = prompt
+length - 1): the prompt's last token (the first root), the new tokens and the tree, so S is sized
+for ``1 + max_new_tokens + tree_size``, not for the prompt. Every tree forward attends through
+``hf.tree_forward(shared=)`` (``treeattn.cascade``: the prompt's KV read once for all n sequences).
+Otherwise (several prompts, static shapes, ``shared_prefix=False``, or a target the cascade does
+not serve) each sequence keeps its own copy of its prompt's KV. See ``SpecDecoder``'s
+``shared_prefix``.
 """
 
 from __future__ import annotations
@@ -299,8 +309,11 @@ class _Run:
             ``needs_hidden_states``): ``[m, H]``, the target's final hidden states of the committed
             positions ``lens[b] - 1 - m .. lens[b] - 2`` not yet shown to the drafter (m = 1 for
             ``"last"``), or None.
-        cache: the target's KV cache (holds every committed token's KV but the root's).
+        cache: the target's KV cache (holds every committed token's KV but the root's; with
+            ``shared``, only those after the shared prompt: slot s is position ``P + s``).
         sampling, generator, eos, max_new_tokens, on_tokens: ``generate``'s arguments.
+        shared: the batch-1 cache of the prompt (but its last token) that all sequences share, P
+            slots (``hf.prefill_shared``), or None: every sequence's prompt is in ``cache``.
     """
 
     prompts: list[torch.Tensor]
@@ -314,6 +327,7 @@ class _Run:
     eos: set[int]
     max_new_tokens: int
     on_tokens: Callable[[int, list[int]], None] | None
+    shared: KVCache | None = None
 
 
 def _stderr(message: str) -> None:
@@ -369,6 +383,18 @@ class SpecDecoder:
             same trees, and adopt rank 0's verification decision (and, when sampling, its random
             generator state) every step. None (default): ``RankSync.for_model(target)``, i.e. one
             over the target's TP group when transformers sharded it, else none (single process).
+        shared_prefix: how ``generate(num_return_sequences=n)`` with n > 1 and ONE prompt (of at
+            least 2 tokens; a one-token prompt has nothing to share) stores that prompt. True: its
+            KV once, shared by the n sequences (see the module doc); needs ``static_shapes=False``
+            and a target the cascade attention serves (``hf.shared_prefix_obstacle``: no soft-capped
+            attention, no sliding window shorter than the call's context), else ValueError (at
+            construction, or for a call whose context a sliding window does not cover). False: each
+            of the n rows holds its own copy of the prompt's KV. None (default): the shared layout
+            where True would give it, the copy layout where True would raise (static shapes, e.g.
+            the default on CUDA; a soft-capped target; a call longer than a sliding window). Calls
+            with several prompts always use the copy layout. Why not with static shapes: the
+            cascade kernel takes the prompt length as a shape (its loop bounds and split plan),
+            which a captured ``GraphedForward`` would bake in, one capture per prompt length.
 
     Kept state and memory: with static shapes, ``max_cache_len`` or ``cache_buckets`` the decoder
     keeps one ``KVCache`` per (batch size, capacity) it has used (``caches``) and, with static shapes, one
@@ -385,6 +411,9 @@ class SpecDecoder:
     handed its prompt's features, ``[L, H]`` per sequence (the eager prefill still runs the LM head
     on one position per sequence: no ``[B, L, V]`` logits); ``"last"`` / True (Medusa) gets one row.
     ``release()`` drops them. Call ``warmup()`` before timing to build them ahead of time.
+    With the shared prompt, the kept caches are the n sequences' suffix caches (their capacity is
+    picked for ``1 + max_new_tokens + tree_size`` slots, the same buckets / ``max_cache_len``), and
+    the prompt's batch-1 cache (``P`` slots) is made for each call and dropped after it.
     """
 
     def __init__(
@@ -401,6 +430,7 @@ class SpecDecoder:
         compile: bool | str = False,
         prefill_width: int | None = DEFAULT_PREFILL_WIDTH,
         rank_sync: RankSync | None = None,
+        shared_prefix: bool | None = None,
     ) -> None:
         hf.prepare_model(target, "target")
         if not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0:
@@ -459,6 +489,20 @@ class SpecDecoder:
             raise ValueError(f"rank_sync: expected None or a specdec.distributed.RankSync, got {type(rank_sync).__name__}")
         #: keeps the ranks of a tensor-parallel target in lockstep (None: a single-process target)
         self.rank_sync: RankSync | None = rank_sync if rank_sync is not None else RankSync.for_model(target)
+        if shared_prefix is not None and not isinstance(shared_prefix, bool):
+            raise ValueError(f"shared_prefix: expected None, True or False, got {shared_prefix!r}")
+        if shared_prefix and self.static_shapes:
+            raise ValueError("shared_prefix: True needs static_shapes=False (the fixed-shape forwards keep a copy of "
+                             "the prompt per sequence), got static_shapes=True")
+        obstacle = hf.shared_prefix_obstacle(target, 0)  # what rules it out whatever the context
+        if shared_prefix and obstacle is not None:
+            raise ValueError(f"shared_prefix: True needs a target the cascade attention serves, got one with "
+                             f"{obstacle}")
+        #: n > 1 sequences of one prompt keep its KV once (the module doc), where the call allows it
+        self.shared_prefix: bool = (
+            (not self.static_shapes and obstacle is None) if shared_prefix is None else shared_prefix
+        )
+        self._shared_required = shared_prefix is True  # a call the cascade cannot serve raises
 
     # ------------------------------------------------------------------ kept state
 
@@ -606,8 +650,13 @@ class SpecDecoder:
                 the tokens (host ints) appended to sequence ``seq`` in that step (never empty).
             num_return_sequences: n sequences per prompt (HF's argument): the output's rows are
                 prompt 0's n sequences, then prompt 1's, ...; each decodes on its own (independent
-                samples when sampling, n equal rows when greedy). Today each row holds its own copy
-                of the prompt's KV (the shared-prefix layout of issue 17 is not in the engine yet).
+                samples when sampling, n equal rows when greedy). With n > 1 and one prompt (of at
+                least 2 tokens) the n rows share one copy of the prompt's KV when ``shared_prefix``
+                is on (the default with dynamic shapes, see ``SpecDecoder``): the prompt is prefilled
+                once, the rows' cache holds only their new tokens and trees, and every tree forward
+                attends to the prompt through the cascade attention. Otherwise (several prompts,
+                static shapes) each row holds its own copy of its prompt's KV. Both layouts give the
+                same tokens (up to rounding in the attention) and draw the same random numbers.
 
         Returns:
             ``GenerationOutput`` with the sequences and per-step statistics.
@@ -620,7 +669,8 @@ class SpecDecoder:
             pad_token_id = min(eos) if eos else 0
         if not isinstance(num_return_sequences, int) or isinstance(num_return_sequences, bool) or num_return_sequences < 1:
             raise ValueError(f"num_return_sequences: expected an int >= 1, got {num_return_sequences!r}")
-        prompts = [p for p in self._prompts(input_ids, attention_mask) for _ in range(num_return_sequences)]
+        distinct = self._prompts(input_ids, attention_mask)
+        prompts = [p for p in distinct for _ in range(num_return_sequences)]
         batch = len(prompts)
         longest = max(len(p) for p in prompts)
         limit = hf.max_positions(self.target)
@@ -630,7 +680,12 @@ class SpecDecoder:
                 f"target's context of {limit} positions"
             )
         need = longest + max_new_tokens + self.tree_size
-        cache = self._cache_for(batch, self._capacity(need))
+        share = self._shares_prompt(distinct, num_return_sequences, need)
+        if share:  # per sequence: the prompt's last token (the first root), the new tokens, one tree
+            cache = self._cache_for(batch, self._capacity(
+                1 + max_new_tokens + self.tree_size, what="1 + max_new_tokens + tree_size (a shared prompt's rows)"))
+        else:
+            cache = self._cache_for(batch, self._capacity(need))
         seqs = torch.zeros(batch, need + 1, dtype=torch.int64)
         for b, p in enumerate(prompts):
             seqs[b, : len(p)] = p
@@ -643,7 +698,10 @@ class SpecDecoder:
         timer = _PhaseTimer(self._sync)
         self._sync()
         with timer("prefill"):
-            run.hidden = self._prefill(cache, seqs, run.lens)
+            if share:
+                run.shared, run.hidden = self._prefill_shared(distinct[0], batch)
+            else:
+                run.hidden = self._prefill(cache, seqs, run.lens)
         if self.drafter is not None:
             self.drafter.reset([p.clone() for p in prompts])
         steps: list[StepStats] = []
@@ -654,6 +712,42 @@ class SpecDecoder:
         for b, n in enumerate(run.lens):
             out[b, :n] = seqs[b, :n]
         return GenerationOutput(out, tuple(run.lens), tuple(len(p) for p in prompts), steps, timer.seconds["prefill"])
+
+    def _shares_prompt(self, prompts: list[torch.Tensor], copies: int, need: int) -> bool:
+        """Whether a call of ``prompts`` x ``copies`` sequences needing ``need`` positions each decodes
+        on the shared prompt: ``shared_prefix`` on, one prompt of >= 2 tokens, ``copies > 1``, and a
+        target the cascade serves over ``need`` positions (else ValueError with ``shared_prefix=True``,
+        the copy layout with the default)."""
+        if not self.shared_prefix or copies == 1 or len(prompts) != 1 or len(prompts[0]) == 1:
+            return False
+        obstacle = hf.shared_prefix_obstacle(self.target, need)
+        if obstacle is not None and self._shared_required:
+            raise ValueError(f"shared_prefix: True needs a target the cascade attention serves over this call's "
+                             f"{need} positions, got one with {obstacle}")
+        if obstacle is not None:
+            _log.info("specdec: %d sequences of one prompt keep a copy of it each: the target has %s", copies, obstacle)
+        return obstacle is None
+
+    def _prefill_shared(self, prompt: torch.Tensor, batch: int) -> tuple[KVCache, list[torch.Tensor | None]]:
+        """The prompt's KV but its last token's (the first root), written once into a new batch-1 cache
+        of ``len(prompt) - 1`` slots (``hf.prefill_shared``, one eager forward) for ``batch``
+        sequences that share it.
+
+        Args:
+            prompt: int64 ``[L]``, ``L >= 2``.
+            batch: the sequences sharing it.
+
+        Returns:
+            The shared cache, and per sequence the first ``DraftContext.hidden`` as ``_prefill``'s:
+            one tensor, the same for every sequence (``[L - 1, H]`` for ``"all"``, ``[1, H]`` for
+            ``"last"``), or Nones.
+        """
+        want = {None: False, HIDDEN_LAST: True, HIDDEN_ALL: "all"}[self._hidden_mode]
+        got = hf.prefill_shared(self.target, prompt[None, :-1], self._num_layers, self.attn_impl, return_hidden=want)
+        if not want:
+            return got, [None] * batch
+        shared, hidden = got  # [1, H] or [1, L - 1, H]
+        return shared, [hidden if want is True else hidden[0]] * batch
 
     def _prefill(self, cache: KVCache, seqs: torch.Tensor, lens: Sequence[int]) -> list[torch.Tensor | None]:
         """Write each sequence's prompt but its last token (the first root) into ``cache``.
@@ -787,7 +881,7 @@ class SpecDecoder:
         with timer("verify"):
             if self.rank_sync is not None:  # every rank drafted the same trees (else all raise)
                 self.rank_sync.check_trees(trees)
-            forward = self._tree_forward(run.cache, trees)
+            forward = self._tree_forward(run.cache, trees, run.shared)
             with timer("forward"):
                 logits, node_hidden = forward()
             verdicts = self._verify(run, trees, logits)
@@ -832,13 +926,15 @@ class SpecDecoder:
             contexts.append(ctx)
         return trees, contexts
 
-    def _tree_forward(self, cache: KVCache, trees: list[TokenTree]) -> _Forward:
+    def _tree_forward(self, cache: KVCache, trees: list[TokenTree], shared: KVCache | None = None) -> _Forward:
         """The target's forward over the B trees as a call, its inputs prepared on the host.
 
         The call returns ``(logits [B, n, V], hidden [B, n, H] or None)``; node i of tree b is row
         ``[b, i]`` (rows past a tree's size are padding). n is ``tree_size + 1`` with static shapes
         (the fixed-shape forward of this batch size and cache, made on first use), else the
-        largest tree's size. Node i's KV goes to slot ``cache.lengths[b] + i``.
+        largest tree's size. Node i's KV goes to slot ``cache.lengths[b] + i``. ``shared``
+        (dynamic shapes only): the prompt all B sequences share (``hf.tree_forward(shared=)``):
+        ``cache`` then holds what follows it, and positions are offset by its length.
         """
         batch = len(trees)
         n = self.tree_size + 1 if self.static_shapes else max(t.n for t in trees)
@@ -858,7 +954,7 @@ class SpecDecoder:
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             out = hf.tree_forward(self.target, tokens, mask, prefix, cache, kv_len=kv_len, impl=self.attn_impl,
-                                  return_hidden=self._wants_hidden)  # fmt: skip
+                                  return_hidden=self._wants_hidden, shared=shared)  # fmt: skip
             return out if self._wants_hidden else (out, None)
 
         return forward
@@ -978,7 +1074,11 @@ class SpecDecoder:
         batch sizes and ``max_len`` makes no new forward (no capture, no compile). With dynamic
         shapes there are no fixed-shape forwards (and no kept caches without ``max_cache_len`` or
         ``cache_buckets``): the warm-up runs the prefill and one tree forward per (B, S), which
-        compiles the kernels those use first.
+        compiles the kernels those use first, and, for B > 1 with ``shared_prefix`` on, one tree
+        forward over a 1-token shared prompt (``hf.prefill_shared``; the cascade attention's first
+        use). The cache buckets warmed are those of the copy layout; a shared prompt's rows use the
+        bucket of ``1 + max_new_tokens + tree_size`` slots, one of them unless ``min_len`` skipped
+        it (then that cache is made by the call: an allocation, no capture with dynamic shapes).
 
         Memory: every warmed cache stays allocated (see the class docstring), e.g. all six default
         buckets of Qwen2.5-1.5B in bf16 take 1.7 GiB per sequence of batch size.
@@ -992,7 +1092,7 @@ class SpecDecoder:
         range the workload spans (``min_len`` None) before timing a run.
 
         Args:
-            batch_sizes: the batch sizes (numbers of prompts per call) to come.
+            batch_sizes: the batch sizes (sequences per call: prompts x num_return_sequences) to come.
             max_len: the most tokens per sequence the calls to come reach (longest prompt +
                 max_new_tokens); None: every bucket (up to the target's context).
             min_len: the fewest tokens per sequence the calls to come reach (shortest prompt +
@@ -1100,6 +1200,10 @@ class SpecDecoder:
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
             self._tree_forward(cache, [chain] * batch)()
             cache.reset()
+            if self.shared_prefix and batch > 1 and hf.shared_prefix_obstacle(self.target, capacity + 1) is None:
+                shared, _ = self._prefill_shared(torch.zeros(2, dtype=torch.int64), batch)
+                self._tree_forward(cache, [chain] * batch, shared)()
+                cache.reset()
         graphed = self._graphs.get(key)  # None with dynamic shapes
         first = graphed is not None and graphed.calls == 1  # this was its first run: timings are ours
         pre = self._prefill_graphs.get((batch, capacity))  # None: an eager prefill
@@ -1206,7 +1310,7 @@ def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) 
     """``specdec.wrap(model, drafter).generate(input_ids, max_new_tokens=...)`` decodes speculatively.
 
     ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``cache_buckets``, ``static_shapes``,
-    ``attn_impl``, ``cuda_graphs``, ``compile``, ``prefill_width``, ``rank_sync``).
+    ``attn_impl``, ``cuda_graphs``, ``compile``, ``prefill_width``, ``rank_sync``, ``shared_prefix``).
     """
     return SpeculativeModel(model, drafter, tree_size, **decoder_kwargs)
 

@@ -43,6 +43,7 @@ __all__ = [
     "prefill",
     "prefill_shared",
     "run_state",
+    "shared_prefix_obstacle",
     "tree_forward",
     "vocab_size",
     "max_positions",
@@ -523,7 +524,8 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto",
 
 
 @torch.no_grad()
-def prefill_shared(model, prompt_ids: torch.Tensor, num_layers: int | None = None, impl: str = "auto") -> KVCache:
+def prefill_shared(model, prompt_ids: torch.Tensor, num_layers: int | None = None, impl: str = "auto", *,
+                   return_hidden: bool | str = False):
     """The KV of one prompt that several sequences share: ``ForwardState.shared`` / ``tree_forward(shared=)``.
 
     Args:
@@ -531,17 +533,45 @@ def prefill_shared(model, prompt_ids: torch.Tensor, num_layers: int | None = Non
         prompt_ids: int64 ``[1, P]`` (or ``[P]``), ``P >= 1``.
         num_layers: as ``KVCache``'s (one stacked allocation), e.g. ``num_layers(model)``.
         impl: ``prefill``'s ``impl``.
+        return_hidden: also return the prompt's final hidden states (the LM head's input; the head
+            runs on one position): True: of its last position, ``[1, H]`` (``prefill``'s
+            ``hidden_at``); ``"all"``: of all P positions, ``[1, P, H]`` (``all_hidden``).
 
     Returns:
-        A ``KVCache(1, P)`` whose slots ``[0, P)`` hold the prompt's KV (``prefill``), ``lengths == [P]``.
+        A ``KVCache(1, P)`` whose slots ``[0, P)`` hold the prompt's KV (``prefill``), ``lengths == [P]``;
+        ``(cache, hidden)`` with ``return_hidden``.
     """
+    if return_hidden not in (False, True, "all"):
+        raise ValueError(f"return_hidden: expected False, True or 'all', got {return_hidden!r}")
     ids = prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
         raise ValueError(f"prompt_ids: expected shape [1, P] or [P] with P >= 1, got {tuple(prompt_ids.shape)}")
-    cache = KVCache(1, int(ids.shape[1]), num_layers=num_layers)
-    prefill(model, ids, cache, impl=impl)
-    cache.lengths = [int(ids.shape[1])]
-    return cache
+    length = int(ids.shape[1])
+    cache = KVCache(1, length, num_layers=num_layers)
+    at = torch.tensor([length - 1]) if return_hidden is True else None
+    hidden = prefill(model, ids, cache, impl=impl, hidden_at=at, all_hidden=return_hidden == "all")
+    cache.lengths = [length]
+    return (cache, hidden) if return_hidden else cache
+
+
+def shared_prefix_obstacle(model, context: int) -> str | None:
+    """Why a shared prompt (``ForwardState.shared``) cannot serve ``model`` over ``context`` positions
+    (shared prompt + per-sequence slots), as its config says; None if nothing stands in the way.
+
+    The cascade attention has no soft-capping and no sliding window: a config with
+    ``attn_logit_softcapping`` set, or with a ``sliding_window`` shorter than ``context`` on some
+    layer (every layer unless ``layer_types`` names the ``"sliding_attention"`` ones), is refused.
+    The attention function checks each layer again (``ForwardState.attend`` raises).
+    """
+    text = model.config.get_text_config()
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"attention-logit soft-capping (attn_logit_softcapping={softcap})"
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if isinstance(window, int) and window < context and (types is None or "sliding_attention" in types):
+        return f"a sliding window of {window} positions, shorter than the context of {context}"
+    return None
 
 
 @torch.no_grad()
