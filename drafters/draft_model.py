@@ -62,7 +62,7 @@ from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
-from treeattn.layout import num_words, pack_bits
+from treeattn.layout import pack_bits
 from treeattn.ops import tree_attention_op
 
 __all__ = ["DraftModelDrafter", "SAMPLING_PROPOSALS", "ATTENTIONS"]
@@ -610,29 +610,30 @@ class _TreeState:
     (split over many blocks) where SDPA under a dense mask (``_GroupedMaskedState``) reads the whole
     capacity in two thread blocks. Two uses:
 
-    - a level of the tree: the ``m`` frontier rows are ``m`` of the ``n = E`` expanded nodes (slots
-      ``base + e``); their queries go to rows ``rows`` of ``n`` zero queries (the other rows' outputs
-      are dropped), ``words`` holds each row's ancestors-or-self;
-    - the catch-up chain (``rows`` None): ``n`` = the chain width, causal words; the chain starts at
+    - a level of the tree: the prefix is the committed tokens and the root (``base + 1``), the tree
+      the ``n = E - 1`` expanded nodes after it, and the forward runs ALL of them as queries (each
+      with its ancestors-or-self as words): rows of earlier levels recompute what they wrote before
+      (same tokens, positions, ancestors and shapes: the same values), rows of later levels write
+      slots their own level overwrites. A forward of E - 1 rows costs what one of K rows does
+      (the draft's GEMMs stream weights at either size), and the queries need no placement;
+    - the catch-up chain: ``n`` = the chain width, causal words; the chain starts at
       ``prefix_lens``, padding rows after it write the next (expanded) slots, which the levels overwrite.
 
-    Attributes: cache; slots ``[1, m]`` (where this forward's keys / values go); prefix_lens int64
+    Attributes: cache; slots ``[1, n]`` (where this forward's keys / values go); prefix_lens int64
     ``[1]``; words int64 ``[1, n, ceil(n / 64)]``; depth int64 ``[1, n]`` (``TreeMask.depth``, not
-    read by the kernel); rows int64 ``[m]`` or None (m == n). All updated in place by the loop.
-    Sliding-window and soft-capped layers are refused (``attention="sdpa"`` handles them).
+    read by the kernel). All updated in place by the loop. Sliding-window and soft-capped layers
+    are refused (``attention="sdpa"`` handles them).
     """
 
-    def __init__(self, cache: KVCache, slots, prefix_lens, words, depth, rows=None) -> None:
-        self.cache, self.slots, self.prefix_lens, self.words, self.depth, self.rows = (
-            cache, slots, prefix_lens, words, depth, rows)  # fmt: skip
-        self.n = words.shape[1]
+    def __init__(self, cache: KVCache, slots, prefix_lens, words, depth) -> None:
+        self.cache, self.slots, self.prefix_lens, self.words, self.depth = cache, slots, prefix_lens, words, depth
 
     def clear(self) -> None:
         """Nothing is cached between forwards (the loop updates the tensors in place)."""
 
     def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
-        """Write this layer's keys / values at ``slots`` and attend. query ``[1, Hq, m, D]``; returns
-        ``([1, m, Hq, D], None)`` as transformers' attention functions do."""
+        """Write this layer's keys / values at ``slots`` and attend. query ``[1, Hq, n, D]``; returns
+        ``([1, n, Hq, D], None)`` as transformers' attention functions do."""
         if softcap is not None or (sliding_window is not None and sliding_window < self.cache.capacity):
             raise ValueError("attention: 'tree' has no sliding-window or soft-capped layers (the draft model has "
                              "them); use attention='sdpa'")  # fmt: skip
@@ -640,14 +641,9 @@ class _TreeState:
         if layer_idx is None:
             raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
         k_buf, v_buf = self.cache.write(layer_idx, key, value, self.slots)
-        batch, heads, m, dim = query.shape
+        dim = query.shape[-1]
         scale = dim**-0.5 if scaling is None else float(scaling)
-        q = query
-        if self.rows is not None:
-            q = query.new_zeros(batch, heads, self.n, dim).index_copy_(2, self.rows, query)
-        out = tree_attention_op(q, k_buf, v_buf, self.prefix_lens, self.words, self.depth, scale, "auto")
-        if self.rows is not None:
-            out = out.index_select(2, self.rows)
+        out = tree_attention_op(query, k_buf, v_buf, self.prefix_lens, self.words, self.depth, scale, "auto")
         return out.transpose(1, 2), None
 
 
@@ -738,12 +734,17 @@ class _DeviceLoop(_Replayed):
         self.key_positions = torch.zeros(1, cap, **i64)
         self._exp_depth = torch.tensor([0] + [d for d in range(1, depth) for _ in range(k)], **i64)  # per expanded node
         self.attention = attention
-        if attention == "tree":  # the levels: K of the E expanded nodes as queries, each row's ancestors as words
-            self.rows = torch.zeros(k, **i64)
-            self.words = torch.zeros(1, e, num_words(e), **i64)
-            self._own_words = pack_bits(torch.eye(e, dtype=torch.bool, device=dev))  # [E, nw]
-            self._level_rows = {d: 1 + (d - 1) * k + torch.arange(k, **i64) for d in range(1, depth)}
-            self.state = _TreeState(cache, self.slots, self.base, self.words, self._exp_depth[None], self.rows)
+        if attention == "tree" and depth > 1:
+            # the levels: all E - 1 expanded nodes after the root as queries (row r = expanded index r + 1),
+            # each with its ancestors-or-self over them as words; the root ends the prefix
+            self.tree_prefix = torch.zeros(1, **i64)
+            self.tree_tokens = torch.zeros(1, e - 1, **i64)
+            self.tree_positions = torch.zeros(1, e - 1, **i64)
+            self.tree_slots = torch.zeros(1, e - 1, **i64)
+            self.words = pack_bits(torch.eye(e - 1, dtype=torch.bool, device=dev))[None]  # [1, E - 1, nw]
+            #: per level d, the rows whose logits the level's forward keeps (its K frontier rows)
+            self._level_rows = {d: (d - 1) * k + torch.arange(k, **i64) for d in range(1, depth)}
+            self.state = _TreeState(cache, self.tree_slots, self.tree_prefix, self.words, self._exp_depth[None, 1:])
         else:
             self.state = _GroupedMaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
         #: the catch-up through the tree kernel: the chain's padding rows write the slots after the root
@@ -914,6 +915,10 @@ class _DeviceLoop(_Replayed):
         base = self.base
         tree_slots = base + self._exp_ids  # [E]: slot of every expanded node
         tree = self.attention == "tree"
+        if tree and self.depth > 1:  # every level's forward: the E - 1 expanded nodes at fixed slots / positions
+            self.tree_prefix.copy_(base + 1)
+            self.tree_slots[0].copy_(tree_slots[1:])
+            self.tree_positions[0].copy_(base + self._exp_depth[1:])
         if not tree:
             keypos = self.key_positions[0]
             keypos.copy_(self._slot_ids)
@@ -944,18 +949,21 @@ class _DeviceLoop(_Replayed):
             live = self._rank[:k] < n_kept  # dead rows: fewer kept candidates than K
             score = cand[order]
             anc = anc[torch.clamp(order // w, max=rows - 1)] | self._own[d]  # [K, E] ancestors-or-self
-            self.tokens[0].copy_(ctok[order])
-            self.positions[0].copy_((base + d).expand(k))
-            self.slots[0].copy_(tree_slots[1 + (d - 1) * k : 1 + d * k])
-            if tree:  # this level's rows: their ancestors-or-self; the other expanded nodes see themselves
-                self.rows.copy_(self._level_rows[d])
-                self.words[0].copy_(self._own_words)
-                self.words[0].index_copy_(0, self.rows, pack_bits(anc))
+            if tree:  # this level's rows: their tokens and ancestors-or-self (the root, in the prefix, dropped)
+                lo = (d - 1) * k
+                self.tree_tokens[0, lo : lo + k].copy_(ctok[order])
+                self.words[0, lo : lo + k].copy_(pack_bits(anc[:, 1:]))
+                logits = self._run_state(self.model, self.tree_tokens, self.tree_positions, self.state,
+                                         logits_to_keep=self._level_rows[d])  # fmt: skip
             else:
+                self.tokens[0].copy_(ctok[order])
+                self.positions[0].copy_((base + d).expand(k))
+                self.slots[0].copy_(tree_slots[1 + (d - 1) * k : 1 + d * k])
                 vis = self.visible[0]
                 vis.copy_(prefix.expand(k, cap))
                 vis.index_copy_(1, tree_slots, anc)
-            self.state.clear()
-            logits = self._run_state(self.model, self.tokens, self.positions, self.state)[0].to(self.device)  # [K, V]
+                self.state.clear()
+                logits = self._run_state(self.model, self.tokens, self.positions, self.state)
+            logits = logits[0].to(self.device)  # [K, V]
         out = torch.cat([*toks, *[x.view(torch.int64) for x in vals], *keeps, *sels])
         return out, None
