@@ -297,10 +297,11 @@ def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family, refer
     out = SpecDecoder(target, cmp, tree_size=20).generate(prompt, NEW)
     assert out.sequences[0].tolist() == ref
     st = graphed._states[0]
-    # one graph per proposal: after the prefill without, then with the catch-up stage
-    first, steady = (st.loops[key] for key in sorted(st.loops, key=lambda key: key[-1]))
-    assert first.captured and steady.captured and first.calls == 1 and steady.calls == len(out.steps) - 1
-    assert st.fwd is None
+    # one graph per proposal, every one with the catch-up stage: the prompt's KV was written in captured
+    # chunks (prefill_width), so the first proposal's root is a one-token catch-up too
+    (loop,) = st.loops.values()
+    assert loop.captured and loop.chain and loop.calls == len(out.steps)
+    assert st.fwd is None and st.prefill is not None
     loops = dict(st.loops)
     assert SpecDecoder(target, cmp, tree_size=20).generate(prompt, NEW).sequences[0].tolist() == ref
     assert graphed._states[0].loops == loops  # the captures serve later generate calls
@@ -654,7 +655,7 @@ def test_device_loop_argument_errors():
         chained.load(None, 1)
     with pytest.raises(ValueError, match=r"device_loop: expected True or False, got 1"):
         DraftModelDrafter(draft, device_loop=1)
-    with pytest.raises(ValueError, match=r"attention: expected one of \('sdpa', 'tree'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"attention: expected 'auto' or one of \('sdpa', 'tree'\), got 'flash'"):
         DraftModelDrafter(draft, attention="flash")
     with pytest.raises(ValueError, match=r"prefill_width: expected None or an int >= 0 \(0 or None: the eager prefill\), got -1"):
         DraftModelDrafter(draft, prefill_width=-1)
@@ -670,6 +671,21 @@ def test_tree_attention_refuses_sliding_window_layers():
     drafter.reset([prompt])
     with pytest.raises(ValueError, match=r"attention: 'tree' has no sliding-window or soft-capped layers"):
         drafter.propose(DraftContext(prompt, 16))
+
+
+def test_auto_attention_is_the_tree_kernel_on_cuda_where_the_config_allows():
+    """``attention="auto"`` (the default): the tree kernel on CUDA for plain causal drafts, SDPA for
+    sliding-window (Gemma 3) or soft-capped (Gemma 2) drafts and on a CPU; explicit values are kept."""
+    from drafters.draft_model import pick_attention
+
+    qwen, gemma3, gemma2 = _draft("qwen2"), _draft("gemma3"), _draft("gemma2")
+    assert pick_attention("auto", qwen, torch.device("cuda")) == "tree"
+    assert pick_attention("auto", gemma3, torch.device("cuda")) == "sdpa"
+    assert pick_attention("auto", gemma2, torch.device("cuda")) == "sdpa"
+    assert pick_attention("auto", qwen, torch.device("cpu")) == "sdpa"
+    assert pick_attention("sdpa", qwen, torch.device("cuda")) == "sdpa"
+    assert pick_attention("tree", gemma3, torch.device("cpu")) == "tree"
+    assert DraftModelDrafter(qwen, depth=2, topk=2).attention == "sdpa"  # built on the CPU
 
 
 @cuda_only
