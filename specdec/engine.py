@@ -36,15 +36,20 @@ without CUDA graphs, with ``prefill_width=0`` / None, or for a cache smaller tha
 ``prefill_width``, the prompts go through one eager forward (``hf.prefill``, SDPA). See
 ``SpecDecoder._chunked_prefill`` for the chunking rules.
 
-Shared prompt (``num_return_sequences = n > 1`` of one prompt, dynamic shapes): the prompt's KV but
-its last token is written once, into a batch-1 ``KVCache`` (``hf.prefill_shared``); the n sequences'
-own cache (``[n, S]``) holds only what follows it -- its slot s is position ``P + s`` (P = prompt
-length - 1): the prompt's last token (the first root), the new tokens and the tree, so S is sized
-for ``1 + max_new_tokens + tree_size``, not for the prompt. Every tree forward attends through
-``hf.tree_forward(shared=)`` (``treeattn.cascade``: the prompt's KV read once for all n sequences).
-Otherwise (several prompts, static shapes, ``shared_prefix=False``, or a target the cascade does
-not serve) each sequence keeps its own copy of its prompt's KV. See ``SpecDecoder``'s
-``shared_prefix``.
+Shared prompt (``num_return_sequences = n > 1`` of one prompt): the prompt's KV but its last token
+is written once, into a batch-1 ``KVCache`` of C slots -- the batch-1 cache of the capacity a
+request of P = prompt length - 1 tokens gets (a bucket, ``max_cache_len``, or exactly P), kept like
+the other caches and prefilled like a batch-1 prompt (``_prefill``: chunked through the fixed-shape
+prefill forward with static shapes). The n sequences' own cache (``[n, S]``) holds only what follows
+it -- its slot s is position ``P + s``: the prompt's last token (the first root), the new tokens and
+the tree, so S is sized for ``1 + max_new_tokens + tree_size``, not for the prompt. Every tree
+forward attends through the cascade attention (``treeattn.cascade``: the prompt's KV read once for
+all n sequences): with dynamic shapes ``hf.tree_forward(shared=)`` over exactly P prompt slots; with
+static shapes a ``GraphedForward(shared=)`` per (n, S, tree_size + 1, C) whose input vector carries P
+as data (the cascade reads the first P of the C slots, its launch fixed by C), so one capture
+serves every prompt of up to C tokens. Otherwise (several prompts, ``shared_prefix=False``, or a
+target the cascade does not serve) each sequence keeps its own copy of its prompt's KV. See
+``SpecDecoder``'s ``shared_prefix``.
 """
 
 from __future__ import annotations
@@ -222,6 +227,13 @@ class WarmupEntry:
         prefill_built: whether this warm-up made that forward.
         capture_warmup_s: the part of ``capture_s`` spent in the side-stream warm-up forwards before
             the recording (``specdec.graphs.capture_warmup``); None when ``capture_s`` is.
+        shared_built: whether this warm-up made the fixed-shape tree forward over a shared prompt
+            (``SpecDecoder.shared_forwards``, B > 1 with ``shared_prefix``; the prompt cache of S
+            slots).
+        shared_first_run_s: that forward's first run (with ``compile``, its compile); None if it had
+            run before or there is none.
+        shared_capture_s: its CUDA-graph capture; None without CUDA graphs, if done before, or
+            without that forward.
     """
 
     batch_size: int
@@ -237,6 +249,9 @@ class WarmupEntry:
     prefill_capture_s: float | None = None
     prefill_built: bool = False
     capture_warmup_s: float | None = None
+    shared_built: bool = False
+    shared_first_run_s: float | None = None
+    shared_capture_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -312,8 +327,9 @@ class _Run:
         cache: the target's KV cache (holds every committed token's KV but the root's; with
             ``shared``, only those after the shared prompt: slot s is position ``P + s``).
         sampling, generator, eos, max_new_tokens, on_tokens: ``generate``'s arguments.
-        shared: the batch-1 cache of the prompt (but its last token) that all sequences share, P
-            slots (``hf.prefill_shared``), or None: every sequence's prompt is in ``cache``.
+        shared: the batch-1 cache whose slots ``[0, P)`` hold the prompt (but its last token) that
+            all sequences share, ``lengths == [P]`` (``SpecDecoder._prefill_shared``), or None:
+            every sequence's prompt is in ``cache``.
     """
 
     prompts: list[torch.Tensor]
@@ -385,16 +401,15 @@ class SpecDecoder:
             over the target's TP group when transformers sharded it, else none (single process).
         shared_prefix: how ``generate(num_return_sequences=n)`` with n > 1 and ONE prompt (of at
             least 2 tokens; a one-token prompt has nothing to share) stores that prompt. True: its
-            KV once, shared by the n sequences (see the module doc); needs ``static_shapes=False``
-            and a target the cascade attention serves (``hf.shared_prefix_obstacle``: no soft-capped
-            attention, no sliding window shorter than the call's context), else ValueError (at
-            construction, or for a call whose context a sliding window does not cover). False: each
-            of the n rows holds its own copy of the prompt's KV. None (default): the shared layout
-            where True would give it, the copy layout where True would raise (static shapes, e.g.
-            the default on CUDA; a soft-capped target; a call longer than a sliding window). Calls
-            with several prompts always use the copy layout. Why not with static shapes: the
-            cascade kernel takes the prompt length as a shape (its loop bounds and split plan),
-            which a captured ``GraphedForward`` would bake in, one capture per prompt length.
+            KV once, shared by the n sequences (see the module doc), with static or dynamic shapes;
+            needs a target the cascade attention serves (``hf.shared_prefix_obstacle``: no
+            soft-capped attention, no sliding window shorter than the call's context -- with static
+            shapes the two caches' capacities, which the fixed-shape forward reads whole), else
+            ValueError (at construction, or for a call whose context a sliding window does not
+            cover). False: each of the n rows holds its own copy of the prompt's KV. None
+            (default): the shared layout where True would give it, the copy layout where True would
+            raise (a soft-capped target; a call longer than a sliding window). Calls with several
+            prompts always use the copy layout.
 
     Kept state and memory: with static shapes, ``max_cache_len`` or ``cache_buckets`` the decoder
     keeps one ``KVCache`` per (batch size, capacity) it has used (``caches``) and, with static shapes, one
@@ -412,8 +427,11 @@ class SpecDecoder:
     on one position per sequence: no ``[B, L, V]`` logits); ``"last"`` / True (Medusa) gets one row.
     ``release()`` drops them. Call ``warmup()`` before timing to build them ahead of time.
     With the shared prompt, the kept caches are the n sequences' suffix caches (their capacity is
-    picked for ``1 + max_new_tokens + tree_size`` slots, the same buckets / ``max_cache_len``), and
-    the prompt's batch-1 cache (``P`` slots) is made for each call and dropped after it.
+    picked for ``1 + max_new_tokens + tree_size`` slots, the same buckets / ``max_cache_len``) and
+    the prompt's batch-1 cache (the batch-1 cache of the capacity picked for its P tokens, also what
+    a batch-1 request of that bucket uses; made per call and dropped after it when there are no
+    buckets and no ``max_cache_len``); with static shapes, one ``GraphedForward(shared=)`` per
+    (n, suffix capacity, tree_size + 1, prompt capacity) (``shared_forwards``).
     """
 
     def __init__(
@@ -483,6 +501,8 @@ class SpecDecoder:
         self._caches: dict[tuple[int, int], KVCache] = {}  # (batch, capacity) -> kept cache
         self._graphs: dict[tuple[int, int, int], GraphedForward] = {}  # (batch, capacity, n) -> forward
         self._prefill_graphs: dict[tuple[int, int], GraphedForward] = {}  # (batch, capacity) -> prefill forward
+        # (batch, capacity, n, shared capacity) -> tree forward over a shared prompt
+        self._shared_graphs: dict[tuple[int, int, int, int], GraphedForward] = {}
         self._num_layers = hf.num_layers(target)  # the KV cache keeps all layers in one tensor
         if rank_sync is not None and not all(callable(getattr(rank_sync, a, None))
                                              for a in ("begin", "check_trees", "verdicts")):  # fmt: skip
@@ -491,17 +511,12 @@ class SpecDecoder:
         self.rank_sync: RankSync | None = rank_sync if rank_sync is not None else RankSync.for_model(target)
         if shared_prefix is not None and not isinstance(shared_prefix, bool):
             raise ValueError(f"shared_prefix: expected None, True or False, got {shared_prefix!r}")
-        if shared_prefix and self.static_shapes:
-            raise ValueError("shared_prefix: True needs static_shapes=False (the fixed-shape forwards keep a copy of "
-                             "the prompt per sequence), got static_shapes=True")
         obstacle = hf.shared_prefix_obstacle(target, 0)  # what rules it out whatever the context
         if shared_prefix and obstacle is not None:
             raise ValueError(f"shared_prefix: True needs a target the cascade attention serves, got one with "
                              f"{obstacle}")
         #: n > 1 sequences of one prompt keep its KV once (the module doc), where the call allows it
-        self.shared_prefix: bool = (
-            (not self.static_shapes and obstacle is None) if shared_prefix is None else shared_prefix
-        )
+        self.shared_prefix: bool = obstacle is None if shared_prefix is None else shared_prefix
         self._shared_required = shared_prefix is True  # a call the cascade cannot serve raises
 
     # ------------------------------------------------------------------ kept state
@@ -517,6 +532,12 @@ class SpecDecoder:
         return MappingProxyType(self._graphs)
 
     @property
+    def shared_forwards(self) -> Mapping[tuple[int, int, int, int], GraphedForward]:
+        """The kept fixed-shape tree forwards over a shared prompt (``GraphedForward(shared=)``) by
+        (batch size, the rows' cache capacity, n, the prompt cache's capacity) (read-only view)."""
+        return MappingProxyType(self._shared_graphs)
+
+    @property
     def prefill_forwards(self) -> Mapping[tuple[int, int], GraphedForward]:
         """The kept fixed-shape prompt-prefill forwards (``[B, prefill_width]``) by (batch size,
         capacity) (read-only view)."""
@@ -524,7 +545,8 @@ class SpecDecoder:
 
     def release(self, batch_size: int | None = None) -> None:
         """Drop the kept caches and their forwards (tree and prefill forwards, their CUDA graphs):
-        all, or those of ``batch_size``.
+        all, or those of ``batch_size`` (a forward over a shared prompt goes with its rows' batch
+        size and with batch size 1, whose cache holds its prompt).
 
         Their device memory goes back to PyTorch's caching allocator (``torch.cuda.empty_cache()``
         returns it to the driver); compiled code stays in torch.compile's caches. A later request
@@ -538,6 +560,9 @@ class SpecDecoder:
 
         self._caches = {key: cache for key, cache in self._caches.items() if kept(key)}
         self._graphs = {key: graphed for key, graphed in self._graphs.items() if kept(key)}
+        # A forward over a shared prompt reads its rows' cache and a batch-1 cache: it goes with either.
+        self._shared_graphs = {key: graphed for key, graphed in self._shared_graphs.items()
+                               if kept(key) and kept((1,))}
         self._prefill_graphs = {key: graphed for key, graphed in self._prefill_graphs.items() if kept(key)}
 
     def _capacity(self, need: int, arg: str = "max_new_tokens",
@@ -652,11 +677,13 @@ class SpecDecoder:
                 prompt 0's n sequences, then prompt 1's, ...; each decodes on its own (independent
                 samples when sampling, n equal rows when greedy). With n > 1 and one prompt (of at
                 least 2 tokens) the n rows share one copy of the prompt's KV when ``shared_prefix``
-                is on (the default with dynamic shapes, see ``SpecDecoder``): the prompt is prefilled
-                once, the rows' cache holds only their new tokens and trees, and every tree forward
-                attends to the prompt through the cascade attention. Otherwise (several prompts,
-                static shapes) each row holds its own copy of its prompt's KV. Both layouts give the
-                same tokens (up to rounding in the attention) and draw the same random numbers.
+                is on (the default, with static or dynamic shapes, see ``SpecDecoder``): the prompt
+                is prefilled once, the rows' cache holds only their new tokens and trees, and every
+                tree forward attends to the prompt through the cascade attention (with static
+                shapes: one fixed-shape forward per prompt-cache bucket, reused for any prompt
+                length in it). Otherwise (several prompts, a target the cascade does not serve)
+                each row holds its own copy of its prompt's KV. Both layouts give the same tokens
+                (up to rounding in the attention) and draw the same random numbers.
 
         Returns:
             ``GenerationOutput`` with the sequences and per-step statistics.
@@ -680,10 +707,9 @@ class SpecDecoder:
                 f"target's context of {limit} positions"
             )
         need = longest + max_new_tokens + self.tree_size
-        share = self._shares_prompt(distinct, num_return_sequences, need)
-        if share:  # per sequence: the prompt's last token (the first root), the new tokens, one tree
-            cache = self._cache_for(batch, self._capacity(
-                1 + max_new_tokens + self.tree_size, what="1 + max_new_tokens + tree_size (a shared prompt's rows)"))
+        shared_caps = self._shared_capacities(distinct, num_return_sequences, max_new_tokens, need)
+        if shared_caps is not None:  # per sequence: the prompt's last token (the first root), the new tokens, one tree
+            cache = self._cache_for(batch, shared_caps[1])
         else:
             cache = self._cache_for(batch, self._capacity(need))
         seqs = torch.zeros(batch, need + 1, dtype=torch.int64)
@@ -698,8 +724,9 @@ class SpecDecoder:
         timer = _PhaseTimer(self._sync)
         self._sync()
         with timer("prefill"):
-            if share:
-                run.shared, run.hidden = self._prefill_shared(distinct[0], batch)
+            if shared_caps is not None:
+                run.shared, run.hidden = self._prefill_shared(distinct[0], batch, shared_caps[0])
+                cache.allocate_like(run.shared)  # the rows prefill nothing: buffers before their first forward
             else:
                 run.hidden = self._prefill(cache, seqs, run.lens)
         if self.drafter is not None:
@@ -713,41 +740,48 @@ class SpecDecoder:
             out[b, :n] = seqs[b, :n]
         return GenerationOutput(out, tuple(run.lens), tuple(len(p) for p in prompts), steps, timer.seconds["prefill"])
 
-    def _shares_prompt(self, prompts: list[torch.Tensor], copies: int, need: int) -> bool:
-        """Whether a call of ``prompts`` x ``copies`` sequences needing ``need`` positions each decodes
-        on the shared prompt: ``shared_prefix`` on, one prompt of >= 2 tokens, ``copies > 1``, and a
-        target the cascade serves over ``need`` positions (else ValueError with ``shared_prefix=True``,
-        the copy layout with the default)."""
+    def _shared_capacities(self, prompts: list[torch.Tensor], copies: int, max_new_tokens: int,
+                           need: int) -> tuple[int, int] | None:  # fmt: skip
+        """``(C, S)`` when a call of ``prompts`` x ``copies`` sequences needing ``need`` positions each
+        decodes on the shared prompt -- ``shared_prefix`` on, one prompt of >= 2 tokens, ``copies >
+        1``, and a target the cascade serves over the call's context (``need``; with static shapes
+        ``C + S``, the slots the fixed-shape forward reads) --, else None (the copy layout; with
+        ``shared_prefix=True`` an unserved context raises). C: the capacity of the prompt's batch-1
+        cache (for its ``len - 1`` tokens), S: of the rows' cache (``1 + max_new_tokens + tree_size``)."""
         if not self.shared_prefix or copies == 1 or len(prompts) != 1 or len(prompts[0]) == 1:
-            return False
-        obstacle = hf.shared_prefix_obstacle(self.target, need)
+            return None
+        prompt_cap = self._capacity(len(prompts[0]) - 1, "input_ids", "the shared prompt but its last token")
+        rows_cap = self._capacity(1 + max_new_tokens + self.tree_size,
+                                  what="1 + max_new_tokens + tree_size (a shared prompt's rows)")  # fmt: skip
+        context = prompt_cap + rows_cap if self.static_shapes else need
+        obstacle = hf.shared_prefix_obstacle(self.target, context)
         if obstacle is not None and self._shared_required:
             raise ValueError(f"shared_prefix: True needs a target the cascade attention serves over this call's "
-                             f"{need} positions, got one with {obstacle}")
+                             f"{context} positions, got one with {obstacle}")
         if obstacle is not None:
             _log.info("specdec: %d sequences of one prompt keep a copy of it each: the target has %s", copies, obstacle)
-        return obstacle is None
+            return None
+        return prompt_cap, rows_cap
 
-    def _prefill_shared(self, prompt: torch.Tensor, batch: int) -> tuple[KVCache, list[torch.Tensor | None]]:
-        """The prompt's KV but its last token's (the first root), written once into a new batch-1 cache
-        of ``len(prompt) - 1`` slots (``hf.prefill_shared``, one eager forward) for ``batch``
-        sequences that share it.
+    def _prefill_shared(self, prompt: torch.Tensor, batch: int,
+                        capacity: int) -> tuple[KVCache, list[torch.Tensor | None]]:  # fmt: skip
+        """The prompt's KV but its last token's (the first root), written once for ``batch`` sequences
+        that share it into the batch-1 cache of ``capacity`` slots (``_cache_for``: kept like the
+        other caches, e.g. per bucket) by ``_prefill``, as a batch-1 request's prompt (chunked through
+        the fixed-shape prefill forward with static shapes, else one eager forward).
 
         Args:
             prompt: int64 ``[L]``, ``L >= 2``.
             batch: the sequences sharing it.
+            capacity: the cache's slots, ``>= L - 1``.
 
         Returns:
-            The shared cache, and per sequence the first ``DraftContext.hidden`` as ``_prefill``'s:
-            one tensor, the same for every sequence (``[L - 1, H]`` for ``"all"``, ``[1, H]`` for
-            ``"last"``), or Nones.
+            The shared cache (``lengths == [L - 1]``), and per sequence the first
+            ``DraftContext.hidden`` as ``_prefill``'s: one tensor, the same for every sequence
+            (``[L - 1, H]`` for ``"all"``, ``[1, H]`` for ``"last"``), or Nones.
         """
-        want = {None: False, HIDDEN_LAST: True, HIDDEN_ALL: "all"}[self._hidden_mode]
-        got = hf.prefill_shared(self.target, prompt[None, :-1], self._num_layers, self.attn_impl, return_hidden=want)
-        if not want:
-            return got, [None] * batch
-        shared, hidden = got  # [1, H] or [1, L - 1, H]
-        return shared, [hidden if want is True else hidden[0]] * batch
+        shared = self._cache_for(1, capacity)
+        return shared, self._prefill(shared, prompt[None], [len(prompt)]) * batch
 
     def _prefill(self, cache: KVCache, seqs: torch.Tensor, lens: Sequence[int]) -> list[torch.Tensor | None]:
         """Write each sequence's prompt but its last token (the first root) into ``cache``.
@@ -932,15 +966,16 @@ class SpecDecoder:
         The call returns ``(logits [B, n, V], hidden [B, n, H] or None)``; node i of tree b is row
         ``[b, i]`` (rows past a tree's size are padding). n is ``tree_size + 1`` with static shapes
         (the fixed-shape forward of this batch size and cache, made on first use), else the
-        largest tree's size. Node i's KV goes to slot ``cache.lengths[b] + i``. ``shared``
-        (dynamic shapes only): the prompt all B sequences share (``hf.tree_forward(shared=)``):
-        ``cache`` then holds what follows it, and positions are offset by its length.
+        largest tree's size. Node i's KV goes to slot ``cache.lengths[b] + i``. ``shared``: the
+        prompt all B sequences share, ``shared.lengths[0]`` tokens: ``cache`` then holds what follows
+        it, and positions are offset by its length (static shapes: the fixed-shape forward over both
+        caches, ``GraphedForward(shared=)``; dynamic: ``hf.tree_forward(shared=)``).
         """
         batch = len(trees)
         n = self.tree_size + 1 if self.static_shapes else max(t.n for t in trees)
         cache.check_room(n)
         if self.static_shapes:
-            graphed = self._graphed(cache, batch, n)
+            graphed = self._graphed(cache, batch, n, shared)
             return lambda: graphed.run(trees, cache.lengths)  # padding nodes hang off the root
         tokens = torch.zeros(batch, n, dtype=torch.int64)
         parents = torch.zeros(batch, n, dtype=torch.int64)  # padding nodes hang off the root
@@ -1023,18 +1058,23 @@ class SpecDecoder:
                     run.hidden[b] = node_hidden[b, list(kept)]  # advanced indexing copies
         return appended, paths
 
-    def _graphed(self, cache: KVCache, batch: int, n: int) -> GraphedForward:
-        """The fixed-buffer forward of shape ``[batch, n]`` over ``cache`` (made on first use; its
-        first run captures / compiles)."""
-        key = (batch, cache.capacity, n)
-        graphed = self._graphs.get(key)
-        if graphed is None or graphed.cache is not cache:
-            _log.info("specdec: new target forward [B=%d, n=%d] over a %d-slot cache (cuda_graphs=%s, compile=%s); "
+    def _graphed(self, cache: KVCache, batch: int, n: int, shared: KVCache | None = None) -> GraphedForward:
+        """The fixed-buffer forward of shape ``[batch, n]`` over ``cache`` (and the shared prompt's
+        cache ``shared``, if any: one forward per its capacity, whatever the prompt's length), made
+        on first use; its first run captures / compiles."""
+        if shared is None:
+            key, kept = (batch, cache.capacity, n), self._graphs
+        else:
+            key, kept = (batch, cache.capacity, n, shared.capacity), self._shared_graphs
+        graphed = kept.get(key)
+        if graphed is None or graphed.cache is not cache or graphed.shared is not shared:
+            _log.info("specdec: new target forward [B=%d, n=%d] over a %d-slot cache%s (cuda_graphs=%s, compile=%s); "
                       "SpecDecoder.warmup() builds these before timing", batch, n, cache.capacity,
+                      "" if shared is None else f" and a {shared.capacity}-slot shared prompt",
                       self.cuda_graphs, self.compile)  # fmt: skip
-            graphed = self._graphs[key] = GraphedForward(
+            graphed = kept[key] = GraphedForward(
                 self.target, cache, batch, n, impl=self.attn_impl, return_hidden=self._wants_hidden,
-                capture=self.cuda_graphs, compile=self.compile,
+                capture=self.cuda_graphs, compile=self.compile, shared=shared,
             )  # fmt: skip
         return graphed
 
@@ -1047,6 +1087,7 @@ class SpecDecoder:
         max_len: int | None = None,
         *,
         min_len: int | None = None,
+        shared: bool = True,
         log: Callable[[str], None] | None = _stderr,
     ) -> WarmupReport:
         """Make every target forward that later ``generate`` calls will use, before timing them.
@@ -1063,7 +1104,15 @@ class SpecDecoder:
         2. the fixed-shape ``[B, tree_size + 1]`` tree forward over that cache is made and run
            once on dummy trees: compiled first with ``compile`` (inductor: tens of seconds per
            shape for a real model, seconds with a warm on-disk cache, see
-           ``specdec.graphs.configure_compile_cache``), then captured with ``cuda_graphs``.
+           ``specdec.graphs.configure_compile_cache``), then captured with ``cuda_graphs``;
+        3. for B > 1 with ``shared_prefix`` on (unless ``shared=False``; and a target the cascade
+           serves over 2 S positions): the same for the rows of a shared prompt -- a 2-token dummy prompt is
+           prefilled into the batch-1 cache of S slots (as step 1 for B = 1) and the fixed-shape
+           tree forward over the ``[B, S]`` cache and that prompt cache (``shared_forwards``, one
+           per prompt-cache capacity, whatever the prompt's length) is made and run once. Only the
+           pairs whose prompt and rows get the same bucket are warmed (e.g. a 600-token prompt
+           with 512 new tokens: both 1024 by default); a call whose prompt needs another bucket
+           than its rows builds its forward on first use.
 
         ``[B, tree_size + 1]`` and the prefill's ``[B, prefill_width]`` are the only forward shapes
         ``generate`` runs with static shapes (steps whose trees are all root-only, e.g. plain
@@ -1071,14 +1120,15 @@ class SpecDecoder:
         The dummy KV is never read: every ``generate`` prefills its prompts from slot 0. Then, if
         the drafter has a ``warmup`` method, ``drafter.warmup(batch_sizes=..., max_len=..., log=...)``
         is called (e.g. to capture a draft model's forwards). A later ``generate`` within these
-        batch sizes and ``max_len`` makes no new forward (no capture, no compile). With dynamic
-        shapes there are no fixed-shape forwards (and no kept caches without ``max_cache_len`` or
-        ``cache_buckets``): the warm-up runs the prefill and one tree forward per (B, S), which
-        compiles the kernels those use first, and, for B > 1 with ``shared_prefix`` on, one tree
-        forward over a 1-token shared prompt (``hf.prefill_shared``; the cascade attention's first
-        use). The cache buckets warmed are those of the copy layout; a shared prompt's rows use the
-        bucket of ``1 + max_new_tokens + tree_size`` slots, one of them unless ``min_len`` skipped
-        it (then that cache is made by the call: an allocation, no capture with dynamic shapes).
+        batch sizes and ``max_len`` makes no new forward (no capture, no compile; for a shared
+        prompt, see step 3). With dynamic shapes there are no fixed-shape forwards (and no kept
+        caches without ``max_cache_len`` or ``cache_buckets``): the warm-up runs the prefill and one
+        tree forward per (B, S), which compiles the kernels those use first, and, for B > 1 with
+        ``shared_prefix`` on, one tree forward over a 1-token shared prompt (the cascade
+        attention's first use). The cache buckets warmed are those of the copy layout; a shared
+        prompt's rows use the bucket of ``1 + max_new_tokens + tree_size`` slots, one of them unless
+        ``min_len`` skipped it (then that cache -- and with static shapes its forward -- is made by
+        the call).
 
         Memory: every warmed cache stays allocated (see the class docstring), e.g. all six default
         buckets of Qwen2.5-1.5B in bf16 take 1.7 GiB per sequence of batch size.
@@ -1098,6 +1148,10 @@ class SpecDecoder:
             min_len: the fewest tokens per sequence the calls to come reach (shortest prompt +
                 max_new_tokens): the buckets of shorter requests are skipped. None (default): from
                 the smallest bucket. At most ``max_len`` when both are given.
+            shared: also build, for each B > 1, the forward over a shared prompt (step 3: the calls
+                to come include ``num_return_sequences = B`` of one prompt); False: skip it
+                (batches of distinct prompts only: one forward, one capture / compile less per
+                bucket).
             log: called with progress messages (default: print to stderr); None: silent.
 
         Returns:
@@ -1116,6 +1170,8 @@ class SpecDecoder:
         limit = hf.max_positions(self.target)
         if max_len is not None and limit is not None and max_len > limit:
             raise ValueError(f"max_len: expected at most the target's context of {limit} positions, got {max_len}")
+        if not isinstance(shared, bool):
+            raise ValueError(f"shared: expected True or False, got {shared!r}")
         if log is not None and not callable(log):
             raise ValueError(f"log: expected a callable or None, got {type(log).__name__}")
         say = log or (lambda message: None)
@@ -1139,7 +1195,7 @@ class SpecDecoder:
         for batch in batch_sizes:
             for capacity in capacities:
                 say(f"  B={batch} S={capacity} n={n} ...")
-                entry = self._warm_one(batch, capacity, n)
+                entry = self._warm_one(batch, capacity, n, shared)
                 entries.append(entry)
                 parts = [f"{entry.seconds:.1f} s"]
                 if entry.first_run_s is not None and self.compile:
@@ -1151,6 +1207,8 @@ class SpecDecoder:
                     parts.append(f"capture {entry.capture_s:.1f} s{split}")
                 if entry.prefill_capture_s is not None:
                     parts.append(f"prefill capture {entry.prefill_capture_s:.1f} s")
+                if entry.shared_capture_s is not None:
+                    parts.append(f"shared-prompt forward capture {entry.shared_capture_s:.1f} s")
                 if self.static_shapes and not entry.built:
                     parts.append("already built")
                 say(f"  B={batch} S={capacity} n={n}: {', '.join(parts)}")
@@ -1185,11 +1243,14 @@ class SpecDecoder:
             caps = [c for c in caps if c >= low]
         return caps
 
-    def _warm_one(self, batch: int, capacity: int, n: int) -> WarmupEntry:
+    def _warm_one(self, batch: int, capacity: int, n: int, shared: bool = True) -> WarmupEntry:
         """Prefill a dummy prompt into the ``[batch, capacity]`` cache (through its prefill forward, if
-        any) and run its tree forward once."""
+        any) and run its tree forward once; with ``shared``, for batch > 1 and ``shared_prefix``, also
+        the tree forward over a dummy prompt shared through the batch-1 cache of ``capacity`` slots."""
         key = (batch, capacity, n)
+        shared_key = (batch, capacity, n, capacity)
         existing = self._graphs.get(key)
+        existing_shared = self._shared_graphs.get(shared_key)
         existing_prefill = self._prefill_graphs.get((batch, capacity))
         timer = _PhaseTimer(self._sync)
         self._sync()
@@ -1200,14 +1261,18 @@ class SpecDecoder:
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
             self._tree_forward(cache, [chain] * batch)()
             cache.reset()
-            if self.shared_prefix and batch > 1 and hf.shared_prefix_obstacle(self.target, capacity + 1) is None:
-                shared, _ = self._prefill_shared(torch.zeros(2, dtype=torch.int64), batch)
-                self._tree_forward(cache, [chain] * batch, shared)()
+            context = 2 * capacity if self.static_shapes else capacity + 1  # what the call's obstacle check sees
+            if shared and self.shared_prefix and batch > 1 and hf.shared_prefix_obstacle(self.target, context) is None:
+                prompt_cache, _ = self._prefill_shared(torch.zeros(2, dtype=torch.int64), batch, capacity)
+                self._tree_forward(cache, [chain] * batch, prompt_cache)()
                 cache.reset()
+                prompt_cache.reset()
         graphed = self._graphs.get(key)  # None with dynamic shapes
         first = graphed is not None and graphed.calls == 1  # this was its first run: timings are ours
         pre = self._prefill_graphs.get((batch, capacity))  # None: an eager prefill
         pre_first = pre is not None and pre.calls == 1
+        over_shared = self._shared_graphs.get(shared_key)  # None: dynamic shapes or no shared prompt
+        shared_first = over_shared is not None and over_shared.calls == 1
         return WarmupEntry(batch, capacity, n, timer.seconds["all"], timer.seconds["prefill"],
                            graphed.first_run_s if first else None, graphed.capture_s if first else None,
                            built=graphed is not None and graphed is not existing,
@@ -1215,7 +1280,10 @@ class SpecDecoder:
                            prefill_first_run_s=pre.first_run_s if pre_first else None,
                            prefill_capture_s=pre.capture_s if pre_first else None,
                            prefill_built=pre is not None and pre is not existing_prefill,
-                           capture_warmup_s=graphed.capture_warmup_s if first else None)  # fmt: skip
+                           capture_warmup_s=graphed.capture_warmup_s if first else None,
+                           shared_built=over_shared is not None and over_shared is not existing_shared,
+                           shared_first_run_s=over_shared.first_run_s if shared_first else None,
+                           shared_capture_s=over_shared.capture_s if shared_first else None)  # fmt: skip
 
     # ------------------------------------------------------------------ checks
 

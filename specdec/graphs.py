@@ -6,7 +6,8 @@
 - **inputs** -- views into ONE int64 device vector, refilled in place every step (``load``):
   per sequence, the n node tokens, their position ids (``prefix_len + depth``), their cache slots
   (``prefix_len + node index``), the tree's ancestor bit words ``[n, ceil(n / 64)]`` and depths
-  (``treeattn.TreeMask`` layout), and the prefix length. The host packs them into one staging
+  (``treeattn.TreeMask`` layout), and the prefix length; with a shared prompt (``shared=``), also
+  its length P (positions are then ``P + prefix_len + depth``). The host packs them into one staging
   vector (pinned on CUDA) and a single asynchronous host-to-device copy moves it. Trees smaller
   than n are padded with dummy nodes under the root (no real node attends to them).
 - **the captured region** (``_body``): ``hf.run_state`` over those inputs -- embedding, every
@@ -16,7 +17,11 @@
   ``[B, n, H]``) when ``return_hidden``. No host sync happens inside and every shape depends only
   on (B, n, S): variable prefix lengths are data in the input vector, never shapes. The Triton
   kernel's launch configuration depends on (B, heads, n, S, D) only, and S is the cache capacity,
-  so it is the same every step. The op's temporaries (output, split partials) are allocated
+  so it is the same every step. With ``shared=`` (a batch-1 ``KVCache`` of capacity C holding a
+  prompt all B sequences share, ``hf.ForwardState.shared``), every layer attends through
+  ``treeattn.cascade.cascade_tree_attention`` over all C slots with the prompt length P read from
+  the input vector (``shared_len``): the launch depends on C, never on P, so one capture serves
+  every prompt of up to C tokens. The op's temporaries (output, split partials) are allocated
   inside the capture from the graph's private memory pool, at the same addresses every replay.
 - **outputs** -- ``logits`` / ``hidden``: fixed tensors, overwritten by every forward. Callers
   read them before the next ``forward`` (the engine verifies, then copies what it keeps).
@@ -146,10 +151,10 @@ class InputLayout:
 
     Segments, in order (each starting at a multiple of 8 elements): ``tokens``, ``positions``,
     ``slots``, ``depth`` (``[B, n]`` each), ``words`` (``[B, n, ceil(n / 64)]``), ``prefix_lens``
-    (``[B]``).
+    (``[B]``), and with ``shared``, ``shared_len`` (``[1]``: the shared prompt's length).
     """
 
-    def __init__(self, batch: int, n: int) -> None:
+    def __init__(self, batch: int, n: int, shared: bool = False) -> None:
         self.batch, self.n, self.words_per_node = batch, n, num_words(n)
         shapes = {
             "tokens": (batch, n),
@@ -159,6 +164,8 @@ class InputLayout:
             "words": (batch, n, self.words_per_node),
             "prefix_lens": (batch,),
         }
+        if shared:
+            shapes["shared_len"] = (1,)
         self.shapes = shapes
         self.offsets: dict[str, int] = {}
         at = 0
@@ -180,7 +187,8 @@ class InputLayout:
         return flat[start : start + size].view(shape)
 
 
-def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: InputLayout) -> array.array:
+def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: InputLayout,
+               shared_len: int = 0) -> array.array:  # fmt: skip
     """The flat input vector (host int64s, ``layout.size`` long) for one step.
 
     Args:
@@ -188,13 +196,17 @@ def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: I
         prefix_lens: per sequence, its committed KV length (the tree's KV goes to slots
             ``[prefix_len, prefix_len + n)``).
         layout: the ``InputLayout`` of the ``[B, n]`` forward.
+        shared_len: the length P of a prompt all sequences share ahead of their cache (a layout
+            made with ``shared=True``, which stores it); 0 without one.
 
     Returns:
         ``array.array("q")`` in ``layout`` order. Node i of tree b: token ``tokens[i]``, position
-        ``prefix_len + depth(i)``, slot ``prefix_len + i``, ancestor-or-self bits (bit j of word w
-        set iff node ``64 w + j`` is i or one of its ancestors; the same bits as
+        ``shared_len + prefix_len + depth(i)``, slot ``prefix_len + i``, ancestor-or-self bits (bit
+        j of word w set iff node ``64 w + j`` is i or one of its ancestors; the same bits as
         ``TreeMask.from_parents``); padding nodes (i >= tree.n) hang off the root with token 0.
     """
+    if shared_len and "shared_len" not in layout.offsets:
+        raise ValueError(f"shared_len: expected 0 for a layout without a shared prompt, got {shared_len}")
     n, width = layout.n, layout.words_per_node
     out = array.array("q", [0]) * layout.size
     off = layout.offsets
@@ -202,12 +214,15 @@ def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: I
         depth, words = _shape_inputs(tuple(tree.parent_list), n, width)
         row = b * n
         out[off["tokens"] + row : off["tokens"] + row + tree.n] = array.array("q", tree.token_list)
-        out[off["positions"] + row : off["positions"] + row + n] = array.array("q", [prefix + d for d in depth])
+        start = shared_len + prefix
+        out[off["positions"] + row : off["positions"] + row + n] = array.array("q", [start + d for d in depth])
         out[off["slots"] + row : off["slots"] + row + n] = array.array("q", range(prefix, prefix + n))
         out[off["depth"] + row : off["depth"] + row + n] = depth
         start = off["words"] + row * width
         out[start : start + n * width] = words
         out[off["prefix_lens"] + b] = prefix
+    if "shared_len" in off:
+        out[off["shared_len"]] = shared_len
     return out
 
 
@@ -516,6 +531,12 @@ class GraphedForward(_Replayed):
         logits_to_keep: 0 (default) = logits (and hidden states) of all n nodes; k in [1, n] = of
             the last k nodes only (``hf.run_state``'s semantics), e.g. 1 for a chunked prompt
             prefill that only writes KV: the LM head and the ``[B, n, V]`` logits buffer shrink to k rows.
+        shared: a batch-1 ``KVCache`` (capacity C) holding a prompt all B sequences share
+            (``hf.ForwardState.shared``), or None. ``cache`` then holds what follows the prompt;
+            every ``load`` reads the prompt's length P from ``shared.lengths[0]`` (set by whoever
+            prefilled it) into the input vector: positions are offset by P, and attention reads
+            the first P of the C slots (``hf.ForwardState.shared_len``). Its KV buffers must exist
+            before the first forward (prefill it first) and, like ``cache``'s, never move.
 
     Use: ``load(trees, prefix_lens)`` then ``forward()`` (or ``run`` for both) returns
     ``(logits [B, n, V], hidden [B, n, H] or None)`` (k rows instead of n with ``logits_to_keep``)
@@ -524,7 +545,8 @@ class GraphedForward(_Replayed):
 
     def __init__(self, model, cache: KVCache, batch: int, n: int, *, impl: str = "auto",
                  return_hidden: bool = False, capture: bool = False, warmup: int | None = None,
-                 compile: bool | str = False, logits_to_keep: int = 0) -> None:  # fmt: skip
+                 compile: bool | str = False, logits_to_keep: int = 0,
+                 shared: KVCache | None = None) -> None:  # fmt: skip
         super().__init__(model, cache, batch, n, capture=capture, warmup=warmup, compile=compile)
         if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or not 0 <= logits_to_keep <= n:
             raise ValueError(f"logits_to_keep: expected an int in [0, n = {n}], got {logits_to_keep!r}")
@@ -532,14 +554,17 @@ class GraphedForward(_Replayed):
         #: 0 = logits of every node; k = of the last k nodes only
         self.logits_to_keep = logits_to_keep
         self.return_hidden = bool(return_hidden)
-        self.layout = InputLayout(batch, n)
+        #: the shared prompt's cache (None: each sequence's prompt is in ``cache``)
+        self.shared = shared
+        self.layout = InputLayout(batch, n, shared=shared is not None)
         self._flat, self._copy = self._stage(self.layout.size, torch.int64)
         view = lambda name: self.layout.view(self._flat, name)  # noqa: E731
         self.tokens, self.positions, self.slots = view("tokens"), view("positions"), view("slots")
         self.prefix_lens = view("prefix_lens")
         self.tree_mask = TreeMask(words=view("words"), depth=view("depth"))
         self.state = hf.ForwardState(cache, self.slots, self.positions, self.tree_mask, self.prefix_lens,
-                                     kv_len=None, impl=impl)  # fmt: skip
+                                     kv_len=None, impl=impl, shared=shared,
+                                     shared_len=None if shared is None else view("shared_len"))  # fmt: skip
 
     # ------------------------------------------------------------------ inputs
 
@@ -550,6 +575,8 @@ class GraphedForward(_Replayed):
             trees: B ``TokenTree``\\ s of at most n nodes each.
             prefix_lens: B committed KV lengths (host ints or a CPU tensor); the tree of sequence
                 b goes to cache slots ``[prefix_lens[b], prefix_lens[b] + n)``, which must fit.
+                With ``shared``, the lengths after the shared prompt, whose own length is read
+                from ``shared.lengths[0]``.
         """
         if isinstance(prefix_lens, torch.Tensor):
             prefix_lens = prefix_lens.tolist()
@@ -567,7 +594,13 @@ class GraphedForward(_Replayed):
                 f"prefix_lens: expected 0 <= prefix_len and prefix_len + n <= {self.cache.capacity} (cache capacity, "
                 f"n = {self.n}), got values in [{lo}, {hi}]"
             )
-        self._copy.put(torch.frombuffer(pack_trees(trees, prefix, self.layout), dtype=torch.int64))
+        shared_len = 0
+        if self.shared is not None:
+            shared_len = self.shared.lengths[0]
+            if not 0 <= shared_len <= self.shared.capacity:
+                raise ValueError(f"shared: expected a prompt length 0 <= lengths[0] <= capacity "
+                                 f"{self.shared.capacity}, got {shared_len}")
+        self._copy.put(torch.frombuffer(pack_trees(trees, prefix, self.layout, shared_len), dtype=torch.int64))
         self.state.refresh()
 
     def run(self, trees: Sequence[TokenTree], prefix_lens) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -13,7 +13,9 @@ needs arrives in that call's state.
 
 ``prefill`` and ``tree_forward`` pass ``past_key_values=None, use_cache=False`` and a dummy 4-D
 ``attention_mask``, so transformers neither builds a cache nor a mask (a 4-D mask is "already
-prepared"), and every shape depends only on (B, n, capacity): ready for CUDA-graph capture.
+prepared"), and every shape depends only on (B, n, capacity) (with a shared prompt whose length
+comes as data, ``ForwardState.shared_len``, also on that prompt cache's capacity): ready for
+CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from specdec.kv import KVCache
 from treeattn import TreeMask, tree_attention
-from treeattn.cascade import cascade_tree_attention
+from treeattn.cascade import cascade_tree_attention, cascade_tree_attention_op
 from treeattn.ops import tree_attention_op
 
 __all__ = [
@@ -181,12 +183,21 @@ class ForwardState:
             saving); None = the whole capacity (static shapes).
         impl: ``tree_attention``'s (or ``cascade_tree_attention``'s) ``impl``.
         shared: optional batch-1 ``KVCache`` holding a prompt that all B sequences share, at its
-            slots ``[0, P)``, ``P = shared.lengths[0]`` (``prefill_shared`` builds it). ``cache``
-            then holds only what follows the prompt: its slot s is position ``P + s`` (``slots``
-            index ``cache``, ``positions`` are absolute). Verification forwards only; each layer
-            attends with ``treeattn.cascade.cascade_tree_attention`` over the prompt's KV once
-            and each sequence's own suffix + tree. Not for sliding-window layers whose window is
-            shorter than ``P + kv_len`` nor for soft-capped layers (``attend`` raises).
+            slots ``[0, P)``, ``P = shared.lengths[0]`` (``prefill_shared`` builds it; any batch-1
+            cache of capacity >= P works, e.g. one kept across calls). ``cache`` then holds only
+            what follows the prompt: its slot s is position ``P + s`` (``slots`` index ``cache``,
+            ``positions`` are absolute). Verification forwards only; each layer attends with
+            ``treeattn.cascade.cascade_tree_attention`` over the prompt's KV once and each
+            sequence's own suffix + tree. Not for sliding-window layers whose window is shorter
+            than the context (``P + kv_len``; with ``shared_len``, ``shared.capacity + kv_len``)
+            nor for soft-capped layers (``attend`` raises).
+        shared_len: with ``shared``: None (P is the host int ``shared.lengths[0]``, attention over
+            exactly ``[0, P)``: P becomes a shape), or int64 ``[1]`` on the model's device holding
+            P as data: every layer attends over all ``shared.capacity`` slots of ``shared``, of
+            which the kernel reads the first ``shared_len`` (``cascade_tree_attention``'s
+            ``shared_len``), so nothing in the forward depends on P on the host: what a CUDA graph
+            captured once for every prompt length needs (``specdec.graphs.GraphedForward(shared=)``).
+            ``positions`` must then carry the offset P already.
     """
 
     cache: KVCache
@@ -197,6 +208,7 @@ class ForwardState:
     kv_len: int | None = None
     impl: str = "auto"
     shared: KVCache | None = None
+    shared_len: torch.Tensor | None = None
     _moved: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -204,8 +216,10 @@ class ForwardState:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
         if (self.tree_mask is None) != (self.prefix_lens is None):
             raise ValueError("tree_mask, prefix_lens: expected both (verification) or neither (prefill)")
+        if self.shared_len is not None and self.shared is None:
+            raise ValueError("shared_len: expected None without a shared prompt (shared=None), got a tensor")
         if self.shared is not None:
-            _check_shared(self.shared, self.tree_mask)
+            _check_shared(self.shared, self.tree_mask, self.shared_len)
             _shared_attention_outside_graph()  # built here, eagerly, before any compiled forward reads it
 
     def refresh(self) -> None:
@@ -220,6 +234,7 @@ class ForwardState:
                 self.positions.to(device),
                 None if self.tree_mask is None else self.tree_mask.to(device),
                 None if self.prefix_lens is None else self.prefix_lens.to(device),
+                None if self.shared_len is None else self.shared_len.to(device),
             )
         return self._moved[device]
 
@@ -229,14 +244,17 @@ class ForwardState:
         Returns ``([B, m, Hq, D], None)`` as transformers' attention functions do.
         """
         layer_idx = _layer_index(module)
-        slots, positions, tree_mask, prefix_lens = self._on(query.device)
+        slots, positions, tree_mask, prefix_lens, shared_len = self._on(query.device)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         k_buf, v_buf = self.cache.write(layer_idx, key, value, slots)
         seq_len = self.cache.capacity if self.kv_len is None else self.kv_len
         if self.shared is not None:
             k_all, v_all = k_buf[:, :, :seq_len], v_buf[:, :, :seq_len]
-            out = _shared_attention_outside_graph()(self.shared, layer_idx, query, k_all, v_all, prefix_lens,
-                                                    tree_mask, scale, self.impl, sliding_window, softcap)
+            # Under torch.compile a device length goes through one opaque op; a host one stays outside the graph.
+            opaque = shared_len is not None and torch.compiler.is_compiling()
+            attention = _shared_attention if opaque else _shared_attention_outside_graph()
+            out = attention(self.shared, shared_len, layer_idx, query, k_all, v_all, prefix_lens, tree_mask, scale,
+                            self.impl, sliding_window, softcap)
             return out.transpose(1, 2), None
         window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
         if tree_mask is None:
@@ -263,7 +281,7 @@ class ForwardState:
         return out.transpose(1, 2), None
 
 
-def _check_shared(shared, tree_mask) -> None:
+def _check_shared(shared, tree_mask, shared_len) -> None:
     """Raise ``ValueError`` (naming ``shared``) for a shared prefix ``ForwardState`` cannot use."""
     if not isinstance(shared, KVCache):
         raise ValueError(f"shared: expected a KVCache or None, got {type(shared).__name__}")
@@ -276,14 +294,21 @@ def _check_shared(shared, tree_mask) -> None:
     if not 0 <= shared.lengths[0] <= shared.capacity:
         raise ValueError(f"shared: expected a prompt length 0 <= lengths[0] <= capacity {shared.capacity}, got "
                          f"{shared.lengths[0]}")
+    if shared_len is not None and (not isinstance(shared_len, torch.Tensor) or shared_len.dtype != torch.int64
+                                   or tuple(shared_len.shape) != (1,)):  # fmt: skip
+        got = (f"{shared_len.dtype} {tuple(shared_len.shape)}" if isinstance(shared_len, torch.Tensor)
+               else type(shared_len).__name__)  # fmt: skip
+        raise ValueError(f"shared_len: expected None or an int64 tensor of shape [1], got {got}")
 
 
-def _shared_attention(shared, layer_idx, query, k_all, v_all, suffix_lens, tree_mask, scale, impl, sliding_window,
-                      softcap) -> torch.Tensor:
+def _shared_attention(shared, shared_len, layer_idx, query, k_all, v_all, suffix_lens, tree_mask, scale, impl,
+                      sliding_window, softcap) -> torch.Tensor:
     """``[B, Hq, n, D]``: the tree queries ``query`` ``[B, Hq, n, D]`` attending the shared prompt's KV
-    (``shared``'s slots ``[0, P)``) and each sequence's own ``k_all, v_all`` ``[B, Hkv, S, D]``
+    (``shared``'s slots ``[0, P)``: P = ``shared.lengths[0]``, or the device int64 ``[1]``
+    ``shared_len`` over all its slots) and each sequence's own ``k_all, v_all`` ``[B, Hkv, S, D]``
     (suffix at ``[0, suffix_lens[b])``, int64 ``[B]``, then the tree)."""
-    prompt_len = shared.lengths[0]
+    # With a device length only the capacity bounds the prompt on the host.
+    prompt_len = shared.lengths[0] if shared_len is None else shared.capacity
     if softcap is not None:
         raise ValueError(f"shared: expected no attention-logit soft-capping with a shared prefix, got softcap="
                          f"{softcap} in layer {layer_idx}")
@@ -295,8 +320,11 @@ def _shared_attention(shared, layer_idx, query, k_all, v_all, suffix_lens, tree_
         raise ValueError(f"shared: expected the shared prompt's KV of layer {layer_idx} (prefill_shared with the "
                          f"same model), got a cache without it")
     k_sh, v_sh = shared.buffers(layer_idx)
+    if torch.compiler.is_compiling():  # traced (only with shared_len): the custom op, no graph break
+        return cascade_tree_attention_op(query, k_sh, v_sh, k_all, v_all, suffix_lens, shared_len, tree_mask.words,
+                                         tree_mask.depth, scale, impl)  # fmt: skip
     return cascade_tree_attention(query, k_sh[:, :, :prompt_len], v_sh[:, :, :prompt_len], k_all, v_all, suffix_lens,
-                                  tree_mask, scale=scale, impl=impl, check_suffix_lens=False)
+                                  tree_mask, scale=scale, impl=impl, shared_len=shared_len, check_suffix_lens=False)
 
 
 _SHARED_OUTSIDE_GRAPH = None
@@ -304,7 +332,8 @@ _SHARED_OUTSIDE_GRAPH = None
 
 def _shared_attention_outside_graph():
     """``_shared_attention`` behind ``torch.compiler.disable``: under torch.compile it runs eagerly, a graph
-    break per layer (there is no opaque op for the cascade yet). Built on first use, not at import
+    break per layer (a host prompt length is a shape; with ``ForwardState.shared_len`` the compiled
+    forward calls the opaque ``cascade_tree_attention_op`` instead). Built on first use, not at import
     (wrapping imports torch._dynamo, about 0.7 s)."""
     global _SHARED_OUTSIDE_GRAPH
     if _SHARED_OUTSIDE_GRAPH is None:
@@ -586,6 +615,7 @@ def tree_forward(
     impl: str = "auto",
     return_hidden: bool = False,
     shared: KVCache | None = None,
+    shared_len: torch.Tensor | None = None,
 ):
     """Score every node of B token trees in one forward over the committed KV.
 
@@ -604,6 +634,10 @@ def tree_forward(
             ``shared.lengths[0]`` tokens. ``cache`` and ``prefix_lens`` then describe only what
             follows the prompt: node j's KV goes to slot ``prefix_lens[b] + j`` of ``cache``, its
             position id is ``P + prefix_lens[b] + depth``.
+        shared_len: with ``shared``, optional int64 ``[1]`` on the model's device: P as data
+            (``ForwardState.shared_len``: attention over all of ``shared``'s capacity, of which the
+            first P slots are read; the positions offset on the device), instead of the host int
+            ``shared.lengths[0]``.
 
     Returns:
         ``[B, n, V]`` logits; row i is the target's prediction after node i's root path (and the
@@ -613,10 +647,16 @@ def tree_forward(
     batch, n = tokens.shape
     tree_mask = tree_mask.to(device)
     prefix = prefix_lens.to(device=device, dtype=torch.int64)
-    positions = tree_mask.position_ids(prefix if shared is None else prefix + shared.lengths[0])
+    if shared_len is not None:
+        shared_len = shared_len.to(device)
+    if shared is None:
+        offset = prefix
+    else:
+        offset = prefix + (shared.lengths[0] if shared_len is None else shared_len)
+    positions = tree_mask.position_ids(offset)
     slots = prefix[:, None] + torch.arange(n, device=device)
     state = ForwardState(cache=cache, slots=slots, positions=positions, tree_mask=tree_mask, prefix_lens=prefix,
-                         kv_len=kv_len, impl=impl, shared=shared)
+                         kv_len=kv_len, impl=impl, shared=shared, shared_len=shared_len)
     return run_state(model, tokens.to(device), positions, state, return_hidden=return_hidden)
 
 

@@ -102,6 +102,20 @@ class KVCache:
         v_buf.scatter_(2, index, value.to(v_buf.dtype))
         return k_buf, v_buf
 
+    def allocate_like(self, other: "KVCache") -> None:
+        """Allocate (zeroed) buffers for every layer ``other`` has written and this cache has not, with
+        ``other``'s head counts, head sizes, dtypes and devices (stacked as a first write would).
+
+        So that a cache whose first write would happen inside a fixed-shape forward (the rows of a
+        shared prompt, which prefill nothing) has its buffers before that forward is compiled or
+        captured: an allocation there would change what it was traced or recorded against.
+        """
+        for layer_idx in other.layer_indices:
+            if layer_idx not in self._keys:
+                k, v = other.buffers(layer_idx)
+                empty = [x.new_empty((self.batch_size, x.shape[1], 0, x.shape[3])) for x in (k, v)]
+                self._allocate(layer_idx, *empty)  # [B, Hkv, 0, D]: only their shape, dtype and device count
+
     def _allocate(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         batch, heads, _, dim = key.shape
         if batch != self.batch_size:

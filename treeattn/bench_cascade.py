@@ -6,6 +6,9 @@ timed as ``treeattn.bench`` times (median of CUDA-graph replays over rotating in
 than L2; every output checked against the float32 reference):
 
 * ``cascade``: ``cascade_tree_attention`` (prefix KV once; the fused kernel);
+* ``cascade_dev``: the same with the prefix in a fixed-capacity buffer (C = the power of two >= P,
+  as the engine's default cache buckets) and P as a device tensor (``shared_len``): the form a
+  captured CUDA graph runs, its split plan chosen for C;
 * ``two_level``: the same with ``CascadeConfig(fused=False)`` (level 2 as a second launch of the
   tree kernel, a merge of the two levels' states);
 * ``prefix``: level 1 alone (``cascade_prefix_kernel``, the two-level variant's first launch);
@@ -42,8 +45,8 @@ from treeattn.layout import TreeMask, random_tree_parents
 from treeattn.ops import tree_attention
 from treeattn.timing import markdown_row, markdown_table
 
-__all__ = ["CascadeShape", "cascade_roofline", "make_cascade_inputs", "memory_report", "prompt_kv_bytes",
-           "run_cascade_cpu_demo", "run_cascade_gpu"]
+__all__ = ["CascadeShape", "cascade_roofline", "device_len_inputs", "make_cascade_inputs", "memory_report",
+           "prompt_kv_bytes", "run_cascade_cpu_demo", "run_cascade_gpu"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,18 @@ def make_cascade_inputs(shape: CascadeShape, dtype: torch.dtype, device: str, se
     k, v = rnd(s.n, s.kv_heads, seq_len, s.head_dim), rnd(s.n, s.kv_heads, seq_len, s.head_dim)
     parents = torch.stack([random_tree_parents(s.t, s.max_depth, g) for _ in range(s.n)])
     return q, ks, vs, k, v, sl.to(device), TreeMask.from_parents(parents, device=device)
+
+
+def device_len_inputs(inputs: tuple, capacity: int | None = None) -> tuple[tuple, torch.Tensor]:
+    """``make_cascade_inputs``' tuple with the prefix copied into ``[Hkv, C, D]`` buffers (zeros after
+    P; C = ``capacity``, default the power of two >= P) and P as an int64 ``[1]`` on the device:
+    ``(inputs, shared_len)`` for ``cascade_tree_attention(*inputs, shared_len=shared_len)``."""
+    q, ks, vs, k, v, sl, mask = inputs
+    hkv, p_len, d = ks.shape
+    capacity = 1 << max(p_len - 1, 0).bit_length() if capacity is None else capacity
+    ks_buf, vs_buf = (torch.zeros(hkv, capacity, d, dtype=x.dtype, device=x.device) for x in (ks, vs))
+    ks_buf[:, :p_len], vs_buf[:, :p_len] = ks, vs
+    return (q, ks_buf, vs_buf, k, v, sl, mask), torch.tensor([p_len], dtype=torch.int64, device=q.device)
 
 
 def cascade_roofline(shape: CascadeShape, mask: TreeMask, dtype: torch.dtype, peak_flops: float, bandwidth: float):
@@ -177,6 +192,13 @@ def _cell(shape: CascadeShape, dtype, esize, peak, bw, args, time_rotating_graph
     calls = [lambda x=x: cascade_tree_attention(*x, check_suffix_lens=False) for x in sets]
     check("cascade", calls[0])
     row["cascade_us"] = time_rotating_graph(calls)
+    dev_sets = [device_len_inputs(x) for x in sets]
+    row["cascade_dev_capacity"] = dev_sets[0][0][1].shape[1]
+    dev_calls = [lambda x=x, p=p: cascade_tree_attention(*x, shared_len=p, check_suffix_lens=False)
+                 for x, p in dev_sets]
+    check("cascade_dev", dev_calls[0])
+    row["cascade_dev_us"] = time_rotating_graph(dev_calls)
+    del dev_sets, dev_calls
     scale = s.head_dim**-0.5
     row["prefix_us"] = time_rotating_graph(
         [lambda x=x: launch_prefix(x[0], x[1], x[2], scale, two.prefix, two.prefix_plan) for x in sets])
@@ -213,8 +235,9 @@ def _cell(shape: CascadeShape, dtype, esize, peak, bw, args, time_rotating_graph
     return row
 
 
-_COLS = ["P", "n", "t", "cascade_us", "two_level_us", "prefix_us", "unshared_us", "sdpa_lse_us", "speedup_vs_unshared",
-         "speedup_vs_sdpa_lse", "floor_us", "compute_floor_us", "mem_floor_us", "floor_frac", "tflops", "gbps"]
+_COLS = ["P", "n", "t", "cascade_us", "cascade_dev_us", "two_level_us", "prefix_us", "unshared_us", "sdpa_lse_us",
+         "speedup_vs_unshared", "speedup_vs_sdpa_lse", "floor_us", "compute_floor_us", "mem_floor_us", "floor_frac",
+         "tflops", "gbps"]
 
 
 def _fmt(col: str, val) -> str | None:
@@ -240,11 +263,13 @@ def run_cascade_cpu_demo(args) -> list[dict]:
     ref = cascade_tree_attention_ref(*x)
     row = {"P": shape.P, "n": shape.n, "t": shape.t}
     impls = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+    dev, shared_len = device_len_inputs(x)
     for impl in impls:
         start = time.perf_counter()
         out = cascade_tree_attention(*x, impl=impl)
         row[f"{impl}_ms"] = (time.perf_counter() - start) * 1e3
         row[f"err_{impl}"] = _rel_err(out.double(), ref)
+        row[f"err_{impl}_dev"] = _rel_err(cascade_tree_attention(*dev, impl=impl, shared_len=shared_len).double(), ref)
     print(" ".join(f"{key}={val:.3g}" if isinstance(val, float) else f"{key}={val}" for key, val in row.items()))
     print("no CUDA device: correctness demo only")
     return [row]

@@ -10,6 +10,11 @@ goes on with the suffixes and trees of the sequences in that block, one online-s
 through both levels; several prefix splits are merged by log-sum-exp (the tree kernel's merge).
 ``CascadeConfig(fused=False)``: level 2 as the existing tree kernel in its split mode (partial
 states) and a merge of both levels' states (``cascade_merge_kernel``) - measured slower.
+The shared prefix is either exactly the prompt (P = its shape) or a fixed-capacity buffer of C
+slots with the live length P as a device tensor (``shared_len``): the kernels read P from device
+memory and the launch (grid, split plan, every argument) depends on C only, so one captured CUDA
+graph serves every prompt length up to C; splits whose key range lies past P contribute the empty
+state (``-inf`` log-sum-exp, zero output) to the merge.
 Kernels: ``treeattn.cascade_kernels``; reference: ``treeattn.cascade_reference``.
 """
 
@@ -44,9 +49,9 @@ from treeattn.ops import (
     tree_attention,
 )
 
-__all__ = ["CascadeConfig", "CascadePlan", "PrefixPlan", "cascade_plan", "cascade_tree_attention", "launch_fused",
-           "launch_prefix", "level2_tiles", "pick_prefix_config", "prefix_splits", "run_plan", "sdpa_lse_cascade",
-           "suffix_bias"]
+__all__ = ["CascadeConfig", "CascadePlan", "PrefixPlan", "cascade_plan", "cascade_tree_attention",
+           "cascade_tree_attention_op", "launch_fused", "launch_prefix", "level2_tiles", "pick_prefix_config",
+           "prefix_bias", "prefix_splits", "run_plan", "sdpa_lse_cascade", "suffix_bias"]
 
 
 @dataclass(frozen=True)
@@ -177,8 +182,8 @@ def _shared_3d(name: str, t) -> torch.Tensor:
     return t
 
 
-def _check(q, k_shared, v_shared, k, v, suffix_lens, tree_mask, impl) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate; return ``(k_shared, v_shared)`` as 3-D ``[Hkv, P, D]`` views."""
+def _check(q, k_shared, v_shared, k, v, suffix_lens, shared_len, tree_mask, impl) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate; return ``(k_shared, v_shared)`` as 3-D ``[Hkv, P or C, D]`` views."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -206,6 +211,14 @@ def _check(q, k_shared, v_shared, k, v, suffix_lens, tree_mask, impl) -> tuple[t
     check_lengths("suffix_lens", suffix_lens, n)
     if suffix_lens.device != q.device:
         raise ValueError(f"suffix_lens: expected device {q.device} (q's), got {suffix_lens.device}")
+    if shared_len is not None:
+        if not isinstance(shared_len, torch.Tensor) or shared_len.dtype not in (torch.int32, torch.int64):
+            got = shared_len.dtype if isinstance(shared_len, torch.Tensor) else type(shared_len).__name__
+            raise ValueError(f"shared_len: expected None or an int32/int64 tensor of shape [1], got {got}")
+        if tuple(shared_len.shape) != (1,):
+            raise ValueError(f"shared_len: expected shape [1], got {tuple(shared_len.shape)}")
+        if shared_len.device != q.device:
+            raise ValueError(f"shared_len: expected device {q.device} (q's), got {shared_len.device}")
     if t_len > seq_len:
         raise ValueError(f"k: expected S >= t = {t_len} (the tree KV must be in the cache), got S = {seq_len}")
     if impl not in _IMPLS:
@@ -224,6 +237,7 @@ def cascade_tree_attention(
     scale: float | None = None,
     impl: str = "auto",
     *,
+    shared_len: torch.Tensor | None = None,
     check_suffix_lens: bool = True,
     config: CascadeConfig | None = None,
 ) -> torch.Tensor:
@@ -233,23 +247,30 @@ def cascade_tree_attention(
         q: ``[n, Hq, t, D]`` float16 / bfloat16 / float32, the t tree nodes' queries of each of
             the n sequences.
         k_shared, v_shared: ``[Hkv, P, D]`` or ``[1, Hkv, P, D]``, same dtype and device: the
-            shared prompt's KV (``P >= 0``).
+            shared prompt's KV (``P >= 0``); with ``shared_len``, ``[Hkv, C, D]`` or
+            ``[1, Hkv, C, D]``: a buffer of capacity C whose slots ``[0, P)`` hold it (the rest is
+            never read).
         k, v: ``[n, Hkv, S, D]``: sequence b's own tokens after the shared prompt at
             ``[0, suffix_lens[b])`` and its tree's KV at ``[suffix_lens[b], suffix_lens[b] + t)``.
             ``Hq % Hkv == 0`` (GQA). Only the last dim of each tensor must be contiguous.
         suffix_lens: int32 / int64 ``[n]`` on q's device.
+        shared_len: None (P is the shape of ``k_shared``), or int32 / int64 ``[1]`` on q's device:
+            the live prefix length P, ``0 <= P <= C``, as data: the Triton launch (grid, split plan
+            chosen for C, arguments) is the same for every P, so a CUDA graph captured once
+            serves any prompt length up to C.
         tree_mask: ``TreeMask`` of ``n`` (or 1, shared) trees of t nodes, on q's device.
         scale: softmax scale, default ``D ** -0.5``.
         impl: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (two SDPA
             calls merged by log-sum-exp: ``sdpa_lse_cascade``), or ``"auto"``: Triton on CUDA
             tensors and under the interpreter, else torch.
-        check_suffix_lens: verify ``0 <= suffix_lens[b]`` and ``suffix_lens[b] + t <= S``; this
-            reads the values on the host (a device sync on CUDA). Pass False inside CUDA graphs;
-            the kernel then clamps out-of-range values so that it never reads outside k / v.
+        check_suffix_lens: verify ``0 <= suffix_lens[b]`` and ``suffix_lens[b] + t <= S`` (and
+            ``0 <= shared_len <= C``); this reads the values on the host (a device sync on CUDA).
+            Pass False inside CUDA graphs; the kernel then clamps out-of-range values so that it
+            never reads outside k / v (or past C).
         config: ``CascadeConfig`` (default: both levels chosen from the shapes).
 
     Returns:
-        ``[n, Hq, t, D]`` in q's dtype: query i of sequence b attends all P prefix keys, keys
+        ``[n, Hq, t, D]`` in q's dtype: query i of sequence b attends the P prefix keys, keys
         ``[0, suffix_lens[b])`` of its cache and the tree keys of its ancestors and itself; the
         same as ``tree_attention`` on the prefix copied in front of every sequence
         (``cascade_reference.unshared_layout``). Accumulation is in float32.
@@ -257,22 +278,49 @@ def cascade_tree_attention(
     Raises:
         ValueError: naming the argument, for bad shapes, dtypes, devices or suffix lengths.
     """
-    ks, vs = _check(q, k_shared, v_shared, k, v, suffix_lens, tree_mask, impl)
+    ks, vs = _check(q, k_shared, v_shared, k, v, suffix_lens, shared_len, tree_mask, impl)
     t_len, seq_len = q.shape[2], k.shape[2]
     if check_suffix_lens and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = (int(x) for x in torch.aminmax(suffix_lens.detach().to(torch.int64)))
         if lo < 0 or hi + t_len > seq_len:
             raise ValueError(f"suffix_lens: expected 0 <= suffix_len and suffix_len + t <= S = {seq_len} "
                              f"(t = {t_len}), got values in [{lo}, {hi}]")
+        if shared_len is not None and not 0 <= int(shared_len[0]) <= ks.shape[1]:
+            raise ValueError(f"shared_len: expected 0 <= shared_len <= C = {ks.shape[1]} (k_shared's capacity), "
+                             f"got {int(shared_len[0])}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if impl == "auto":
         impl = "triton" if (q.is_cuda or interpreter_enabled()) else "torch"
     if impl == "torch":
         bias = suffix_bias(suffix_lens, tree_mask, seq_len, q.shape[1] // k.shape[1], q.dtype)
-        return sdpa_lse_cascade(q, ks, vs, k, v, bias, scale)
+        return sdpa_lse_cascade(q, ks, vs, k, v, bias, scale, shared_len=shared_len)
     if not q.is_cuda and not interpreter_enabled():
         raise ValueError("impl: 'triton' needs CUDA tensors or TRITON_INTERPRET=1 set before importing treeattn")
-    return _cascade_triton(q, ks, vs, k, v, suffix_lens, tree_mask, scale, config or CascadeConfig())
+    return _cascade_triton(q, ks, vs, k, v, suffix_lens, shared_len, tree_mask, scale, config or CascadeConfig())
+
+
+@torch.library.custom_op("treeattn::cascade_tree_attention", mutates_args=())
+def cascade_tree_attention_op(q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, suffix_lens: torch.Tensor, shared_len: torch.Tensor,
+                              words: torch.Tensor, depth: torch.Tensor, scale: float, impl: str) -> torch.Tensor:
+    """``cascade_tree_attention`` over a fixed-capacity prefix as a PyTorch custom op, for
+    ``torch.compile``d callers (the fixed-shape forwards of ``specdec.graphs``).
+
+    The compiler sees one opaque op (its output is shaped like ``q``) instead of tracing the
+    validation and the Triton launch; at run time it is ``cascade_tree_attention(q, k_shared,
+    v_shared, k, v, suffix_lens, TreeMask(words, depth), scale, impl, shared_len=shared_len,
+    check_suffix_lens=False)`` (shapes as there; ``shared_len`` int ``[1]``: the live prefix length,
+    data, so that nothing the compiler specializes on depends on it). Returns a contiguous
+    ``[n, Hq, t, D]``.
+    """
+    out = cascade_tree_attention(q, k_shared, v_shared, k, v, suffix_lens, TreeMask(words, depth), scale, impl,
+                                 shared_len=shared_len, check_suffix_lens=False)
+    return out.contiguous()
+
+
+@cascade_tree_attention_op.register_fake
+def _cascade_tree_attention_fake(q, k_shared, v_shared, k, v, suffix_lens, shared_len, words, depth, scale, impl):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 class CascadePlan(NamedTuple):
@@ -291,7 +339,9 @@ def cascade_plan(n: int, num_heads: int, num_kv_heads: int, t: int, prefix_len: 
     """The folded-row kernel from ``pick_prefix_config`` (``n * t * group`` rows per KV head; fused:
     its last split also runs level 2, ``level2_tiles``); not fused, level 2 from
     ``tree_attention``'s ``pick_config`` over the per-sequence caches (batch n, "prompt" = suffix).
-    ``config`` overrides either. Pure host arithmetic."""
+    ``prefix_len``: the prefix's keys, or the capacity C of its buffer when its live length is
+    device data (``shared_len``): the plan is then fixed per C. ``config`` overrides either. Pure
+    host arithmetic."""
     config = config or CascadeConfig()
     group = num_heads // num_kv_heads
     rows = n * t * group
@@ -308,19 +358,19 @@ def cascade_plan(n: int, num_heads: int, num_kv_heads: int, t: int, prefix_len: 
     return CascadePlan(pcfg, pplan, scfg, splan)
 
 
-def _cascade_triton(q, ks, vs, k, v, suffix_lens, tree_mask, scale, config: CascadeConfig):
+def _cascade_triton(q, ks, vs, k, v, suffix_lens, shared_len, tree_mask, scale, config: CascadeConfig):
     from triton.runtime.errors import OutOfResources
 
     n, hq, t_len, d = q.shape
-    hkv, p_len = ks.shape[0], ks.shape[1]
+    hkv, p_len = ks.shape[0], ks.shape[1]  # P, or the capacity C with shared_len
     seq_len = k.shape[2]
-    if p_len == 0:  # nothing shared: level 2 alone is the whole attention
+    if p_len == 0:  # nothing shared (nor room for it): level 2 alone is the whole attention
         return tree_attention(q, k, v, suffix_lens, tree_mask, scale, impl="triton", check_prefix_lens=False,
                               config=config.suffix)
     plan = cascade_plan(n, hq, hkv, t_len, p_len, seq_len, d, q.device, q.dtype, config)
     while True:
         try:
-            return run_plan(q, ks, vs, k, v, suffix_lens, tree_mask, scale, plan)
+            return run_plan(q, ks, vs, k, v, suffix_lens, tree_mask, scale, plan, shared_len=shared_len)
         except OutOfResources:
             # The shared-memory estimate was short for this GPU / compiler: shrink the auto configs.
             if config.prefix is not None and (config.fused or config.suffix is not None):
@@ -330,25 +380,37 @@ def _cascade_triton(q, ks, vs, k, v, suffix_lens, tree_mask, scale, config: Casc
             plan = cascade_plan(n, hq, hkv, t_len, p_len, seq_len, d, q.device, q.dtype, shrunk)
 
 
-def run_plan(q, ks, vs, k, v, suffix_lens, tree_mask, scale: float, plan: CascadePlan) -> torch.Tensor:
-    """Launch one call's kernels (validated inputs, ``ks, vs: [Hkv, P, D]`` with P >= 1)."""
+def run_plan(q, ks, vs, k, v, suffix_lens, tree_mask, scale: float, plan: CascadePlan, *,
+             shared_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch one call's kernels (validated inputs, ``ks, vs: [Hkv, P, D]`` with P >= 1, or
+    ``[Hkv, C, D]`` with C >= 1 and the live length ``shared_len``, int ``[1]``, on the device)."""
     if plan.suffix is None:
-        return launch_fused(q, ks, vs, k, v, suffix_lens, tree_mask, scale, plan.prefix, plan.prefix_plan)
-    return _launch(q, ks, vs, k, v, suffix_lens, tree_mask, scale, plan.prefix, plan.prefix_plan, plan.suffix,
-                   plan.suffix_plan)
+        return launch_fused(q, ks, vs, k, v, suffix_lens, tree_mask, scale, plan.prefix, plan.prefix_plan,
+                            shared_len=shared_len)
+    return _launch(q, ks, vs, k, v, suffix_lens, shared_len, tree_mask, scale, plan.prefix, plan.prefix_plan,
+                   plan.suffix, plan.suffix_plan)
+
+
+def _prefix_len_args(ks, shared_len, dummy: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """The kernels' ``(PREFIX_LEN, prefix_cap, LEN_ON_DEVICE)``: the shape P (``dummy`` as the unread
+    pointer), or the capacity C and the device length ``shared_len``."""
+    if shared_len is None:
+        return dummy, ks.shape[1], False
+    return shared_len, ks.shape[1], True
 
 
 def launch_fused(q, ks, vs, k, v, suffix_lens, tree_mask, scale: float, cfg: KernelConfig,
-                 plan: PrefixPlan) -> torch.Tensor:
+                 plan: PrefixPlan, *, shared_len: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel (and, with several splits, the tree kernel's merge)."""
     from treeattn.cascade_kernels import cascade_fused_kernel
     from treeattn.kernels import tree_attn_merge_kernel
 
     n, hq, t_len, d = q.shape
-    hkv, p_len = ks.shape[0], ks.shape[1]
+    hkv = ks.shape[0]
     seq_len = k.shape[2]
     group = hq // hkv
     block_d = max(16, _next_pow2(d))
+    prefix_len_ptr, prefix_cap, len_on_device = _prefix_len_args(ks, shared_len, suffix_lens)
     words = tree_mask.words
     if words.stride(-1) != 1:
         words = words.contiguous()
@@ -361,16 +423,17 @@ def launch_fused(q, ks, vs, k, v, suffix_lens, tree_mask, scale: float, cfg: Ker
         part_o = part_lse = out  # unused by the one-split kernel
     folded = n * t_len * group
     cascade_fused_kernel[(math.ceil(folded / cfg.block_m), hkv, splits)](
-        q, ks, vs, k, v, suffix_lens, words, out, part_o, part_lse,
+        q, ks, vs, k, v, suffix_lens, prefix_len_ptr, words, out, part_o, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         stride_wb, words.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        t_len, p_len, seq_len, hkv, folded, plan.chunk, plan.first, splits,
+        t_len, prefix_cap, seq_len, hkv, folded, plan.chunk, plan.first, splits,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
+        LEN_ON_DEVICE=len_on_device,
         UPCAST=interpreter_enabled() and q.dtype != torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -388,9 +451,9 @@ def launch_fused(q, ks, vs, k, v, suffix_lens, tree_mask, scale: float, cfg: Ker
     return out
 
 
-def _launch(q, ks, vs, k, v, suffix_lens, tree_mask, scale, pcfg: KernelConfig, pplan: PrefixPlan,
+def _launch(q, ks, vs, k, v, suffix_lens, shared_len, tree_mask, scale, pcfg: KernelConfig, pplan: PrefixPlan,
             scfg: KernelConfig, splan: SplitPlan):
-    prefix_states = launch_prefix(q, ks, vs, scale, pcfg, pplan)
+    prefix_states = launch_prefix(q, ks, vs, scale, pcfg, pplan, shared_len=shared_len)
     suffix_states = launch_suffix(q, k, v, suffix_lens, tree_mask, scale, scfg, splan)
     return launch_merge(q, prefix_states, suffix_states)
 
@@ -404,24 +467,27 @@ def _partials(q, splits: int, in_input_dtype: bool) -> tuple[torch.Tensor, torch
     return part_o, torch.empty(rows * splits, device=q.device, dtype=torch.float32)
 
 
-def launch_prefix(q, ks, vs, scale: float, cfg: KernelConfig, plan: PrefixPlan):
-    """Level 1 alone (validated inputs; ``ks, vs: [Hkv, P]``, P >= 1): returns its partial states
-    ``(part_o, part_lse, splits)``."""
+def launch_prefix(q, ks, vs, scale: float, cfg: KernelConfig, plan: PrefixPlan, *,
+                  shared_len: torch.Tensor | None = None):
+    """Level 1 alone (validated inputs; ``ks, vs: [Hkv, P, D]``, P >= 1, or ``[Hkv, C, D]`` with the
+    live length ``shared_len``): returns its partial states ``(part_o, part_lse, splits)``."""
     from treeattn.cascade_kernels import cascade_prefix_kernel
 
     n, hq, t_len, d = q.shape
-    hkv, p_len = ks.shape[0], ks.shape[1]
+    hkv = ks.shape[0]
     group = hq // hkv
     part_o, part_lse = _partials(q, plan.count, cfg.partials_in_input_dtype)
+    prefix_len_ptr, prefix_cap, len_on_device = _prefix_len_args(ks, shared_len, part_lse)
     folded = n * t_len * group
     cascade_prefix_kernel[(math.ceil(folded / cfg.block_m), hkv, plan.count)](
-        q, ks, vs, part_o, part_lse,
+        q, ks, vs, prefix_len_ptr, part_o, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         ks.stride(0), ks.stride(1),
         vs.stride(0), vs.stride(1),
-        t_len, p_len, hkv, folded, plan.chunk, plan.first, plan.count,
+        t_len, prefix_cap, hkv, folded, plan.chunk, plan.first, plan.count,
         scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        LEN_ON_DEVICE=len_on_device,
         UPCAST=interpreter_enabled() and q.dtype != torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -512,6 +578,18 @@ def suffix_bias(suffix_lens: torch.Tensor, tree_mask: TreeMask, seq_len: int, gr
     return bias.view(n, 1, group * t_len, padded)[..., :seq_len]
 
 
+def prefix_bias(shared_len: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask of level 1 for ``sdpa_lse_cascade`` over a prefix buffer of ``capacity`` slots
+    whose first ``shared_len`` (int ``[1]``, on the device: no host read) are live: ``[1, 1, 1, C]``,
+    0 for keys ``< shared_len``, ``-inf`` after, in a buffer padded to a multiple of 16 keys (as
+    ``suffix_bias``)."""
+    padded = math.ceil(capacity / 16) * 16
+    pos = torch.arange(padded, device=shared_len.device)
+    bias = torch.zeros(padded, dtype=dtype, device=shared_len.device)
+    bias.masked_fill_(pos >= shared_len.to(torch.int64), -math.inf)
+    return bias.view(1, 1, 1, padded)[..., :capacity]
+
+
 def _sdpa_lse(q, k, v, bias, scale):
     """(output, natural-log LSE ``[B, H, M]`` float32) of SDPA through the aten ops that return it."""
     m = q.shape[2]
@@ -532,14 +610,18 @@ def _sdpa_lse(q, k, v, bias, scale):
 
 
 def sdpa_lse_cascade(q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, bias: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                     v: torch.Tensor, bias: torch.Tensor, scale: float | None = None, *,
+                     shared_len: torch.Tensor | None = None) -> torch.Tensor:
     """Cascade attention as two SDPA calls merged by log-sum-exp (FlashInfer's cascade recipe with
     stock kernels): the shared prefix with every query of a KV head folded into one unmasked
     call (flash attention on CUDA 16-bit), each sequence's suffix + tree with the additive mask
     ``bias`` (``suffix_bias``; memory-efficient attention on CUDA), then the merge in float32.
+    With ``shared_len`` (int ``[1]`` on the device) the prefix is a buffer of C slots of which the
+    first ``shared_len`` are live: level 1 is masked by ``prefix_bias`` and its state emptied
+    (``-inf``, 0) when nothing is live, all without a host read of the length.
 
-    Shapes as ``cascade_tree_attention`` (``k_shared``: ``[Hkv, P, D]`` or ``[1, Hkv, P, D]``);
-    returns ``[n, Hq, t, D]`` in q's dtype.
+    Shapes as ``cascade_tree_attention`` (``k_shared``: ``[Hkv, P or C, D]`` or ``[1, Hkv, P or C,
+    D]``); returns ``[n, Hq, t, D]`` in q's dtype.
     """
     n, hq, t_len, d = q.shape
     ks = k_shared[0] if k_shared.dim() == 4 else k_shared
@@ -552,11 +634,16 @@ def sdpa_lse_cascade(q: torch.Tensor, k_shared: torch.Tensor, v_shared: torch.Te
     out2, lse2 = _sdpa_lse(q5.reshape(n, hkv, group * t_len, d), k, v, bias, scale)
     if p_len == 0:
         return out2.reshape(n, hq, t_len, d).to(q.dtype)
-    # Level 1: [1, Hkv, n * G * t, D] queries, one unmasked call over the prefix.
+    # Level 1: [1, Hkv, n * G * t, D] queries, one call over the prefix (unmasked, or masked past shared_len).
     qf = q5.permute(1, 0, 2, 3, 4).reshape(1, hkv, n * group * t_len, d)
-    out1, lse1 = _sdpa_lse(qf, ks.unsqueeze(0), vs.unsqueeze(0), None, scale)
+    bias1 = None if shared_len is None else prefix_bias(shared_len, p_len, q.dtype)
+    out1, lse1 = _sdpa_lse(qf, ks.unsqueeze(0), vs.unsqueeze(0), bias1, scale)
     out1 = out1.view(hkv, n, group * t_len, d).transpose(0, 1)
     lse1 = lse1.view(hkv, n, group * t_len).transpose(0, 1)
+    if shared_len is not None:  # rows that see no key at all: the empty state (SDPA may give NaN there)
+        live = shared_len.view(()) > 0
+        out1 = torch.where(live, out1, 0.0)
+        lse1 = torch.where(live, lse1, -math.inf)
     m = torch.maximum(lse1, lse2)
     w1 = torch.exp(lse1 - m).unsqueeze(-1)
     w2 = torch.exp(lse2 - m).unsqueeze(-1)

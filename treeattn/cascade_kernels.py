@@ -1,8 +1,10 @@
 """Triton kernels for shared-prefix ("cascade") tree attention. Only ``@triton.jit`` code lives
 here; the op is ``treeattn.cascade.cascade_tree_attention``.
 
-n sequences share one prompt whose KV is stored once (``KS, VS: [Hkv, P, D]``); sequence b's own
-tokens and tree live in its own cache (``K, V: [n, Hkv, S, D]``). The attention of every tree
+n sequences share one prompt whose KV is stored once (``KS, VS: [Hkv, P, D]``, or ``[Hkv, C, D]``
+buffers of a fixed capacity C whose first P slots are live, P read from device memory: then
+nothing about the launch depends on P, as a CUDA graph needs); sequence b's own tokens and tree
+live in its own cache (``K, V: [n, Hkv, S, D]``). The attention of every tree
 query is split in two levels whose partial states (normalized output + base-2 log-sum-exp) are
 merged by log-sum-exp (FlashInfer's cascade attention, DeFT's global reduction):
 
@@ -36,6 +38,18 @@ from treeattn.kernels import _attend_tile
 
 
 @triton.jit
+def _live_prefix_len(PREFIX_LEN, prefix_cap, LEN_ON_DEVICE: tl.constexpr):
+    """The prefix keys every query attends: all ``prefix_cap`` of them (the prefix's shape), or with
+    ``LEN_ON_DEVICE`` the int at ``PREFIX_LEN`` (data, e.g. a captured graph's input) clamped to
+    ``[0, prefix_cap]``, ``prefix_cap`` then being the buffer's capacity: no key past it is read."""
+    if LEN_ON_DEVICE:
+        live = tl.minimum(tl.maximum(tl.load(PREFIX_LEN).to(tl.int32), 0), prefix_cap)
+    else:
+        live = prefix_cap
+    return live
+
+
+@triton.jit
 def _attend_prefix_range(
     acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_vs, lo, hi, hi_all, offs_n, offs_d, d_ok, qk_scale,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -64,19 +78,20 @@ def _attend_prefix_range(
 
 @triton.jit
 def cascade_prefix_kernel(
-    Q, KS, VS, PART_O, PART_LSE,
+    Q, KS, VS, PREFIX_LEN, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qn,
     stride_kh, stride_ks,
     stride_vh, stride_vs,
-    n_tree, prefix_len, num_kv_heads, num_rows, chunk, first, num_splits,
+    n_tree, prefix_cap, num_kv_heads, num_rows, chunk, first, num_splits,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LEN_ON_DEVICE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Level 1 alone (the two-level variant): rows ``[pid_m * BLOCK_M, ...)`` of KV head ``pid_h``
     (``num_rows = n * t * GROUP``) against their key range of the prefix: ``[0, first)`` for the
-    last split, ``[first + i * chunk, first + (i + 1) * chunk)`` for split i < last, clipped."""
+    last split, ``[first + i * chunk, first + (i + 1) * chunk)`` for split i < last, clipped to the
+    live prefix (``_live_prefix_len``); a range left empty writes the empty state (``-inf``, 0)."""
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -106,6 +121,7 @@ def cascade_prefix_kernel(
     v_base = VS + kvh * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
     is_last = pid_s == num_splits - 1
+    prefix_len = _live_prefix_len(PREFIX_LEN, prefix_cap, LEN_ON_DEVICE)
     lo = tl.where(is_last, 0, first + pid_s * chunk)
     hi_all = tl.minimum(tl.where(is_last, first, lo + chunk), prefix_len)
     hi = lo + tl.maximum(hi_all - lo, 0) // BLOCK_N * BLOCK_N
@@ -162,17 +178,17 @@ def cascade_merge_kernel(
 
 @triton.jit
 def cascade_fused_kernel(
-    Q, KS, VS, K, V, SUFFIX_LENS, WORDS, OUT, PART_O, PART_LSE,
+    Q, KS, VS, K, V, SUFFIX_LENS, PREFIX_LEN, WORDS, OUT, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qn,
     stride_ksh, stride_kss, stride_vsh, stride_vss,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_wb, stride_wn,
     stride_ob, stride_oh, stride_on,
-    n_tree, prefix_len, seq_len, num_kv_heads, num_rows, chunk, first, num_splits,
+    n_tree, prefix_cap, seq_len, num_kv_heads, num_rows, chunk, first, num_splits,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEN_ON_DEVICE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Both levels in one program (the default): the folded rows of ``cascade_prefix_kernel``
@@ -181,8 +197,11 @@ def cascade_fused_kernel(
     pipelined loop of 64-key steps over that sequence's suffix and then its tree (rows of other
     sequences masked out), so the online softmax carries one state through both levels: no
     level-2 launch and no partial states at all with one split. Split i < last takes prefix keys ``[first + i * chunk, ...)``, the last
-    split ``[0, first)`` before the suffixes (sized so that the splits even out); several splits
-    write partial states for ``treeattn.kernels.tree_attn_merge_kernel``."""
+    split ``[0, first)`` before the suffixes (sized so that the splits even out), each clipped to
+    the live prefix (``_live_prefix_len``: the shape, or a length read from ``PREFIX_LEN`` when the
+    prefix is a buffer of ``prefix_cap`` slots, so that one launch serves any live length); several
+    splits write partial states for ``treeattn.kernels.tree_attn_merge_kernel`` (a split whose
+    range is empty, and which holds no level 2, writes the empty state: ``-inf``, 0)."""
     WORD_BITS: tl.constexpr = 64
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     pid_m = tl.program_id(0)
@@ -213,6 +232,7 @@ def cascade_fused_kernel(
 
     # Level 1: the split's range of the shared prefix, every row sees every key.
     is_last = pid_s == num_splits - 1
+    prefix_len = _live_prefix_len(PREFIX_LEN, prefix_cap, LEN_ON_DEVICE)
     lo = tl.where(is_last, 0, first + pid_s * chunk)
     hi_all = tl.minimum(tl.where(is_last, first, lo + chunk), prefix_len)
     hi = lo + tl.maximum(hi_all - lo, 0) // BLOCK_N * BLOCK_N

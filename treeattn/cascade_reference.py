@@ -30,18 +30,21 @@ def cascade_tree_attention_ref(
     tree_mask: TreeMask,
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    shared_len: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Cascade tree attention computed in ``compute_dtype`` (float64 by default), one sequence at a
     time (memory ``O(Hq * t * (P + S))``).
 
     Args:
         q: ``[n, Hq, t, D]``.
-        k_shared, v_shared: ``[Hkv, P, D]`` or ``[1, Hkv, P, D]``, the prompt every sequence shares.
+        k_shared, v_shared: ``[Hkv, P, D]`` or ``[1, Hkv, P, D]``, the prompt every sequence shares
+            (with ``shared_len``: ``[Hkv, C, D]`` buffers whose first P slots hold it).
         k, v: ``[n, Hkv, S, D]``; sequence b's own tokens at ``[0, suffix_lens[b])``, its tree at
             ``[suffix_lens[b], suffix_lens[b] + t)``.
         suffix_lens: int ``[n]``.
         tree_mask: ``TreeMask`` of 1 (shared) or ``n`` trees of ``t`` nodes.
         scale: softmax scale (default ``D ** -0.5``).
+        shared_len: None (P = the shape), or P as an int or a one-element tensor (read on the host).
 
     Returns:
         ``[n, Hq, t, D]`` in ``compute_dtype``: query i of sequence b attends the whole prefix, keys
@@ -49,6 +52,9 @@ def cascade_tree_attention_ref(
     """
     n, hq, t, d = q.shape
     ks, vs = _shared_3d(k_shared), _shared_3d(v_shared)
+    if shared_len is not None:
+        live = int(shared_len)
+        ks, vs = ks[:, :live], vs[:, :live]
     hkv, p_len = ks.shape[0], ks.shape[1]
     seq_len = k.shape[2]
     group = hq // hkv

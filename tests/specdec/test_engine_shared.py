@@ -1,10 +1,12 @@
 """``generate(num_return_sequences=n)`` of one prompt on the shared layout (issue 17).
 
-The prompt's KV (but its last token's) is written once into a batch-1 cache (``hf.prefill_shared``),
-the n sequences' own cache holds only what follows it, and every tree forward attends through the
-cascade attention. Greedy rows must equal the target's own greedy ``generate``; sampled rows must
-equal the copy layout's for the same random seed (the same draws) and follow the target's
-distribution, independent across the sequences of one call.
+The prompt's KV (but its last token's) is written once into a batch-1 cache, the n sequences' own
+cache holds only what follows it, and every tree forward attends through the cascade attention --
+with dynamic shapes (``hf.tree_forward(shared=)``) and with static shapes (``GraphedForward(shared=)``
+in eager replay on CPU: the prompt's length is data in the forward's input vector, so one forward
+per prompt-cache bucket serves every prompt length). Greedy rows must equal the target's own greedy
+``generate``; sampled rows must equal the copy layout's for the same random seed (the same draws)
+and follow the target's distribution, independent across the sequences of one call.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import pytest
 import torch
 
 import specdec
+import specdec.engine as engine
 from drafters.draft_model import DraftModelDrafter
 from drafters.eagle import EagleDrafter, EagleHead
 from drafters.lookup import LookupDrafter
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from specdec import SpecDecoder, TokenTree, hf
 from specdec.drafting import BaseDrafter, DraftContext
+from specdec.graphs import GraphedForward
 from specdec.sampling import SamplingConfig, logits_to_probs
 from tests.drafters import test_lossless as lossless
 from tests.specdec.helpers import OracleDrafter, greedy_reference, perturbed_copy, prepared_tiny_model, random_prompt
@@ -66,16 +70,31 @@ def _drafter(kind: str, reference=None):
 
 @pytest.fixture
 def shared_calls(monkeypatch):
-    """The ``[1, P]`` prompts ``hf.prefill_shared`` was called with (the engine calls it through ``hf``)."""
-    calls: list[tuple[int, ...]] = []
-    real = hf.prefill_shared
+    """Per prefill of a shared prompt (``SpecDecoder._prefill_shared``), ``(1, P)``: the P prompt
+    tokens written once for all sequences (its last token is their first root)."""
+    calls: list[tuple[int, int]] = []
+    real = SpecDecoder._prefill_shared
 
-    def counting(model, prompt_ids, *args, **kwargs):
-        calls.append(tuple(prompt_ids.shape))
-        return real(model, prompt_ids, *args, **kwargs)
+    def counting(self, prompt, batch, capacity):
+        calls.append((1, len(prompt) - 1))
+        return real(self, prompt, batch, capacity)
 
-    monkeypatch.setattr(hf, "prefill_shared", counting)
+    monkeypatch.setattr(SpecDecoder, "_prefill_shared", counting)
     return calls
+
+
+@pytest.fixture
+def made_forwards(monkeypatch):
+    """Every fixed-shape forward the engine makes (``GraphedForward``), in order."""
+    made: list[GraphedForward] = []
+
+    class Counted(GraphedForward):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(engine, "GraphedForward", Counted)
+    return made
 
 
 @pytest.fixture
@@ -167,16 +186,18 @@ def test_suffix_caches_hold_no_prompt_slots(shared_calls, forwards):
 
 
 def test_kept_caches_use_the_suffix_bucket_and_release_drops_them(shared_calls):
-    """With ``cache_buckets`` the rows of a shared prompt get the bucket of their suffix, reused by
-    later calls; the copy layout gets the bucket of prompt + suffix."""
+    """With ``cache_buckets`` the rows of a shared prompt get the bucket of their suffix and the
+    prompt the batch-1 cache of its own bucket, both reused by later calls; the copy layout gets the
+    bucket of prompt + suffix."""
     prompt = random_prompt(130, 140)  # suffix: 1 + 20 + 8 = 29 slots -> 64; copy: 130 + 20 + 8 = 158 -> 256
     dec = _decoder(LookupDrafter(), cache_buckets=(16, 64, 256))
     first = dec.generate(prompt, 20, num_return_sequences=4)
-    assert set(dec.caches) == {(4, 64)}
-    kept = dec.caches[(4, 64)]
+    assert set(dec.caches) == {(4, 64), (1, 256)}  # the prompt's 129 tokens: the 256 bucket
+    kept, kept_prompt = dec.caches[(4, 64)], dec.caches[(1, 256)]
     again = dec.generate(prompt, 20, num_return_sequences=4)
-    assert dec.caches[(4, 64)] is kept and torch.equal(again.sequences, first.sequences)
-    assert len(shared_calls) == 2  # the shared prompt is made per call, never kept
+    assert dec.caches[(4, 64)] is kept and dec.caches[(1, 256)] is kept_prompt
+    assert torch.equal(again.sequences, first.sequences)
+    assert len(shared_calls) == 2  # the shared prompt is prefilled per call into the kept cache
     copy = _decoder(LookupDrafter(), cache_buckets=(16, 64, 256), shared_prefix=False)
     assert torch.equal(copy.generate(prompt, 20, num_return_sequences=4).sequences, first.sequences)
     assert set(copy.caches) == {(4, 256)}
@@ -247,6 +268,137 @@ def test_shared_samples_follow_the_target_and_are_independent(shared_calls):
     assert lossless.chi2_pvalue(torch.diag(pairs.sum(1)), p1[:, None] * p1[None, :]) < 1e-6
 
 
+# --------------------------------------------------------------------------- static shapes
+
+
+def _static(drafter, **kwargs) -> SpecDecoder:
+    """Fixed-shape forwards in eager replay (CPU: no CUDA graphs), not compiled unless asked; the tiny
+    target's one default cache bucket: 256 positions + TREE = 264 slots."""
+    kwargs.setdefault("compile", False)
+    return SpecDecoder(prepared_tiny_model("qwen2"), drafter, tree_size=TREE, attn_impl="torch", static_shapes=True,
+                       cuda_graphs=False, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize("length", [1, 37, 70, 130])
+@pytest.mark.parametrize("kind", ["lookup", "draft_model"])
+def test_static_greedy_rows_equal_the_target_greedy_output(kind, length, shared_calls):
+    seed = 10 + length
+    ref = greedy_reference(length, seed, NEW)
+    dec = _static(_drafter(kind, ref))
+    assert dec.static_shapes and dec.shared_prefix
+    out = dec.generate(random_prompt(length, seed), NEW, num_return_sequences=N_SEQS)
+    for b in range(N_SEQS):
+        assert out.sequences[b, : out.lengths[b]].tolist() == list(ref)
+    if length == 1:  # nothing to share: the copy layout's forward
+        assert shared_calls == [] and dict(dec.shared_forwards) == {}
+        return
+    assert shared_calls == [(1, length - 1)]
+    (key, graphed), = dec.shared_forwards.items()
+    assert key == (N_SEQS, 264, TREE + 1, 264) and graphed.shared is dec.caches[(1, 264)]
+    assert graphed.calls == len(out.steps)  # every tree forward ran over the shared prompt
+    assert set(dec.forwards) == set()  # no copy-layout tree forward
+    assert set(dec.prefill_forwards) == {(1, 264)}  # the prompt prefilled once, batch 1, in fixed-shape chunks
+
+
+def test_static_calls_of_other_prompt_lengths_reuse_the_forward(shared_calls, made_forwards):
+    """The prompt's length is data in the forward's input vector: a second call with another length
+    in the same bucket makes no forward (no capture on a GPU) and is right too."""
+    dec = _static(DraftModelDrafter(_draft(), tree_size=TREE))
+    first = dec.generate(random_prompt(70, 80), NEW, num_return_sequences=N_SEQS)
+    (graphed,) = dec.shared_forwards.values()
+    made, calls = len(made_forwards), graphed.calls
+    second = dec.generate(random_prompt(37, 47), NEW, num_return_sequences=N_SEQS)
+    assert len(made_forwards) == made  # nothing new: the same tree and prefill forwards
+    assert list(dec.shared_forwards.values()) == [graphed] and graphed.calls > calls
+    assert shared_calls == [(1, 69), (1, 36)]
+    for out, (length, seed) in ((first, (70, 80)), (second, (37, 47))):
+        ref = greedy_reference(length, seed, NEW)
+        assert [out.sequences[b, : out.lengths[b]].tolist() for b in range(N_SEQS)] == [list(ref)] * N_SEQS
+
+
+def test_static_compiled_forward_serves_every_prompt_length(shared_calls, made_forwards):
+    """``compile`` (aot_eager: dynamo's tracing without code generation): the forward over the shared
+    prompt is traced once, in one graph (the cascade is one opaque op), for calls of two prompt
+    lengths; the rows' cache has its buffers before that first trace (``KVCache.allocate_like``)."""
+    from torch._dynamo.utils import counters
+
+    dec = _static(LookupDrafter(), compile="aot_eager")
+    graphs_before = counters["stats"]["unique_graphs"]
+    for length, seed in ((70, 80), (37, 47)):
+        ref = greedy_reference(length, seed, NEW)
+        out = dec.generate(random_prompt(length, seed), NEW, num_return_sequences=N_SEQS)
+        assert [out.sequences[b, : out.lengths[b]].tolist() for b in range(N_SEQS)] == [list(ref)] * N_SEQS
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    # made: the prompt's prefill forward (batch 1, never compiled), then the tree forward over the shared prompt
+    assert [(g.batch, g.shared is not None) for g in made_forwards] == [(1, False), (N_SEQS, True)]
+
+
+@pytest.mark.parametrize("kind", ["lookup", "draft_model", "eagle"])
+def test_static_sampling_draws_the_same_tokens_as_the_copy_layout(kind, shared_calls):
+    prompt = random_prompt(70, 9)
+    outs = []
+    for shared_prefix in (True, False):
+        gen = torch.Generator().manual_seed(5)
+        dec = _static(_drafter(kind), shared_prefix=shared_prefix)
+        outs.append(dec.generate(prompt, 30, do_sample=True, temperature=0.8, generator=gen, num_return_sequences=4,
+                                 eos_token_id=[7, 9]))  # fmt: skip
+        assert bool(dec.shared_forwards) == shared_prefix
+    assert shared_calls == [(1, 69)]  # the first call only
+    shared, copy = outs
+    assert torch.equal(shared.sequences, copy.sequences)
+    assert shared.lengths == copy.lengths
+    assert len({tuple(r.tolist()) for r in shared.sequences}) > 1  # independent rows, not copies
+
+
+def test_static_warmup_builds_the_shared_forward(shared_calls, made_forwards):
+    dec = _static(LookupDrafter())
+    report = dec.warmup(batch_sizes=(1, 3), max_len=60, log=None)
+    assert [(e.batch_size, e.shared_built) for e in report.entries] == [(1, False), (3, True)]
+    assert set(dec.shared_forwards) == {(3, 264, TREE + 1, 264)}
+    made = len(made_forwards)
+    ref = greedy_reference(37, 47, 20)
+    out = dec.generate(random_prompt(37, 47), 20, num_return_sequences=3)
+    assert [out.sequences[b].tolist() for b in range(3)] == [list(ref)] * 3
+    assert len(made_forwards) == made  # the warm-up made every forward the call used
+    assert shared_calls == [(1, 1), (1, 36)]  # the warm-up's dummy prompt, then the call's
+    dec.release(1)  # the prompt's cache goes, and with it the forward over it
+    assert dict(dec.shared_forwards) == {} and set(dec.caches) == {(3, 264)}
+    distinct = _static(LookupDrafter())  # batches of distinct prompts only: no forward over a shared prompt
+    report = distinct.warmup(batch_sizes=(3,), max_len=60, shared=False, log=None)
+    assert [e.shared_built for e in report.entries] == [False] and dict(distinct.shared_forwards) == {}
+    with pytest.raises(ValueError, match=r"shared: expected True or False, got 1"):
+        distinct.warmup(shared=1, log=None)
+
+
+def test_static_shared_forward_through_the_triton_interpreter(shared_calls):
+    """The cascade kernel with its prompt length read from the forward's input vector, two calls of
+    different prompt lengths through one fixed-shape forward."""
+    pytest.importorskip("triton")
+    from treeattn.ops import interpreter_enabled
+
+    if not interpreter_enabled():
+        pytest.skip("TRITON_INTERPRET=1 not set (tests/conftest.py sets it on CPU machines)")
+    dec = SpecDecoder(prepared_tiny_model("qwen2"), LookupDrafter(), tree_size=4, attn_impl="triton",
+                      static_shapes=True, max_cache_len=64, prefill_width=32)  # fmt: skip
+    for length, seed in ((37, 5), (20, 6)):
+        ref = greedy_reference(length, seed, 8)
+        out = dec.generate(random_prompt(length, seed), 8, num_return_sequences=2)
+        assert [out.sequences[b].tolist() for b in range(2)] == [list(ref)] * 2
+    assert shared_calls == [(1, 36), (1, 19)]
+    assert set(dec.shared_forwards) == {(2, 64, 5, 64)}
+
+
+def test_static_sliding_window_counts_both_capacities(shared_calls):
+    """The fixed-shape forward reads both caches whole: the window must cover C + S."""
+    target = prepared_tiny_model("gemma3")  # a 6-position window on its sliding layers
+    strict = SpecDecoder(target, LookupDrafter(), tree_size=4, attn_impl="torch", static_shapes=True,
+                         max_cache_len=64, shared_prefix=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"shared_prefix: True needs a target the cascade attention serves over "
+                                         r"this call's 128 positions, got one with a sliding window of 6 positions"):
+        strict.generate(random_prompt(3, 8), 2, num_return_sequences=2)
+    assert shared_calls == []
+
+
 # --------------------------------------------------------------------------- hidden states
 
 
@@ -283,17 +435,6 @@ def test_first_hidden_states_are_the_prompts_for_every_row(mode, rows, shared_ca
 # --------------------------------------------------------------------------- options and errors
 
 
-def test_static_shapes_keep_the_copy_layout(shared_calls):
-    dec = SpecDecoder(prepared_tiny_model("qwen2"), LookupDrafter(), tree_size=TREE, attn_impl="torch",
-                      static_shapes=True, max_cache_len=128)  # fmt: skip
-    assert dec.shared_prefix is False
-    ref = greedy_reference(37, 47, 20)
-    out = dec.generate(random_prompt(37, 47), 20, num_return_sequences=2)
-    assert [out.sequences[b].tolist() for b in range(2)] == [list(ref)] * 2
-    assert shared_calls == []
-    assert set(dec.caches) == {(2, 128)}
-
-
 def test_defaults_and_the_option_through_wrap(shared_calls):
     assert _decoder(None).shared_prefix is True
     assert _decoder(None, shared_prefix=False).shared_prefix is False
@@ -309,11 +450,6 @@ def test_defaults_and_the_option_through_wrap(shared_calls):
 def test_bad_shared_prefix_values_raise(bad):
     with pytest.raises(ValueError, match=rf"shared_prefix: expected None, True or False, got {bad!r}"):
         _decoder(None, shared_prefix=bad)
-
-
-def test_shared_prefix_true_needs_dynamic_shapes():
-    with pytest.raises(ValueError, match=r"shared_prefix: True needs static_shapes=False .* got static_shapes=True"):
-        SpecDecoder(prepared_tiny_model("qwen2"), None, attn_impl="torch", static_shapes=True, shared_prefix=True)
 
 
 def test_soft_capped_target_copies_the_prompt_or_raises(shared_calls):

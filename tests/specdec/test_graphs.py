@@ -94,6 +94,23 @@ def test_graph_input_layout_is_aligned_and_contiguous():
     assert spans[-1][1] <= layout.size
 
 
+def test_graph_inputs_carry_a_shared_prompt_length():
+    """With a shared prompt the layout has a ``shared_len`` segment and positions start after it;
+    slots and prefix lengths stay those of the sequences' own cache."""
+    trees = [_tree(9, seed=1), _tree(4, seed=2, root=7)]
+    layout = InputLayout(2, 9, shared=True)
+    assert layout.shapes["shared_len"] == (1,) and layout.offsets["shared_len"] % 8 == 0
+    assert layout.size == InputLayout(2, 9).size + 8
+    flat = torch.frombuffer(pack_trees(trees, [3, 0], layout, shared_len=41), dtype=torch.int64)
+    plain = torch.frombuffer(pack_trees(trees, [3, 0], InputLayout(2, 9)), dtype=torch.int64)
+    assert layout.view(flat, "shared_len").tolist() == [41]
+    assert torch.equal(layout.view(flat, "positions"), InputLayout(2, 9).view(plain, "positions") + 41)
+    for name in ("tokens", "slots", "depth", "words", "prefix_lens"):
+        assert torch.equal(layout.view(flat, name), InputLayout(2, 9).view(plain, name))
+    with pytest.raises(ValueError, match=r"shared_len: expected 0 for a layout without a shared prompt, got 41"):
+        pack_trees(trees, [3, 0], InputLayout(2, 9), shared_len=41)
+
+
 # ---------------------------------------------------------------------------- eager replay (CPU)
 
 
@@ -103,6 +120,64 @@ def _pointers(gf: GraphedForward) -> list[int]:
     for layer in gf.cache.layer_indices:
         ptrs += [t.data_ptr() for t in gf.cache.buffers(layer)]
     return ptrs
+
+
+@pytest.mark.parametrize("impl,compile", [("torch", False), ("triton", False), ("torch", "aot_eager")])
+def test_graph_eager_replay_over_a_shared_prompt(impl, compile):
+    """``GraphedForward(shared=)``: one forward, prompts of several lengths prefilled in turn into the
+    same fixed-capacity cache (stale KV after the shorter ones), the sequences' caches and trees
+    changing each step: the logits of ``hf.tree_forward(shared=)`` over exactly that prompt.
+    compile: traced once for every prompt length, in one graph (the cascade is one opaque op, no
+    graph break)."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        from treeattn.ops import interpreter_enabled
+
+        if not interpreter_enabled():
+            pytest.skip("TRITON_INTERPRET=1 not set (tests/conftest.py sets it on CPU machines)")
+    model = _model("qwen2")
+    layers = model.config.num_hidden_layers
+    batch, n = 3, 9
+    shared, cache = KVCache(1, 70, num_layers=layers), KVCache(batch, 40, num_layers=layers)
+    gf = GraphedForward(model, cache, batch, n, impl=impl, shared=shared, compile=compile)
+    graphs_before = counters["stats"]["unique_graphs"]
+    # the prompt length the attention reads lives in the input vector, refilled by every load
+    assert gf.state.shared_len.data_ptr() == gf.layout.view(gf._flat, "shared_len").data_ptr()
+    outputs = None
+    for step, (prompt_len, lengths) in enumerate([(70, [0, 0, 0]), (37, [5, 0, 12]), (1, [3, 30, 8]), (55, [0, 7, 2])]):
+        prefill(model, _prompt(prompt_len, step)[None], shared, impl="torch")
+        shared.lengths = [prompt_len]
+        cache.allocate_like(shared)  # as the engine: no allocation inside the (compiled) forward
+        trees = [_tree(n, 10 * step + b) for b in range(batch - 1)] + [_tree(4, 10 * step + 9)]
+        logits, _ = gf.run(trees, lengths)
+        outputs = logits if outputs is None else outputs
+        assert logits is outputs
+        got = logits.clone()
+        tokens = torch.zeros(batch, n, dtype=torch.int64)
+        parents = torch.zeros(batch, n, dtype=torch.int64)
+        for b, t in enumerate(trees):
+            tokens[b, : t.n], parents[b, : t.n] = t.tokens, t.parents
+        parents[:, 0] = -1
+        exact = KVCache(1, prompt_len, num_layers=layers)
+        prefill(model, _prompt(prompt_len, step)[None], exact, impl="torch")
+        exact.lengths = [prompt_len]
+        want = tree_forward(model, tokens, TreeMask.from_parents(parents), torch.tensor(lengths), cache, impl="torch",
+                            shared=exact)  # fmt: skip
+        for b, t in enumerate(trees):
+            torch.testing.assert_close(got[b, : t.n], want[b, : t.n], atol=5e-5, rtol=1e-4)
+    assert gf.calls == 4
+    assert counters["stats"]["unique_graphs"] - graphs_before == (1 if compile else 0)
+
+
+def test_graph_shared_prompt_length_is_checked_at_load():
+    model = _model("qwen2")
+    shared = KVCache(1, 8)
+    gf = GraphedForward(model, KVCache(2, 16), 2, 3, impl="torch", shared=shared)
+    shared.lengths = [9]
+    with pytest.raises(ValueError, match=r"shared: expected a prompt length 0 <= lengths\[0\] <= capacity 8, got 9"):
+        gf.load([_tree(3, 1), _tree(2, 2)], [0, 0])
+    with pytest.raises(ValueError, match=r"shared: expected a KVCache of batch size 1 .* got batch size 2"):
+        GraphedForward(model, KVCache(2, 16), 2, 3, impl="torch", shared=KVCache(2, 8))
 
 
 @pytest.mark.parametrize("family,hidden,compile", [("llama", False, False), ("qwen2", True, False), ("gemma3", False, False),
@@ -403,6 +478,48 @@ def test_cuda_graph_masked_forward_replay_equals_eager():
         assert graphed.captured
         torch.testing.assert_close(logits[:, :m], want[:, :m], atol=1e-5, rtol=1e-5)
     assert graphed.calls == 4
+
+
+@cuda_only
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_cuda_graph_over_a_shared_prompt_serves_every_length(impl):
+    """One capture of ``GraphedForward(shared=)``, replayed over prompts of several lengths prefilled
+    in turn into the same buffer: the eager replay's logits each time."""
+    model = _cuda_model("qwen2")
+    layers = model.config.num_hidden_layers
+    batch, n = 3, 17
+    shared, cache = KVCache(1, 100, num_layers=layers), KVCache(batch, 60, num_layers=layers)
+    prefill(model, _prompt(90, 0)[None].to("cuda"), shared, impl="torch")  # buffers exist before the capture
+    shared.lengths = [90]
+    graphed = GraphedForward(model, cache, batch, n, impl=impl, capture=True, shared=shared)
+    eager = GraphedForward(model, cache, batch, n, impl=impl, capture=False, shared=shared)
+    for step, (prompt_len, lengths) in enumerate([(90, [0, 0, 0]), (37, [5, 0, 12]), (1, [3, 30, 8]),
+                                                  (100, [0, 7, 2])]):  # fmt: skip
+        prefill(model, _prompt(prompt_len, step)[None].to("cuda"), shared, impl="torch")
+        shared.lengths = [prompt_len]
+        trees = [_tree(n, 10 * step + b) for b in range(batch - 1)] + [_tree(5, 10 * step + 9)]
+        want = eager.run(trees, lengths)[0].clone()
+        logits, _ = graphed.run(trees, lengths)
+        assert graphed.captured
+        for b, t in enumerate(trees):
+            torch.testing.assert_close(logits[b, : t.n], want[b, : t.n], atol=1e-5, rtol=1e-5)
+    assert graphed.calls == 4
+
+
+@cuda_only
+def test_cuda_graph_engine_shares_the_prompt_across_lengths():
+    """The default CUDA engine (static shapes, CUDA graphs) on a shared prompt: HF's greedy rows for two
+    prompt lengths of one bucket, through one captured forward."""
+    model = _cuda_model("qwen2")
+    dec = SpecDecoder(model, RandomTreeDrafter(seed=0), tree_size=8)
+    assert dec.static_shapes and dec.cuda_graphs and dec.shared_prefix
+    for length, seed in ((70, 1), (37, 2)):
+        prompt = _prompt(length, seed)
+        out = dec.generate(prompt, 20, num_return_sequences=3)
+        want = _hf_greedy_cuda(model, prompt, 20)
+        assert [out.sequences[b].tolist() for b in range(3)] == [want] * 3
+    (graphed,) = dec.shared_forwards.values()
+    assert graphed.captured and dict(dec.forwards) == {}
 
 
 @cuda_only

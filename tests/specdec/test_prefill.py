@@ -294,7 +294,8 @@ def test_release_drops_prefill_forwards():
 def test_warmup_builds_the_prefill_forward_and_generate_builds_nothing(built):
     dec = _decoder()
     messages: list[str] = []
-    report = dec.warmup(batch_sizes=(2, 1), max_len=60, log=messages.append)  # 60 + 6 slots -> up to 96
+    # 60 + 6 slots -> up to 96; batches of distinct prompts only: no forward over a shared prompt
+    report = dec.warmup(batch_sizes=(2, 1), max_len=60, shared=False, log=messages.append)
     n = TREE + 1
     assert sorted(built) == sorted([(b, c, w) for b in (1, 2) for c in (48, 96) for w in (n, W)])
     assert sorted(dec.prefill_forwards) == [(1, 48), (1, 96), (2, 48), (2, 96)]

@@ -56,12 +56,18 @@ def _unshared(model, prompt, suffixes, mask, tokens, num_layers, kv_len):
     return cache, logits
 
 
-def _shared(model, prompt, suffixes, mask, tokens, num_layers, kv_len, impl="torch"):
+def _shared(model, prompt, suffixes, mask, tokens, num_layers, kv_len, impl="torch", capacity=None):
     """The shared layout: the prompt once; each suffix written by a chain-shaped verification
-    forward over it (the way accepted tokens land after the prompt), then the trees."""
+    forward over it (the way accepted tokens land after the prompt), then the trees.
+
+    ``capacity``: the prompt in a ``KVCache(1, capacity)`` whose slots past it hold noise, its length
+    passed as a device tensor (``shared_len``: the fixed-capacity form a captured graph uses)."""
     n, t = tokens.shape
     longest = max(len(s) for s in suffixes)
-    shared = prefill_shared(model, prompt, num_layers=num_layers, impl="torch")
+    if capacity is None:
+        shared, shared_len = prefill_shared(model, prompt, num_layers=num_layers, impl="torch"), None
+    else:
+        shared, shared_len = _fixed_capacity_prompt(model, prompt, capacity, num_layers)
     cache = KVCache(n, longest + t, num_layers=num_layers)
     if longest:
         chain = torch.full((n, longest), 3, dtype=torch.int64)  # padding nodes land where the tree goes / unseen
@@ -69,11 +75,24 @@ def _shared(model, prompt, suffixes, mask, tokens, num_layers, kv_len, impl="tor
             chain[b, : len(s)] = s
         chain_mask = TreeMask.from_parents(torch.arange(-1, longest - 1).expand(n, longest))
         tree_forward(model, chain, chain_mask, torch.zeros(n, dtype=torch.int64), cache, kv_len=kv_len, impl=impl,
-                     shared=shared)
+                     shared=shared, shared_len=shared_len)
     cache.lengths = [len(s) for s in suffixes]
     logits = tree_forward(model, tokens, mask, torch.tensor(cache.lengths), cache, kv_len=kv_len, impl=impl,
-                          shared=shared)
+                          shared=shared, shared_len=shared_len)
     return shared, cache, logits
+
+
+def _fixed_capacity_prompt(model, prompt, capacity, num_layers):
+    """The prompt prefilled into slots ``[0, P)`` of a ``KVCache(1, capacity)``, large noise in the
+    slots after it (they must never be read), and P as an int64 ``[1]`` tensor."""
+    shared = KVCache(1, capacity, num_layers=num_layers)
+    prefill(model, prompt[None], shared, impl="torch")
+    shared.lengths = [len(prompt)]
+    gen = torch.Generator().manual_seed(capacity)
+    for layer in shared.layer_indices:
+        for buf in shared.buffers(layer):
+            buf[:, :, len(prompt):] = 50 * torch.randn(buf[:, :, len(prompt):].shape, generator=gen)
+    return shared, torch.tensor([len(prompt)])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
@@ -141,6 +160,76 @@ def test_shared_layout_through_triton_interpreter():
     torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("prompt_len, capacity", [(1, 9), (37, 70), (70, 70), (130, 131)])
+def test_fixed_capacity_prompt_with_device_length(impl, prompt_len, capacity):
+    """The prompt in a larger buffer (noise after it) with its length as a device tensor: the logits
+    of the unshared layout, the positions offset by that tensor."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        import treeattn.ops as ops
+
+        if not ops.interpreter_enabled():
+            pytest.skip("TRITON_INTERPRET=1 not set (tests/conftest.py sets it on CPU machines)")
+    model = _model("qwen2")
+    layers = model.config.num_hidden_layers
+    prompt, suffixes, mask, _, tokens = _case(3, prompt_len, 11, seed=prompt_len + capacity)
+    _, want = _unshared(model, prompt, suffixes, mask, tokens, layers, None)
+    _, _, got = _shared(model, prompt, suffixes, mask, tokens, layers, None, impl=impl, capacity=capacity)
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+
+
+def test_one_state_serves_prompts_of_any_length():
+    """One ``ForwardState`` over fixed tensors (as a captured graph holds them): only the device length
+    and the positions change between two prompts of different lengths in the same buffer."""
+    from specdec.hf import run_state
+
+    model = _model("llama")
+    layers = model.config.num_hidden_layers
+    shared, cache = KVCache(1, 80, num_layers=layers), KVCache(2, 16, num_layers=layers)
+    mask = TreeMask.from_parents(torch.tensor([[-1, 0, 1, 0], [-1, 0, 0, 2]]))
+    paths = [[0, 3], [0, 2, 3]]  # node 3's root path in each tree
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    prefix = torch.zeros(2, dtype=torch.int64)
+    shared_len, positions = torch.zeros(1, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64)
+    slots = torch.arange(4).expand(2, 4)
+    state = ForwardState(cache, slots, positions, tree_mask=mask, prefix_lens=prefix, impl="torch", shared=shared,
+                         shared_len=shared_len)
+    for prompt_len in (50, 13):
+        prompt = torch.arange(prompt_len) * 7 % 150 + 3
+        prefill(model, prompt[None], shared, impl="torch")  # over the longer prompt's KV: slots past 13 are stale
+        shared_len.fill_(prompt_len)
+        positions.copy_(mask.position_ids(prefix + prompt_len))
+        with torch.no_grad():
+            got = run_state(model, tokens, positions, state)
+            for b, path in enumerate(paths):
+                fresh = model(torch.cat([prompt, tokens[b, path]])[None]).logits[0, -1]
+                torch.testing.assert_close(got[b, 3], fresh, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_allocate_like_gives_the_buffers_a_first_write_would(stacked):
+    """The rows of a shared prompt write nothing before their first tree forward: ``allocate_like``
+    makes their buffers ahead of it (zeroed, stacked like a first write's), leaving existing ones."""
+    model = _model("qwen2")
+    layers = model.config.num_hidden_layers
+    shared = KVCache(1, 20, num_layers=layers if stacked else None)
+    prefill(model, torch.arange(3, 10)[None], shared, impl="torch")
+    rows, written = KVCache(3, 12, num_layers=layers if stacked else None), KVCache(3, 12, num_layers=layers)
+    rows.allocate_like(shared)
+    prefill(model, torch.arange(3, 9).expand(3, 6), written, impl="torch")
+    assert rows.layer_indices == shared.layer_indices == written.layer_indices
+    assert rows.nbytes == written.nbytes
+    for layer in rows.layer_indices:
+        for got, want in zip(rows.buffers(layer), written.buffers(layer)):
+            assert got.shape == want.shape and got.dtype == want.dtype and not got.any()
+    before = [t.data_ptr() for layer in rows.layer_indices for t in rows.buffers(layer)]
+    rows.allocate_like(shared)  # nothing new
+    assert [t.data_ptr() for layer in rows.layer_indices for t in rows.buffers(layer)] == before
+    if stacked:
+        assert rows.buffers(1)[0].data_ptr() == rows.buffers(0)[0].data_ptr() + rows.buffers(0)[0].nbytes
+
+
 def _tiny_state(shared, tree_mask=True, batch=2):
     cache = KVCache(batch, 8)
     slots = torch.arange(3).expand(batch, 3)
@@ -198,6 +287,36 @@ def test_shared_rejects_soft_capped_and_sliding_window_layers(family, match):
     mask = TreeMask.from_parents(torch.tensor([-1, 0, 0]).expand(2, 3))
     with pytest.raises(ValueError, match=match):
         tree_forward(model, torch.full((2, 3), 5), mask, torch.tensor([0, 2]), cache, impl="torch", shared=shared)
+
+
+def test_shared_len_needs_a_shared_prompt_and_an_int64_pair():
+    shared = KVCache(1, 5)
+    cache = KVCache(2, 8)
+    slots = torch.arange(3).expand(2, 3)
+    mask = TreeMask.from_parents(torch.tensor([-1, 0, 1]).expand(2, 3))
+    common = dict(tree_mask=mask, prefix_lens=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"shared_len: expected None without a shared prompt \(shared=None\)"):
+        ForwardState(cache, slots, slots, **common, shared_len=torch.zeros(1, dtype=torch.int64))
+    for bad, got in ((torch.zeros(1, dtype=torch.int32), r"torch.int32 \(1,\)"), (torch.zeros(2, dtype=torch.int64),
+                     r"torch.int64 \(2,\)"), (3, "int")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"shared_len: expected None or an int64 tensor of shape \[1\], "
+                                             rf"got {got}"):
+            ForwardState(cache, slots, slots, **common, shared=shared, shared_len=bad)
+
+
+def test_device_length_bounds_a_sliding_window_by_the_capacity():
+    """With the length on the device, only the buffer's capacity bounds the prompt on the host."""
+    model = _model("gemma3")
+    shared = KVCache(1, 5, num_layers=model.config.num_hidden_layers)
+    prefill(model, torch.arange(3, 5)[None], shared, impl="torch")
+    shared.lengths = [2]
+    mask = TreeMask.from_parents(torch.tensor([-1, 0]).expand(2, 2))
+    cache = KVCache(2, 2)
+    args = (model, torch.full((2, 2), 5), mask, torch.zeros(2, dtype=torch.int64), cache)
+    tree_forward(*args, impl="torch", shared=shared)  # 2 + 2 positions: inside the 6-position window
+    with pytest.raises(ValueError, match=r"shared: expected no sliding window shorter than the context \(5 shared \+ "
+                                         r"2 per-sequence slots\)"):
+        tree_forward(*args, impl="torch", shared=shared, shared_len=torch.tensor([2]))
 
 
 def test_prefill_shared_rejects_a_batch():

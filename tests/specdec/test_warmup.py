@@ -61,13 +61,15 @@ def _generate(dec: SpecDecoder, shapes: list[tuple[int, int]]):
 
 @pytest.fixture
 def built(monkeypatch):
-    """Every GraphedForward ((batch, capacity, n)) and KVCache ((batch, capacity)) the engine constructs."""
+    """Every GraphedForward ((batch, capacity, n), and the shared prompt's capacity for one over a
+    shared prompt) and KVCache ((batch, capacity)) the engine constructs."""
     made: dict[str, list[tuple[int, ...]]] = {"forwards": [], "caches": []}
 
     class CountedForward(engine.GraphedForward):
         def __init__(self, model, cache, batch, n, **kwargs):
             super().__init__(model, cache, batch, n, **kwargs)
-            made["forwards"].append((batch, cache.capacity, n))
+            shared = kwargs.get("shared")
+            made["forwards"].append((batch, cache.capacity, n) + (() if shared is None else (shared.capacity,)))
 
     class CountedCache(engine.KVCache):
         def __init__(self, batch_size, capacity, num_layers=None):
@@ -161,9 +163,11 @@ def test_warmup_builds_every_forward_and_generate_builds_none(built, compile):
     messages: list[str] = []
     report = dec.warmup(batch_sizes=(2, 1), max_len=80, log=messages.append)  # 80 + 8 slots -> up to 96
     want = [(1, 48, n), (1, 96, n), (2, 48, n), (2, 96, n)]
-    assert sorted(built["forwards"]) == want and sorted(built["caches"]) == [k[:2] for k in want]
-    assert sorted(dec.forwards) == want
+    shared = [(2, 48, n, 48), (2, 96, n, 96)]  # B = 2 over a prompt shared through the (1, S) cache
+    assert sorted(built["forwards"]) == sorted(want + shared) and sorted(built["caches"]) == [k[:2] for k in want]
+    assert sorted(dec.forwards) == want and sorted(dec.shared_forwards) == shared
     assert [(e.batch_size, e.capacity, e.n) for e in report.entries] == want
+    assert [e.shared_built for e in report.entries] == [False, False, True, True]
     for e in report.entries:
         assert e.built and e.seconds > 0 and 0 < e.prefill_s < e.seconds and 0 < e.first_run_s < e.seconds
         assert e.capture_s is None  # no CUDA graphs on CPU

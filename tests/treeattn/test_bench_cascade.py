@@ -52,6 +52,15 @@ def test_sdpa_lse_baseline_computes_cascade_attention():
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_device_len_inputs_pad_the_prefix_to_a_power_of_two():
+    _, x = _cell(P=40)
+    (q, ks, vs, k, v, sl, mask), shared_len = bench_cascade.device_len_inputs(x)
+    assert ks.shape == (2, 64, 32) and shared_len.tolist() == [40] and shared_len.dtype == torch.int64
+    assert torch.equal(ks[:, :40], x[1]) and not ks[:, 40:].any() and torch.equal(vs[:, :40], x[2])
+    assert bench_cascade.device_len_inputs(x, capacity=41)[0][1].shape == (2, 41, 32)
+    assert bench_cascade.device_len_inputs(_cell(P=64)[1])[0][1].shape == (2, 64, 32)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CLI runs the full benchmark")
 def test_cli_cascade_cpu_demo_writes_rows(tmp_path, capsys):
     out = tmp_path / "cascade.json"
@@ -60,4 +69,5 @@ def test_cli_cascade_cpu_demo_writes_rows(tmp_path, capsys):
     assert data["meta"]["args"]["cascade"] and data["meta"]["args"]["t"] == [16, 64]
     (row,) = data["rows"]
     assert row["err_torch"] < 1e-5 and row.get("err_triton", 0.0) < 1e-5
+    assert row["err_torch_dev"] < 1e-5 and row.get("err_triton_dev", 0.0) < 1e-5  # a 128-slot buffer, P = 100
     assert "prompt KV, Qwen2.5-1.5B" in capsys.readouterr().out
