@@ -194,6 +194,16 @@ class DrafterSpec:
         an engine option)."""
         return {k: v for k, v in self.options if k not in (DRAFT_OPTION, COMPILE_OPTION)}
 
+    def drafter_options(self) -> dict[str, Any]:
+        """``factory_options`` plus ``compile`` when the drafter's constructor takes it (the draft
+        model's forwards are compiled with the engine's forward)."""
+        from drafters import constructor_options
+
+        options = self.factory_options()
+        if self.compile and "compile" in constructor_options(self.name):
+            options["compile"] = self.compile
+        return options
+
     @classmethod
     def parse(cls, text: str, arg: str = "--drafters") -> DrafterSpec:
         return parse_drafter_spec(text, arg)

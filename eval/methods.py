@@ -458,11 +458,7 @@ class Session:
         return self._draft_models[name]
 
     def _make_drafter(self, spec: DrafterSpec, tree_size: int) -> Any:
-        from drafters import constructor_options
-
-        options = spec.factory_options()
-        if spec.compile and "compile" in constructor_options(spec.name):  # the draft model's forwards too
-            options["compile"] = spec.compile
+        options = spec.drafter_options()
         if spec.key not in self._heads:
             self._heads[spec.key] = _load_heads(spec, self.target)
         if self._heads[spec.key] is not None:

@@ -89,7 +89,6 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
 
     import drafters.eagle
-    from drafters import constructor_options
     from eval.config import parse_drafter_spec
     from eval.methods import build_drafter
     from specdec import SpecDecoder, hf
@@ -113,9 +112,7 @@ def main(argv=None) -> int:
     for item in ns.configs:
         label, _, text = item.partition("=")
         spec = parse_drafter_spec(text)
-        opts = spec.factory_options()
-        if spec.compile and "compile" in constructor_options(spec.name):  # the drafter's forwards too (as the sweep)
-            opts["compile"] = spec.compile
+        opts = spec.drafter_options()  # compile too, as the sweep
         if spec.draft is not None and spec.draft not in drafts:  # a draft model, loaded once
             drafts[spec.draft] = load_model(spec.draft, dtype=dtype, device=dev, progress=False)
         drafter = build_drafter(spec.name, target=target, draft=drafts.get(spec.draft), tokenizer=tokenizer,

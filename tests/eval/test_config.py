@@ -32,6 +32,11 @@ def test_parse_drafter_specs():
     # compile=true: an engine option, kept out of the factory's options
     comp = C.parse_drafter_spec("eagle:heads=/h,compile=true")
     assert comp.compile and comp.factory_options() == {"heads": "/h"} and not C.parse_drafter_spec("lookup").compile
+    # drafter_options: compile goes to a drafter whose constructor takes it (the draft model), not to the others
+    mc = C.parse_drafter_spec("model:draft=qwen2.5-coder-0.5b,depth=4,compile=true")
+    assert mc.drafter_options() == {"depth": 4, "compile": True}
+    assert C.parse_drafter_spec("lookup:compile=true").drafter_options() == {}
+    assert C.parse_drafter_spec("model:depth=4").drafter_options() == {"depth": 4}
 
 
 @pytest.mark.parametrize("text, match", [
