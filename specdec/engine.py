@@ -161,6 +161,9 @@ class GenerationOutput:
         prompt_lengths: per sequence, its prompt length.
         steps: per-step statistics.
         prefill_s: seconds in the target's prompt prefill (device synchronized).
+        shared_prompt: whether the call decoded on the shared layout (``num_return_sequences`` > 1 of
+            one prompt whose KV was kept once for all its sequences, see ``SpecDecoder``'s
+            ``shared_prefix``); False: every sequence held its own copy of its prompt's KV.
     """
 
     sequences: torch.Tensor
@@ -168,6 +171,7 @@ class GenerationOutput:
     prompt_lengths: tuple[int, ...]
     steps: list[StepStats] = field(default_factory=list)
     prefill_s: float = 0.0
+    shared_prompt: bool = False
 
     def new_tokens(self, seq: int = 0) -> torch.Tensor:
         """int64 ``[num_new]``: the tokens generated for sequence ``seq``."""
@@ -202,9 +206,16 @@ class GenerationOutput:
 class WarmupEntry:
     """One fixed-shape target forward made ready by ``SpecDecoder.warmup``.
 
+    An entry of the copy layout (``prompt_capacity`` None) is one (B, S): steps 1 to 3 of ``warmup``
+    over the ``[B, S]`` cache. An entry of a shared prompt (``prompt_capacity`` C, made by
+    ``warmup(new_tokens=...)``) is one (B, S, C): the tree forward of B rows of S slots over a prompt
+    shared through the batch-1 cache of C slots; its ``built`` / ``first_run_s`` / ``capture_s`` /
+    ``capture_warmup_s`` are False / None (it has no copy-layout forward), its ``prefill_*`` describe the
+    prompt's batch-1 prefill (into the C-slot cache) and its ``shared_*`` the forward over the prompt.
+
     Attributes:
         batch_size: B.
-        capacity: the cache's slots per sequence S.
+        capacity: the cache's slots per sequence S (with ``prompt_capacity``: the rows' cache).
         n: tree nodes per sequence (root included): ``tree_size + 1``.
         seconds: the whole entry (cache, prefill, the forward's first run and capture), device
             synchronized.
@@ -234,6 +245,9 @@ class WarmupEntry:
             run before or there is none.
         shared_capture_s: its CUDA-graph capture; None without CUDA graphs, if done before, or
             without that forward.
+        prompt_capacity: None: an entry of the copy layout (its shared forward, if any, reads a prompt
+            cache of S slots); C: an entry of a shared prompt, whose prompt cache has C slots (see
+            above).
     """
 
     batch_size: int
@@ -252,6 +266,7 @@ class WarmupEntry:
     shared_built: bool = False
     shared_first_run_s: float | None = None
     shared_capture_s: float | None = None
+    prompt_capacity: int | None = None
 
 
 @dataclass(frozen=True)
@@ -259,7 +274,9 @@ class WarmupReport:
     """What ``SpecDecoder.warmup`` did.
 
     Attributes:
-        entries: one per (batch size, capacity), in the order they were warmed.
+        entries: one per (batch size, capacity), in the order they were warmed; with ``new_tokens``,
+            also one per (batch size > 1, rows' capacity, prompt capacity) of a shared prompt
+            (``WarmupEntry.prompt_capacity`` set), after that batch size's copy-layout entries.
         drafter_s: seconds in the drafter's own ``warmup`` (0.0 if it has none).
         total_s: seconds of the whole call.
         compile_cache: the directory of torch.compile's on-disk caches (``compile`` with inductor),
@@ -743,7 +760,8 @@ class SpecDecoder:
         out = torch.full((batch, max(run.lens)), pad_token_id, dtype=torch.int64)
         for b, n in enumerate(run.lens):
             out[b, :n] = seqs[b, :n]
-        return GenerationOutput(out, tuple(run.lens), tuple(len(p) for p in prompts), steps, timer.seconds["prefill"])
+        return GenerationOutput(out, tuple(run.lens), tuple(len(p) for p in prompts), steps, timer.seconds["prefill"],
+                                shared_prompt=shared_caps is not None)  # fmt: skip
 
     def _shared_capacities(self, prompts: list[torch.Tensor], copies: int, max_new_tokens: int,
                            need: int) -> tuple[int, int] | None:  # fmt: skip
@@ -1092,7 +1110,8 @@ class SpecDecoder:
         max_len: int | None = None,
         *,
         min_len: int | None = None,
-        shared: bool = True,
+        shared: bool | str = True,
+        new_tokens: int | None = None,
         log: Callable[[str], None] | None = _stderr,
     ) -> WarmupReport:
         """Make every target forward that later ``generate`` calls will use, before timing them.
@@ -1114,10 +1133,20 @@ class SpecDecoder:
            serves over 2 S positions): the same for the rows of a shared prompt -- a 2-token dummy prompt is
            prefilled into the batch-1 cache of S slots (as step 1 for B = 1) and the fixed-shape
            tree forward over the ``[B, S]`` cache and that prompt cache (``shared_forwards``, one
-           per prompt-cache capacity, whatever the prompt's length) is made and run once. Only the
-           pairs whose prompt and rows get the same bucket are warmed (e.g. a 600-token prompt
-           with 512 new tokens: both 1024 by default); a call whose prompt needs another bucket
-           than its rows builds its forward on first use.
+           per prompt-cache capacity, whatever the prompt's length) is made and run once. Without
+           ``new_tokens`` only the pairs whose prompt and rows get the same bucket are warmed (e.g.
+           a 600-token prompt with 512 new tokens: both 1024 by default); a call whose prompt needs
+           another bucket than its rows builds its forward on first use. With ``new_tokens`` = N
+           (the calls to come pass ``max_new_tokens=N``), step 3 warms exactly the pairs those calls
+           use instead: for each B > 1, the rows' capacity S (the one picked for ``1 + N +
+           tree_size`` slots) with every prompt capacity C picked for ``P = prompt length - 1``
+           tokens, the prompts' lengths running from ``min_len - N`` (None: 2) to ``max_len - N``
+           (None: the target's context - N) -- one entry per (B, S, C) (``WarmupEntry.prompt_capacity``):
+           the ``[B, S]`` rows' cache, the batch-1 prompt cache of C slots with a 2-token dummy
+           prompt prefilled into it (through its ``[1, prefill_width]`` prefill forward when C >=
+           ``prefill_width``, as step 1 for B = 1), and the tree forward over both. Pairs whose
+           context (C + S) the cascade does not serve (``hf.shared_prefix_obstacle``) are skipped:
+           those calls use the copy layout.
 
         ``[B, tree_size + 1]`` and the prefill's ``[B, prefill_width]`` are the only forward shapes
         ``generate`` runs with static shapes (steps whose trees are all root-only, e.g. plain
@@ -1156,7 +1185,16 @@ class SpecDecoder:
             shared: also build, for each B > 1, the forward over a shared prompt (step 3: the calls
                 to come include ``num_return_sequences = B`` of one prompt); False: skip it
                 (batches of distinct prompts only: one forward, one capture / compile less per
-                bucket).
+                bucket). ``"only"`` (needs ``new_tokens``): every call of B > 1 sequences is
+                ``num_return_sequences = B`` of one prompt, so only step 3 runs for them: no
+                copy-layout ``[B, S]`` caches and forwards (which would take the memory the shared
+                layout saves). Batch size 1 is warmed as always; with ``shared_prefix`` off, B > 1
+                gets the copy layout as with True (what those calls will use).
+            new_tokens: the ``max_new_tokens`` of the calls to come (the same for all of them, as in
+                an evaluation); given, step 3 warms the (rows' capacity, prompt capacity) pairs of
+                those calls with prompts from ``min_len - new_tokens`` to ``max_len - new_tokens``
+                tokens (see above) instead of the equal-bucket pairs; must be < ``max_len``. None
+                (default): step 3 as without it.
             log: called with progress messages (default: print to stderr); None: silent.
 
         Returns:
@@ -1175,13 +1213,25 @@ class SpecDecoder:
         limit = hf.max_positions(self.target)
         if max_len is not None and limit is not None and max_len > limit:
             raise ValueError(f"max_len: expected at most the target's context of {limit} positions, got {max_len}")
-        if not isinstance(shared, bool):
-            raise ValueError(f"shared: expected True or False, got {shared!r}")
+        if not isinstance(shared, bool) and not (isinstance(shared, str) and shared == "only"):
+            raise ValueError(f"shared: expected True, False or 'only', got {shared!r}")
+        if new_tokens is not None and (not isinstance(new_tokens, int) or isinstance(new_tokens, bool)
+                                       or new_tokens < 1):  # fmt: skip
+            raise ValueError(f"new_tokens: expected None or an int >= 1 (the calls' max_new_tokens), got {new_tokens!r}")
+        if new_tokens is not None and max_len is not None and new_tokens >= max_len:
+            raise ValueError(f"new_tokens: expected less than max_len = {max_len} (prompts of at least one token), "
+                             f"got {new_tokens}")  # fmt: skip
+        if shared == "only" and new_tokens is None:
+            raise ValueError("shared: 'only' needs new_tokens (the calls' max_new_tokens, which sizes the rows' cache)")
         if log is not None and not callable(log):
             raise ValueError(f"log: expected a callable or None, got {type(log).__name__}")
         say = log or (lambda message: None)
         capacities = self._warm_capacities(max_len, min_len)
         batch_sizes = sorted(set(batch_sizes))
+        # step 3 with new_tokens: the rows' capacity and the prompt capacities of the calls to come
+        rows_cap, prompt_caps = None, []
+        if new_tokens is not None and shared and self.shared_prefix and any(b > 1 for b in batch_sizes):
+            rows_cap, prompt_caps = self._warm_shared_capacities(max_len, min_len, new_tokens)
         n = self.tree_size + 1
         cache_dir = None
         if uses_inductor(self.compile):
@@ -1195,12 +1245,17 @@ class SpecDecoder:
             say(f"specdec warmup: prompt prefill in chunks of {width} tokens, forwards [B, {width}] "
                 f"({'CUDA graphs' if self.cuda_graphs else 'fixed shapes, eager'}, not compiled) for caches of "
                 f">= {width} slots")  # fmt: skip
+        if prompt_caps:
+            say(f"specdec warmup: shared prompts: rows of {rows_cap} slots ({new_tokens} new tokens) over prompt "
+                f"caches of {prompt_caps} slots")  # fmt: skip
         start = time.perf_counter()
         entries = []
         for batch in batch_sizes:
-            for capacity in capacities:
+            # shared="only": every call of B > 1 sequences shares its prompt: no copy-layout caches
+            copies = batch == 1 or shared != "only" or not self.shared_prefix
+            for capacity in capacities if copies else ():
                 say(f"  B={batch} S={capacity} n={n} ...")
-                entry = self._warm_one(batch, capacity, n, shared)
+                entry = self._warm_one(batch, capacity, n, bool(shared) and new_tokens is None)
                 entries.append(entry)
                 parts = [f"{entry.seconds:.1f} s"]
                 if entry.first_run_s is not None and self.compile:
@@ -1217,6 +1272,20 @@ class SpecDecoder:
                 if self.static_shapes and not entry.built:
                     parts.append("already built")
                 say(f"  B={batch} S={capacity} n={n}: {', '.join(parts)}")
+            for prompt_cap in prompt_caps if batch > 1 else ():
+                say(f"  B={batch} S={rows_cap} n={n} shared prompt C={prompt_cap} ...")
+                entry = self._warm_shared(batch, rows_cap, n, prompt_cap)
+                entries.append(entry)
+                parts = [f"{entry.seconds:.1f} s"]
+                if entry.shared_first_run_s is not None and self.compile:
+                    parts.append(f"compile {entry.shared_first_run_s:.1f} s")
+                if entry.shared_capture_s is not None:
+                    parts.append(f"capture {entry.shared_capture_s:.1f} s")
+                if entry.prefill_capture_s is not None:
+                    parts.append(f"prompt prefill capture {entry.prefill_capture_s:.1f} s")
+                if self.static_shapes and not entry.shared_built:
+                    parts.append("already built")
+                say(f"  B={batch} S={rows_cap} n={n} shared prompt C={prompt_cap}: {', '.join(parts)}")
         drafter_s = 0.0
         drafter_warmup = getattr(self.drafter, "warmup", None)
         if callable(drafter_warmup):
@@ -1247,6 +1316,71 @@ class SpecDecoder:
             low = self._capacity(min_len + self.tree_size, "min_len", "min_len + tree_size")
             caps = [c for c in caps if c >= low]
         return caps
+
+    def _warm_shared_capacities(self, max_len: int | None, min_len: int | None,
+                                new_tokens: int) -> tuple[int, list[int]]:  # fmt: skip
+        """``(S, [C, ...])`` of calls with ``max_new_tokens = new_tokens`` over one shared prompt of
+        ``min_len - new_tokens`` (None: 2) to ``max_len - new_tokens`` (None: up to the target's context)
+        tokens: the rows' capacity and every prompt capacity, by ``generate``'s rule
+        (``_shared_capacities``); prompt capacities whose pair the cascade does not serve are left out."""
+        rows_cap = self._capacity(1 + new_tokens + self.tree_size, "new_tokens",
+                                  "1 + new_tokens + tree_size (a shared prompt's rows)")  # fmt: skip
+        what = "the shared prompt but its last token"
+        low = 1 if min_len is None else max(min_len - new_tokens - 1, 1)  # P = prompt length - 1
+        if max_len is not None:
+            high = max_len - new_tokens - 1
+            if high < 1:  # one-token prompts only: nothing to share
+                return rows_cap, []
+            top = self._capacity(high, "max_len", what)
+        else:
+            limit = hf.max_positions(self.target)
+            high = None if limit is None else max(limit - new_tokens - 1, 1)
+            top = None
+        if self.max_cache_len is not None:
+            caps = [self.max_cache_len]
+        elif self.cache_buckets is None:  # exact sizes (nothing kept): one prompt of the longest length
+            caps = [top if top is not None else (high or low)]
+        else:
+            least = self._capacity(low, "min_len", what)
+            caps = [c for c in self.cache_buckets if c >= least and (top is None or c <= top)]
+        served = [c for c in caps if hf.shared_prefix_obstacle(self.target, c + rows_cap) is None]
+        if len(served) < len(caps):
+            _log.info("specdec warmup: no shared-prompt forward over prompt caches of %s slots: the cascade does not "
+                      "serve their context (those calls keep a copy of the prompt per sequence)",
+                      sorted(set(caps) - set(served)))  # fmt: skip
+        return rows_cap, served
+
+    def _warm_shared(self, batch: int, rows_cap: int, n: int, prompt_cap: int) -> WarmupEntry:
+        """Step 3 of ``warmup`` for one pair: a 2-token dummy prompt prefilled into the batch-1 cache of
+        ``prompt_cap`` slots (through its prefill forward, if any), then the tree forward of ``batch``
+        rows of ``rows_cap`` slots over it run once (made and compiled / captured here if new)."""
+        shared_key = (batch, rows_cap, n, prompt_cap)
+        existing_shared = self._shared_graphs.get(shared_key)
+        existing_prefill = self._prefill_graphs.get((1, prompt_cap))
+        timer = _PhaseTimer(self._sync)
+        self._sync()
+        with timer("all"):
+            rows = self._cache_for(batch, rows_cap)
+            with timer("prefill"):
+                prompt_cache, _ = self._prefill_shared(torch.zeros(2, dtype=torch.int64), batch, prompt_cap)
+                rows.allocate_like(prompt_cache)  # as generate does: buffers before the first forward
+            chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
+            self._tree_forward(rows, [chain] * batch, prompt_cache)()
+            rows.reset()
+            prompt_cache.reset()
+        over_shared = self._shared_graphs.get(shared_key)  # None with dynamic shapes
+        shared_first = over_shared is not None and over_shared.calls == 1
+        pre = self._prefill_graphs.get((1, prompt_cap))  # None: the prompt is prefilled eagerly
+        pre_first = pre is not None and pre.calls == 1
+        return WarmupEntry(batch, rows_cap, n, timer.seconds["all"], timer.seconds["prefill"], None, None,
+                           built=False, prefill_n=None if pre is None else pre.n,
+                           prefill_first_run_s=pre.first_run_s if pre_first else None,
+                           prefill_capture_s=pre.capture_s if pre_first else None,
+                           prefill_built=pre is not None and pre is not existing_prefill,
+                           shared_built=over_shared is not None and over_shared is not existing_shared,
+                           shared_first_run_s=over_shared.first_run_s if shared_first else None,
+                           shared_capture_s=over_shared.capture_s if shared_first else None,
+                           prompt_capacity=prompt_cap)  # fmt: skip
 
     def _warm_one(self, batch: int, capacity: int, n: int, shared: bool = True) -> WarmupEntry:
         """Prefill a dummy prompt into the ``[batch, capacity]`` cache (through its prefill forward, if
