@@ -366,7 +366,7 @@ def test_static_warmup_builds_the_shared_forward(shared_calls, made_forwards):
     distinct = _static(LookupDrafter())  # batches of distinct prompts only: no forward over a shared prompt
     report = distinct.warmup(batch_sizes=(3,), max_len=60, shared=False, log=None)
     assert [e.shared_built for e in report.entries] == [False] and dict(distinct.shared_forwards) == {}
-    with pytest.raises(ValueError, match=r"shared: expected True or False, got 1"):
+    with pytest.raises(ValueError, match=r"shared: expected True, False or 'only', got 1"):
         distinct.warmup(shared=1, log=None)
 
 

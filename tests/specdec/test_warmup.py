@@ -239,6 +239,105 @@ def test_warmup_of_one_request_builds_only_its_bucket(built):
         dec.warmup(max_len=40, min_len=41, log=None)
 
 
+def _shared_generate(dec: SpecDecoder, length: int, seed: int, copies: int = 3):
+    """``num_return_sequences=copies`` of one prompt; every row checked against HF greedy."""
+    ref = list(_ref(length, seed))
+    dec.drafter.references = [ref] * copies
+    out = dec.generate(_prompt(length, seed), NEW, num_return_sequences=copies)
+    assert out.shared_prompt
+    assert [out.sequences[b, : out.lengths[b]].tolist() for b in range(copies)] == [ref] * copies
+    return out
+
+
+def test_warmup_with_new_tokens_builds_every_shared_pair(built):
+    """``new_tokens``: the rows of a shared prompt get the bucket of 1 + NEW + TREE = 29 slots (48),
+    each prompt the bucket of its P = length - 1 tokens (48, 96, 192 for prompts of 30 .. 120 tokens):
+    every such pair's forward, the batch-1 prompt caches and their fixed-shape prefill forwards are
+    built by the warm-up; calls with prompts in three buckets then build nothing."""
+    dec = _decoder(prefill_width=32)
+    n = TREE + 1
+    messages: list[str] = []
+    report = dec.warmup(batch_sizes=(1, 3), max_len=120 + NEW, min_len=30 + NEW, new_tokens=NEW, log=messages.append)
+    copy = [(1, 96, n), (1, 192, n), (3, 96, n), (3, 192, n)]  # the copy layout's buckets of min_len .. max_len
+    pairs = [(3, 48, n, 48), (3, 48, n, 96), (3, 48, n, 192)]
+    assert sorted(dec.forwards) == copy and sorted(dec.shared_forwards) == pairs
+    assert sorted(dec.prefill_forwards) == [(1, 48), (1, 96), (1, 192), (3, 96), (3, 192)]
+    assert sorted(dec.caches) == [(1, 48), (1, 96), (1, 192), (3, 48), (3, 96), (3, 192)]
+    got = [(e.batch_size, e.capacity, e.prompt_capacity) for e in report.entries]
+    assert got == [(1, 96, None), (1, 192, None), (3, 96, None), (3, 192, None), (3, 48, 48), (3, 48, 96), (3, 48, 192)]
+    for e in report.entries[:4]:  # the copy layout: no equal-bucket shared forward with new_tokens
+        assert e.built and not e.shared_built and e.shared_first_run_s is None and e.first_run_s > 0
+    for e in report.entries[4:]:
+        assert not e.built and e.first_run_s is None and e.capture_s is None and e.capture_warmup_s is None
+        assert e.shared_built and 0 < e.shared_first_run_s < e.seconds and e.shared_capture_s is None
+        assert e.prefill_n == 32 and 0 < e.prefill_s < e.seconds
+    # the (1, 48) prompt cache's prefill forward is new here; those of 96 and 192 came with B = 1
+    assert [(e.prefill_built, e.prefill_first_run_s is not None) for e in report.entries[4:]] == [
+        (True, True), (False, False), (False, False)]
+    text = "\n".join(messages)
+    assert "shared prompts: rows of 48 slots (20 new tokens) over prompt caches of [48, 96, 192] slots" in text
+    assert "B=3 S=48 n=9 shared prompt C=96: " in text
+    kept = (dict(dec.forwards), dict(dec.shared_forwards), dict(dec.prefill_forwards), dict(dec.caches))
+    built["forwards"].clear()
+    built["caches"].clear()
+    for length, seed in ((30, 1), (70, 2), (120, 3), (45, 4)):  # prompt caches of 48, 96, 192, 48
+        _shared_generate(dec, length, seed)
+    assert built["forwards"] == [] and built["caches"] == []
+    assert (dict(dec.forwards), dict(dec.shared_forwards), dict(dec.prefill_forwards), dict(dec.caches)) == kept
+    assert all(dec.shared_forwards[p].calls > 1 for p in pairs)
+    again = dec.warmup(batch_sizes=(3,), max_len=120 + NEW, min_len=30 + NEW, new_tokens=NEW, log=None)
+    assert [e.shared_built or e.built or e.prefill_built for e in again.entries] == [False] * 5
+    assert built["forwards"] == [] and built["caches"] == []
+
+
+def test_warmup_shared_only_skips_the_copy_layout_of_several_rows(built):
+    """``shared="only"``: batches of several rows are all samples of one prompt: no ``[3, S]`` caches
+    or forwards of the copy layout (the memory the shared layout saves); batch size 1 as always. Two
+    calls with prompts in two buckets build nothing; the default (no ``new_tokens``) is unchanged."""
+    dec = _decoder(prefill_width=32)
+    n = TREE + 1
+    report = dec.warmup(batch_sizes=(3,), max_len=70 + NEW, new_tokens=NEW, shared="only", log=None)
+    assert [(e.batch_size, e.capacity, e.prompt_capacity) for e in report.entries] == [(3, 48, 48), (3, 48, 96)]
+    assert dict(dec.forwards) == {} and sorted(dec.shared_forwards) == [(3, 48, n, 48), (3, 48, n, 96)]
+    assert sorted(dec.caches) == [(1, 48), (1, 96), (3, 48)]  # no (3, 96): the rows' cache only
+    assert sorted(dec.prefill_forwards) == [(1, 48), (1, 96)]
+    assert [e.prefill_built for e in report.entries] == [True, True]
+    built["forwards"].clear()
+    built["caches"].clear()
+    for length, seed in ((25, 5), (70, 6)):  # P = 24 -> 48; P = 69 -> 96
+        out = _shared_generate(dec, length, seed)
+        assert out.prefill_s > 0
+    assert built["forwards"] == [] and built["caches"] == []
+    # batch size 1 too, and a tighter range: min_len skips the smaller prompt bucket
+    one = _decoder(prefill_width=32)
+    report = one.warmup(batch_sizes=(1, 3), max_len=60 + NEW, min_len=50 + NEW, new_tokens=NEW, shared="only",
+                        log=None)  # fmt: skip
+    assert [(e.batch_size, e.capacity, e.prompt_capacity) for e in report.entries] == [(1, 96, None), (3, 48, 96)]
+    assert report.entries[1].prefill_built is False  # B = 1 made the (1, 96) prefill forward
+    # the copy layout when shared_prefix is off: what those calls use
+    off = _decoder(prefill_width=32, shared_prefix=False)
+    report = off.warmup(batch_sizes=(3,), max_len=40 + NEW, new_tokens=NEW, shared="only", log=None)
+    assert [(e.batch_size, e.capacity, e.prompt_capacity) for e in report.entries] == [(3, 48, None), (3, 96, None)]
+    assert dict(off.shared_forwards) == {}
+    # one-token prompts only (max_len = new_tokens + 1): nothing to share
+    assert _decoder().warmup(batch_sizes=(3,), max_len=NEW + 1, new_tokens=NEW, shared="only", log=None).entries == ()
+    with pytest.raises(ValueError, match=r"new_tokens: expected None or an int >= 1 \(the calls' max_new_tokens\), "
+                                         r"got 0"):  # fmt: skip
+        dec.warmup(new_tokens=0, log=None)
+    with pytest.raises(ValueError, match=r"new_tokens: expected None or an int >= 1"):
+        dec.warmup(new_tokens=True, log=None)
+    with pytest.raises(ValueError, match=r"new_tokens: expected less than max_len = 40 \(prompts of at least one "
+                                         r"token\), got 40"):  # fmt: skip
+        dec.warmup(max_len=40, new_tokens=40, log=None)
+    with pytest.raises(ValueError, match=r"shared: 'only' needs new_tokens"):
+        dec.warmup(shared="only", log=None)
+    with pytest.raises(ValueError, match=r"shared: expected True, False or 'only', got 'all'"):
+        dec.warmup(shared="all", log=None)
+    with pytest.raises(ValueError, match=r"new_tokens: 1 \+ new_tokens \+ tree_size \(a shared prompt's rows\) needs "
+                                         r"209 cache slots per sequence, the largest of cache_buckets is 192"):  # fmt: skip
+        dec.warmup(batch_sizes=(3,), new_tokens=200, log=None)
+
+
 def test_warmup_calls_the_drafters_warmup():
     class WarmDrafter(RandomTreeDrafter):
         def __init__(self):
