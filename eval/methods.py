@@ -20,7 +20,9 @@ model (``draft=``) and Medusa / EAGLE heads (``heads=DIR``) are loaded once per 
 With ``cfg.samples`` = n > 1 every call makes n completions of its prompt at once
 (``num_return_sequences=n``: a batch of n sequences, ``MethodOutput.samples``) and records no
 emission times (a batch's tokens are not one stream); ``hf-assisted`` and ``hf-lookup`` cannot
-(HF assisted generation returns one sequence per call; ``Method.multi_sample``).
+(HF assisted generation returns one sequence per call; ``Method.multi_sample``). The engine then
+keeps the prompt's KV once for its n sequences (the shared layout, ``SpecDecoder``'s
+``shared_prefix``; see :meth:`Session.decoder`), and each such record says so (``shared_prompt``).
 """
 
 from __future__ import annotations
@@ -168,6 +170,8 @@ class MethodOutput:
         emit_n: tokens made visible at each ``emit_t`` (``eval.latency``).
         samples: with ``cfg.samples`` = n > 1, the n completions' new tokens (cut as ``token_ids``),
             in ``num_return_sequences`` order; None for a single completion.
+        shared_prompt: engine methods with ``samples``: whether the call kept its prompt's KV once
+            for the n sequences (``GenerationOutput.shared_prompt``); None otherwise.
     """
 
     token_ids: list[int]
@@ -178,6 +182,7 @@ class MethodOutput:
     emit_t: list[float] | None = None
     emit_n: list[int] | None = None
     samples: list[list[int]] | None = None
+    shared_prompt: bool | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -347,6 +352,8 @@ class Session:
         drafter_factory: ``factory(spec, target=, draft=, tokenizer=, tree_size=, device=, dtype=,
             **options)`` -> drafter (default: :func:`build_drafter` with ``spec.name``).
         max_cache_len: longest prompt + ``max_new_tokens`` (the caches' capacity).
+        min_len: shortest prompt + ``max_new_tokens`` (where the warm-up of a run with several samples
+            starts); None: unknown (the warm-up covers every prompt length up to ``max_cache_len``).
         load_model: ``load_model(name)`` -> model, for drafters that name a draft model of their own
             (default: ``specdec.models.load_model`` with the run's dtype / device / home).
 
@@ -357,7 +364,7 @@ class Session:
 
     def __init__(self, cfg: EvalConfig, target: Any, tokenizer: Any, draft: Any = None,
                  drafter_factory: Callable[..., Any] | None = None, max_cache_len: int = 0,
-                 load_model: Callable[[str], Any] | None = None) -> None:  # fmt: skip
+                 load_model: Callable[[str], Any] | None = None, min_len: int | None = None) -> None:  # fmt: skip
         import torch
 
         self.cfg = cfg
@@ -366,6 +373,7 @@ class Session:
         self.draft = draft
         self.drafter_factory = drafter_factory
         self.max_cache_len = max_cache_len
+        self.min_len = min_len
         self.device = torch.device(cfg.resolved_device())
         self.eos = _eos_ids(target, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -476,8 +484,34 @@ class Session:
             raise ValueError("drafters: the 'specdec' method needs a drafter (--drafters NAME ...)")
         return (self.drafter.key, tree_size)
 
+    def _cache_options(self, tree: int) -> dict[str, Any]:
+        """``SpecDecoder``'s KV-cache options for an engine of ``tree`` nodes per step besides the root.
+
+        One sample per call: ``max_cache_len`` = longest prompt + ``max_new_tokens`` + tree, one
+        capacity for every call. ``samples`` = n > 1: the shared layout -- the prompt's KV once in a
+        batch-1 cache, the n rows' cache holding only ``1 + max_new_tokens + tree`` slots -- so the
+        engine gets two cache buckets instead: that row size, and ``max_cache_len + tree`` (every
+        prompt, and every call of the copy layout, fits it; a prompt of at most the row size gets the
+        row bucket). ``shared_prefix=True`` where the target's attention allows it
+        (``hf.shared_prefix_obstacle`` over both buckets), so that static shapes (``compile``, and
+        the default on CUDA, where ``shared_prefix`` is otherwise opt-in) use the shared layout too;
+        else False (each row a copy of the prompt's KV, as before).
+        """
+        top = self.max_cache_len + tree
+        if self.samples == 1:
+            return {"max_cache_len": top}
+        from specdec import hf
+
+        rows = 1 + self.cfg.max_new_tokens + tree  # not self.max_new_tokens: lowered while warming up
+        top = max(top, rows)
+        obstacle = hf.shared_prefix_obstacle(self.target, top + rows)
+        return {"cache_buckets": (rows, top), "shared_prefix": obstacle is None}
+
     def decoder(self, tree_size: int | None):
-        """The engine for the current drafter at ``tree_size`` (None: no drafter), built on first use."""
+        """The engine for the current drafter at ``tree_size`` (None: no drafter), built on first use.
+
+        Its caches: see :meth:`_cache_options` (with ``samples`` > 1, the shared prompt's small row
+        cache and ``shared_prefix=True``, also with static shapes on CUDA)."""
         from specdec import SpecDecoder
 
         slot = self._slot(tree_size)
@@ -487,15 +521,18 @@ class Session:
                 drafter = self._recorders[slot] = RecordingDrafter(self._make_drafter(self.drafter, tree_size))
             comp = self.cfg.compile or (tree_size is not None and self.drafter.compile)
             self._decoders[slot] = SpecDecoder(
-                self.target, drafter, tree_size or 0, max_cache_len=self.max_cache_len + (tree_size or 0),
-                attn_impl=self.cfg.attn_impl, static_shapes=True if comp else None, compile=comp,
+                self.target, drafter, tree_size or 0, attn_impl=self.cfg.attn_impl,
+                static_shapes=True if comp else None, compile=comp, **self._cache_options(tree_size or 0),
             )  # fmt: skip
         return self._decoders[slot]
 
     def prepare(self, method: Method, tree_size: int | None, warm: bool) -> tuple[float, float]:
         """Build what ``method`` needs at ``tree_size`` (engine methods: drafter and decoder) and, with
         ``warm``, run the engine's declared warm-up (``SpecDecoder.warmup``: every forward the run's
-        prompts will use, compiled / captured). Returns (seconds building, seconds warming up)."""
+        prompts will use, compiled / captured; with ``samples`` > 1, ``new_tokens=max_new_tokens`` and
+        ``shared="only"``: every (rows' cache, prompt cache) pair of the shared prompts from
+        ``min_len`` to ``max_cache_len``, and no copy-layout caches of n rows). Returns (seconds
+        building, seconds warming up)."""
         if not method.engine:
             return 0.0, 0.0
         t0 = time.perf_counter()
@@ -506,7 +543,13 @@ class Session:
         if warm and callable(warmup):
             self._sync()
             t0 = time.perf_counter()
-            warmup(batch_sizes=(self.samples,), max_len=max(self.max_cache_len, 2), log=None)
+            max_len = max(self.max_cache_len, 2)
+            if self.samples > 1 and max_len > self.cfg.max_new_tokens:
+                min_len = None if self.min_len is None else min(max(self.min_len, 2), max_len)
+                warmup(batch_sizes=(self.samples,), max_len=max_len, min_len=min_len,
+                       new_tokens=self.cfg.max_new_tokens, shared="only", log=None)  # fmt: skip
+            else:
+                warmup(batch_sizes=(self.samples,), max_len=max_len, log=None)
             self._sync()
             prep_s = time.perf_counter() - t0
         return load_s, prep_s
@@ -567,5 +610,6 @@ class Session:
             steps["depth"] = [0] * len(out.steps)
         rows = [self._finish(out.new_tokens(b).tolist()) for b in range(self.samples)]
         if self.samples > 1:
-            return MethodOutput(rows[0], wall, steps, trees, out.prefill_s, samples=rows)
+            return MethodOutput(rows[0], wall, steps, trees, out.prefill_s, samples=rows,
+                                shared_prompt=bool(getattr(out, "shared_prompt", False)))  # fmt: skip
         return MethodOutput(rows[0], wall, steps, trees, out.prefill_s, emit_t=clock.t, emit_n=clock.n)

@@ -13,7 +13,9 @@ where n-token and 1-token forwards round differently, the agreement and first di
 With ``cfg.samples`` = n > 1 (sampling only) each record holds n completions of its prompt made by
 one batched call (``num_return_sequences=n``): ``num_samples``, ``sample_token_ids``,
 ``sample_texts``, ``sample_new_tokens`` in place of ``token_ids`` / ``text``; ``new_tokens`` is
-their total, ``wall_s`` the call's, so ``tokens_per_s`` is the batch's aggregate rate. Methods that
+their total, ``wall_s`` the call's, so ``tokens_per_s`` is the batch's aggregate rate. Engine records
+add ``shared_prompt``: whether the call kept the prompt's KV once for its n sequences (the shared
+layout, ``eval.methods.Session.decoder``) rather than a copy per sequence. Methods that
 cannot batch samples (``Method.multi_sample``: ``hf-assisted``, ``hf-lookup``) are skipped.
 ``eval.passk`` checks every sample (pass@k).
 
@@ -159,6 +161,8 @@ def _result_fields(res: MethodOutput, tokenizer: Any) -> dict[str, Any]:
         fields["tree_samples"] = res.tree_samples
     if res.prefill_s is not None:
         fields["prefill_s"] = res.prefill_s
+    if res.shared_prompt is not None:
+        fields["shared_prompt"] = res.shared_prompt
     if res.emit_t is not None and res.emit_n is not None:
         fields.update(emit_t=list(res.emit_t), emit_n=list(res.emit_n))
     return fields
@@ -297,7 +301,8 @@ def run_eval(
         problems = pad_problems(problems, pool, tokenizer, cfg.pad_prompt_to)
     prompts = [prompt_ids(p, tokenizer) for p in problems]
     max_cache_len = max(len(p) for p in prompts) + cfg.max_new_tokens
-    session = Session(cfg, target, tokenizer, draft, drafter_factory, max_cache_len=max_cache_len)
+    min_len = min(len(p) for p in prompts) + cfg.max_new_tokens
+    session = Session(cfg, target, tokenizer, draft, drafter_factory, max_cache_len=max_cache_len, min_len=min_len)
     strict = cfg.greedy and dtype_name == "fp32"
     result = EvalResult(records=list(previous), warmups=list(prev_warmups), strict=strict,
                         model_shape=_model_shape(target))  # fmt: skip
