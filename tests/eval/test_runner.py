@@ -4,6 +4,7 @@ once per problem), interruption and resume, stalls, and the ``specdec eval`` / `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -686,6 +687,87 @@ def test_sweep_with_samples_batches_each_method_and_resumes(pair, tmp_path, caps
     at = argv.index("--samples")
     assert cli.main([*argv[:at], *argv[at + 2 :], "--methods", "hf", "--problems", "1"]) == 0
     assert "token_ids" in _lines(out)[-1] and "num_samples" not in _lines(out)[-1]
+
+
+def _recording_decoders(monkeypatch, made: list, **force):
+    """Record every ``SpecDecoder`` the session builds (its keyword arguments, then ``force`` applied)."""
+    import specdec
+
+    real = specdec.SpecDecoder
+
+    def recording(*args, **kwargs):
+        kwargs.update(force)
+        dec = real(*args, **kwargs)
+        made.append((kwargs, dec))
+        return dec
+
+    monkeypatch.setattr(specdec, "SpecDecoder", recording)
+
+
+def test_samples_run_on_the_shared_layout_and_match_the_copy_layout(pair, loaded, tmp_path, monkeypatch):
+    """``--samples 3``: the engine keeps each prompt's KV once (``shared_prefix=True``; its rows' cache
+    has the small bucket of 1 + NEW + t slots), its warm-up builds every cache the timed calls use, and
+    its samples are, per problem, the tokens of the copy layout (``shared_prefix=False``) under the
+    same seeds; each record says which layout it used."""
+    t = 4
+    shared_made: list = []
+    _recording_decoders(monkeypatch, shared_made)
+    cfg = _cfg(pair, tmp_path / "s.jsonl", methods=("specdec",), tree_sizes=(t,), temperature=0.8, samples=3,
+               problems=2, warmup=1)  # fmt: skip
+    shared = runner.run_eval(cfg, models=loaded)
+    assert not shared.failed
+    (kwargs, dec), = shared_made
+    prompt_lens = sorted({r["prompt_len"] for r in shared.records})
+    top = max(prompt_lens) + NEW + t
+    assert kwargs["shared_prefix"] is True and kwargs["cache_buckets"] == (1 + NEW + t, top)
+    assert "max_cache_len" not in kwargs and dec.shared_prefix
+    assert sorted(dec.caches) == [(1, top), (3, 1 + NEW + t)]  # the prompt once; the rows: 15 slots, not `top`
+    assert all(r["shared_prompt"] is True and r["num_samples"] == 3 for r in shared.records)
+    copy_made: list = []
+    _recording_decoders(monkeypatch, copy_made, shared_prefix=False)
+    copy = runner.run_eval(dataclasses.replace(cfg, out=str(tmp_path / "c.jsonl")), models=loaded)
+    (_, copy_dec), = copy_made
+    assert not copy.failed and (3, top) in copy_dec.caches
+    by_problem = {r["problem_id"]: r for r in copy.records}
+    assert len(by_problem) == 2
+    for r in shared.records:
+        other = by_problem[r["problem_id"]]
+        assert other["shared_prompt"] is False
+        assert r["sample_token_ids"] == other["sample_token_ids"] and r["sample_new_tokens"] == other["sample_new_tokens"]
+    assert len({tuple(s) for r in shared.records for s in r["sample_token_ids"]}) > 3  # samples differ
+
+
+def test_shared_layout_greedy_rows_equal_the_single_sample_engine(pair, loaded, tmp_path, monkeypatch):
+    """Greedy (a session set to 3 samples directly: the configuration refuses greedy samples): the shared
+    layout's three rows are the single-sample engine's greedy tokens; a single-sample session keeps
+    ``max_cache_len`` (unchanged) and records no ``shared_prompt``."""
+    import torch
+
+    from eval.methods import Session
+
+    made: list = []
+    _recording_decoders(monkeypatch, made)
+    target, tok, draft = loaded
+    cfg = _cfg(pair, tmp_path / "g.jsonl", tree_sizes=(4,))
+    one = Session(cfg, target, tok, draft, drafter_factory=lambda spec, **kw: tiny.make_drafter(kw["draft"], 4),
+                  max_cache_len=40 + NEW, min_len=20 + NEW)  # fmt: skip
+    many = Session(cfg, target, tok, draft, drafter_factory=lambda spec, **kw: tiny.make_drafter(kw["draft"], 4),
+                   max_cache_len=40 + NEW, min_len=20 + NEW)  # fmt: skip
+    many.samples = 3
+    for session in (one, many):
+        session.drafter = cfg.drafters[0]
+        session.prepare(M.METHODS["specdec"], 4, warm=True)
+    assert made[0][0]["max_cache_len"] == 40 + NEW + 4 and "shared_prefix" not in made[0][0]
+    assert made[1][0]["cache_buckets"] == (1 + NEW + 4, 40 + NEW + 4) and made[1][0]["shared_prefix"] is True
+    warmed = (dict(made[1][1].shared_forwards), dict(made[1][1].caches))
+    gen = torch.Generator().manual_seed(0)
+    for length in (20, 33, 40):
+        prompt = torch.randint(5, tiny.VOCAB, (1, length), generator=gen)
+        single = one.speculative(prompt, 4)
+        res = many.speculative(prompt, 4)
+        assert single.samples is None and single.shared_prompt is None
+        assert res.shared_prompt is True and res.samples == [single.token_ids] * 3
+    assert (dict(made[1][1].shared_forwards), dict(made[1][1].caches)) == warmed  # nothing new after the warm-up
 
 
 def test_checker_hook_checks_every_sample(pair, loaded, tmp_path):
