@@ -1159,10 +1159,14 @@ class SpecDecoder:
         caches without ``max_cache_len`` or ``cache_buckets``): the warm-up runs the prefill and one
         tree forward per (B, S), which compiles the kernels those use first, and, for B > 1 with
         ``shared_prefix`` on, one tree forward over a 1-token shared prompt (the cascade
-        attention's first use). The cache buckets warmed are those of the copy layout; a shared
-        prompt's rows use the bucket of ``1 + max_new_tokens + tree_size`` slots, one of them unless
-        ``min_len`` skipped it (then that cache -- and with static shapes its forward -- is made by
-        the call).
+        attention's first use). Without ``new_tokens`` the cache buckets warmed are those of the
+        copy layout; a shared prompt's rows use the bucket of ``1 + max_new_tokens + tree_size``
+        slots, one of them unless ``min_len`` skipped it (then that cache -- and with static shapes
+        its forward -- is made by the call). With ``new_tokens``, step 3 warms the rows' bucket and
+        every prompt bucket of the calls to come, so ``generate(num_return_sequences=B)`` of any
+        prompt of ``min_len - new_tokens`` to ``max_len - new_tokens`` tokens makes nothing new
+        (e.g. an evaluation drawing 16 samples per prompt: ``warmup(batch_sizes=(16,),
+        max_len=longest + N, min_len=shortest + N, new_tokens=N, shared="only")``).
 
         Memory: every warmed cache stays allocated (see the class docstring), e.g. all six default
         buckets of Qwen2.5-1.5B in bf16 take 1.7 GiB per sequence of batch size.
