@@ -290,6 +290,20 @@ def test_warmup_with_new_tokens_builds_every_shared_pair(built):
     assert built["forwards"] == [] and built["caches"] == []
 
 
+def test_compiled_warmup_with_new_tokens_leaves_nothing_to_compile(built):
+    """``compile`` (aot_eager): each shared pair's forward is traced by the warm-up, once; calls with
+    prompts in both prompt buckets trace nothing more."""
+    dec = _decoder("aot_eager", prefill_width=32)
+    report = dec.warmup(batch_sizes=(3,), max_len=70 + NEW, new_tokens=NEW, shared="only", log=None)
+    assert [(e.prompt_capacity, e.shared_built, e.shared_first_run_s > 0) for e in report.entries] == [
+        (48, True, True), (96, True, True)]
+    built["forwards"].clear()
+    graphs_before = counters["stats"]["unique_graphs"]
+    for length, seed in ((25, 5), (70, 6)):
+        _shared_generate(dec, length, seed)
+    assert built["forwards"] == [] and counters["stats"]["unique_graphs"] == graphs_before
+
+
 def test_warmup_shared_only_skips_the_copy_layout_of_several_rows(built):
     """``shared="only"``: batches of several rows are all samples of one prompt: no ``[3, S]`` caches
     or forwards of the copy layout (the memory the shared layout saves); batch size 1 as always. Two
