@@ -53,6 +53,12 @@ def parse_exercise(answer: str) -> str | None:
     answer when there is none) cut after the docstring of its first top-level function, its
     imports kept; None when that code does not parse, has no top-level function, or the
     function has no docstring."""
+    parsed = _parse(answer)
+    return None if parsed is None else parsed[0]
+
+
+def _parse(answer: str) -> tuple[str, str] | None:
+    """``(stub, function name)`` of ``parse_exercise``, or None."""
     m = _FENCE.search(answer)
     code = (m.group(1) if m else answer).replace("\r", "").strip("\n")
     try:
@@ -69,7 +75,7 @@ def parse_exercise(answer: str) -> str | None:
                 return None
             doc = node.body[0]
             stub = lines[node.lineno - 1 - len(node.decorator_list) : doc.end_lineno]
-            return "\n".join(imports + (["", ""] if imports else []) + stub) + "\n"
+            return "\n".join(imports + (["", ""] if imports else []) + stub) + "\n", node.name
     return None
 
 
@@ -90,13 +96,6 @@ def humaneval_names() -> frozenset[str] | None:
         return frozenset(p.entry_point for p in load_humaneval())
     except ValueError:
         return None
-
-
-def _name(stub: str) -> str:
-    for node in ast.parse(stub).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return node.name
-    raise AssertionError("a parsed stub has a function")
 
 
 @dataclass(frozen=True)
@@ -133,12 +132,14 @@ def select_exercises(answers: Iterable[str], exclude: Sequence[str] | frozenset[
     written = unparsed = duplicate = excluded = 0
     for answer in answers:
         written += 1
-        stub = parse_exercise(answer)
-        if stub is None:
+        parsed = _parse(answer)
+        if parsed is None:
             unparsed += 1
-        elif stub in seen:
+            continue
+        stub, name = parsed
+        if stub in seen:
             duplicate += 1
-        elif _name(stub) in names:
+        elif name in names:
             excluded += 1
         else:
             seen.add(stub)
