@@ -1406,10 +1406,7 @@ class SpecDecoder:
             cache.reset()
             context = 2 * capacity if self.static_shapes else capacity + 1  # what the call's obstacle check sees
             if shared and self.shared_prefix and batch > 1 and hf.shared_prefix_obstacle(self.target, context) is None:
-                prompt_cache, _ = self._prefill_shared(torch.zeros(2, dtype=torch.int64), batch, capacity)
-                self._tree_forward(cache, [chain] * batch, prompt_cache)()
-                cache.reset()
-                prompt_cache.reset()
+                self._warm_shared(batch, capacity, n, capacity)  # its fields are read below, with the others
         graphed = self._graphs.get(key)  # None with dynamic shapes
         first = graphed is not None and graphed.calls == 1  # this was its first run: timings are ours
         pre = self._prefill_graphs.get((batch, capacity))  # None: an eager prefill
