@@ -257,8 +257,8 @@ def compile_fixed_shapes(fn, backend: bool | str):
     cached on disk like the rest), or another backend name. Every caller compiles its code object for
     its own shapes and buffers; dynamo's default of 8 variants per code object would silently leave
     later ones uncompiled (e.g. a sweep over tree sizes, batch sizes and cache capacities), so the
-    limit is raised. (Inductor's weight freezing, which concatenates a layer's q / k / v and gate / up
-    weights into one GEMM each, was tried and measured no faster on the H100: PERF.md v13.)"""
+    limit is raised. (Inductor's weight freezing was tried and measured no faster on the H100; in the
+    draft model's step it merged only gate / up into one GEMM: PERF.md v13, v14.)"""
     mode = "max-autotune-no-cudagraphs" if backend == "max-autotune" else None
     if uses_inductor(backend):
         backend = "inductor"

@@ -4,8 +4,8 @@ weights needed, so it runs in a fresh machine life in a couple of minutes per va
 
 One variant per process (dynamo keeps the first compile of a code object, so compile settings
 cannot change inside a process): ``--compile`` for both the draft loop and the target's tree
-forward (``true``, ``max-autotune`` or ``false``), ``--freeze`` (inductor weight freezing, which
-concatenates q / k / v and gate / up into one GEMM each), ``--attention`` of the draft loop.
+forward (``true``, ``max-autotune`` or ``false``), ``--freeze`` (inductor weight freezing, whose
+patterns may concatenate matmuls sharing an input; on the H100 it merged gate / up, PERF.md v14), ``--attention`` of the draft loop.
 Random weights accept ~nothing, so every step drafts a full depth-D tree after a one-token catch-up
 and verifies t + 1 nodes: the same shapes, hence the same step cost, as a real run (acceptance only
 changes how many tokens a step yields).
