@@ -20,12 +20,17 @@ the gaps of all its timed calls pooled (warm-up calls excluded; linear interpola
 ranks). With speculative decoding at τ > 2 more than half the gaps are 0, so p50 can be 0 and p90 /
 p99 show the step time.
 
-**Steady state and stalls.** A call's per-token time is ``wall_s / new_tokens``. Among a method's
-timed calls that are not its first call in a process (a call with no warm-up before it is flagged
-``first_call`` and left out), a call whose per-token time is at least ``STALL_RATIO`` (3) x the
-median per-token time of those calls is a *stall*. Steady-state tokens/s is all new tokens over all
+**Steady state and stalls.** A call's pace is its wall time per forward step: ``wall_s / num_steps``
+for a speculative call (one verify step each, whatever it accepted), ``wall_s / new_tokens`` for a
+call without ``num_steps`` (HF ``generate``: one forward per token). Among a method's timed calls
+that are not its first call in a process (a call with no warm-up before it is flagged
+``first_call`` and left out), a call whose pace is at least ``STALL_RATIO`` (3) x the median pace
+of those calls is a *stall*. Per step, not per token: a drafter accepts more on some problems than
+on others (prompt lookup: τ 1 to 8), so a call's time per token varies by several x without any
+stall, while its time per step stays put unless something (a recompile, a capture, an allocator
+stall) took time outside the steps' usual work. Steady-state tokens/s is all new tokens over all
 wall time of the remaining calls (neither first calls nor stalls). ``stall_s`` is the stalls' total
-wall time and ``stall_excess_s`` what they took beyond the median pace (``wall - new_tokens x
+wall time and ``stall_excess_s`` what they took beyond the median pace (``wall - steps x
 median``). Detecting a stall needs at least three steady calls (with two, the median is their mean).
 
 **First-call latency** (``first_call_s``): what a method costs in a fresh process before its first
@@ -53,7 +58,7 @@ __all__ = [
     "token_gaps",
 ]
 
-#: A call whose per-token time is at least this multiple of its method's median is a stall.
+#: A call whose time per forward step is at least this multiple of its method's median is a stall.
 STALL_RATIO = 3.0
 
 
@@ -126,33 +131,42 @@ def latency_summary(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _steps(r: Mapping[str, Any]) -> int:
+    """Forward steps of a call: ``num_steps`` where recorded (speculative), else one per new token."""
+    return int(r.get("num_steps") or r["new_tokens"])
+
+
 def stall_summary(records: Sequence[Mapping[str, Any]], ratio: float = STALL_RATIO) -> dict[str, Any]:
     """Steady state and stalls of one method's timed calls (records without errors, any order).
 
     Returns ``first_calls`` (calls flagged ``first_call``, left out), ``steady_calls``,
-    ``median_ms_per_token``, ``steady_tokens_per_s``, ``stalls``, ``stall_s``, ``stall_excess_s``,
-    ``stall_problems`` (problem ids) and ``steady_problems`` (ids of the steady calls).
+    ``median_ms_per_step`` (the pace the stall test compares against), ``median_ms_per_token``,
+    ``steady_tokens_per_s``, ``stalls``, ``stall_s``, ``stall_excess_s``, ``stall_problems``
+    (problem ids) and ``steady_problems`` (ids of the steady calls).
     """
     if ratio <= 1:
-        raise ValueError(f"ratio: expected a multiple > 1 of the median per-token time, got {ratio}")
+        raise ValueError(f"ratio: expected a multiple > 1 of the median time per step, got {ratio}")
     first = [r for r in records if r.get("first_call")]
     calls = [r for r in records if not r.get("first_call") and r.get("new_tokens") and r.get("wall_s")]
     out: dict[str, Any] = {
-        "first_calls": len(first), "steady_calls": 0, "median_ms_per_token": None, "steady_tokens_per_s": None,
-        "stalls": None, "stall_s": None, "stall_excess_s": None, "stall_problems": [], "steady_problems": [],
+        "first_calls": len(first), "steady_calls": 0, "median_ms_per_step": None, "median_ms_per_token": None,
+        "steady_tokens_per_s": None, "stalls": None, "stall_s": None, "stall_excess_s": None, "stall_problems": [],
+        "steady_problems": [],
     }  # fmt: skip
     if not calls:
         return out
-    per_token = [r["wall_s"] / r["new_tokens"] for r in calls]
-    med = statistics.median(per_token)
+    pace = [r["wall_s"] / _steps(r) for r in calls]
+    med = statistics.median(pace)
     bar = ratio * med * (1 - 1e-9)  # "at least ratio x", robust to rounding
-    stalled = [r for r, p in zip(calls, per_token) if p >= bar]
-    steady = [r for r, p in zip(calls, per_token) if p < bar]
+    stalled = [r for r, p in zip(calls, pace) if p >= bar]
+    steady = [r for r, p in zip(calls, pace) if p < bar]
     new, wall = sum(r["new_tokens"] for r in steady), sum(r["wall_s"] for r in steady)
     out.update(
-        steady_calls=len(steady), median_ms_per_token=1e3 * med, steady_tokens_per_s=new / wall if wall > 0 else None,
+        steady_calls=len(steady), median_ms_per_step=1e3 * med,
+        median_ms_per_token=1e3 * statistics.median(r["wall_s"] / r["new_tokens"] for r in calls),
+        steady_tokens_per_s=new / wall if wall > 0 else None,
         stalls=len(stalled), stall_s=sum(r["wall_s"] for r in stalled),
-        stall_excess_s=sum(r["wall_s"] - r["new_tokens"] * med for r in stalled),
+        stall_excess_s=sum(r["wall_s"] - _steps(r) * med for r in stalled),
         stall_problems=[str(r.get("problem_id")) for r in stalled],
         steady_problems=[str(r.get("problem_id")) for r in steady],
     )  # fmt: skip

@@ -66,7 +66,8 @@ SPEEDUP_BASES = ("hf", "hf-static", "hf-assisted")
 #: when recorded, ``draft_phase_ms``).
 COLUMNS = (
     "method", "drafter", "tree_size", "drafter_key", "problems", "samples", "errors", "new_tokens", "wall_s",
-    "tokens_per_s", "mean_problem_tokens_per_s", "steady_tokens_per_s", "steady_calls", "median_ms_per_token",
+    "tokens_per_s", "mean_problem_tokens_per_s", "steady_tokens_per_s", "steady_calls", "median_ms_per_step",
+    "median_ms_per_token",
     "first_calls", "stalls", "stall_s", "stall_excess_s", "first_call_s", "first_call_tokens", "first_call_prep_s",
     "load_s", "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps",
     "ttft_p50_ms", "ttft_p90_ms", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms",
@@ -83,9 +84,9 @@ DEFINITIONS = {
                     "with samples > 1 every sample's tokens / the batched calls' time (aggregate)",
     "samples": "completions per call and record (num_return_sequences); None: one",
     "steady_tokens_per_s": "the same over the calls that are neither a first call in a process nor a stall",
-    "stall": f"a timed call whose wall_s / new_tokens is >= {STALL_RATIO:g} x the method's median over its "
-             "non-first calls",
-    "stall_s": "total wall time of the stalls; stall_excess_s: their time beyond new_tokens x the median per-token time",
+    "stall": f"a timed call whose time per forward step (wall_s / num_steps; HF generate: / new_tokens) is >= "
+             f"{STALL_RATIO:g} x the method's median over its non-first calls",
+    "stall_s": "total wall time of the stalls; stall_excess_s: their time beyond steps x the median time per step",
     "first_call_s": "declared warm-up (SpecDecoder.warmup: compile / capture) + the first warm-up generation's wall "
                     "time, in the first process that ran the method; load_s (weights, decoder) apart",
     "itl": "time between consecutive streamed tokens: an emission of k tokens gives its first token the time since "

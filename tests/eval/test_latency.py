@@ -72,6 +72,20 @@ def test_stalls_apart_from_steady_state():
         L.stall_summary(calls, ratio=1.0)
 
 
+def test_stalls_are_judged_per_step_not_per_token():
+    """A drafter that accepts little on one problem is slow per token but not per step: no stall.
+    A call whose steps took 4x their usual time is one, whatever it accepted."""
+    calls = [_call(str(i), 100, 0.1, num_steps=20) for i in range(6)]  # 5 ms a step, 1 ms a token
+    calls.append(_call("low-acceptance", 100, 0.5, num_steps=100))  # 5 ms a step, 5 ms a token
+    calls.append(_call("recompile", 100, 0.4, num_steps=20))  # 20 ms a step
+    got = L.stall_summary(calls)
+    assert got["median_ms_per_step"] == pytest.approx(5.0)
+    assert got["median_ms_per_token"] == pytest.approx(1.0)
+    assert (got["stalls"], got["stall_problems"]) == (1, ["recompile"])
+    assert got["stall_excess_s"] == pytest.approx(0.4 - 20 * 0.005)
+    assert "low-acceptance" in got["steady_problems"]
+
+
 def test_first_call_summary():
     warm = [{"wall_s": 30.0, "prep_s": 12.0, "load_s": 0.5, "new_tokens": 16}, {"wall_s": 2.0, "prep_s": 1.0}]
     got = L.first_call_summary(warm, [])
