@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,9 +209,32 @@ class MedusaDrafter(BaseDrafter):
         topo, depth_idx, rank_idx = self._layout(context.tree_size)
         if topo.n == 1:
             return root_only(root)
-        feature = context.hidden[-1]  # [H]: the row that predicted the root
-        logits = self.heads(feature[None].to(self.lm_head.weight.device), self.lm_head)[0]  # [K, V]
-        top = torch.topk(logits, topo.max_rank + 1, dim=-1).indices  # [K, R]
-        nodes = top[depth_idx, rank_idx].cpu()
-        tokens = torch.cat([torch.tensor([root], dtype=torch.int64), nodes.to(torch.int64)])
-        return TokenTree(tokens, topo.parents.clone())
+        return self._fill([context], topo, depth_idx, rank_idx)[0]
+
+    @torch.no_grad()
+    def propose_batch(self, contexts: Sequence[DraftContext]) -> list[TokenTree]:
+        """``[propose(c) for c in contexts]`` with one heads forward, one top-k and one
+        device-to-host copy for all the contexts that get more than a root (same budget)."""
+        trees: list[TokenTree | None] = [None] * len(contexts)
+        groups: dict[int, list[int]] = {}
+        for i, c in enumerate(contexts):
+            if c.hidden is None or c.tree_size <= 0 or self._layout(c.tree_size)[0].n == 1:
+                trees[i] = root_only(int(c.tokens[-1]))
+            else:
+                groups.setdefault(c.tree_size, []).append(i)
+        for budget, idx in groups.items():
+            topo, depth_idx, rank_idx = self._layout(budget)
+            for i, tree in zip(idx, self._fill([contexts[i] for i in idx], topo, depth_idx, rank_idx)):
+                trees[i] = tree
+        return trees  # type: ignore[return-value] -- every slot filled above
+
+    def _fill(self, contexts: Sequence[DraftContext], topo: Topology, depth_idx: torch.Tensor,
+              rank_idx: torch.Tensor) -> list[TokenTree]:
+        """Fill ``topo`` for each context from the heads on its root-predicting feature (one batch)."""
+        dev = self.lm_head.weight.device
+        feature = torch.stack([c.hidden[-1].to(dev) for c in contexts])  # [B, H]: the rows that predicted the roots
+        logits = self.heads(feature, self.lm_head)  # [B, K, V]
+        top = torch.topk(logits, topo.max_rank + 1, dim=-1).indices  # [B, K, R]
+        nodes = top[:, depth_idx, rank_idx].to(torch.int64).cpu()  # [B, n - 1]
+        roots = torch.tensor([int(c.tokens[-1]) for c in contexts], dtype=torch.int64)
+        return [TokenTree(torch.cat([roots[b : b + 1], nodes[b]]), topo.parents.clone()) for b in range(len(contexts))]

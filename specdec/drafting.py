@@ -33,6 +33,7 @@ Contract of ``propose``:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from specdec.tree import TokenTree
     from specdec.verify import Verdict
 
-__all__ = ["HIDDEN_ALL", "HIDDEN_LAST", "DraftContext", "Drafter", "BaseDrafter", "hidden_states_request"]
+__all__ = ["HIDDEN_ALL", "HIDDEN_LAST", "DraftContext", "Drafter", "BaseDrafter", "hidden_states_request", "propose_all"]
 
 #: ``needs_hidden_states`` value: the feature that predicted the root only (``hidden`` is ``[1, H]``).
 HIDDEN_LAST = "last"
@@ -88,6 +89,10 @@ class Drafter(Protocol):
     ``DraftContext.hidden``: True or ``"last"`` (``HIDDEN_LAST``) for the one that predicted the root
     (``[1, H]``; cheap), ``"all"`` (``HIDDEN_ALL``) for every committed token's, each given once
     (``[m, H]``; the prefill then also returns the prompt's features). See the module docstring.
+
+    ``propose_batch(contexts) -> list[TokenTree]`` (optional): the trees of several sequences of one
+    step at once, equal to ``[propose(c) for c in contexts]``; the engine calls it for batches of
+    two or more (``propose_all``).
     """
 
     vocab_size: int | None
@@ -100,6 +105,21 @@ class Drafter(Protocol):
 
     def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
         """Sequence ``context.seq`` accepted ``verdict.path`` of ``tree`` and emitted ``verdict.bonus_token``."""
+
+
+def propose_all(drafter, contexts: Sequence[DraftContext]) -> list[TokenTree]:
+    """The trees of one step's sequences, in ``contexts``' order: ``drafter.propose_batch(contexts)``
+    where the drafter has one (an optional method: one call for all sequences, e.g. one head forward
+    and one device-to-host copy for B rows), else ``propose`` per context. Raises ValueError naming
+    ``drafter`` when ``propose_batch`` returns another number of trees than it was given contexts."""
+    batch = getattr(drafter, "propose_batch", None)
+    if batch is None or len(contexts) < 2:
+        return [drafter.propose(c) for c in contexts]
+    trees = list(batch(contexts))
+    if len(trees) != len(contexts):
+        raise ValueError(f"drafter: expected propose_batch to return {len(contexts)} trees (one per context), "
+                         f"got {len(trees)}")
+    return trees
 
 
 class BaseDrafter:

@@ -64,7 +64,7 @@ from types import MappingProxyType
 
 import torch
 
-from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request
+from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request, propose_all
 from specdec import hf
 from specdec.distributed import RankSync
 from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, configure_compile_cache, prefill_chunks, replay_modes,
@@ -972,15 +972,18 @@ class SpecDecoder:
         context it was asked with (None when it was not asked)."""
         trees: list[TokenTree] = []
         contexts: list[DraftContext | None] = []
-        ids = run.seqs.numpy()  # a view, for reading host ints
         for b, n in enumerate(run.lens):
             if run.done[b] or self.drafter is None or self.tree_size == 0:
                 trees.append(TokenTree(run.seqs[b, n - 1 : n].clone(), _ROOT_PARENTS))
                 contexts.append(None)
-                continue
-            ctx = DraftContext(run.seqs[b, :n], self.tree_size, b, run.sampling, run.generator, run.hidden[b])
-            trees.append(self._checked_tree(self.drafter.propose(ctx), ctx, int(ids[b, n - 1])))
-            contexts.append(ctx)
+            else:
+                trees.append(None)  # type: ignore[arg-type] -- the drafter's, below
+                contexts.append(DraftContext(run.seqs[b, :n], self.tree_size, b, run.sampling, run.generator,
+                                             run.hidden[b]))  # fmt: skip
+        asked = [ctx for ctx in contexts if ctx is not None]
+        ids = run.seqs.numpy()  # a view, for reading host ints
+        for ctx, tree in zip(asked, propose_all(self.drafter, asked)):
+            trees[ctx.seq] = self._checked_tree(tree, ctx, int(ids[ctx.seq, len(ctx.tokens) - 1]))
         return trees, contexts
 
     def _tree_forward(self, cache: KVCache, trees: list[TokenTree], shared: KVCache | None = None) -> _Forward:

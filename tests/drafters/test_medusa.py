@@ -84,6 +84,27 @@ def test_drafter_without_hidden_state_is_root_only_and_fixed_choices_truncate():
         MedusaDrafter(target, MedusaHeads(32, 2))
 
 
+def test_propose_batch_equals_propose_per_context():
+    """One heads forward for a batch: the same trees as one call per sequence, across budgets, with
+    contexts that get only a root (no feature, no budget) in between."""
+    target, heads = _target(), _random_heads(seed=3)
+    drafter = MedusaDrafter(target, heads)
+    feats = torch.randn(6, 2, 64, generator=torch.Generator().manual_seed(5))
+    contexts = [
+        DraftContext(_prompt(6, 0), 32, seq=0, hidden=feats[0]),
+        DraftContext(_prompt(3, 1), 32, seq=1, hidden=feats[1]),
+        DraftContext(_prompt(5, 2), 32, seq=2),  # no feature: root only
+        DraftContext(_prompt(7, 3), 64, seq=3, hidden=feats[3]),  # another budget: its own group
+        DraftContext(_prompt(2, 4), 0, seq=4, hidden=feats[4]),  # no budget: root only
+        DraftContext(_prompt(9, 5), 32, seq=5, hidden=feats[5]),
+    ]
+    got = drafter.propose_batch(contexts)
+    want = [drafter.propose(c) for c in contexts]
+    assert [t.n for t in got] == [33, 33, 1, 65, 1, 33]
+    for g, w in zip(got, want):
+        assert g.tokens.tolist() == w.tokens.tolist() and g.parents.tolist() == w.parents.tolist()
+
+
 @pytest.mark.parametrize("tree_size,choices", [(1, None), (8, None), (64, None), (63, MC_SIM_7B_63)])
 def test_greedy_equals_target_generate(tree_size, choices):
     target = _target()

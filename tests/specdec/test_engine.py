@@ -154,6 +154,34 @@ def test_sampling_is_reproducible():
     assert not torch.equal(runs[0], runs[2])
 
 
+class _BatchCounting(OracleDrafter):
+    """The oracle, proposing a step's sequences through ``propose_batch`` (counted)."""
+
+    def __init__(self, refs, seed, extra: int = 0):
+        super().__init__(refs, seed=seed)
+        self.batch_calls: list[list[int]] = []
+        self.extra = extra
+
+    def propose_batch(self, contexts):
+        self.batch_calls.append([c.seq for c in contexts])
+        return [self.propose(c) for c in contexts] + [self.propose(contexts[0])] * self.extra
+
+
+def test_a_batch_is_drafted_in_one_propose_batch_call_per_step():
+    lengths, seeds = (4, 1, 12), (10, 11, 12)
+    refs = [list(_reference("llama", L, s, 12)) for L, s in zip(lengths, seeds)]
+    prompts = [_prompt(L, s) for L, s in zip(lengths, seeds)]
+    drafter = _BatchCounting(refs, seed=7)
+    out = SpecDecoder(_model("llama"), drafter, tree_size=6, attn_impl="torch").generate(prompts, 12)
+    for b in range(3):
+        assert out.sequences[b, : out.lengths[b]].tolist() == refs[b]
+    assert drafter.batch_calls and all(seqs == sorted(seqs) and len(seqs) >= 2 for seqs in drafter.batch_calls)
+    assert drafter.batch_calls[0] == [0, 1, 2]
+    bad = SpecDecoder(_model("llama"), _BatchCounting(refs, seed=7, extra=1), tree_size=6, attn_impl="torch")
+    with pytest.raises(ValueError, match=r"drafter: expected propose_batch to return 3 trees \(one per context\), got 4"):
+        bad.generate(prompts, 12)
+
+
 class _IidFixedDrafter(BaseDrafter):
     """Draws a depth-2 tree i.i.d. (3 children, then 2 each) from a fixed distribution ``q``."""
 
