@@ -465,6 +465,17 @@ class Session:
             self._draft_models[name] = model
         return self._draft_models[name]
 
+    def load_heads(self) -> None:
+        """Load every drafter's ``heads=DIR`` now (each once; the drafters built later reuse them),
+        so that a missing or mismatched directory fails the run before its first problem with the
+        loader's ``ValueError``, not once per problem and tree size."""
+        for spec in self.cfg.drafters:
+            if spec.key not in self._heads:
+                try:
+                    self._heads[spec.key] = _load_heads(spec, self.target)
+                except ValueError as e:
+                    raise ValueError(f"drafters: the heads of {spec.key!r} could not be loaded: {e}") from e
+
     def _make_drafter(self, spec: DrafterSpec, tree_size: int) -> Any:
         options = spec.drafter_options()
         if spec.key not in self._heads:

@@ -303,6 +303,8 @@ def run_eval(
     max_cache_len = max(len(p) for p in prompts) + cfg.max_new_tokens
     min_len = min(len(p) for p in prompts) + cfg.max_new_tokens
     session = Session(cfg, target, tokenizer, draft, drafter_factory, max_cache_len=max_cache_len, min_len=min_len)
+    if any(m.needs_drafter for m in methods):
+        session.load_heads()  # a bad heads= directory fails here, before the first problem
     strict = cfg.greedy and dtype_name == "fp32"
     result = EvalResult(records=list(previous), warmups=list(prev_warmups), strict=strict,
                         model_shape=_model_shape(target))  # fmt: skip

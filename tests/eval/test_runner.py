@@ -218,6 +218,10 @@ def test_baselines_and_speculative_methods_in_two_runs_share_one_report(pair, lo
             "--device", "cpu", "--attn-impl", "torch", "--out", str(out), "--warmup", "0", "--no-progress"]  # fmt: skip
     assert cli.main([*base, "--methods", "hf", "hf-static"]) == 0
     assert not heads.exists() and len(_lines(out)) == 4
+    # Without its heads the speculative run stops before its first problem (no error records).
+    assert cli.main([*base, "--methods", "specdec"]) == 2
+    assert "drafters: the heads of 'medusa:heads=" in capsys.readouterr().err
+    assert len(_lines(out)) == 4
     hidden = loaded[0].get_output_embeddings().weight.shape[1]
     MedusaHeads(hidden, 2).save(heads)
     assert cli.main([*base, "--methods", "specdec"]) == 0
