@@ -83,7 +83,16 @@ class RecordingDrafter:
         return self.inner.reset(input_ids)
 
     def propose(self, context):
-        tree = self.inner.propose(context)
+        return self._record(self.inner.propose(context))
+
+    def propose_batch(self, contexts):
+        """The wrapped drafter's trees for a step's sequences (its own ``propose_batch`` where it
+        has one: ``specdec.drafting.propose_all``), each recorded as ``propose`` records it."""
+        from specdec.drafting import propose_all
+
+        return [self._record(tree) for tree in propose_all(self.inner, contexts)]
+
+    def _record(self, tree):
         parents = getattr(tree, "parents", None)
         # A copy (asynchronous on CUDA, no host sync): a drafter may refill one buffer every step.
         self.parents.append(parents.clone() if parents is not None else None)

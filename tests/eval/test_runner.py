@@ -311,6 +311,13 @@ def test_recording_drafter_delegates(loaded):
     tree = rec.propose(DraftContext(torch.tensor([5, 6]), 4))
     assert len(rec.parents) == 1 and torch.equal(rec.parents[0], tree.parents)
     assert rec.parents[0] is not tree.parents  # a copy: drafters may reuse one buffer
+    # A step's sequences at once: the inner drafter's propose_batch where it has one, every tree recorded.
+    contexts = [DraftContext(torch.tensor([5, 6]), 4, seq=0), DraftContext(torch.tensor([7, 8, 9]), 4, seq=1)]
+    calls = []
+    inner.propose_batch = lambda cs: calls.append(len(cs)) or [inner.propose(c) for c in cs]
+    trees = rec.propose_batch(contexts)
+    assert calls == [2] and len(trees) == 2 and len(rec.parents) == 3
+    assert all(torch.equal(p, t.parents) for p, t in zip(rec.parents[1:], trees))
 
 
 def test_load_records_errors(tmp_path):
