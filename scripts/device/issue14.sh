@@ -4,7 +4,9 @@
 # 1.5B target (and for `model` the 0.5B draft) staged and converted (scripts/device/setup_models.sh)
 # and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
 # and the logs / summaries to $OUT.
-#   bash scripts/device/issue14.sh tests | distill | train | medusa | apps | humaneval | cascade
+#   bash scripts/device/issue14.sh setup | tests | distill | train | medusa | apps | humaneval | cascade
+# (steps run in the given order: `setup train medusa` converts the models, then trains one head after the other;
+# two trainings side by side ran out of GPU memory in session 13)
 # Issue 15's full sweep is the same apps / humaneval steps with every drafter and baseline, e.g.
 #   METHODS="specdec hf-static hf-lookup hf-assisted hf" LIMITS="hf-assisted=50 hf=50" TREES="32 64 128 256" \
 #   DRAFTERS="l=lookup md=medusa:heads=/tmp/medusa mW=model:draft=qwen2.5-coder-0.5b,depth=4,topk=8,compile=true \
@@ -63,11 +65,16 @@ for s in "$@"; do
         --draft "" --drafters "${drafters[@]}" --tree-sizes "${trees[@]}" --methods "${methods[@]}" \
         --out "/tmp/results/$s-$tag.jsonl" >> "$out/$s-$tag.log" 2>&1
       cp /tmp/results/$s-$tag.* "$out/" 2>/dev/null ;;
-    medusa)  # Medusa heads for the full sweep (issue 15), trained on MBPP into /tmp/medusa (unless there already)
+    setup)  # assemble and convert the staged models (scripts/device/setup_models.sh; ~170 s)
+      bash scripts/device/setup_models.sh > "$out/setup.log" 2>&1 ;;
+    medusa)  # Medusa heads for the full sweep (issue 15), trained on MBPP into /tmp/medusa (unless there already);
+             # a carried .evaldata/medusa_selfdistill.jsonl of the same settings spares the generation (~100 s)
+      mkdir -p /tmp/medusa && [ -f /tmp/medusa/selfdistill.jsonl ] || cp .evaldata/medusa_selfdistill.jsonl \
+        /tmp/medusa/selfdistill.jsonl 2>/dev/null
       [ -f /tmp/medusa/medusa_heads.safetensors ] || timeout 500 python3 -m specdec.cli train-medusa \
         --data .evaldata/mbpp.jsonl --out /tmp/medusa --max-new-tokens 192 --gen-batch-size "${GEN:-120}" --steps 1000 \
         --no-progress > "$out/train_medusa.log" 2>&1
-      cp /tmp/medusa/medusa_config.json "$out/" 2>/dev/null ;;
+      cp /tmp/medusa/medusa_config.json /tmp/medusa/selfdistill.jsonl "$out/" 2>/dev/null ;;
     cascade)  # shared-prefix tree attention vs the unshared kernel and two SDPA calls (issue 17)
       timeout 300 python3 -m treeattn.bench_cascade --out "$out/cascade.json" > "$out/cascade.log" 2>&1 ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
