@@ -21,7 +21,8 @@
 # hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50), STYLES
 # (train-eagle --prompt-styles, default function,stdin,starter), ANSWERS (--answers-per-prompt, default
 # 1), GEN (--gen-batch-size, default 120; 384 ran out of memory on the H100), FRESH (1: distill anew, not from a carried cache), METHODS (default
-# "specdec hf-static"), TEMP (sampling temperature, default 0 = greedy; results
+# "specdec hf-static"), SAMPLES (--samples: completions per problem in one batched call, issue 17's n = 16 run with
+# TEMP=0.8; give it a TAG of its own), TEMP (sampling temperature, default 0 = greedy; results
 # then go to $s-eagle-t$TEMP.jsonl), TAG (the results file is $s-$TAG.jsonl instead: a new TAG starts a new file,
 # so its baselines run again in this process), SWEEP_S (the sweep's time limit in seconds, default 590: a
 # shorter one leaves time in the call for the copy to $OUT; never wrap this script in an outer timeout,
@@ -38,7 +39,7 @@ train=(--data .evaldata/mbpp.jsonl --out "$head" --answers-per-prompt "${ANSWERS
        --gen-batch-size "${GEN:-120}" --prompt-styles "${STYLES:-function,stdin,starter}" --exercises "${EX:-0}"
        ${TRAIN_ARGS:-} --no-progress)
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
-       --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}")
+       --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}" ${SAMPLES:+--samples "$SAMPLES"})
 read -ra methods <<< "${METHODS:-specdec hf-static}"
 tag=${TAG:-$([ "${TEMP:-0}" = 0 ] && echo eagle || echo "eagle-t${TEMP}")}
 for s in "$@"; do
