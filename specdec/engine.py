@@ -1394,9 +1394,7 @@ class SpecDecoder:
         any) and run its tree forward once; with ``shared``, for batch > 1 and ``shared_prefix``, also
         the tree forward over a dummy prompt shared through the batch-1 cache of ``capacity`` slots."""
         key = (batch, capacity, n)
-        shared_key = (batch, capacity, n, capacity)
         existing = self._graphs.get(key)
-        existing_shared = self._shared_graphs.get(shared_key)
         existing_prefill = self._prefill_graphs.get((batch, capacity))
         timer = _PhaseTimer(self._sync)
         self._sync()
@@ -1407,15 +1405,14 @@ class SpecDecoder:
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
             self._tree_forward(cache, [chain] * batch)()
             cache.reset()
+            over_shared = None  # the shared-prompt forward's entry, if warmed here
             context = 2 * capacity if self.static_shapes else capacity + 1  # what the call's obstacle check sees
             if shared and self.shared_prefix and batch > 1 and hf.shared_prefix_obstacle(self.target, context) is None:
-                self._warm_shared(batch, capacity, n, capacity)  # its fields are read below, with the others
+                over_shared = self._warm_shared(batch, capacity, n, capacity)
         graphed = self._graphs.get(key)  # None with dynamic shapes
         first = graphed is not None and graphed.calls == 1  # this was its first run: timings are ours
         pre = self._prefill_graphs.get((batch, capacity))  # None: an eager prefill
         pre_first = pre is not None and pre.calls == 1
-        over_shared = self._shared_graphs.get(shared_key)  # None: dynamic shapes or no shared prompt
-        shared_first = over_shared is not None and over_shared.calls == 1
         return WarmupEntry(batch, capacity, n, timer.seconds["all"], timer.seconds["prefill"],
                            graphed.first_run_s if first else None, graphed.capture_s if first else None,
                            built=graphed is not None and graphed is not existing,
@@ -1424,9 +1421,9 @@ class SpecDecoder:
                            prefill_capture_s=pre.capture_s if pre_first else None,
                            prefill_built=pre is not None and pre is not existing_prefill,
                            capture_warmup_s=graphed.capture_warmup_s if first else None,
-                           shared_built=over_shared is not None and over_shared is not existing_shared,
-                           shared_first_run_s=over_shared.first_run_s if shared_first else None,
-                           shared_capture_s=over_shared.capture_s if shared_first else None)  # fmt: skip
+                           shared_built=over_shared is not None and over_shared.shared_built,
+                           shared_first_run_s=None if over_shared is None else over_shared.shared_first_run_s,
+                           shared_capture_s=None if over_shared is None else over_shared.shared_capture_s)  # fmt: skip
 
     # ------------------------------------------------------------------ checks
 
