@@ -47,8 +47,9 @@ forward attends through the cascade attention (``treeattn.cascade``: the prompt'
 all n sequences): with dynamic shapes ``hf.tree_forward(shared=)`` over exactly P prompt slots; with
 static shapes a ``GraphedForward(shared=)`` per (n, S, tree_size + 1, C) whose input vector carries P
 as data (the cascade reads the first P of the C slots, its launch fixed by C), so one capture
-serves every prompt of up to C tokens. Otherwise (several prompts, ``shared_prefix=False``, or a
-target the cascade does not serve) each sequence keeps its own copy of its prompt's KV. See
+serves every prompt of up to C tokens. Otherwise (several prompts, ``shared_prefix=False``, the
+default with static shapes on a CUDA device, or a target the cascade does not serve) each sequence
+keeps its own copy of its prompt's KV. See
 ``SpecDecoder``'s ``shared_prefix``.
 """
 
@@ -699,12 +700,13 @@ class SpecDecoder:
                 prompt 0's n sequences, then prompt 1's, ...; each decodes on its own (independent
                 samples when sampling, n equal rows when greedy). With n > 1 and one prompt (of at
                 least 2 tokens) the n rows share one copy of the prompt's KV when ``shared_prefix``
-                is on (the default, with static or dynamic shapes, see ``SpecDecoder``): the prompt
-                is prefilled once, the rows' cache holds only their new tokens and trees, and every
-                tree forward attends to the prompt through the cascade attention (with static
-                shapes: one fixed-shape forward per prompt-cache bucket, reused for any prompt
-                length in it). Otherwise (several prompts, a target the cascade does not serve)
-                each row holds its own copy of its prompt's KV. Both layouts give the same tokens
+                is on (the default, except with static shapes on a CUDA device, where it is opt-in
+                for now, see ``SpecDecoder``): the prompt is prefilled once, the rows' cache holds
+                only their new tokens and trees, and every tree forward attends to the prompt
+                through the cascade attention (with static shapes: one fixed-shape forward per
+                prompt-cache bucket, reused for any prompt length in it). Otherwise (several
+                prompts, ``shared_prefix`` off, a target the cascade does not serve) each row holds
+                its own copy of its prompt's KV. Both layouts give the same tokens
                 (up to rounding in the attention) and draw the same random numbers.
 
         Returns:
