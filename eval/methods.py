@@ -479,18 +479,22 @@ class Session:
         so that a missing or mismatched directory fails the run before its first problem with the
         loader's ``ValueError``, not once per problem and tree size."""
         for spec in self.cfg.drafters:
-            if spec.key not in self._heads:
-                try:
-                    self._heads[spec.key] = _load_heads(spec, self.target)
-                except ValueError as e:
-                    raise ValueError(f"drafters: the heads of {spec.key!r} could not be loaded: {e}") from e
+            self._heads_of(spec)
+
+    def _heads_of(self, spec: DrafterSpec) -> Any | None:
+        """``spec``'s loaded ``heads=`` (None: it names none), loaded on first use."""
+        if spec.key not in self._heads:
+            try:
+                self._heads[spec.key] = _load_heads(spec, self.target)
+            except ValueError as e:
+                raise ValueError(f"drafters: the heads of {spec.key!r} could not be loaded: {e}") from e
+        return self._heads[spec.key]
 
     def _make_drafter(self, spec: DrafterSpec, tree_size: int) -> Any:
         options = spec.drafter_options()
-        if spec.key not in self._heads:
-            self._heads[spec.key] = _load_heads(spec, self.target)
-        if self._heads[spec.key] is not None:
-            options["heads"] = self._heads[spec.key]
+        heads = self._heads_of(spec)
+        if heads is not None:
+            options["heads"] = heads
         kw = dict(target=self.target, draft=self._draft_for(spec), tokenizer=self.tokenizer, tree_size=tree_size,
                   device=self.device, dtype=self.target.dtype)  # fmt: skip
         if self.drafter_factory is not None:
