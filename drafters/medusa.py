@@ -203,18 +203,13 @@ class MedusaDrafter(BaseDrafter):
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
-        root = int(context.tokens[-1])
-        if context.hidden is None or context.tree_size <= 0:
-            return root_only(root)
-        topo, depth_idx, rank_idx = self._layout(context.tree_size)
-        if topo.n == 1:
-            return root_only(root)
-        return self._fill([context], topo, depth_idx, rank_idx)[0]
+        return self.propose_batch([context])[0]
 
     @torch.no_grad()
     def propose_batch(self, contexts: Sequence[DraftContext]) -> list[TokenTree]:
-        """``[propose(c) for c in contexts]`` with one heads forward, one top-k and one
-        device-to-host copy for all the contexts that get more than a root (same budget)."""
+        """The trees of ``contexts`` (``propose`` is a batch of one): root-only without a feature or a
+        budget, else the static topology of the budget filled from the heads, with one heads
+        forward, one top-k and one device-to-host copy per budget for all its contexts."""
         trees: list[TokenTree | None] = [None] * len(contexts)
         groups: dict[int, list[int]] = {}
         for i, c in enumerate(contexts):
