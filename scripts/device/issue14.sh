@@ -41,6 +41,16 @@ train=(--data .evaldata/mbpp.jsonl --out "$head" --answers-per-prompt "${ANSWERS
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
        --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}" ${SAMPLES:+--samples "$SAMPLES"})
 read -ra methods <<< "${METHODS:-specdec hf-static}"
+# the self-distillation data of session 14 (MBPP answers of the 1.5B target and its own exercises,
+# gzipped in the repository): `distill`, `train` and `medusa` start from it unless .evaldata has a copy or FRESH=1
+cache=docs/runs/2026-11-24-h100-s14/selfdistill
+restore_eagle_data() {
+  mkdir -p "$head"
+  cp .evaldata/selfdistill*.jsonl "$head/" 2>/dev/null && return
+  for f in selfdistill.jsonl selfdistill.exercises.jsonl selfdistill.exercises.stubs.jsonl; do
+    zcat "$cache/eagle.$f.gz" > "$head/$f"
+  done
+}
 tag=${TAG:-$([ "${TEMP:-0}" = 0 ] && echo eagle || echo "eagle-t${TEMP}")}
 for s in "$@"; do
   echo "== $s $(date +%T)" >> "$out/steps.log"
@@ -50,11 +60,12 @@ for s in "$@"; do
         tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -k "cuda" > "$out/pytest_cuda.txt" 2>&1 ;;
     distill)  # the self-distillation data only (cached in /tmp/eagle; a carried .evaldata/selfdistill*.jsonl of
               # the same settings is reused -- train-eagle checks its settings -- and the cache comes back in $OUT)
-      mkdir -p "$head" && [ "${FRESH:-0}" = 1 ] || cp .evaldata/selfdistill*.jsonl "$head/" 2>/dev/null
+      [ "${FRESH:-0}" = 1 ] && mkdir -p "$head" || restore_eagle_data
       timeout 560 python3 -m specdec.cli train-eagle "${train[@]}" --steps 0 \
         > "$out/distill.log" 2>&1
       cp "$head"/selfdistill*.jsonl "$out/" ;;
-    train)  # the head, on the cached data, within BUDGET seconds of optimization
+    train)  # the head, on the cached data (restored as in `distill`; made here if none), within BUDGET seconds
+      [ "${FRESH:-0}" = 1 ] || [ -f "$head/selfdistill.jsonl" ] || restore_eagle_data
       timeout 580 python3 -m specdec.cli train-eagle "${train[@]}" \
         --time-budget "${BUDGET:-300}" > "$out/train_eagle.log" 2>&1
       cp "$head/eagle_config.json" "$out/" ;;
@@ -70,8 +81,8 @@ for s in "$@"; do
       bash scripts/device/setup_models.sh > "$out/setup.log" 2>&1 ;;
     medusa)  # Medusa heads for the full sweep (issue 15), trained on MBPP into /tmp/medusa (unless there already);
              # a carried .evaldata/medusa_selfdistill.jsonl of the same settings spares the generation (~100 s)
-      mkdir -p /tmp/medusa && [ -f /tmp/medusa/selfdistill.jsonl ] || cp .evaldata/medusa_selfdistill.jsonl \
-        /tmp/medusa/selfdistill.jsonl 2>/dev/null
+      mkdir -p /tmp/medusa && [ -f /tmp/medusa/selfdistill.jsonl ] || [ "${FRESH:-0}" = 1 ] || cp .evaldata/medusa_selfdistill.jsonl \
+        /tmp/medusa/selfdistill.jsonl 2>/dev/null || zcat "$cache/medusa.selfdistill.jsonl.gz" > /tmp/medusa/selfdistill.jsonl
       [ -f /tmp/medusa/medusa_heads.safetensors ] || timeout 500 python3 -m specdec.cli train-medusa \
         --data .evaldata/mbpp.jsonl --out /tmp/medusa --max-new-tokens 192 --gen-batch-size "${GEN:-120}" --steps 1000 \
         --no-progress > "$out/train_medusa.log" 2>&1
