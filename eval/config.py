@@ -295,6 +295,10 @@ class EvalConfig:
             engine methods also get ``SpecDecoder.warmup`` (every forward built ahead). Both are
             timed and written as ``"kind": "warmup"`` records (first-call latency). 0: none; then
             each method's first timed call is flagged ``first_call`` and left out of its steady state.
+        calibrate: time HF static again on the first n problems in every process that has a drafter's
+            rows to run, before them (``"kind": "calibration"`` records): machine lives and processes
+            of one kind differ by up to ~10-20 % in speed, and these records let the report compare
+            each row with the baseline at its own process's speed (``same_run_speedup``). 0: none.
         progress: tqdm bars.
         home: model store root (None: ``$SPECDEC_HOME``).
         method_problems: ``{method: n}`` as pairs: that method runs on the first n problems only
@@ -328,6 +332,7 @@ class EvalConfig:
     attn_impl: str = "auto"
     compile: bool = False
     warmup: int = 1
+    calibrate: int = 0
     progress: bool = True
     home: str | None = None
     method_problems: tuple[tuple[str, int], ...] = ()
@@ -372,6 +377,8 @@ class EvalConfig:
             raise ValueError(f"pad_prompt_to: expected None or an int >= 1, got {self.pad_prompt_to}")
         if self.warmup < 0:
             raise ValueError(f"warmup: expected an int >= 0, got {self.warmup}")
+        if self.calibrate < 0:
+            raise ValueError(f"calibrate: expected an int >= 0, got {self.calibrate}")
         if self.attn_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"attn_impl: expected 'auto', 'triton' or 'torch', got {self.attn_impl!r}")
         if self.shard is not None:
@@ -432,7 +439,7 @@ def config_key(cfg: EvalConfig) -> str:
 
     Records in ``out`` with another key are not reused on resume (and are left out of reports of
     this configuration). Problem count, tree sizes, methods, drafters (named by each speculative
-    record itself), warmup and progress are not part of it: a run may add problems, tree sizes or
+    record itself), warmup, calibrate and progress are not part of it: a run may add problems, tree sizes or
     drafters to a file and reuse the baselines already there.
     """
     keyed = {

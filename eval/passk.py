@@ -63,7 +63,7 @@ from typing import Any
 
 from eval import execution
 from eval.execution import Limits, PairedDiff, bootstrap_mean_ci, paired_diff_ci, pass_at_k
-from eval.records import is_warmup, load_records, record_drafter, row_sort_key
+from eval.records import is_timed, load_records, record_drafter, row_sort_key
 
 __all__ = [
     "DEFAULT_REFERENCES",
@@ -127,7 +127,7 @@ def _multi(rec: Mapping[str, Any]) -> bool:
 
 def _eligible(rec: Mapping[str, Any], dataset: str, config_key: str | None) -> bool:
     """A timed record of ``dataset`` (and ``config_key``) with a completion (or samples) to check."""
-    if is_warmup(rec) or rec.get("error") or not (_multi(rec) or isinstance(rec.get("text"), str)):
+    if not is_timed(rec) or rec.get("error") or not (_multi(rec) or isinstance(rec.get("text"), str)):
         return False
     return _record_dataset(rec, dataset) and (config_key is None or rec.get("config_key") == config_key)
 
@@ -173,12 +173,12 @@ def _resolve_dataset(records: Sequence[Mapping[str, Any]], dataset: str | None, 
     if dataset is not None:
         if dataset not in ("apps", "humaneval"):
             raise ValueError(f"dataset: expected 'apps' or 'humaneval', got {dataset!r}")
-        timed = [r for r in records if not is_warmup(r)]
+        timed = [r for r in records if is_timed(r)]
         if timed and not any(_record_dataset(r, dataset) for r in timed):
             held = sorted({str(r.get("dataset")) for r in timed})
             raise ValueError(f"dataset: no {dataset} records in {path} (it holds {', '.join(held)})")
         return dataset
-    named = sorted({str(r["dataset"]) for r in records if not is_warmup(r) and r.get("dataset") is not None})
+    named = sorted({str(r["dataset"]) for r in records if is_timed(r) and r.get("dataset") is not None})
     if not named:
         raise ValueError(f"dataset: the records of {path} do not name their dataset; give it (apps or humaneval)")
     if len(named) > 1:
@@ -508,7 +508,7 @@ def _groups(records: Iterable[Mapping[str, Any]], dataset: str | None):
     labels: dict[str | None, str] = {}
     order: dict[str | None, int] = {}
     for r in records:
-        if is_warmup(r) or r.get("error") or record_counts(r) is None:
+        if not is_timed(r) or r.get("error") or record_counts(r) is None:
             continue
         if dataset is not None and not _record_dataset(r, dataset):
             continue

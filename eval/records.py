@@ -7,7 +7,12 @@ Two kinds of JSON lines share a results file:
 * a *warm-up* record (``"kind": "warmup"``) per (method, drafter, tree size) and process: the
   seconds of the engine's declared warm-up (``prep_s``), of building its drafter / decoder
   (``load_s``) and of each untimed warm-up generation (``warmup_walls``; ``wall_s`` is the first):
-  the first-call latency of ``eval.latency``. Warm-up records are never reused on resume.
+  the first-call latency of ``eval.latency``. Warm-up records are never reused on resume;
+* a *calibration* record (``"kind": "calibration"``) per calibration problem and process
+  (``EvalConfig.calibrate``): HF static timed again in that process, so that a drafter's rows can be
+  compared with the baseline at that process's speed (``eval.report``, ``same_run_speedup``).
+
+Warm-up and calibration records are *side records*: no table row counts them as a timed call.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from typing import Any
 
 __all__ = [
     "METHOD_ORDER",
+    "CALIBRATION",
     "WARMUP",
     "EvalResult",
     "compare_tokens",
     "finalize",
+    "is_calibration",
+    "is_timed",
     "is_warmup",
     "load_records",
     "record_drafter",
@@ -42,8 +50,21 @@ __all__ = [
 WARMUP = "warmup"
 
 
+#: ``kind`` of a calibration record.
+CALIBRATION = "calibration"
+
+
 def is_warmup(rec: Mapping[str, Any]) -> bool:
     return rec.get("kind") == WARMUP
+
+
+def is_calibration(rec: Mapping[str, Any]) -> bool:
+    return rec.get("kind") == CALIBRATION
+
+
+def is_timed(rec: Mapping[str, Any]) -> bool:
+    """A timed record of a table row: not a side record (warm-up, calibration)."""
+    return rec.get("kind") is None
 
 
 def record_drafter(rec: Mapping[str, Any]) -> str | None:
@@ -127,7 +148,7 @@ class EvalResult:
 
     Attributes:
         records: every timed record of this configuration in ``out`` (earlier runs' included).
-        warmups: every warm-up record of this configuration in ``out``.
+        warmups: every side record (warm-up, calibration) of this configuration in ``out``.
         new: how many timed records this run added.
         skipped: how many (problem, method, drafter, t) were already done.
         calls: how many timed generations this run made (``new``, errors included).
@@ -152,7 +173,7 @@ class EvalResult:
 
     @property
     def all_records(self) -> list[dict[str, Any]]:
-        """Warm-up and timed records (what the report reads)."""
+        """Side and timed records (what the report reads)."""
         return [*self.warmups, *self.records]
 
 
@@ -187,12 +208,12 @@ def result_from_records(records: Sequence[Mapping[str, Any]], path: str | os.Pat
         print(f"note: {path} also holds configurations {', '.join(others)}; reporting the last one ({key})",
               file=sys.stderr)  # fmt: skip
     records = [r for r in records if r.get("config_key") == key]
-    timed = [r for r in records if not is_warmup(r)]
+    timed = [r for r in records if is_timed(r)]
     if not timed:
         raise ValueError(f"out: no timed records of configuration {key} in {path}")
     last = timed[-1]
     strict = last.get("temperature") == 0 and last.get("dtype") == "fp32"
-    return finalize(EvalResult(records=timed, warmups=[r for r in records if is_warmup(r)], strict=strict))
+    return finalize(EvalResult(records=timed, warmups=[r for r in records if not is_timed(r)], strict=strict))
 
 
 #: The order of the baseline methods in tables and reports.

@@ -19,6 +19,10 @@ baselines (no drafter, no tree size) are shared by every drafter's rows:
 * ``speedup_vs_<base>``: tokens/s over the base method's tokens/s, both on the problems the two
   have in common (bases: ``hf``, ``hf-static``, ``hf-assisted``); ``steady_speedup_vs_hf_static``:
   the same over the problems where neither call was a first call or a stall;
+  ``same_run_speedup_vs_hf_static``: the same ratio with HF static's time on each problem scaled to
+  the speed of the process that ran the row's call, measured by that process's calibration records
+  (``EvalConfig.calibrate``: HF static timed again there on a few problems); None unless every call
+  of the row has one;
 * ``match_rate``: fraction of compared problems whose greedy tokens equal the ``hf`` reference,
   ``mean_first_divergence``: mean position of the first differing token among the others;
 * ``pass_at_1``: fraction of problems whose completion passed its tests (records' ``passed``,
@@ -46,7 +50,7 @@ from typing import Any
 
 from eval.latency import STALL_RATIO, first_call_summary, latency_summary, stall_summary
 from eval.passk import PASS_KS, default_reference, paired_pass_diff, pass_fields
-from eval.records import is_warmup, record_drafter, row_sort_key
+from eval.records import is_calibration, is_timed, is_warmup, record_drafter, row_sort_key
 
 __all__ = [
     "COLUMNS",
@@ -72,7 +76,7 @@ COLUMNS = (
     "load_s", "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps",
     "ttft_p50_ms", "ttft_p90_ms", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms",
     "draft_ms", "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES),
-    "steady_speedup_vs_hf_static", "compared", "matches", "match_rate", "mean_first_divergence", "checked",
+    "steady_speedup_vs_hf_static", "same_run_speedup_vs_hf_static", "compared", "matches", "match_rate", "mean_first_divergence", "checked",
     "pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_reference", "pass_at_1_diff", "pass_at_1_diff_low",
     "pass_at_1_diff_high", "pass_at_10", "pass_at_10_low", "pass_at_10_high", "pass_at_10_diff",
     "pass_at_10_diff_low", "pass_at_10_diff_high", "attn_prompt_len", "attn_tree_us", "attn_sdpa_us", "attn_speedup",
@@ -92,6 +96,9 @@ DEFINITIONS = {
     "itl": "time between consecutive streamed tokens: an emission of k tokens gives its first token the time since "
            "the previous emission and the other k - 1 tokens 0; p50 / p90 / p99 over all timed calls pooled",
     "ttft": "time from the call's start to its first visible token (prefill + first step)",
+    "same_run_speedup_vs_hf_static": "tokens/s over HF static's, HF static's time on each problem scaled by the "
+                                     "ratio of its time in the call's process to its time in its own records, "
+                                     "both on that process's calibration problems",
     "pass_at_1": "fraction of the row's problems whose completion passed its tests (records' 'passed')",
     "pass_at_1_diff": "pass_at_1 minus pass_at_1_reference's (hf-static, else hf) over the problems both have a "
                       "verdict for; _low / _high: Tango's paired score interval (95%); with samples > 1 the "
@@ -123,7 +130,8 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
               stall_ratio: float = STALL_RATIO) -> list[dict[str, Any]]:  # fmt: skip
     """One row per (method, drafter, tree size) with the fields in ``COLUMNS`` (None where not
     applicable), plus ``stall_problems``. ``records`` may hold warm-up records (first-call latency)."""
-    records = sorted(records, key=is_warmup)  # timed first (stable): drafters ordered as they ran
+    records = sorted(records, key=lambda r: not is_timed(r))  # timed first (stable): drafters ordered as they ran
+    calibration: dict[str, dict[str, Mapping[str, Any]]] = defaultdict(dict)  # run id -> problem -> record
     warm: dict[_RowKey, list[Mapping[str, Any]]] = defaultdict(list)
     ok: dict[_RowKey, dict[str, Mapping[str, Any]]] = defaultdict(dict)
     errors: dict[_RowKey, int] = defaultdict(int)
@@ -134,7 +142,9 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
         if key[1] is not None:
             labels[key[1]] = str(r.get("drafter_label") or key[1])
             drafter_order.setdefault(key[1], len(drafter_order))
-        if is_warmup(r):
+        if is_calibration(r):
+            calibration[str(r.get("run_id"))][str(r["problem_id"])] = r
+        elif is_warmup(r):
             warm[key].append(r)
         elif r.get("error"):
             errors[key] += 1
@@ -182,10 +192,47 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
             mine, theirs = ok.get(_key_of(row), {}), ok.get(("hf-static", None, None), {})
             row["steady_speedup_vs_hf_static"] = _speedup({p: mine[p] for p in common},
                                                           {p: theirs[p] for p in common})  # fmt: skip
+    scales = _run_scales(ok.get(("hf-static", None, None), {}), calibration)
+    for row in rows:
+        if row["drafter_key"] is not None:
+            row["same_run_speedup_vs_hf_static"] = _same_run_speedup(ok.get(_key_of(row), {}),
+                                                                     ok.get(("hf-static", None, None), {}), scales)
     _add_pass_diff(rows, ok)
     for row in rows:
         row.pop("_steady", None)
     return rows
+
+
+def _run_scales(base: Mapping[str, Mapping[str, Any]],
+                calibration: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, float]:  # fmt: skip
+    """{run id: HF static's time in that process / its time in ``base``}, over the problems the
+    process calibrated on that ``base`` has; a process whose own records are ``base``'s counts 1."""
+    runs: dict[str, dict[str, Mapping[str, Any]]] = defaultdict(dict)
+    for p, r in base.items():
+        runs[str(r.get("run_id"))][p] = r
+    for run, recs in calibration.items():
+        runs[run].update(recs)
+    scales = {}
+    for run, recs in runs.items():
+        common = [p for p in recs if p in base]
+        mine, theirs = sum(recs[p]["wall_s"] for p in common), sum(base[p]["wall_s"] for p in common)
+        if common and mine > 0 and theirs > 0:
+            scales[run] = mine / theirs
+    return scales
+
+
+def _same_run_speedup(mine: Mapping[str, Mapping[str, Any]], base: Mapping[str, Mapping[str, Any]],
+                      scales: Mapping[str, float]) -> float | None:  # fmt: skip
+    """tokens/s of ``mine`` over HF static's on the same problems, each problem's HF static time
+    scaled to the speed of the process that ran ``mine``'s call; None unless all are covered."""
+    if not mine or any(p not in base or str(r.get("run_id")) not in scales for p, r in mine.items()):
+        return None
+    new_m, wall_m = _rate(mine.values())
+    new_b = sum(base[p]["new_tokens"] for p in mine)
+    wall_b = sum(base[p]["wall_s"] * scales[str(r.get("run_id"))] for p, r in mine.items())
+    if wall_m <= 0 or wall_b <= 0 or new_b <= 0:
+        return None
+    return (new_m / wall_m) / (new_b / wall_b)
 
 
 def _add_pass_diff(rows: list[dict[str, Any]], ok: Mapping[_RowKey, Mapping[str, Mapping[str, Any]]]) -> None:
@@ -290,6 +337,7 @@ _TABLE = (  # (header, field, format)
     ("verify ms/step", "verify_ms", ".2f"), ("draft ms/step", "draft_ms", ".2f"), ("tok/s", "tokens_per_s", ".1f"),
     ("steady tok/s", "steady_tokens_per_s", ".1f"), ("vs hf", "speedup_vs_hf", "x"),
     ("vs hf-static", "speedup_vs_hf_static", "x"), ("steady vs hf-static", "steady_speedup_vs_hf_static", "x"),
+    ("vs hf-static same process", "same_run_speedup_vs_hf_static", "x"),
     ("vs assisted", "speedup_vs_hf_assisted", "x"), ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
     ("first call s", "first_call_s", ".2f"), ("itl p50 ms", "itl_p50_ms", ".2f"), ("itl p90 ms", "itl_p90_ms", ".2f"),
     ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("same as hf", "match_rate", "%"),
@@ -338,7 +386,7 @@ def agreement_summary(records: Iterable[Mapping[str, Any]], strict: bool = False
     labels: dict[str | None, str] = {}
     order: dict[str | None, int] = {}
     for r in records:
-        if is_warmup(r) or r.get("match") is None:
+        if not is_timed(r) or r.get("match") is None:
             continue
         key = _row_key(r)
         groups[key].append(r)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,12 @@ from eval.config import REFERENCE, WARMUP_TOKENS, DrafterSpec, EvalConfig, confi
 from eval.methods import METHODS, Method, MethodOutput, Session, _torch_dtype
 from eval.prompts import load_eval_problems, pad_problems
 from eval.records import (
+    CALIBRATION,
     WARMUP,
     EvalResult,
     compare_tokens,
     finalize,
-    is_warmup,
+    is_timed,
     load_records,
     record_key,
     seed_for,
@@ -168,6 +170,13 @@ def _result_fields(res: MethodOutput, tokenizer: Any) -> dict[str, Any]:
     return fields
 
 
+def _item_key(common: Mapping[str, Any], problem: Any, method: Method, spec: DrafterSpec | None, t: int | None,
+              cfg: EvalConfig) -> tuple:  # fmt: skip
+    """The ``record_key`` of a work item's record (what a resumed run skips)."""
+    return record_key({**common, "problem_id": str(problem.id), "method": method.name, "tree_size": t,
+                       **_drafter_fields(cfg, spec)})  # fmt: skip
+
+
 def _check_fields(checker: Callable[[Any, str], Any], problem: Any, rec: Mapping[str, Any]) -> dict[str, Any]:
     """The checker's verdict on a record's completion (``passed``, ``check_status``), or on each of its
     samples (``sample_passed``, ``sample_status``, ``num_correct``)."""
@@ -220,6 +229,34 @@ def _warm_up(session: Session, method: Method, prompt, tree_size: int | None) ->
     return fields
 
 
+#: The baseline a calibration times again in each process (``EvalConfig.calibrate``).
+CALIBRATION_METHOD = "hf-static"
+
+
+def _calibrate(session: Session, problems: Sequence[Any], prompts: Sequence[Sequence[int]], common: Mapping[str, Any],
+               sink: Any, result: EvalResult) -> None:  # fmt: skip
+    """Time ``CALIBRATION_METHOD`` on the first ``cfg.calibrate`` problems (after its warm-up) and write
+    each call as a ``"kind": "calibration"`` record of this process (``common["run_id"]``)."""
+    import torch
+
+    method = METHODS[CALIBRATION_METHOD]
+    session.drafter = None
+    n = min(session.cfg.calibrate, len(problems))
+    first = torch.tensor([prompts[0]], dtype=torch.int64, device=session.device)
+    warm = _warm_up(session, method, first, None)
+    if warm["error"]:
+        _say(f"note: calibration skipped: {CALIBRATION_METHOD} failed to warm up ({warm['error']})")
+        return
+    for problem, ids in zip(problems[:n], prompts[:n]):
+        pid = str(problem.id)
+        session.seed = seed_for(session.cfg.seed, pid, method.name, None)
+        res = method.run(session, torch.tensor([ids], dtype=torch.int64, device=session.device), None)
+        rec = dict(common, kind=CALIBRATION, problem_id=pid, method=method.name, tree_size=None, prompt_len=len(ids),
+                   new_tokens=res.new_tokens, wall_s=res.wall_s)  # fmt: skip
+        write_record(sink, rec)
+        result.warmups.append(rec)
+
+
 def run_eval(
     cfg: EvalConfig,
     *,
@@ -260,8 +297,8 @@ def run_eval(
     out_path = Path(cfg.results_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     previous = [r for r in load_records(out_path, repair=True) if r.get("config_key") == key]
-    prev_warmups = [r for r in previous if is_warmup(r)]
-    previous = [r for r in previous if not is_warmup(r)]
+    prev_warmups = [r for r in previous if not is_timed(r)]
+    previous = [r for r in previous if is_timed(r)]
     done = {record_key(r): r for r in previous if not r.get("error")}
 
     if problems is None:
@@ -308,7 +345,7 @@ def run_eval(
     strict = cfg.greedy and dtype_name == "fp32"
     result = EvalResult(records=list(previous), warmups=list(prev_warmups), strict=strict,
                         model_shape=_model_shape(target))  # fmt: skip
-    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per run_eval call
     common = {
         "config_key": key, "run_id": run_id, "dataset": cfg.dataset, "target": cfg.target, "draft": cfg.draft,
         "dtype": dtype_name, "device": device, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
@@ -321,10 +358,16 @@ def run_eval(
                 file=sys.stderr)  # fmt: skip
     try:
         with open(out_path, "a", encoding="utf-8") as sink:
+            todo = [(m, s, t) for p_index, p, m, s, t in items if _item_key(common, p, m, s, t, cfg) not in done]
+            # a process that runs the baseline itself needs no calibration: its own records are the baseline
+            if (cfg.calibrate and any(m.needs_drafter for m, _, _ in todo)
+                    and not any(m.name == CALIBRATION_METHOD for m, _, _ in todo)):  # fmt: skip
+                bar.set_postfix_str(f"calibrating: {CALIBRATION_METHOD} on {cfg.calibrate} problem(s)")
+                _calibrate(session, problems, prompts, common, sink, result)
             for p_index, problem, method, spec, t in items:
                 pid = str(problem.id)
                 dfields = _drafter_fields(cfg, spec)
-                rkey = record_key({**common, "problem_id": pid, "method": method.name, "tree_size": t, **dfields})
+                rkey = _item_key(common, problem, method, spec, t, cfg)
                 if pid not in references:
                     references[pid] = done.get((key, cfg.dataset, pid, REFERENCE, None, None))
                 if rkey in done:

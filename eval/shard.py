@@ -136,9 +136,9 @@ def shard_env(environ: Mapping[str, str] | None = None, tp_size: int = 1) -> tup
 def _default_key(rec: Mapping[str, Any]) -> Hashable | None:
     """``eval.records.record_key`` for timed records; None (never deduplicated) for warm-up records,
     which are per process by design."""
-    from eval.records import is_warmup, record_key
+    from eval.records import is_timed, record_key
 
-    return None if is_warmup(rec) else record_key(rec)
+    return record_key(rec) if is_timed(rec) else None
 
 
 def _canonical(key: Hashable) -> str:

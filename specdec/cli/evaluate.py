@@ -109,6 +109,10 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
     p.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto", help="the engine's attention")
     p.add_argument("--compile", action="store_true",
                    help="the engine's target forward through torch.compile (inductor) before its CUDA graph")
+    p.add_argument("--calibrate", type=cliargs.int_at_least(0), default=0, metavar="N",
+                   help="in a process with a drafter's rows to run and no HF static of its own, time HF static "
+                   "again on the first N problems first ('calibration' records): the table's 'vs hf-static same "
+                   "process' then compares each row with the baseline at its own process's speed. 0: none")
     p.add_argument("--warmup", type=cliargs.int_at_least(0), default=1,
                    help="untimed generations per method (drafter, tree size) before timing, after the engine's "
                    "SpecDecoder.warmup; both timed as first-call latency. 0: the first timed call is the first call")
@@ -232,7 +236,7 @@ def config_from(ns: argparse.Namespace, dataset: str):
             difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
             max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, samples=ns.samples, seed=ns.seed,
             dtype=ns.dtype, device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl,
-            compile=ns.compile, warmup=ns.warmup, progress=not ns.no_progress, home=ns.home,
+            compile=ns.compile, warmup=ns.warmup, calibrate=ns.calibrate, progress=not ns.no_progress, home=ns.home,
             method_problems=tuple(ns.method_problems), shard=shard,
         )  # fmt: skip
     except ValueError as e:

@@ -239,3 +239,27 @@ def test_plot_lines_per_drafter(tmp_path):
     pytest.importorskip("matplotlib")
     path = report.plot(rows, tmp_path / "m.png")
     assert path is not None and path.stat().st_size > 1000
+
+
+def test_same_run_speedup_scales_hf_static_to_the_process_that_ran_the_row():
+    base = [_rec(p, "hf-static", wall=1.0, run_id="A") for p in ("1", "2")]
+    # process B ran HF static twice as slowly on its calibration problem
+    calib = [_rec("1", "hf-static", wall=2.0, run_id="B", kind="calibration")]
+    rows = report.summarize([
+        *base, *calib,
+        *(_rec(p, "specdec", 32, wall=0.5, run_id="B", drafter="d") for p in ("1", "2")),
+        *(_rec(p, "specdec", 64, wall=0.25, run_id="A", drafter="d") for p in ("1", "2")),  # HF static's own process
+        _rec("1", "specdec", 128, wall=0.5, run_id="B", drafter="d"),
+        _rec("2", "specdec", 128, wall=0.5, run_id="C", drafter="d"),  # a process without calibration
+    ])
+    by = {(r["method"], r["tree_size"]): r for r in rows}
+    # a calibration record is no timed call of HF static's row
+    assert by[("hf-static", None)]["problems"] == 2 and by[("hf-static", None)]["tokens_per_s"] == pytest.approx(10.0)
+    assert by[("specdec", 32)]["speedup_vs_hf_static"] == pytest.approx(2.0)
+    # 20 tokens / 1 s against 20 tokens / (2 x 1 s x 2)
+    assert by[("specdec", 32)]["same_run_speedup_vs_hf_static"] == pytest.approx(4.0)
+    assert by[("specdec", 64)]["same_run_speedup_vs_hf_static"] == pytest.approx(4.0)  # scale 1 in process A
+    assert by[("specdec", 128)]["same_run_speedup_vs_hf_static"] is None
+    assert by[("hf-static", None)]["same_run_speedup_vs_hf_static"] is None
+    table = _cells(report.format_table(rows))
+    assert [c["vs hf-static same process"] for c in table] == ["-", "4.00x", "4.00x", "-"]

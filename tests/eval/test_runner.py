@@ -13,7 +13,7 @@ import pytest
 from eval import config as C
 from eval import methods as M
 from eval import records as R
-from eval import runner
+from eval import report, runner
 from eval import prompts as P
 from eval.config import DrafterSpec, EvalConfig
 from eval.methods import Method, MethodOutput
@@ -820,3 +820,38 @@ def test_cli_rejects_bad_samples(pair, tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_calibration_times_hf_static_in_each_process_with_drafter_rows(pair, loaded, tmp_path, counted):
+    out = tmp_path / "cal.jsonl"
+    first = _cfg(pair, out, methods=("specdec", "hf-static"), tree_sizes=(4,), calibrate=1, warmup=1)
+    res = runner.run_eval(first, models=loaded)
+    assert not any(R.is_calibration(r) for r in _lines(out))  # this process ran HF static itself
+    assert counted["hf-static"] == 2 + 2  # compile, replay, 2 problems
+
+    counted.clear()
+    more = _cfg(pair, out, methods=("specdec", "hf-static"), tree_sizes=(4,), drafters=(DRAFTER, "lookup"),
+                calibrate=1, warmup=1)  # fmt: skip
+    res = runner.run_eval(more, models=loaded)
+    cal = [r for r in _lines(out) if R.is_calibration(r)]
+    assert [(r["problem_id"], r["method"]) for r in cal] == [("100", "hf-static")]
+    assert cal[0]["run_id"] != res.records[0]["run_id"] and cal[0]["wall_s"] > 0 and cal[0]["new_tokens"] > 0
+    assert counted["hf-static"] == 2 + 1  # warm-up (compile, replay) + one calibration problem
+    assert res.new == 2 and len(res.records) == 2 * (2 + 2)  # hf, hf-static, two drafters: no calibration record
+
+    rows = {(r["method"], r["drafter"], r["tree_size"]): r for r in report.summarize(res.all_records)}
+    assert rows[("hf-static", None, None)]["problems"] == 2
+    for key in (("specdec", DRAFTER, 4), ("specdec", "lookup", 4)):
+        assert rows[key]["same_run_speedup_vs_hf_static"] > 0
+    # HF static's own process: scale 1, the same ratio as against the baseline
+    own = rows[("specdec", DRAFTER, 4)]
+    assert own["same_run_speedup_vs_hf_static"] == pytest.approx(own["speedup_vs_hf_static"])
+
+    counted.clear()  # nothing left to run: no calibration either
+    assert runner.run_eval(more, models=loaded).new == 0 and counted["hf-static"] == 0
+    assert len([r for r in _lines(out) if R.is_calibration(r)]) == 1
+
+
+def test_calibrate_must_not_be_negative(pair, tmp_path):
+    with pytest.raises(ValueError, match="calibrate: expected an int >= 0, got -1"):
+        _cfg(pair, tmp_path / "x.jsonl", calibrate=-1)
