@@ -299,6 +299,10 @@ class EvalConfig:
             rows to run, before them (``"kind": "calibration"`` records): machine lives and processes
             of one kind differ by up to ~10-20 % in speed, and these records let the report compare
             each row with the baseline at its own process's speed (``same_run_speedup``). 0: none.
+        gc_freeze: after each warm-up, ``gc.collect()`` then ``gc.freeze()`` (untimed, every method
+            alike; undone when the run ends): later full garbage collections skip everything alive by
+            then, which in a process holding compiled models took tens of ms each, inside timed calls.
+            Each record says how long the call spent in collections (``gc_s``, ``gc_full``).
         progress: tqdm bars.
         home: model store root (None: ``$SPECDEC_HOME``).
         method_problems: ``{method: n}`` as pairs: that method runs on the first n problems only
@@ -333,6 +337,7 @@ class EvalConfig:
     compile: bool = False
     warmup: int = 1
     calibrate: int = 0
+    gc_freeze: bool = True
     progress: bool = True
     home: str | None = None
     method_problems: tuple[tuple[str, int], ...] = ()
@@ -450,6 +455,8 @@ def config_key(cfg: EvalConfig) -> str:
     }  # fmt: skip
     if cfg.compile:  # only when set: keys of runs made before the option existed stay valid
         keyed["compile"] = True
+    if not cfg.gc_freeze:  # only when off: runs with and without it can share no record
+        keyed["gc_freeze"] = False
     if cfg.samples != 1:  # likewise: single-sample keys are those of runs made before the option
         keyed["samples"] = cfg.samples
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]

@@ -16,6 +16,8 @@ baselines (no drafter, no tree size) are shared by every drafter's rows:
   state apart from stalls and from the first call (compile / capture included), ``eval.latency``;
 * ``itl_p50_ms`` / ``itl_p90_ms`` / ``itl_p99_ms``: time between streamed tokens, ``ttft_p50_ms``:
   time to first token (``eval.latency``);
+* ``gc_ms``: mean milliseconds per timed call spent in Python garbage collection (records' ``gc_s``;
+  None for records made before it was kept), ``gc_full``: full collections per call;
 * ``speedup_vs_<base>``: tokens/s over the base method's tokens/s, both on the problems the two
   have in common (bases: ``hf``, ``hf-static``, ``hf-assisted``); ``steady_speedup_vs_hf_static``:
   the same over the problems where neither call was a first call or a stall;
@@ -74,7 +76,7 @@ COLUMNS = (
     "median_ms_per_token",
     "first_calls", "stalls", "stall_s", "stall_excess_s", "first_call_s", "first_call_tokens", "first_call_prep_s",
     "load_s", "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps",
-    "ttft_p50_ms", "ttft_p90_ms", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms",
+    "ttft_p50_ms", "ttft_p90_ms", "gc_ms", "gc_full", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms",
     "draft_ms", "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES),
     "steady_speedup_vs_hf_static", "same_run_speedup_vs_hf_static", "compared", "matches", "match_rate", "mean_first_divergence", "checked",
     "pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_reference", "pass_at_1_diff", "pass_at_1_diff_low",
@@ -96,6 +98,8 @@ DEFINITIONS = {
     "itl": "time between consecutive streamed tokens: an emission of k tokens gives its first token the time since "
            "the previous emission and the other k - 1 tokens 0; p50 / p90 / p99 over all timed calls pooled",
     "ttft": "time from the call's start to its first visible token (prefill + first step)",
+    "gc_ms": "mean ms per timed call spent in Python garbage collection (gc.callbacks around the call); gc_full: "
+             "mean full (generation-2) collections per call",
     "same_run_speedup_vs_hf_static": "tokens/s over HF static's, HF static's time on each problem scaled by the "
                                      "ratio of its time in the call's process to its time in its own records, "
                                      "both on that process's calibration problems",
@@ -168,6 +172,10 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
             row["_steady"] = set(stalls.pop("steady_problems"))
             row.update(stalls)
             row.update(latency_summary(recs))
+            gcs = [r for r in recs if r.get("gc_s") is not None]
+            if gcs:
+                row.update(gc_ms=1e3 * statistics.fmean(r["gc_s"] for r in gcs),
+                           gc_full=statistics.fmean(r.get("gc_full") or 0 for r in gcs))
             _add_steps(row, recs)
             for base in SPEEDUP_BASES:
                 row[f"speedup_vs_{base.replace('-', '_')}"] = _speedup(by_problem, ok.get((base, None, None), {}))
@@ -340,7 +348,7 @@ _TABLE = (  # (header, field, format)
     ("vs hf-static same process", "same_run_speedup_vs_hf_static", "x"),
     ("vs assisted", "speedup_vs_hf_assisted", "x"), ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
     ("first call s", "first_call_s", ".2f"), ("itl p50 ms", "itl_p50_ms", ".2f"), ("itl p90 ms", "itl_p90_ms", ".2f"),
-    ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("same as hf", "match_rate", "%"),
+    ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("gc ms/call", "gc_ms", ".2f"), ("same as hf", "match_rate", "%"),
     ("pass@1", "pass_at_1", "pk"), ("Δpass@1", "pass_at_1_diff", "ci"), ("pass@10", "pass_at_10", "pk"),
     ("Δpass@10", "pass_at_10_diff", "ci"), ("attn L", "attn_prompt_len", "d"),
     ("attn tree µs", "attn_tree_us", ".1f"),

@@ -33,6 +33,7 @@ the shards' records together are the records of one unsharded run.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -205,6 +206,40 @@ def _compare(rec: dict[str, Any], reference: Mapping[str, Any] | None, greedy: b
     return {"reference": REFERENCE, "match": same, "first_divergence": first, "agreement": agree}
 
 
+class _GcClock:
+    """Seconds the interpreter spent in garbage collection, and its full (generation-2) collections,
+    while the clock is entered (``gc.callbacks``): a pause inside a timed call is part of its wall
+    time, and a long-lived process with many objects (a compiled model, captured graphs, earlier
+    records) pays tens of milliseconds per full collection."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, None
+
+    def _callback(self, phase: str, info: Mapping[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info.get("generation") == 2
+            self._start = None
+
+    def __enter__(self) -> "_GcClock":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def _freeze_gc(cfg: EvalConfig) -> None:
+    """After a warm-up (untimed, every method alike): collect, then move every object alive now to
+    the permanent generation (``gc.freeze``), so later full collections skip the models, compiled
+    graphs and records made so far. ``run_eval`` unfreezes at its end."""
+    if cfg.gc_freeze:
+        gc.collect()
+        gc.freeze()
+
+
 def _warm_up(session: Session, method: Method, prompt, tree_size: int | None) -> dict[str, Any]:
     """Build and warm up one method (drafter, tree size): the declared engine warm-up, then
     ``cfg.warmup`` short generations (``hf-static``: one more); every part timed. Errors are kept
@@ -244,6 +279,7 @@ def _calibrate(session: Session, problems: Sequence[Any], prompts: Sequence[Sequ
     n = min(session.cfg.calibrate, len(problems))
     first = torch.tensor([prompts[0]], dtype=torch.int64, device=session.device)
     warm = _warm_up(session, method, first, None)
+    _freeze_gc(session.cfg)
     if warm["error"]:
         _say(f"note: calibration skipped: {CALIBRATION_METHOD} failed to warm up ({warm['error']})")
         return
@@ -384,6 +420,7 @@ def run_eval(
                     bar.set_postfix_str(f"warming up {label}{'' if t is None else f'@{t}'}")
                     warm = _warm_up(session, method, prompt, t)
                     warmed[slot] = warm
+                    _freeze_gc(cfg)
                     if cfg.warmup > 0:
                         wrec = dict(common, kind=WARMUP, problem_id=pid, method=method.name, tree_size=t,
                                     prompt_len=len(ids), **dfields, **warm)  # fmt: skip
@@ -398,7 +435,8 @@ def run_eval(
                 if first_call is not None:
                     rec.update(first_call=True, load_s=first_call["load_s"], prep_s=first_call["prep_s"])
                 try:
-                    res = method.run(session, prompt, t)
+                    with _GcClock() as gc_clock:
+                        res = method.run(session, prompt, t)
                     got = 1 if res.samples is None else len(res.samples)
                     if got != cfg.samples:
                         raise ValueError(f"samples: method {method.name!r} returned {got} completion(s), expected "
@@ -410,6 +448,7 @@ def run_eval(
                         torch.cuda.empty_cache()
                 else:
                     rec.update(_result_fields(res, tokenizer))
+                    rec.update(gc_s=gc_clock.seconds, gc_full=gc_clock.full)
                     rec.update(_compare(rec, references[pid], cfg.greedy))
                     if checker is not None:  # outside the timed call
                         rec.update(_check_fields(checker, problem, rec))
@@ -427,4 +466,6 @@ def run_eval(
                     bar.set_postfix_str(f"{label}{'' if t is None else f'@{t}'} {rec['tokens_per_s']:.1f} tok/s")
     finally:
         bar.close()
+        if cfg.gc_freeze:
+            gc.unfreeze()
     return finalize(result)

@@ -134,8 +134,8 @@ def shard_env(environ: Mapping[str, str] | None = None, tp_size: int = 1) -> tup
 
 
 def _default_key(rec: Mapping[str, Any]) -> Hashable | None:
-    """``eval.records.record_key`` for timed records; None (never deduplicated) for warm-up records,
-    which are per process by design."""
+    """``eval.records.record_key`` for timed records; None (never deduplicated) for side records
+    (warm-up, calibration), which are per process by design."""
     from eval.records import is_timed, record_key
 
     return record_key(rec) if is_timed(rec) else None
@@ -152,12 +152,12 @@ def merge(paths: Sequence[str | os.PathLike[str]],
     Within one file the last record of a key wins (a retried error replaced by its redo, as a
     resumed single-process run keeps its latest). Across files a key may appear in several only
     with identical records (the same file given twice, a copied record); records whose key is None
-    (warm-up records under the default key) are all kept. Missing files count as empty (a shard
+    (side records under the default key) are all kept. Missing files count as empty (a shard
     with no problems writes nothing).
 
     Args:
         paths: the shard files (``shard_paths(out, world)``), any order.
-        key: record -> its identity (default: ``eval.records.record_key``; None for warm-up records).
+        key: record -> its identity (default: ``eval.records.record_key``; None for side records).
 
     Returns:
         The records: those without a key first (by file, in file order, files by path), then the

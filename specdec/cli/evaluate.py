@@ -113,6 +113,10 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
                    help="in a process with a drafter's rows to run and no HF static of its own, time HF static "
                    "again on the first N problems first ('calibration' records): the table's 'vs hf-static same "
                    "process' then compares each row with the baseline at its own process's speed. 0: none")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="do not gc.collect() + gc.freeze() after each warm-up (by default later full garbage "
+                   "collections skip the models and graphs alive by then; each record keeps gc_s, the call's "
+                   "seconds in collections)")
     p.add_argument("--warmup", type=cliargs.int_at_least(0), default=1,
                    help="untimed generations per method (drafter, tree size) before timing, after the engine's "
                    "SpecDecoder.warmup; both timed as first-call latency. 0: the first timed call is the first call")
@@ -236,7 +240,7 @@ def config_from(ns: argparse.Namespace, dataset: str):
             difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
             max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, samples=ns.samples, seed=ns.seed,
             dtype=ns.dtype, device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl,
-            compile=ns.compile, warmup=ns.warmup, calibrate=ns.calibrate, progress=not ns.no_progress, home=ns.home,
+            compile=ns.compile, warmup=ns.warmup, calibrate=ns.calibrate, gc_freeze=not ns.no_gc_freeze, progress=not ns.no_progress, home=ns.home,
             method_problems=tuple(ns.method_problems), shard=shard,
         )  # fmt: skip
     except ValueError as e:

@@ -855,3 +855,28 @@ def test_calibration_times_hf_static_in_each_process_with_drafter_rows(pair, loa
 def test_calibrate_must_not_be_negative(pair, tmp_path):
     with pytest.raises(ValueError, match="calibrate: expected an int >= 0, got -1"):
         _cfg(pair, tmp_path / "x.jsonl", calibrate=-1)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_records_keep_their_gc_time_and_warm_ups_freeze_the_heap(pair, loaded, tmp_path, freeze):
+    import gc
+
+    seen = []
+
+    def collecting(session, prompt, tree_size):
+        seen.append(gc.get_freeze_count())
+        gc.collect()  # a full collection inside the timed call
+        return session.hf_generate(prompt)
+
+    methods = {"collecting": Method("collecting", collecting)}
+    cfg = _cfg(pair, tmp_path / "gc.jsonl", methods=("collecting",), gc_freeze=freeze, warmup=1)
+    assert gc.get_freeze_count() == 0
+    res = runner.run_eval(cfg, models=loaded, extra_methods=methods)
+    assert gc.get_freeze_count() == 0  # undone when the run ends
+    mine = [r for r in res.records if r["method"] == "collecting"]
+    assert len(mine) == 2 and all(r["gc_s"] > 0 and r["gc_full"] >= 1 for r in mine)
+    # the timed calls (the last two) run on a frozen heap (the warm-ups before them froze it), or never
+    assert all(n > 0 for n in seen[-2:]) if freeze else all(n == 0 for n in seen)
+    row = next(r for r in report.summarize(res.all_records) if r["method"] == "collecting")
+    assert row["gc_ms"] > 0 and row["gc_full"] >= 1
+    assert (C.config_key(cfg) == C.config_key(dataclasses.replace(cfg, gc_freeze=True))) is freeze
