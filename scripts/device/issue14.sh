@@ -75,12 +75,16 @@ for s in "$@"; do
       cp "$head/eagle_config.json" "$out/" ;;
     apps|humaneval)  # the drafters at each t vs HF static, every problem of the dataset (none used for tuning)
       data=$([ "$s" = apps ] && echo .evaldata/apps_selected150.jsonl || echo "")
-      # rows of an earlier machine (carried in .evaldata/results/) are kept: its baselines are reused
-      [ -f "/tmp/results/$s-$tag.jsonl" ] || cp ".evaldata/results/$s-$tag.jsonl" /tmp/results/ 2>/dev/null
+      # rows of an earlier machine (carried in .evaldata/results/, gzipped or not) are kept: its baselines are reused
+      [ -f "/tmp/results/$s-$tag.jsonl" ] || cp ".evaldata/results/$s-$tag.jsonl" /tmp/results/ 2>/dev/null \
+        || zcat ".evaldata/results/$s-$tag.jsonl.gz" > "/tmp/results/$s-$tag.jsonl" 2>/dev/null \
+        || rm -f "/tmp/results/$s-$tag.jsonl"
       timeout "${SWEEP_S:-590}" python3 -m specdec.cli sweep --dataset "$s" ${data:+--data $data} "${sweep[@]}" \
         --draft "" --drafters "${drafters[@]}" --tree-sizes "${trees[@]}" --methods "${methods[@]}" \
         --out "/tmp/results/$s-$tag.jsonl" >> "$out/$s-$tag.log" 2>&1
-      cp /tmp/results/$s-$tag.* "$out/" 2>/dev/null ;;
+      # the records gzipped (a 15-MB file next to another one was once left out of what a call returns)
+      cp /tmp/results/$s-$tag.{csv,summary.json,png} "$out/" 2>/dev/null
+      gzip -c "/tmp/results/$s-$tag.jsonl" > "$out/$s-$tag.jsonl.gz" ;;
     setup)  # assemble and convert the staged models (scripts/device/setup_models.sh; ~170 s)
       bash scripts/device/setup_models.sh > "$out/setup.log" 2>&1 ;;
     medusa)  # Medusa heads for the full sweep (issue 15), trained on MBPP into /tmp/medusa (unless there already);
