@@ -234,7 +234,8 @@ class _GcClock:
 def _freeze_gc(cfg: EvalConfig) -> None:
     """After a warm-up (untimed, every method alike): collect, then move every object alive now to
     the permanent generation (``gc.freeze``), so later full collections skip the models, compiled
-    graphs and records made so far. ``run_eval`` unfreezes at its end."""
+    graphs and records made so far. ``run_eval`` unfreezes at its end (unless its caller had frozen
+    objects before)."""
     if cfg.gc_freeze:
         gc.collect()
         gc.freeze()
@@ -392,6 +393,7 @@ def run_eval(
     references: dict[str, dict[str, Any] | None] = {}
     bar = _tqdm(total=len(items), desc=f"{cfg.dataset} generations", unit="call", disable=not cfg.progress,
                 file=sys.stderr)  # fmt: skip
+    was_frozen = gc.get_freeze_count() > 0
     try:
         with open(out_path, "a", encoding="utf-8") as sink:
             todo = [(m, s, t) for p_index, p, m, s, t in items if _item_key(common, p, m, s, t, cfg) not in done]
@@ -466,6 +468,6 @@ def run_eval(
                     bar.set_postfix_str(f"{label}{'' if t is None else f'@{t}'} {rec['tokens_per_s']:.1f} tok/s")
     finally:
         bar.close()
-        if cfg.gc_freeze:
+        if cfg.gc_freeze and not was_frozen:  # a caller's own frozen objects stay frozen
             gc.unfreeze()
     return finalize(result)
