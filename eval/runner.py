@@ -287,7 +287,11 @@ def _calibrate(session: Session, problems: Sequence[Any], prompts: Sequence[Sequ
     for problem, ids in zip(problems[:n], prompts[:n]):
         pid = str(problem.id)
         session.seed = seed_for(session.cfg.seed, pid, method.name, None)
-        res = method.run(session, torch.tensor([ids], dtype=torch.int64, device=session.device), None)
+        try:
+            res = method.run(session, torch.tensor([ids], dtype=torch.int64, device=session.device), None)
+        except Exception as e:  # a failing calibration must not lose the run: its rows just get no same-process ratio
+            _say(f"note: calibration stopped at problem {pid}: {type(e).__name__}: {e}")
+            return
         rec = dict(common, kind=CALIBRATION, problem_id=pid, method=method.name, tree_size=None, prompt_len=len(ids),
                    new_tokens=res.new_tokens, wall_s=res.wall_s)  # fmt: skip
         write_record(sink, rec)
