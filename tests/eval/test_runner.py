@@ -880,3 +880,25 @@ def test_records_keep_their_gc_time_and_warm_ups_freeze_the_heap(pair, loaded, t
     row = next(r for r in report.summarize(res.all_records) if r["method"] == "collecting")
     assert row["gc_ms"] > 0 and row["gc_full"] >= 1
     assert (C.config_key(cfg) == C.config_key(dataclasses.replace(cfg, gc_freeze=True))) is freeze
+
+
+def test_a_failing_calibration_ends_with_a_note_and_the_rows_still_run(pair, loaded, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "calfail.jsonl"
+    runner.run_eval(_cfg(pair, out, methods=("hf-static",), warmup=1), models=loaded)  # the baseline, first
+    hf_generate, calls = M.Session.hf_generate, []
+
+    def failing(self, prompt, **kw):
+        if "cache_implementation" in kw:
+            calls.append(1)
+            if len(calls) > 2:  # after the warm-up's two calls (compile, replay)
+                raise RuntimeError("out of memory")
+        return hf_generate(self, prompt, **kw)
+
+    monkeypatch.setattr(M.Session, "hf_generate", failing)
+    res = runner.run_eval(_cfg(pair, out, methods=("specdec", "hf-static"), tree_sizes=(4,), calibrate=2, warmup=1),
+                          models=loaded)  # fmt: skip
+    assert "note: calibration stopped at problem 100: RuntimeError: out of memory" in capsys.readouterr().err
+    assert not any(R.is_calibration(r) for r in _lines(out))
+    assert res.new == 2 and not res.failed  # the drafter's rows
+    row = next(r for r in report.summarize(res.all_records) if r["method"] == "specdec")
+    assert row["same_run_speedup_vs_hf_static"] is None and row["speedup_vs_hf_static"] is not None
