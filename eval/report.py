@@ -76,9 +76,10 @@ COLUMNS = (
     "median_ms_per_token",
     "first_calls", "stalls", "stall_s", "stall_excess_s", "first_call_s", "first_call_tokens", "first_call_prep_s",
     "load_s", "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps",
-    "ttft_p50_ms", "ttft_p90_ms", "gc_ms", "gc_full", "steps", "tau", "accepted_per_step", "mean_nodes", "mean_depth", "verify_ms",
-    "draft_ms", "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES),
-    "steady_speedup_vs_hf_static", "same_run_speedup_vs_hf_static", "compared", "matches", "match_rate", "mean_first_divergence", "checked",
+    "ttft_p50_ms", "ttft_p90_ms", "gc_ms", "gc_full", "steps", "tau", "accepted_per_step", "mean_nodes",
+    "mean_depth", "verify_ms", "draft_ms", "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES),
+    "steady_speedup_vs_hf_static", "same_run_speedup_vs_hf_static", "compared", "matches", "match_rate",
+    "mean_first_divergence", "checked",
     "pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_reference", "pass_at_1_diff", "pass_at_1_diff_low",
     "pass_at_1_diff_high", "pass_at_10", "pass_at_10_low", "pass_at_10_high", "pass_at_10_diff",
     "pass_at_10_diff_low", "pass_at_10_diff_high", "attn_prompt_len", "attn_tree_us", "attn_sdpa_us", "attn_speedup",
@@ -200,11 +201,11 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
             mine, theirs = ok.get(_key_of(row), {}), ok.get(("hf-static", None, None), {})
             row["steady_speedup_vs_hf_static"] = _speedup({p: mine[p] for p in common},
                                                           {p: theirs[p] for p in common})  # fmt: skip
-    scales = _run_scales(ok.get(("hf-static", None, None), {}), calibration)
+    static = ok.get(("hf-static", None, None), {})
+    scales = _run_scales(static, calibration)
     for row in rows:
         if row["drafter_key"] is not None:
-            row["same_run_speedup_vs_hf_static"] = _same_run_speedup(ok.get(_key_of(row), {}),
-                                                                     ok.get(("hf-static", None, None), {}), scales)
+            row["same_run_speedup_vs_hf_static"] = _same_run_speedup(ok.get(_key_of(row), {}), static, scales)
     _add_pass_diff(rows, ok)
     for row in rows:
         row.pop("_steady", None)
@@ -348,7 +349,8 @@ _TABLE = (  # (header, field, format)
     ("vs hf-static same process", "same_run_speedup_vs_hf_static", "x"),
     ("vs assisted", "speedup_vs_hf_assisted", "x"), ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
     ("first call s", "first_call_s", ".2f"), ("itl p50 ms", "itl_p50_ms", ".2f"), ("itl p90 ms", "itl_p90_ms", ".2f"),
-    ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("gc ms/call", "gc_ms", ".2f"), ("same as hf", "match_rate", "%"),
+    ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("gc ms/call", "gc_ms", ".2f"),
+    ("same as hf", "match_rate", "%"),
     ("pass@1", "pass_at_1", "pk"), ("Δpass@1", "pass_at_1_diff", "ci"), ("pass@10", "pass_at_10", "pk"),
     ("Δpass@10", "pass_at_10_diff", "ci"), ("attn L", "attn_prompt_len", "d"),
     ("attn tree µs", "attn_tree_us", ".1f"),

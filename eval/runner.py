@@ -400,16 +400,16 @@ def run_eval(
     was_frozen = gc.get_freeze_count() > 0
     try:
         with open(out_path, "a", encoding="utf-8") as sink:
-            todo = [(m, s, t) for p_index, p, m, s, t in items if _item_key(common, p, m, s, t, cfg) not in done]
+            keys = [_item_key(common, p, m, s, t, cfg) for _, p, m, s, t in items]
+            todo = {item[2].name: item[2] for item, k in zip(items, keys) if k not in done}  # methods left to run
             # a process that runs the baseline itself needs no calibration: its own records are the baseline
-            if (cfg.calibrate and any(m.needs_drafter for m, _, _ in todo)
-                    and not any(m.name == CALIBRATION_METHOD for m, _, _ in todo)):  # fmt: skip
+            if (cfg.calibrate and any(m.needs_drafter for m in todo.values())
+                    and CALIBRATION_METHOD not in todo):  # fmt: skip
                 bar.set_postfix_str(f"calibrating: {CALIBRATION_METHOD} on {cfg.calibrate} problem(s)")
                 _calibrate(session, problems, prompts, common, sink, result)
-            for p_index, problem, method, spec, t in items:
+            for (p_index, problem, method, spec, t), rkey in zip(items, keys):
                 pid = str(problem.id)
                 dfields = _drafter_fields(cfg, spec)
-                rkey = _item_key(common, problem, method, spec, t, cfg)
                 if pid not in references:
                     references[pid] = done.get((key, cfg.dataset, pid, REFERENCE, None, None))
                 if rkey in done:

@@ -240,7 +240,8 @@ def config_from(ns: argparse.Namespace, dataset: str):
             difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
             max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, samples=ns.samples, seed=ns.seed,
             dtype=ns.dtype, device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl,
-            compile=ns.compile, warmup=ns.warmup, calibrate=ns.calibrate, gc_freeze=not ns.no_gc_freeze, progress=not ns.no_progress, home=ns.home,
+            compile=ns.compile, warmup=ns.warmup, calibrate=ns.calibrate, gc_freeze=not ns.no_gc_freeze,
+            progress=not ns.no_progress, home=ns.home,
             method_problems=tuple(ns.method_problems), shard=shard,
         )  # fmt: skip
     except ValueError as e:
