@@ -190,24 +190,64 @@ def finalize(result: EvalResult) -> EvalResult:
     return result
 
 
-def result_from_file(path: str | os.PathLike[str]) -> EvalResult:
-    """The records of the last configuration written to ``path`` (by its ``config_key``)."""
-    return result_from_records(load_records(path), path)
+def result_from_file(path: str | os.PathLike[str], configs: str = "last") -> EvalResult:
+    """The records of the last configuration written to ``path`` (by its ``config_key``), or of every
+    configuration in it (``configs="all"``: see ``result_from_records``)."""
+    return result_from_records(load_records(path), path, configs=configs)
+
+
+#: What records of several configurations must agree on to share one table (``configs="all"``): the
+#: settings that change what every method's completion and timing mean. Draft model, attention
+#: implementation, compile and GC freeze may differ: ``hf-assisted`` and drafter records name their own.
+SHARED_FIELDS = ("dataset", "target", "max_new_tokens", "temperature", "seed", "dtype", "device", "pad_prompt_to",
+                 "num_samples")  # fmt: skip
+
+
+def _check_shared(records: Sequence[Mapping[str, Any]], path) -> None:
+    """``configs="all"``: the timed records agree on ``SHARED_FIELDS`` and no row's problem was
+    timed under two configurations (it would count twice)."""
+    timed = [r for r in records if is_timed(r)]
+    for field in SHARED_FIELDS:
+        values = sorted({json.dumps(r.get(field)) for r in timed})
+        if len(values) > 1:
+            raise ValueError(f"configs: 'all' needs the configurations in {path} to agree on {field!r}, "
+                             f"got {', '.join(values)}")  # fmt: skip
+    seen: dict[tuple, Any] = {}
+    for r in timed:
+        key, *row = record_key(r)
+        other = seen.setdefault(tuple(row), key)
+        if other != key:
+            raise ValueError(f"configs: 'all' found {tuple(row)} timed under configurations {other} and {key} "
+                             f"in {path}; one table holds each (problem, method, drafter, t) once")  # fmt: skip
 
 
 def result_from_records(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
-                        key: str | None = None) -> EvalResult:  # fmt: skip
+                        key: str | None = None, configs: str = "last") -> EvalResult:  # fmt: skip
     """The records of configuration ``key`` (default: the last record's) among ``records``, read from
-    ``path`` (named in messages; e.g. the merged shard files of a distributed run)."""
+    ``path`` (named in messages; e.g. the merged shard files of a distributed run).
+
+    ``configs="all"``: every configuration's records as one result, e.g. HF baselines run with the
+    draft model next to drafter rows run without one. They must agree on ``SHARED_FIELDS``.
+
+    Raises:
+        ValueError: no records, no timed record, ``configs`` not "last" / "all", or (``"all"``) the
+            configurations disagree on a shared field or time one row's problem twice.
+    """
+    if configs not in ("last", "all"):
+        raise ValueError(f"configs: expected 'last' or 'all', got {configs!r}")
     records = [dict(r) for r in records]
     if not records:
         raise ValueError(f"out: no records in {path}")
-    key = records[-1].get("config_key") if key is None else key
-    others = sorted({str(r.get("config_key")) for r in records} - {str(key)})
-    if others:
-        print(f"note: {path} also holds configurations {', '.join(others)}; reporting the last one ({key})",
-              file=sys.stderr)  # fmt: skip
-    records = [r for r in records if r.get("config_key") == key]
+    if configs == "all":
+        _check_shared(records, path)
+        key = ", ".join(sorted({str(r.get("config_key")) for r in records}))
+    else:
+        key = records[-1].get("config_key") if key is None else key
+        others = sorted({str(r.get("config_key")) for r in records} - {str(key)})
+        if others:
+            print(f"note: {path} also holds configurations {', '.join(others)}; reporting the last one ({key}); "
+                  "--configs all reports them together", file=sys.stderr)  # fmt: skip
+        records = [r for r in records if r.get("config_key") == key]
     timed = [r for r in records if is_timed(r)]
     if not timed:
         raise ValueError(f"out: no timed records of configuration {key} in {path}")

@@ -144,6 +144,10 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
                        help="with --report-only: merge the WORLD shard files of --out (written with --shard R/WORLD) "
                        "and report them as one run")  # fmt: skip
         p.add_argument("--report-only", action="store_true", help="only rebuild table / CSV / plot from --out")
+        p.add_argument("--configs", choices=("last", "all"), default="last",
+                       help="with --report-only: the configuration to report, the file's last, or all of them in "
+                       "one table (they must agree on dataset, target, tokens, temperature, seed, dtype, device; "
+                       "e.g. HF baselines run with --draft next to drafter rows run without)")  # fmt: skip
         p.add_argument("--no-attn", action="store_true", help="skip the attention-only timings")
         p.add_argument("--attn-trees", type=cliargs.int_at_least(1), default=8,
                        help="trees per tree size for the attention timings")  # fmt: skip
@@ -364,14 +368,17 @@ def main_sweep(argv: Sequence[str] | None = None) -> int:
                          "use --shard RANK/WORLD or --shard auto")  # fmt: skip
     if ns.shards is not None and ns.shard is not None:
         raise ValueError("--shards: give either --shards WORLD (merge every shard) or --shard (one shard), not both")
+    if ns.configs != "last" and (not ns.report_only or ns.shards is not None):
+        raise ValueError(f"--configs: {ns.configs!r} only with --report-only (without --shards), got a "
+                         + ("shard merge" if ns.report_only else "run"))  # fmt: skip
     cfg = config_from(ns, ns.dataset)
     if ns.report_only and ns.shards is not None:
         result = _merged_result(cfg, ns)
     elif ns.report_only:
-        result = result_from_file(cfg.results_path)
-        if ns.check:  # the configuration reported: the file's last
-            last = result.records[-1]
-            _check(cfg, ns, result.records, key=last.get("config_key"), dataset=last.get("dataset"))
+        result = result_from_file(cfg.results_path, configs=ns.configs)
+        if ns.check:  # the configurations reported: the file's last, or all
+            for key in dict.fromkeys(r.get("config_key") for r in result.records):
+                _check(cfg, ns, result.records, key=key, dataset=result.records[-1].get("dataset"))
     else:
         result = _run(cfg, ns)
     if cfg.sharded and not ns.report_only:  # one shard's records: its own table only
