@@ -207,10 +207,10 @@ def _check_shared(records: Sequence[Mapping[str, Any]], path) -> None:
     """``configs="all"``: the timed records agree on ``SHARED_FIELDS`` and no row's problem was
     timed under two configurations (it would count twice)."""
     timed = [r for r in records if is_timed(r)]
-    for field in SHARED_FIELDS:
-        values = sorted({json.dumps(r.get(field)) for r in timed})
+    for name in SHARED_FIELDS:
+        values = sorted({json.dumps(r.get(name)) for r in timed})
         if len(values) > 1:
-            raise ValueError(f"configs: 'all' needs the configurations in {path} to agree on {field!r}, "
+            raise ValueError(f"configs: 'all' needs the configurations in {path} to agree on {name!r}, "
                              f"got {', '.join(values)}")  # fmt: skip
     seen: dict[tuple, Any] = {}
     for r in timed:
