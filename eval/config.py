@@ -283,6 +283,9 @@ class EvalConfig:
             (the records of single-sample runs). > 1 needs ``temperature`` > 0 (greedy decoding gives
             ``samples`` identical completions); HF assisted generation and prompt lookup
             (``hf-assisted``, ``hf-lookup``) return one sequence per call and are skipped.
+        shared_prompt: with ``samples`` > 1, the engine keeps each prompt's KV once for the rows
+            (where the target's attention allows; each record says ``shared_prompt``). False: every
+            row its own copy (the copy layout), to measure what sharing gains. Needs ``samples`` > 1.
         seed: base seed; every (problem, method, drafter, t) derives its own from it.
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"`` (bf16 on CUDA, fp32 on CPU).
         device: ``"cuda"``, ``"cpu"``, ... (None: cuda if available).
@@ -328,6 +331,7 @@ class EvalConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     samples: int = 1
+    shared_prompt: bool = True
     seed: int = 0
     dtype: str = "auto"
     device: str | None = None
@@ -374,6 +378,10 @@ class EvalConfig:
         if self.samples > 1 and self.temperature == 0:
             raise ValueError(f"samples: {self.samples} samples per problem need temperature > 0 (greedy decoding "
                              "gives identical completions), got temperature 0")  # fmt: skip
+        if not isinstance(self.shared_prompt, bool):
+            raise ValueError(f"shared_prompt: expected a bool, got {self.shared_prompt!r}")
+        if not self.shared_prompt and self.samples == 1:
+            raise ValueError("shared_prompt: False (the copy layout) only with samples > 1, got samples 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.problems is not None and self.problems < 1:
@@ -459,5 +467,7 @@ def config_key(cfg: EvalConfig) -> str:
         keyed["gc_freeze"] = False
     if cfg.samples != 1:  # likewise: single-sample keys are those of runs made before the option
         keyed["samples"] = cfg.samples
+    if not cfg.shared_prompt:  # likewise: only the copy layout changes the key
+        keyed["shared_prompt"] = False
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
 

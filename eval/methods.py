@@ -519,11 +519,14 @@ class Session:
         row bucket). ``shared_prefix=True`` where the target's attention allows it
         (``hf.shared_prefix_obstacle`` over both buckets), so that static shapes (``compile``, and
         the default on CUDA, where ``shared_prefix`` is otherwise opt-in) use the shared layout too;
-        else False (each row a copy of the prompt's KV, as before).
+        else False (each row a copy of the prompt's KV, as before). ``cfg.shared_prompt`` False: the
+        copy layout on purpose (one ``max_cache_len`` bucket of n rows, ``shared_prefix=False``).
         """
         top = self.max_cache_len + tree
         if self.samples == 1:
             return {"max_cache_len": top}
+        if not self.cfg.shared_prompt:  # the copy layout: every row holds its prompt's KV
+            return {"max_cache_len": top, "shared_prefix": False}
         from specdec import hf
 
         rows = 1 + self.cfg.max_new_tokens + tree  # not self.max_new_tokens: lowered while warming up
@@ -568,7 +571,7 @@ class Session:
             self._sync()
             t0 = time.perf_counter()
             max_len = max(self.max_cache_len, 2)
-            if self.samples > 1 and max_len > self.cfg.max_new_tokens:
+            if self.samples > 1 and self.cfg.shared_prompt and max_len > self.cfg.max_new_tokens:
                 min_len = None if self.min_len is None else min(max(self.min_len, 2), max_len)
                 warmup(batch_sizes=(self.samples,), max_len=max_len, min_len=min_len,
                        new_tokens=self.cfg.max_new_tokens, shared="only", log=None)  # fmt: skip

@@ -113,6 +113,9 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
                    help="in a process with a drafter's rows to run and no HF static of its own, time HF static "
                    "again on the first N problems first ('calibration' records): the table's 'vs hf-static same "
                    "process' then compares each row with the baseline at its own process's speed. 0: none")
+    p.add_argument("--no-shared-prompt", action="store_true",
+                   help="with --samples N: every row keeps its own copy of the prompt's KV (the copy layout), "
+                   "to compare with the default, one copy for the N rows")  # fmt: skip
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="do not gc.collect() + gc.freeze() after each warm-up (by default later full garbage "
                    "collections skip the models and graphs alive by then; each record keeps gc_s, the call's "
@@ -245,11 +248,11 @@ def config_from(ns: argparse.Namespace, dataset: str):
             max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, samples=ns.samples, seed=ns.seed,
             dtype=ns.dtype, device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl,
             compile=ns.compile, warmup=ns.warmup, calibrate=ns.calibrate, gc_freeze=not ns.no_gc_freeze,
-            progress=not ns.no_progress, home=ns.home,
+            shared_prompt=not ns.no_shared_prompt, progress=not ns.no_progress, home=ns.home,
             method_problems=tuple(ns.method_problems), shard=shard,
         )  # fmt: skip
     except ValueError as e:
-        raise flag_error(e, {"samples": "--samples"}) from None
+        raise flag_error(e, {"samples": "--samples", "shared_prompt": "--no-shared-prompt"}) from None
 
 
 def _method_limit(text: str) -> tuple[str, int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from eval import config as C
@@ -89,3 +91,16 @@ def test_samples_validation_and_key(tmp_path):
         EvalConfig(samples=2.0, temperature=0.8)
     with pytest.raises(ValueError, match="samples: 4 samples per problem need temperature > 0 .*got temperature 0"):
         EvalConfig(samples=4)
+    # the copy layout (--no-shared-prompt): a key of its own; the shared default keeps the old key
+    copy = dataclasses.replace(four, shared_prompt=False)
+    assert len({C.config_key(copy), C.config_key(four), C.config_key(cfg)}) == 3
+    assert C.config_key(dataclasses.replace(four, shared_prompt=True)) == C.config_key(four)
+    with pytest.raises(ValueError, match=r"shared_prompt: expected a bool, got 'no'"):
+        dataclasses.replace(four, shared_prompt="no")
+
+
+def test_no_shared_prompt_flag_needs_samples(capsys):
+    from specdec import cli
+
+    assert cli.main(["sweep", "--dataset", "humaneval", "--no-shared-prompt", "--device", "cpu", "--no-progress"]) == 2
+    assert "--no-shared-prompt: False (the copy layout) only with samples > 1, got samples 1" in capsys.readouterr().err

@@ -748,6 +748,32 @@ def test_samples_run_on_the_shared_layout_and_match_the_copy_layout(pair, loaded
     assert len({tuple(s) for r in shared.records for s in r["sample_token_ids"]}) > 3  # samples differ
 
 
+def test_no_shared_prompt_runs_the_copy_layout_under_its_own_key(pair, loaded, tmp_path, monkeypatch):
+    """``shared_prompt=False`` (``--no-shared-prompt``): each of the rows holds its prompt's KV (one
+    ``max_cache_len`` bucket of n rows, ``shared_prefix=False``), the records say so, the samples are
+    the shared layout's under the same seeds, and the configuration key differs (no record reused)."""
+    t = 4
+    made: list = []
+    _recording_decoders(monkeypatch, made)
+    cfg = _cfg(pair, tmp_path / "s.jsonl", methods=("specdec",), tree_sizes=(t,), temperature=0.8, samples=3,
+               problems=2, warmup=1)  # fmt: skip
+    shared = runner.run_eval(cfg, models=loaded)
+    copy_cfg = dataclasses.replace(cfg, shared_prompt=False)
+    copy = runner.run_eval(copy_cfg, models=loaded)
+    assert not shared.failed and not copy.failed and copy.new == 2 and copy.skipped == 0
+    assert C.config_key(copy_cfg) != C.config_key(cfg)
+    (kwargs, dec) = made[-1]
+    top = max(r["prompt_len"] for r in copy.records) + NEW + t
+    assert kwargs["shared_prefix"] is False and kwargs["max_cache_len"] == top and "cache_buckets" not in kwargs
+    assert not dec.shared_prefix and (3, top) in dec.caches
+    by_problem = {r["problem_id"]: r for r in copy.records}
+    for r in shared.records:
+        assert r["shared_prompt"] is True and by_problem[r["problem_id"]]["shared_prompt"] is False
+        assert r["sample_token_ids"] == by_problem[r["problem_id"]]["sample_token_ids"]
+    with pytest.raises(ValueError, match=r"shared_prompt: False \(the copy layout\) only with samples > 1"):
+        dataclasses.replace(cfg, samples=1, temperature=0.0, shared_prompt=False)
+
+
 def test_shared_layout_greedy_rows_equal_the_single_sample_engine(pair, loaded, tmp_path, monkeypatch):
     """Greedy (a session set to 3 samples directly: the configuration refuses greedy samples): the shared
     layout's three rows are the single-sample engine's greedy tokens; a single-sample session keeps
