@@ -1,0 +1,122 @@
+"""Issue 17: n samples of one prompt through the engine, the prompt's KV kept once (shared layout,
+``shared_prefix=True``) against a copy per row (``shared_prefix=False``), at a real model's shapes
+with random weights (no staging): time per step (draft / verify / commit), per call and the peak
+GPU memory of each layout.
+
+Medusa heads with zero-initialised residual blocks fill a static topology, so every step verifies
+the full tree of ``--tree`` nodes per row; random weights accept next to nothing, so a call of
+``--new`` tokens is ``--new`` steps. What it answers: is the shared layout, opt-in on CUDA, at least
+as fast as the copy layout (then it can become the default), and what memory does it save.
+
+    python scripts/device/shared_vs_copy.py --config qwen2.5-1.5b --prompts 150 1000 4000 \\
+        --samples 16 --tree 16 --new 64 --out $OUT/shared_vs_copy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from drafters.medusa import MedusaDrafter, MedusaHeads  # noqa: E402
+from specdec import SpecDecoder  # noqa: E402
+from specdec.cli.bench.config import SCALE_CONFIGS  # noqa: E402
+from specdec.cli.bench.scale import build_scale_model  # noqa: E402
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_layout(model, drafter, shared: bool, prompts: list[torch.Tensor], args, device) -> list[dict]:
+    """One engine of this layout; per prompt one untimed call (capture), then ``args.repeats`` timed."""
+    # the caches of the evaluation's --samples runs (eval.methods.Session._cache_options): the prompt's
+    # bucket of the longest prompt + new + tree slots and, shared, the rows' small bucket of 1 + new + tree
+    top = max(p.numel() for p in prompts) + args.new + args.tree
+    caches = {"cache_buckets": (1 + args.new + args.tree, top)} if shared else {"max_cache_len": top}
+    dec = SpecDecoder(model, drafter, tree_size=args.tree, shared_prefix=shared, **caches)
+    rows = []
+    for prompt in prompts:
+        gen = torch.Generator(device=device).manual_seed(0)
+        kw = dict(do_sample=True, temperature=0.8, num_return_sequences=args.samples, generator=gen)
+        t0 = time.perf_counter()
+        dec.generate(prompt, args.new, **kw)
+        _sync(device)
+        first = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        walls, steps = [], []
+        for _ in range(args.repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = dec.generate(prompt, args.new, **kw)
+            _sync(device)
+            walls.append(time.perf_counter() - t0)
+            steps += list(out.steps)
+        n_steps = len(steps) / args.repeats
+        row = {
+            "layout": "shared" if shared else "copy", "prompt_len": int(prompt.numel()), "samples": args.samples,
+            "tree": args.tree, "new_tokens": args.new, "first_call_s": first,
+            "wall_s_median": statistics.median(walls), "steps_per_call": n_steps,
+            "ms_per_step": 1e3 * statistics.median(walls) / max(n_steps, 1),
+            "draft_ms": 1e3 * statistics.mean(s.draft_s for s in steps),
+            "verify_ms": 1e3 * statistics.mean(s.verify_s for s in steps),
+            "commit_ms": 1e3 * statistics.mean(s.commit_s for s in steps),
+            "nodes_per_step": statistics.mean(sum(s.nodes_proposed) for s in steps),
+            "engine_shared": bool(dec.shared_prefix),
+        }  # fmt: skip
+        if device.type == "cuda":
+            row["peak_gib_over_start"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+        row["kv_cache_mib"] = sum(c.nbytes for c in dec.caches.values()) / 2**20  # every bucket this engine holds
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if hasattr(dec, "release"):
+        dec.release()
+    del dec
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=sorted(SCALE_CONFIGS), default="qwen2.5-1.5b")
+    p.add_argument("--prompts", type=int, nargs="+", default=[150, 1000, 4000])
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--tree", type=int, default=16)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--layouts", nargs="+", choices=("shared", "copy"), default=["shared", "copy"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = build_scale_model(args.config, device, dtype, max_positions=max(args.prompts) + args.new + args.tree + 64)
+    heads = MedusaHeads(model.config.hidden_size, num_heads=4).to(device, dtype)
+    drafter = MedusaDrafter(model, heads, table="prior")
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(5, vocab, (n,), generator=gen).to(device) for n in args.prompts]
+    rows = []
+    for layout in args.layouts:
+        rows += run_layout(model, drafter, layout == "shared", prompts, args, device)
+    result = {"config": args.config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "dtype": args.dtype, "rows": rows}  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
