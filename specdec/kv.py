@@ -162,19 +162,24 @@ class KVCache:
             if pairs:
                 moves.append((b, [p[0] for p in pairs], [p[1] for p in pairs]))
         if moves:
-            index = torch.tensor([x for _, src, dst in moves for x in (*src, *dst)], dtype=torch.int64)
+            if len(moves) == 1:  # one sequence: [source slots, destination slots]
+                (_, src, dst), = moves
+                index = torch.tensor([src, dst], dtype=torch.int64)
+            else:  # several: [sequence, source slot, destination slot] of every moving node
+                index = torch.tensor([[b for b, src, _ in moves for _ in src], [x for _, src, _ in moves for x in src],
+                                      [x for _, _, dst in moves for x in dst]], dtype=torch.int64)  # fmt: skip
             on_device: dict[torch.device, torch.Tensor] = {}
 
             def move(buf: torch.Tensor) -> None:  # [..., B, Hkv, capacity, D]: every leading dim at once
                 if buf.device not in on_device:
                     on_device[buf.device] = index.to(buf.device, non_blocking=True)
                 idx = on_device[buf.device]
-                at = 0
-                for b, src, dst in moves:  # src > dst slot-wise: index_select copies before anything is written
-                    seq = buf.select(-4, b)
-                    m = len(src)
-                    seq.index_copy_(-2, idx[at + m : at + 2 * m], seq.index_select(-2, idx[at : at + m]))
-                    at += 2 * m
+                # sources lie after their destinations, and each gather completes before its write
+                if len(moves) == 1:
+                    seq = buf.select(-4, moves[0][0])
+                    seq.index_copy_(-2, idx[1], seq.index_select(-2, idx[0]))
+                else:  # one gather and one scatter for every sequence (B launches of each before)
+                    buf[..., idx[0], :, idx[2], :] = buf[..., idx[0], :, idx[1], :]
 
             if self._stacked:
                 move(self._stack)  # every stacked layer's keys and values at once

@@ -182,6 +182,36 @@ def test_stacked_cache_commits_like_per_layer_buffers():
         KVCache(1, 4, num_layers=0)
 
 
+@pytest.mark.parametrize("num_layers", [None, 3])
+def test_commit_of_several_sequences_equals_one_at_a_time(num_layers):
+    """Several moving sequences commit in one gather and one scatter per buffer: bitwise what
+    committing each sequence alone gives (per-layer and stacked buffers, bf16 and fp32, paths in
+    place, moving, empty), over steps whose trees overwrite the freed slots."""
+    gen = torch.Generator().manual_seed(3)
+    batch, n, cap = 6, 9, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        together, alone = KVCache(batch, cap, num_layers=num_layers), KVCache(batch, cap, num_layers=num_layers)
+        for step in range(4):
+            for layer in range(3):
+                k = torch.randn(batch, 2, n, 8, generator=gen).to(dtype)
+                v = torch.randn(batch, 2, n, 8, generator=gen).to(dtype)
+                slots = torch.tensor([[together.lengths[b] + i for i in range(n)] for b in range(batch)])
+                for cache in (together, alone):
+                    cache.write(layer, k, v, slots)
+            paths = []
+            for b in range(batch):
+                keep = sorted(torch.randperm(n - 1, generator=gen)[: int(torch.randint(0, 5, (1,), generator=gen))] + 1)
+                paths.append(None if b == step else [0, *[int(i) for i in keep]])
+            paths[-1] = list(range(4))  # already in place: nothing moves
+            together.commit(paths)
+            for b in range(batch):
+                alone.commit([paths[b] if i == b else None for i in range(batch)])
+            assert together.lengths == alone.lengths
+            for layer in range(3):
+                for a, w in zip(together.buffers(layer), alone.buffers(layer)):
+                    assert torch.equal(a, w)
+
+
 def test_kv_cache_errors():
     with pytest.raises(ValueError, match=r"capacity: expected an int >= 1, got 0"):
         KVCache(1, 0)
