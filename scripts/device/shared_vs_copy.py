@@ -77,7 +77,9 @@ def run_layout(model, drafter, shared: bool, prompts: list[torch.Tensor], args, 
         if device.type == "cuda":
             row["peak_gib_over_start"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
         row["kv_cache_mib"] = sum(c.nbytes for c in dec.caches.values()) / 2**20  # every bucket this engine holds
-        print(json.dumps(row), flush=True)
+        if args.profile:
+            row["profile"] = _profile_call(dec, prompt, args, kw, device)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         rows.append(row)
     if hasattr(dec, "release"):
         dec.release()
@@ -85,6 +87,36 @@ def run_layout(model, drafter, shared: bool, prompts: list[torch.Tensor], args, 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _profile_call(dec, prompt, args, kw, device, top: int = 25) -> dict:
+    """One more call under ``torch.profiler``: the costliest operations (device kernels on CUDA, CPU
+    ops elsewhere) per step, the kernel count per step, and the busy time per step against the wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        out = dec.generate(prompt, args.new, **kw)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    steps = max(len(out.steps), 1)
+    if cuda:  # the kernels themselves: device time of their own, not the aten ops that launched them
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        cost = lambda e: e.self_device_time_total  # noqa: E731
+    else:
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        cost = lambda e: e.self_cpu_time_total  # noqa: E731
+    events.sort(key=cost, reverse=True)
+    busy = sum(cost(e) for e in events) / 1e3  # ms (the profiler counts µs)
+    return {
+        "wall_ms_per_step": 1e3 * wall / steps, "busy_ms_per_step": busy / steps,
+        "events_per_step": sum(e.count for e in events) / steps,
+        "top": [{"name": e.key[:120], "calls_per_step": e.count / steps, "ms_per_step": cost(e) / 1e3 / steps}
+                for e in events[:top]],
+    }  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -98,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--layouts", nargs="+", choices=("shared", "copy"), default=["shared", "copy"])
+    p.add_argument("--profile", action="store_true", help="one more call per (layout, prompt) under torch.profiler: "
+                   "kernels per step, busy vs wall time, the 25 costliest kernels")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
