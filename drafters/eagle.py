@@ -870,13 +870,17 @@ class EagleDrafter(BaseDrafter):
         self.prompt_vocab = prompt_vocab
         if draft_vocab is not None:
             lm = self.parts.lm_head
-            #: the N most frequent training-answer tokens (int64 ``[N]``, CPU, most frequent first)
-            self._vocab_ranked = head.token_ids[:draft_vocab].long().cpu()
+            ranked = head.token_ids[:draft_vocab].long().to(self.device)  # most frequent first
+            #: per token id, its place among the N most frequent training-answer tokens (0 = most
+            #: frequent), N for every other token (int64 ``[V]``, on the device; ``prompt_subset``)
+            self._vocab_rank = torch.full((max(self.vocab_size, lm.weight.shape[0]),), draft_vocab, dtype=torch.int64,
+                                          device=self.device)  # fmt: skip
+            self._vocab_rank[ranked] = torch.arange(draft_vocab, device=self.device)
             self._vocab_ids = torch.empty(draft_vocab, dtype=torch.int64, device=self.device)
             self._vocab_weight = lm.weight.detach().new_empty(draft_vocab, lm.weight.shape[1])
             bias = getattr(lm, "bias", None)
             self._vocab_bias = None if bias is None else bias.detach().new_empty(draft_vocab)
-            self._set_vocab(self._vocab_ranked)
+            self._set_vocab(ranked)
         self.profile = profile
         #: seconds per phase of the last ``propose`` (``DRAFT_PHASES``; ``update`` adds ``"update"``)
         #: with ``profile``, a new dict per call; else None
@@ -1061,14 +1065,19 @@ class EagleDrafter(BaseDrafter):
             self._clock.mark(phase)
 
     def prompt_subset(self, input_ids: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The draft vocabulary for these prompts (``draft_vocab`` needed): int64 ``[N]`` on the CPU,
-        the N most frequent training-answer tokens with the last k replaced by the k prompt tokens
-        (ascending ids, at most N) that they lack."""
-        ranked = self._vocab_ranked
-        prompt = torch.unique(torch.cat([torch.as_tensor(p).flatten().long().cpu() for p in input_ids]))
-        missing = prompt[~torch.isin(prompt, ranked)]
-        k = min(len(missing), len(ranked))
-        return torch.cat([ranked[: len(ranked) - k], missing[:k]])
+        """The draft vocabulary for these prompts (``draft_vocab`` needed): int64 ``[N]``, ascending,
+        on the drafter's device: the N most frequent training-answer tokens with the last k replaced
+        by the k prompt tokens (smallest ids first, at most N) that they lack.
+
+        Computed on the device without a host sync (it runs on every ``reset``): the N smallest of a
+        per-token key -- a token's frequency rank, or ``id - V`` (below every rank) for a prompt
+        token outside the N most frequent.
+        """
+        n, key = self.draft_vocab, self._vocab_rank.clone()
+        prompt = torch.cat([torch.as_tensor(p).flatten() for p in input_ids]).to(self.device, torch.int64)
+        ranks = key[prompt]
+        key[prompt] = torch.where(ranks >= n, prompt - key.numel(), ranks)
+        return torch.sort(torch.topk(key, n, largest=False, sorted=False).indices).values
 
     def _set_vocab(self, ids: torch.Tensor) -> None:
         """Gather the subset ``ids`` (int64 ``[N]``, distinct) into the fixed buffers, ascending."""

@@ -809,6 +809,23 @@ def test_the_prompt_tokens_replace_the_least_frequent_ones_in_the_draft_vocab(na
         EagleDrafter(_target(spec[0]), head, draft_vocab=draft_vocab, prompt_vocab=1)
 
 
+def test_prompt_subset_equals_the_reference_on_random_prompts():
+    """``prompt_subset`` (computed on the drafter's device) against the definition, on fresh random
+    prompts with repeated tokens, tokens inside and outside the ranked set, and more missing tokens
+    than N; ascending, int64, distinct."""
+    head = _ranked_head("qwen2")
+    gen = torch.Generator().manual_seed(11)
+    for draft_vocab in (1, 3, 17, 40):
+        drafter = EagleDrafter(_target("qwen2"), head, draft_vocab=draft_vocab)
+        ranked = head.token_ids[:draft_vocab].tolist()
+        for length in (1, 5, 33, 120):
+            prompts = [torch.randint(0, VOCAB, (length,), generator=gen), torch.tensor(ranked[:2])]
+            got = drafter.prompt_subset(prompts)
+            missing = sorted(set(torch.cat(prompts).tolist()) - set(ranked))[:draft_vocab]
+            want = sorted(set(ranked[: draft_vocab - len(missing)]) | set(missing))
+            assert got.dtype == torch.int64 and got.tolist() == want
+
+
 @pytest.mark.parametrize("family,tree_size,static,draft_vocab", [("qwen2", 8, True, 20), ("qwen2", 40, False, 4),
                                                                   ("llama", 16, False, 60), ("gemma3", 24, True, 10)])
 def test_greedy_equals_target_generate_with_a_draft_vocab(family, tree_size, static, draft_vocab):
