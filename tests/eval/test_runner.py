@@ -718,8 +718,10 @@ def _recording_decoders(monkeypatch, made: list, **force):
 def test_samples_run_on_the_shared_layout_and_match_the_copy_layout(pair, loaded, tmp_path, monkeypatch):
     """``--samples 3``: the engine keeps each prompt's KV once (``shared_prefix=True``; its rows' cache
     has the small bucket of 1 + NEW + t slots), its warm-up builds every cache the timed calls use, and
-    its samples are, per problem, the tokens of the copy layout (``shared_prefix=False``) under the
-    same seeds; each record says which layout it used."""
+    its samples are, per problem, the tokens of the copy layout under the same seeds; each record says
+    which layout it used. The copy layout is ``shared_prompt=False`` (``--no-shared-prompt``): each row
+    holds its prompt's KV (one ``max_cache_len`` bucket of n rows, ``shared_prefix=False``), under a
+    configuration key of its own (no record of the shared run reused)."""
     t = 4
     shared_made: list = []
     _recording_decoders(monkeypatch, shared_made)
@@ -735,10 +737,14 @@ def test_samples_run_on_the_shared_layout_and_match_the_copy_layout(pair, loaded
     assert sorted(dec.caches) == [(1, top), (3, 1 + NEW + t)]  # the prompt once; the rows: 15 slots, not `top`
     assert all(r["shared_prompt"] is True and r["num_samples"] == 3 for r in shared.records)
     copy_made: list = []
-    _recording_decoders(monkeypatch, copy_made, shared_prefix=False)
-    copy = runner.run_eval(dataclasses.replace(cfg, out=str(tmp_path / "c.jsonl")), models=loaded)
-    (_, copy_dec), = copy_made
-    assert not copy.failed and (3, top) in copy_dec.caches
+    _recording_decoders(monkeypatch, copy_made)
+    copy_cfg = dataclasses.replace(cfg, shared_prompt=False)  # the same file
+    copy = runner.run_eval(copy_cfg, models=loaded)
+    (copy_kwargs, copy_dec), = copy_made
+    assert not copy.failed and copy.new == 2 and copy.skipped == 0 and (3, top) in copy_dec.caches
+    assert C.config_key(copy_cfg) != C.config_key(cfg)
+    assert copy_kwargs["shared_prefix"] is False and copy_kwargs["max_cache_len"] == top
+    assert "cache_buckets" not in copy_kwargs and not copy_dec.shared_prefix
     by_problem = {r["problem_id"]: r for r in copy.records}
     assert len(by_problem) == 2
     for r in shared.records:
@@ -746,30 +752,6 @@ def test_samples_run_on_the_shared_layout_and_match_the_copy_layout(pair, loaded
         assert other["shared_prompt"] is False
         assert r["sample_token_ids"] == other["sample_token_ids"] and r["sample_new_tokens"] == other["sample_new_tokens"]
     assert len({tuple(s) for r in shared.records for s in r["sample_token_ids"]}) > 3  # samples differ
-
-
-def test_no_shared_prompt_runs_the_copy_layout_under_its_own_key(pair, loaded, tmp_path, monkeypatch):
-    """``shared_prompt=False`` (``--no-shared-prompt``): each of the rows holds its prompt's KV (one
-    ``max_cache_len`` bucket of n rows, ``shared_prefix=False``), the records say so, the samples are
-    the shared layout's under the same seeds, and the configuration key differs (no record reused)."""
-    t = 4
-    made: list = []
-    _recording_decoders(monkeypatch, made)
-    cfg = _cfg(pair, tmp_path / "s.jsonl", methods=("specdec",), tree_sizes=(t,), temperature=0.8, samples=3,
-               problems=2, warmup=1)  # fmt: skip
-    shared = runner.run_eval(cfg, models=loaded)
-    copy_cfg = dataclasses.replace(cfg, shared_prompt=False)
-    copy = runner.run_eval(copy_cfg, models=loaded)
-    assert not shared.failed and not copy.failed and copy.new == 2 and copy.skipped == 0
-    assert C.config_key(copy_cfg) != C.config_key(cfg)
-    (kwargs, dec) = made[-1]
-    top = max(r["prompt_len"] for r in copy.records) + NEW + t
-    assert kwargs["shared_prefix"] is False and kwargs["max_cache_len"] == top and "cache_buckets" not in kwargs
-    assert not dec.shared_prefix and (3, top) in dec.caches
-    by_problem = {r["problem_id"]: r for r in copy.records}
-    for r in shared.records:
-        assert r["shared_prompt"] is True and by_problem[r["problem_id"]]["shared_prompt"] is False
-        assert r["sample_token_ids"] == by_problem[r["problem_id"]]["sample_token_ids"]
     with pytest.raises(ValueError, match=r"shared_prompt: False \(the copy layout\) only with samples > 1"):
         dataclasses.replace(cfg, samples=1, temperature=0.0, shared_prompt=False)
 
