@@ -15,17 +15,11 @@ from tests.eval import tiny
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    target, draft = tiny.save_pair(root)
-    return {"target": str(target), "draft": str(draft), "data": str(tiny.apps_rows(root / "apps.jsonl", n=2))}
+    return tiny.pair_files(tmp_path_factory.mktemp("tiny"), n=2)
 
 
 def _cfg(pair, out, **over) -> EvalConfig:
-    kw = dict(dataset="apps", target=pair["target"], draft=pair["draft"], drafters=("tests.eval.tiny:make_drafter",),
-              tree_sizes=(4,), problems=2, data_path=pair["data"], max_new_tokens=6, dtype="fp32", device="cpu",
-              out=str(out), attn_impl="torch", warmup=0, progress=False)  # fmt: skip
-    kw.update(over)
-    return EvalConfig(**kw)
+    return tiny.apps_config(pair, out, **{"problems": 2, **over})
 
 
 def _report(pair, out, *extra) -> list[str]:

@@ -96,6 +96,24 @@ def apps_rows(path: Path, n: int = 3) -> Path:
     return path
 
 
+def pair_files(root: Path, n: int) -> dict[str, str]:
+    """The saved pair (``save_pair``) and ``n`` APPS rows under ``root``: ``{"target", "draft", "data"}`` paths."""
+    target, draft = save_pair(root)
+    return {"target": str(target), "draft": str(draft), "data": str(apps_rows(root / "apps.jsonl", n=n))}
+
+
+def apps_config(pair: dict[str, str], out, **over):
+    """An APPS ``EvalConfig`` on ``pair_files``' models and rows: the tiny drafter at t = 4, 6 new
+    tokens, fp32 on the CPU, no warm-up generation, no progress bar, every row; ``over`` replaces any field."""
+    from eval.config import EvalConfig
+
+    kw = dict(dataset="apps", target=pair["target"], draft=pair["draft"], drafters=("tests.eval.tiny:make_drafter",),
+              tree_sizes=(4,), problems=None, data_path=pair["data"], max_new_tokens=6, dtype="fp32", device="cpu",
+              out=str(out), attn_impl="torch", warmup=0, progress=False)  # fmt: skip
+    kw.update(over)
+    return EvalConfig(**kw)
+
+
 def make_drafter(draft, tree_size: int):
     """Factory for ``--drafter tests.eval.tiny:make_drafter``: the draft model as a top-2 chain tree."""
     from tests.specdec.helpers import DraftModelDrafter
