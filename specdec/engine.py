@@ -68,7 +68,7 @@ import torch
 from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request, propose_all
 from specdec import hf
 from specdec.distributed import RankSync
-from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, configure_compile_cache, prefill_chunks, replay_modes,
+from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, GreedyChunk, configure_compile_cache, prefill_chunks, replay_modes,
                             uses_inductor)
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -77,6 +77,7 @@ from specdec.verify import Verdict, greedy_verdict, verify_stochastic_batch
 from treeattn import TreeMask
 
 __all__ = [
+    "DEFAULT_DECODE_CHUNK",
     "DEFAULT_PREFILL_WIDTH",
     "MIN_CACHE_BUCKET",
     "GenerationOutput",
@@ -89,6 +90,8 @@ __all__ = [
     "wrap",
 ]
 
+#: Greedy plain-decoding steps per ``GreedyChunk`` (``SpecDecoder(decode_chunk=)``'s default).
+DEFAULT_DECODE_CHUNK = 8
 #: The smallest KV capacity (slots per sequence) of the default cache buckets.
 MIN_CACHE_BUCKET = 1024
 _UNBOUNDED_TOP = 1 << 20  # the largest default bucket of a target that declares no context length
@@ -140,6 +143,9 @@ class StepStats:
             cuts) and the KV commit (device synchronized). The ``on_tokens`` callback is in no phase.
         forward_s: the part of ``verify_s`` from handing the inputs to the device to the forward's
             end (device synchronized): the target forward itself.
+
+    The steps of a ``GreedyChunk`` (``SpecDecoder(decode_chunk=)``) are timed together: each of
+    them holds an equal share of the chunk's time.
     """
 
     nodes_proposed: tuple[int, ...]
@@ -249,6 +255,10 @@ class WarmupEntry:
         prompt_capacity: None: an entry of the copy layout (its shared forward, if any, reads a prompt
             cache of S slots); C: an entry of a shared prompt, whose prompt cache has C slots (see
             above).
+        chunk_capture_s: plain decoding (``tree_size=0``) with ``decode_chunk``: the capture of the
+            ``GreedyChunk`` over this entry's forward (over the shared-prompt forward for an entry
+            with ``prompt_capacity``, else the copy layout's); None if it was captured before, or
+            without CUDA graphs or chunks.
     """
 
     batch_size: int
@@ -268,6 +278,7 @@ class WarmupEntry:
     shared_first_run_s: float | None = None
     shared_capture_s: float | None = None
     prompt_capacity: int | None = None
+    chunk_capture_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -417,6 +428,15 @@ class SpecDecoder:
             same trees, and adopt rank 0's verification decision (and, when sampling, its random
             generator state) every step. None (default): ``RankSync.for_model(target)``, i.e. one
             over the target's TP group when transformers sharded it, else none (single process).
+        decode_chunk: greedy plain decoding (no drafter, or ``tree_size=0``) with static shapes runs
+            this many steps per ``specdec.graphs.GreedyChunk``: the device feeds each step's argmax
+            to the next, one replay of one CUDA graph (with ``cuda_graphs``) and one device-to-host
+            copy per chunk instead of a host round trip per token (default ``DEFAULT_DECODE_CHUNK`` =
+            8). A call decodes in chunks while every unfinished sequence has at least that many tokens
+            to go, then one step at a time; a sequence that ends (eos) inside a chunk keeps the
+            tokens up to its eos (the chunk's later steps are wasted work, never output). Same tokens
+            as one step at a time. 0: one step per forward. Ignored with sampling, dynamic shapes
+            and a tensor-parallel target.
         shared_prefix: how ``generate(num_return_sequences=n)`` with n > 1 and ONE prompt (of at
             least 2 tokens; a one-token prompt has nothing to share) stores that prompt. True: its
             KV once, shared by the n sequences (see the module doc), with static or dynamic shapes;
@@ -469,6 +489,7 @@ class SpecDecoder:
         prefill_width: int | None = DEFAULT_PREFILL_WIDTH,
         rank_sync: RankSync | None = None,
         shared_prefix: bool | None = None,
+        decode_chunk: int = DEFAULT_DECODE_CHUNK,
     ) -> None:
         hf.prepare_model(target, "target")
         if not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0:
@@ -484,6 +505,8 @@ class SpecDecoder:
             raise ValueError(
                 f"prefill_width: expected None or an int >= 0 (0 or None: the eager prefill), got {prefill_width!r}"
             )
+        if not isinstance(decode_chunk, int) or isinstance(decode_chunk, bool) or decode_chunk < 0:
+            raise ValueError(f"decode_chunk: expected an int >= 0 (0: one step per forward), got {decode_chunk!r}")
         self.vocab_size = hf.vocab_size(target)
         if drafter is not None:
             for attr in ("propose", "reset", "update"):
@@ -523,6 +546,9 @@ class SpecDecoder:
         self._prefill_graphs: dict[tuple[int, int], GraphedForward] = {}  # (batch, capacity) -> prefill forward
         # (batch, capacity, n, shared capacity) -> tree forward over a shared prompt
         self._shared_graphs: dict[tuple[int, int, int, int], GraphedForward] = {}
+        #: greedy steps per GreedyChunk of plain decoding (0: none); see the argument
+        self.decode_chunk: int = decode_chunk
+        self._chunks: dict[tuple[int, int, int], GreedyChunk] = {}  # (batch, capacity, shared capacity or 0)
         self._num_layers = hf.num_layers(target)  # the KV cache keeps all layers in one tensor
         if rank_sync is not None and not all(callable(getattr(rank_sync, a, None))
                                              for a in ("begin", "check_trees", "verdicts")):  # fmt: skip
@@ -757,7 +783,8 @@ class SpecDecoder:
             self.drafter.reset([p.clone() for p in prompts])
         steps: list[StepStats] = []
         while not all(run.done):
-            steps.append(self._step(run))
+            chunk = self._chunk_for(run)
+            steps.extend([self._step(run)] if chunk is None else self._chunk_steps(run, chunk))
 
         out = torch.full((batch, max(run.lens)), pad_token_id, dtype=torch.int64)
         for b, n in enumerate(run.lens):
@@ -968,6 +995,76 @@ class SpecDecoder:
             commit_s=timer.seconds["commit"],
             forward_s=timer.seconds["forward"],
         )
+
+    def _chunk_for(self, run: _Run) -> GreedyChunk | None:
+        """The ``GreedyChunk`` for this call's next steps (made on first use), or None: a step at a
+        time (see ``decode_chunk``: not greedy plain decoding with static shapes, or an unfinished
+        sequence has fewer than ``decode_chunk`` tokens to go)."""
+        k = self.decode_chunk
+        if not k or self.tree_size or run.sampling is not None or not self.static_shapes or self.rank_sync is not None:
+            return None
+        left = min(len(run.prompts[b]) + run.max_new_tokens - run.lens[b] for b in range(len(run.lens)) if not run.done[b])
+        if left < k:
+            return None
+        return self._chunk(run.cache, len(run.lens), run.shared)
+
+    def _chunk(self, cache: KVCache, batch: int, shared: KVCache | None) -> GreedyChunk:
+        """The ``GreedyChunk`` over the ``[batch, 1]`` forward of ``cache`` (and ``shared``), made on first use."""
+        key = (batch, cache.capacity, 0 if shared is None else shared.capacity)
+        chunk = self._chunks.get(key)
+        forward = self._graphed(cache, batch, 1, shared)
+        if chunk is None or chunk.forward is not forward:
+            chunk = self._chunks[key] = GreedyChunk(forward, self.decode_chunk)
+        return chunk
+
+    def _warm_chunk(self, cache: KVCache, batch: int, shared: KVCache | None = None) -> float | None:
+        """Plain decoding with chunks: run (and so capture) the chunk over ``cache`` -- prefilled, with
+        room for it -- once; the capture's seconds if this run made it, else None."""
+        if not self.decode_chunk or self.tree_size or not self.static_shapes or self.rank_sync is not None:
+            return None
+        if max(cache.lengths) + self.decode_chunk > cache.capacity:
+            return None  # a cache this small never decodes a chunk
+        chunk = self._chunk(cache, batch, shared)
+        first = chunk.calls == 0
+        chunk.run([0] * batch, cache.lengths)
+        return chunk.capture_s if first else None
+
+    def _chunk_steps(self, run: _Run, chunk: GreedyChunk) -> list[StepStats]:
+        """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``_accept``'s
+        rule; finished ones decode and are ignored); one ``StepStats`` per step, the chunk's time
+        split evenly (a step emits one token per sequence still going at it)."""
+        timer = _PhaseTimer(self._sync)
+        batch, k = len(run.lens), chunk.steps
+        with timer("verify"):
+            with timer("forward"):
+                tokens = chunk.run([int(run.seqs[b, n - 1]) for b, n in enumerate(run.lens)], run.cache.lengths)
+            rows = tokens.tolist()
+        appended: list[list[int]] = [[] for _ in range(batch)]
+        with timer("commit"):
+            seqs = run.seqs.numpy()
+            for b, row in enumerate(rows):
+                if run.done[b]:
+                    continue
+                new = row
+                for j, tok in enumerate(row):
+                    if tok in run.eos:
+                        new = row[: j + 1]
+                        break
+                seqs[b, run.lens[b] : run.lens[b] + len(new)] = new
+                run.lens[b] += len(new)
+                run.cache.lengths[b] += len(new)  # slots of the root and new[:-1], written by the chunk
+                appended[b] = new
+                if run.lens[b] - len(run.prompts[b]) >= run.max_new_tokens or new[-1] in run.eos:
+                    run.done[b] = True
+        if run.on_tokens is not None:
+            for b, new in enumerate(appended):
+                if new:
+                    run.on_tokens(b, new)
+        share = {phase: timer.seconds[phase] / k for phase in ("verify", "commit", "forward")}
+        zeros = (0,) * batch
+        return [StepStats(nodes_proposed=zeros, tokens_accepted=zeros,
+                          tokens_emitted=tuple(int(j < len(new)) for new in appended), draft_s=0.0, verify_s=share["verify"],
+                          commit_s=share["commit"], forward_s=share["forward"]) for j in range(k)]  # fmt: skip
 
     def _draft(self, run: _Run) -> tuple[list[TokenTree], list[DraftContext | None]]:
         """Per sequence, the drafter's tree (root-only when finished or without a drafter) and the
@@ -1278,6 +1375,8 @@ class SpecDecoder:
                     parts.append(f"prefill capture {entry.prefill_capture_s:.1f} s")
                 if entry.shared_capture_s is not None:
                     parts.append(f"shared-prompt forward capture {entry.shared_capture_s:.1f} s")
+                if entry.chunk_capture_s is not None:
+                    parts.append(f"decode-chunk capture {entry.chunk_capture_s:.1f} s")
                 if self.static_shapes and not entry.built:
                     parts.append("already built")
                 say(f"  B={batch} S={capacity} n={n}: {', '.join(parts)}")
@@ -1375,6 +1474,7 @@ class SpecDecoder:
                 rows.allocate_like(prompt_cache)  # as generate does: buffers before the first forward
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
             self._tree_forward(rows, [chain] * batch, prompt_cache)()
+            chunk_s = self._warm_chunk(rows, batch, prompt_cache)
             rows.reset()
             prompt_cache.reset()
         over_shared = self._shared_graphs.get(shared_key)  # None with dynamic shapes
@@ -1389,7 +1489,7 @@ class SpecDecoder:
                            shared_built=over_shared is not None and over_shared is not existing_shared,
                            shared_first_run_s=over_shared.first_run_s if shared_first else None,
                            shared_capture_s=over_shared.capture_s if shared_first else None,
-                           prompt_capacity=prompt_cap)  # fmt: skip
+                           prompt_capacity=prompt_cap, chunk_capture_s=chunk_s)  # fmt: skip
 
     def _warm_one(self, batch: int, capacity: int, n: int, shared: bool = True) -> WarmupEntry:
         """Prefill a dummy prompt into the ``[batch, capacity]`` cache (through its prefill forward, if
@@ -1406,6 +1506,7 @@ class SpecDecoder:
                 self._prefill(cache, torch.zeros(batch, 2, dtype=torch.int64), [2] * batch)
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
             self._tree_forward(cache, [chain] * batch)()
+            chunk_s = self._warm_chunk(cache, batch)
             cache.reset()
             over_shared = None  # the shared-prompt forward's entry, if warmed here
             context = 2 * capacity if self.static_shapes else capacity + 1  # what the call's obstacle check sees
@@ -1425,7 +1526,8 @@ class SpecDecoder:
                            capture_warmup_s=graphed.capture_warmup_s if first else None,
                            shared_built=over_shared is not None and over_shared.shared_built,
                            shared_first_run_s=None if over_shared is None else over_shared.shared_first_run_s,
-                           shared_capture_s=None if over_shared is None else over_shared.shared_capture_s)  # fmt: skip
+                           shared_capture_s=None if over_shared is None else over_shared.shared_capture_s,
+                           chunk_capture_s=chunk_s)  # fmt: skip
 
     # ------------------------------------------------------------------ checks
 

@@ -92,6 +92,19 @@ def test_bench_engine_sections_and_errors(tiny, tmp_path, monkeypatch, capsys):
         bench.main(["--sections", "plain,bogus"])
 
 
+def test_bench_engine_step_rows_decode_one_token_per_forward(tiny, tmp_path):
+    """(a) engine-graph-step: decode_chunk=0, the same tokens as engine-graph (chunks of 8 here)."""
+    target, _, data = tiny
+    cfg = bench.BenchConfig(target=str(target), data=str(data), problems=2, max_new_tokens=19, sections=("plain",),
+                            plain_methods=("engine-graph-step", "engine-graph"), device="cpu", attn_impl="torch",
+                            progress=False)  # fmt: skip
+    res = bench.run_bench(cfg, log=lambda msg: None)
+    rows = {r["method"]: r for r in res["plain"]}
+    assert list(rows) == ["engine-graph", "engine-graph-step"]
+    assert rows["engine-graph-step"]["reference"] == "engine-graph"
+    assert rows["engine-graph-step"]["identical"] == 2 and rows["engine-graph"]["new_tokens"] > 0
+
+
 def test_bench_engine_compiled_spec_mode(tiny, tmp_path):
     """(c) in the opt-in 'compiled' mode: target and draft forwards through inductor (CPU here)."""
     target, draft, data = tiny
@@ -317,7 +330,7 @@ def test_summarize_kernels_categories_and_names():
         (["--scale-prompts", "1"], "argument --scale-prompts: expected an int >= 2, got 1"),
         (["--scale-new-tokens", "1"], "argument --scale-new-tokens: expected an int >= 2, got 1"),
         (["--scale-parts", "verify,plain"], "argument --scale-parts: expected some of engine-graph, engine-compiled, "
-                                            "hf-static, verify, got plain"),
+                                            "engine-compiled-step, hf-static, verify, got plain"),
         (["--profile-modes", "eager"], "argument --profile-modes: expected some of graph, compiled, got eager"),
         (["--profile-tree-size", "-1"], "argument --profile-tree-size: expected an int >= 0, got -1"),
     ],

@@ -271,7 +271,9 @@ def test_graph_path_engine_equals_hf_generate(kind, tree_size):
     assert len(dec._graphs) == 1
     (gf,) = dec._graphs.values()
     assert gf.n == dec.tree_size + 1 and not gf.captured
-    assert gf.calls == steps
+    chunks = list(dec._chunks.values())  # plain decoding: 3 chunks of 8 steps per call, then 6 single steps
+    assert [c.calls for c in chunks] == ([6] if kind == "none" else [])
+    assert gf.calls + sum(c.calls * c.steps for c in chunks) == steps
     assert all(s.forward_s > 0 and s.forward_s <= s.verify_s for s in out.steps)
     assert out.prefill_s > 0 and out.totals()["forward_s"] > 0
 

@@ -11,7 +11,9 @@ every row of the long ones -- so that a run cut off by a time limit keeps what i
            (``SpecDecoder(target, None, cuda_graphs=False)``), the engine with its forward
            replayed as a CUDA graph, and the same forward compiled by inductor before the capture
            (``engine-compiled``, ``SpecDecoder(compile=True)``; its compile time is in
-           ``warmup_s``). Tokens/s, ms/token, and how many completions are identical to
+           ``warmup_s``), all three with ``SpecDecoder``'s default ``decode_chunk`` (greedy steps
+           per graph replay), and ``engine-graph-step`` / ``engine-compiled-step``: the same with
+           ``decode_chunk=0`` (a host round trip per token). Tokens/s, ms/token, and how many completions are identical to
            the reference (HF default cache; in bf16 some differ by rounding, in fp32 none may).
 ``verify`` (b) one target verify forward (inputs to the device + forward, as a decoding step pays
            it) of a random tree (``treeattn.layout.random_tree_parents``) of n nodes over the first
@@ -59,7 +61,9 @@ every row of the long ones -- so that a run cut off by a time limit keeps what i
            0.02), no model files needed. For each ``--scale-prompts`` L (random token ids;
            default 1024 16384 for llama3-8b, 64 256 for tiny): plain greedy decode of
            ``--scale-new-tokens`` tokens (ms/token with the prefill excluded) by the graphed
-           engine (``engine-graph``), optionally compiled (``engine-compiled``), and HF
+           engine (``engine-graph``), optionally compiled (``engine-compiled``; and
+           ``engine-compiled-step``: the same with ``decode_chunk=0``, a host round trip per
+           token), and HF
            ``generate`` with the static cache (``hf-static``: compiled by HF on CUDA, warmed up
            twice -- compile time in ``warmup_s`` -- then ms/token from one timed call: the time
            between the first and the last new token reaching the host over new - 1, read by a
@@ -69,8 +73,8 @@ every row of the long ones -- so that a run cut off by a time limit keeps what i
            and at the measured copy bandwidth; also with the prompt's KV bytes), and the issue's
            bars: plain decode ms / floor (<= 1.3) and verify(t = 64) / verify(t = 0) (<= 1.2;
            t = 64 draft nodes are 65 nodes with the root). ``--scale-parts`` picks which of
-           engine-graph, engine-compiled, hf-static, verify run (default all but
-           engine-compiled). Everything is freed between cells.
+           engine-graph, engine-compiled, engine-compiled-step, hf-static, verify run (default
+           engine-graph, hf-static, verify). Everything is freed between cells.
 
 On CPU the "graph" rows run the same fixed-buffer code without a capture (``captured: false``).
 Timing: CUDA events with a synchronize on CUDA, ``time.perf_counter`` on CPU.

@@ -17,6 +17,7 @@ from specdec.cli.bench.config import (
     DEFAULT_TARGET,
     DRAFTERS,
     DTYPES,
+    DEFAULT_PLAIN_METHODS,
     PLAIN_METHODS,
     PROFILE_MODES,
     SCALE_CONFIGS,
@@ -61,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(c), (d) draft nodes per step besides the root (default 64)")
     p.add_argument("--sections", type=_csv(str, SECTIONS), default=DEFAULT_SECTIONS,
                    help="comma list of plain, verify, spec, batch, profile, scale (default plain,verify,spec)")
-    p.add_argument("--plain-methods", type=_csv(str, PLAIN_METHODS), default=PLAIN_METHODS,
-                   help="(a) comma list (default hf,hf-static,engine-eager,engine-graph,engine-compiled)")
+    p.add_argument("--plain-methods", type=_csv(str, PLAIN_METHODS), default=DEFAULT_PLAIN_METHODS,
+                   help="(a) comma list of hf, hf-static, engine-eager, engine-graph, engine-compiled, and "
+                   "engine-graph-step, engine-compiled-step: the same with decode_chunk=0 (default all but the -step ones)")
     p.add_argument("--drafters", type=_csv(str, DRAFTERS), default=DRAFTERS, help="(c) comma list (default model,lookup)")
     p.add_argument("--spec-modes", type=_csv(str, SPEC_MODES), default=("eager", "graph"),
                    help="(c) comma list of eager, graph, compiled (default eager,graph)")
@@ -98,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-tree-sizes", type=cliargs.int_at_least(1), nargs="+", default=list(SCALE_TREE_SIZES),
                    help="verify forwards of t draft nodes + the root (t = 0 always; default 1 2 4 ... 256)")
     g.add_argument("--scale-parts", type=_csv(str, SCALE_PARTS), default=("engine-graph", "hf-static", "verify"),
-                   help="comma list of engine-graph, engine-compiled, hf-static, verify (default all but engine-compiled)")
+                   help="comma list of engine-graph, engine-compiled, engine-compiled-step (decode_chunk=0), hf-static, "
+                   "verify (default engine-graph,hf-static,verify)")
     p.add_argument("--bandwidth-gbs", type=cliargs.float_in(0.0, low_open=True), default=DEFAULT_BANDWIDTH_GBS,
                    help="(e), (f) memory bandwidth of the floor, GB/s (default 3000: the H100's copy bandwidth; the run "
                    "also measures one and reports both)")

@@ -10,12 +10,15 @@ from typing import Any
 SECTIONS = ("plain", "verify", "spec", "batch", "profile", "scale")
 DEFAULT_SECTIONS = ("plain", "verify", "spec")  # batch, profile and scale are opt-in
 TARGET_SECTIONS = ("plain", "verify", "spec", "batch", "profile")  # the ones that load --target
-PLAIN_METHODS = ("hf", "hf-static", "engine-eager", "engine-graph", "engine-compiled")
+#: ``-step``: the engine with ``decode_chunk=0`` (a host round trip per token), for comparison with the default chunks
+PLAIN_METHODS = ("hf", "hf-static", "engine-eager", "engine-graph", "engine-compiled", "engine-graph-step",
+                 "engine-compiled-step")
+DEFAULT_PLAIN_METHODS = PLAIN_METHODS[:5]
 DRAFTERS = ("model", "lookup")
 SPEC_MODES = ("eager", "graph", "compiled")  # compiled: the graphed forwards compiled by inductor first
 BATCH_DRAFTERS = ("medusa", "lookup")
 PROFILE_MODES = ("graph", "compiled")
-SCALE_PARTS = ("engine-graph", "engine-compiled", "hf-static", "verify")
+SCALE_PARTS = ("engine-graph", "engine-compiled", "engine-compiled-step", "hf-static", "verify")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
@@ -57,7 +60,7 @@ class BenchConfig:
     tree_sizes: tuple[int, ...] = (1, 16, 32, 64, 128, 256)
     spec_tree_size: int = 64
     sections: tuple[str, ...] = DEFAULT_SECTIONS
-    plain_methods: tuple[str, ...] = PLAIN_METHODS
+    plain_methods: tuple[str, ...] = DEFAULT_PLAIN_METHODS
     drafters: tuple[str, ...] = DRAFTERS
     spec_modes: tuple[str, ...] = ("eager", "graph")
     reps: int = 20

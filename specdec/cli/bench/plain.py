@@ -33,7 +33,9 @@ def run_plain_method(setup: Setup, method: str, log: Callable[[str], None]) -> d
         gen = lambda p, k: _hf_generate(setup, p, k, static)  # noqa: E731
         warm = 2 if static else 1
     else:
-        dec = make_engine(setup, None, 0, graph=method != "engine-eager", compile=method == "engine-compiled")
+        base = method.removesuffix("-step")  # -step: one host round trip per token (decode_chunk=0)
+        dec = make_engine(setup, None, 0, graph=base != "engine-eager", compile=base == "engine-compiled",
+                          decode_chunk=0 if method.endswith("-step") else None)  # fmt: skip
         gen = lambda p, k: dec.generate(p, k, eos_token_id=setup.eos or None,  # noqa: E731
                                         pad_token_id=setup.pad).new_tokens(0).tolist()
         warm = 1
@@ -52,7 +54,7 @@ def run_plain_method(setup: Setup, method: str, log: Callable[[str], None]) -> d
     ref_name, ref = reference_tokens(setup)
     row = {
         "method": method,
-        "captured": method in ("engine-graph", "engine-compiled") and setup.device.type == "cuda",
+        "captured": method.startswith(("engine-graph", "engine-compiled")) and setup.device.type == "cuda",
         "new_tokens": total_new,
         "seconds": total_s,
         "tokens_per_s": total_new / total_s if total_s > 0 else math.nan,

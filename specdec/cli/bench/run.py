@@ -80,7 +80,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
         if "plain" in cfg.sections:
             log(f"(a) plain decoding, {len(setup.prompts)} prompts x {cfg.max_new_tokens} new tokens")
             rows: list[dict[str, Any]] = []
-            for method in ("hf", "engine-eager", "engine-graph", "engine-compiled"):  # hf-static last: it compiles
+            for method in ("hf", "engine-eager", "engine-graph", "engine-compiled", "engine-graph-step",
+                           "engine-compiled-step"):  # hf-static last: it compiles
                 if method in cfg.plain_methods:
                     guarded(rows, {"method": method}, lambda: plain.run_plain_method(setup, method, log), log)
             result["plain"] = rows

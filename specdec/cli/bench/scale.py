@@ -72,19 +72,22 @@ def _scale_capacity(prompt_len: int, new: int, max_tree: int) -> int:
     return -(-(prompt_len + new + max_tree + 1 + 8) // 256) * 256
 
 
-def _scale_engine_decode(model, prompt, cap: int, new: int, compile: bool, cfg: BenchConfig, timer: Timer,
+def _scale_engine_decode(model, prompt, cap: int, new: int, method: str, cfg: BenchConfig, timer: Timer,
                          device) -> tuple[dict[str, Any], list[int]]:  # fmt: skip
+    """``method``: engine-graph, engine-compiled, or engine-compiled-step (``decode_chunk=0``)."""
     from specdec import SpecDecoder
+    from specdec.engine import DEFAULT_DECODE_CHUNK
 
     cuda = device.type == "cuda"
     dec = SpecDecoder(model, None, 0, max_cache_len=cap, attn_impl=cfg.attn_impl, static_shapes=True,
-                      cuda_graphs=cuda, compile=compile)  # fmt: skip
+                      cuda_graphs=cuda, compile=method != "engine-graph",
+                      decode_chunk=0 if method.endswith("-step") else DEFAULT_DECODE_CHUNK)  # fmt: skip
     t0 = time.perf_counter()
     dec.generate(prompt, min(8, new))  # captures (and compiles)
     warm_s = time.perf_counter() - t0
     wall, out = timer(lambda: dec.generate(prompt, new))
     ms = 1e3 * (wall - out.prefill_s) / new
-    row = {"method": "engine-compiled" if compile else "engine-graph", "captured": cuda, "new_tokens": new,
+    row = {"method": method, "captured": cuda, "new_tokens": new,
            "ms_per_token": ms, "tokens_per_s": 1e3 / ms if ms > 0 else math.nan, "prefill_ms": 1e3 * out.prefill_s,
            "warmup_s": warm_s}  # fmt: skip
     tokens = out.new_tokens(0).tolist()
@@ -218,10 +221,9 @@ def run_scale(cfg: BenchConfig, log: Callable[[str], None], save: Callable[[dict
             res["decode"].append(rows[-1])
             save(res)
 
-        for method in ("engine-graph", "engine-compiled"):
+        for method in ("engine-graph", "engine-compiled", "engine-compiled-step"):
             if method in cfg.scale_parts:
-                cell(method, lambda: _scale_engine_decode(model, prompt, cap, new, method == "engine-compiled", cfg,
-                                                          timer, device))  # fmt: skip
+                cell(method, lambda: _scale_engine_decode(model, prompt, cap, new, method, cfg, timer, device))
         verify: list[dict[str, Any]] = []
         if "verify" in cfg.scale_parts:
             try:

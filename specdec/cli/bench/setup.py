@@ -102,14 +102,17 @@ def prefill_first_prompt(setup: Setup):
     return prompt, prefix, cache
 
 
-def make_engine(setup: Setup, drafter, tree_size: int, graph: bool, compile: bool = False):
+def make_engine(setup: Setup, drafter, tree_size: int, graph: bool, compile: bool = False, decode_chunk: int | None = None):
     """A decoder; ``graph``: CUDA graphs on CUDA, the same fixed-buffer path without capture on CPU;
-    ``compile``: the fixed-shape forward through ``torch.compile`` (inductor) before the capture."""
+    ``compile``: the fixed-shape forward through ``torch.compile`` (inductor) before the capture;
+    ``decode_chunk``: ``SpecDecoder``'s (None: its default)."""
     from specdec import SpecDecoder
+    from specdec.engine import DEFAULT_DECODE_CHUNK
 
     cuda = setup.device.type == "cuda"
     return SpecDecoder(setup.target, drafter, tree_size, max_cache_len=setup.capacity, attn_impl=setup.cfg.attn_impl,
-                       static_shapes=True if graph else None, cuda_graphs=graph and cuda, compile=compile)  # fmt: skip
+                       static_shapes=True if graph else None, cuda_graphs=graph and cuda, compile=compile,
+                       decode_chunk=DEFAULT_DECODE_CHUNK if decode_chunk is None else decode_chunk)  # fmt: skip
 
 
 def cut_at_eos(tokens: list[int], eos: list[int], limit: int) -> list[int]:
