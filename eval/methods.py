@@ -517,9 +517,8 @@ class Session:
         engine gets two cache buckets instead: that row size, and ``max_cache_len + tree`` (every
         prompt, and every call of the copy layout, fits it; a prompt of at most the row size gets the
         row bucket). ``shared_prefix=True`` where the target's attention allows it
-        (``hf.shared_prefix_obstacle`` over both buckets), so that static shapes (``compile``, and
-        the default on CUDA, where ``shared_prefix`` is otherwise opt-in) use the shared layout too;
-        else False (each row a copy of the prompt's KV, as before). ``cfg.shared_prompt`` False: the
+        (``hf.shared_prefix_obstacle`` over both buckets), so that a call the cascade cannot serve
+        raises instead of silently copying; else False (each row a copy of the prompt's KV, as before). ``cfg.shared_prompt`` False: the
         copy layout on purpose (one ``max_cache_len`` bucket of n rows, ``shared_prefix=False``).
         """
         top = self.max_cache_len + tree

@@ -4,6 +4,7 @@
 # target staged and converted (scripts/device/setup_models.sh qwen2.5-coder-1.5b) for the steps
 # marked (Qwen) and .evaldata/apps_selected150.jsonl; `tests`, `stress` and `scale*` need no files.
 #   bash scripts/device/issue13.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k
+# (BATCH="1 2 4" for the batch sizes of a `batch` call)
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
@@ -20,14 +21,16 @@ for s in "$@"; do
     profile)  # (Qwen) kernels of one 65-node verify forward, graphed and compiled
       timeout 400 python3 -m specdec.cli bench-engine --sections profile --dtype bf16 --device cuda --problems 1 \
         "${apps[@]}" --profile-tree-size 64 --out "$out/profile.json" > "$out/profile.log" 2>&1 ;;
-    plain)  # (Qwen) plain decode tokens/s, graphed and compiled; one verify forward per tree size
-      timeout 400 python3 -m specdec.cli bench-engine --sections plain,verify --plain-methods engine-graph,engine-compiled \
-        --dtype bf16 --device cuda --problems 4 --max-new-tokens 128 "${apps[@]}" --out "$out/plain.json" \
-        > "$out/plain.log" 2>&1 ;;
-    batch)  # (Qwen) throughput at bs 1..16, prompt lookup t = 64 vs HF static
-      timeout 500 python3 -m specdec.cli bench-engine --sections batch --batch-drafter lookup --dtype bf16 --device cuda \
-        --problems 8 --max-new-tokens 128 "${apps[@]}" --batch-sizes 1 2 4 8 16 --out "$out/batch.json" \
-        > "$out/batch.log" 2>&1 ;;
+    plain)  # (Qwen) plain decode tokens/s compiled, in chunks of 8 greedy steps per replay and one step at a time, vs HF static
+      timeout 400 python3 -m specdec.cli bench-engine --sections plain \
+        --plain-methods engine-compiled,engine-compiled-step,hf-static --dtype bf16 --device cuda --problems 4 \
+        --max-new-tokens 128 "${apps[@]}" --out "$out/plain.json" > "$out/plain.log" 2>&1 ;;
+    batch)  # (Qwen) throughput at bs $BATCH (default 1 2 4 8 16), Medusa t = 64 compiled (heads in /tmp/medusa:
+            # issue14.sh medusa) vs HF static; each batch size compiles both (~2 min): split the sizes over calls
+      sizes=${BATCH:-1 2 4 8 16}
+      timeout 580 python3 -m specdec.cli bench-engine --sections batch --batch-drafter medusa --medusa-heads /tmp/medusa \
+        --batch-mode compiled --dtype bf16 --device cuda --problems 8 --max-new-tokens 128 "${apps[@]}" \
+        --batch-sizes $sizes --out "$out/batch-${sizes// /-}.json" > "$out/batch-${sizes// /-}.log" 2>&1 ;;
     stalls)  # (Qwen) 50 APPS problems after warm-up, compiled, HF static alongside (cold compile cache)
       timeout 560 python3 -m specdec.cli bench-stalls --device cuda --dtype bf16 --compile --problems 50 --hf-static \
         "${apps[@]}" --out "$out/stalls.json" > "$out/stalls.log" 2>&1 ;;

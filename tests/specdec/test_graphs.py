@@ -510,11 +510,10 @@ def test_cuda_graph_over_a_shared_prompt_serves_every_length(impl):
 
 @cuda_only
 def test_cuda_graph_engine_shares_the_prompt_across_lengths():
-    """The CUDA engine's defaults (static shapes, CUDA graphs) on a shared prompt (opted in: not yet the
-    default there): HF's greedy rows for two prompt lengths of one bucket, through one captured forward."""
+    """The CUDA engine's defaults (static shapes, CUDA graphs, the shared layout) on a shared prompt:
+    HF's greedy rows for two prompt lengths of one bucket, through one captured forward."""
     model = _cuda_model("qwen2")
-    assert not SpecDecoder(model, RandomTreeDrafter(seed=0), tree_size=8).shared_prefix
-    dec = SpecDecoder(model, RandomTreeDrafter(seed=0), tree_size=8, shared_prefix=True)
+    dec = SpecDecoder(model, RandomTreeDrafter(seed=0), tree_size=8)
     assert dec.static_shapes and dec.cuda_graphs and dec.shared_prefix
     for length, seed in ((70, 1), (37, 2)):
         prompt = _prompt(length, seed)

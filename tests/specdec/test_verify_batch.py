@@ -244,17 +244,18 @@ def test_batch_errors():
     assert verify_stochastic_batch([None, None], torch.zeros(2, 1, V)) == [None, None]
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 2, 100])
-def test_inverse_cdf_draws_each_row_from_its_distribution(chunk_rows, monkeypatch):
-    """The bonus sampler alone, in chunks of rows (the float64 cumulative sums of large batches):
-    each row's draws follow the row normalised; zero-probability tokens never come out; a row with
-    no mass gives V."""
+@pytest.mark.parametrize("block", [1, 2, 3, 7, 1024])
+def test_inverse_cdf_draws_each_row_from_its_distribution(block, monkeypatch):
+    """The bonus sampler alone, with blocks of 1 / 2 / 3 / 7 / 1024 tokens (V = 7: a short last block,
+    one block, blocks of one token): each row's draws follow the row normalised; zero-probability
+    tokens never come out, also where a whole block has none; a row with no mass gives V."""
     import specdec.verify as verify_mod
 
-    monkeypatch.setattr(verify_mod, "_CDF_ELEMENTS", chunk_rows * 7)
-    gen = torch.Generator().manual_seed(chunk_rows)
+    monkeypatch.setattr(verify_mod, "_CDF_BLOCK", block)
+    gen = torch.Generator().manual_seed(block)
     rows = (torch.randn(3, 7, generator=gen) * 2).softmax(-1) * torch.tensor([[1.0], [0.5], [3.0]])
     rows[1, [0, 4]] = 0.0
+    rows[2, [3, 4, 5]] = 0.0  # a whole block of 3 without mass
     rows = torch.cat([rows, torch.zeros(1, 7)])
     draws = 6000
     counts = torch.zeros(3, 7)
@@ -264,9 +265,12 @@ def test_inverse_cdf_draws_each_row_from_its_distribution(chunk_rows, monkeypatc
             idx = verify_mod._inverse_cdf(rows, u[k])
             assert int(idx[3]) == 7
             counts[torch.arange(3), idx[:3]] += 1
-    assert counts[1, 0] == 0 and counts[1, 4] == 0
+    assert counts[1, 0] == 0 and counts[1, 4] == 0 and counts[2, 3:6].sum() == 0
     top = torch.tensor([1.0 - 2.0**-53] * 4, dtype=torch.float64)  # u * total may round up to total
     assert verify_mod._inverse_cdf(rows, top).tolist() == [6, 6, 6, 7] and rows[1, 6] > 0
+    tail = rows.clone()
+    tail[0, 5:] = 0.0  # the top of u lands on the last token with mass, not in an empty last block
+    assert verify_mod._inverse_cdf(tail, top).tolist() == [4, 6, 6, 7]
     for r in range(3):
         assert not _chi2_fails(counts[r], rows[r] / rows[r].sum())
 
