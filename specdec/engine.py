@@ -375,6 +375,22 @@ class _Run:
     shared: KVCache | None = None
 
 
+def _append(run: _Run, b: int, tokens: list[int]) -> list[int]:
+    """Append ``tokens`` (host ints) to sequence ``b`` of ``run``, cut at its ``max_new_tokens`` and after
+    the first eos; mark it done when it ends. Returns the tokens appended."""
+    room = len(run.prompts[b]) + run.max_new_tokens - run.lens[b]
+    new = tokens[:room]
+    for j, tok in enumerate(new):
+        if tok in run.eos:
+            new = new[: j + 1]
+            break
+    run.seqs.numpy()[b, run.lens[b] : run.lens[b] + len(new)] = new  # a view: no tensor per sequence
+    run.lens[b] += len(new)
+    if run.lens[b] - len(run.prompts[b]) >= run.max_new_tokens or (new and new[-1] in run.eos):
+        run.done[b] = True
+    return new
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -1037,21 +1053,10 @@ class SpecDecoder:
             rows = tokens.tolist()
         appended: list[list[int]] = [[] for _ in range(batch)]
         with timer("commit"):
-            seqs = run.seqs.numpy()
             for b, row in enumerate(rows):
-                if run.done[b]:
-                    continue
-                new = row
-                for j, tok in enumerate(row):
-                    if tok in run.eos:
-                        new = row[: j + 1]
-                        break
-                seqs[b, run.lens[b] : run.lens[b] + len(new)] = new
-                run.lens[b] += len(new)
-                run.cache.lengths[b] += len(new)  # slots of the root and new[:-1], written by the chunk
-                appended[b] = new
-                if run.lens[b] - len(run.prompts[b]) >= run.max_new_tokens or new[-1] in run.eos:
-                    run.done[b] = True
+                if not run.done[b]:
+                    appended[b] = _append(run, b, row)
+                    run.cache.lengths[b] += len(appended[b])  # slots of the root and new[:-1], written by the chunk
         if run.on_tokens is not None:
             for b, new in enumerate(appended):
                 if new:
@@ -1150,22 +1155,12 @@ class SpecDecoder:
         """
         appended: list[list[int]] = []
         paths: list[tuple[int, ...] | None] = []
-        seqs = run.seqs.numpy()  # a view: writes of host ints into it cost no tensor per sequence
         for b, v in enumerate(verdicts):
             if v is None:
                 appended.append([])
                 paths.append(None)
                 continue
-            room = len(run.prompts[b]) + run.max_new_tokens - run.lens[b]
-            new = v.new_tokens(trees[b])[:room]
-            for j, tok in enumerate(new):
-                if tok in run.eos:
-                    new = new[: j + 1]
-                    break
-            seqs[b, run.lens[b] : run.lens[b] + len(new)] = new
-            run.lens[b] += len(new)
-            if run.lens[b] - len(run.prompts[b]) >= run.max_new_tokens or (new and new[-1] in run.eos):
-                run.done[b] = True
+            new = _append(run, b, v.new_tokens(trees[b]))
             kept = v.path[: len(new)]  # node kept[i] predicted new[i]
             appended.append(new)
             paths.append(kept)
