@@ -47,10 +47,13 @@ forward attends through the cascade attention (``treeattn.cascade``: the prompt'
 all n sequences): with dynamic shapes ``hf.tree_forward(shared=)`` over exactly P prompt slots; with
 static shapes a ``GraphedForward(shared=)`` per (n, S, tree_size + 1, C) whose input vector carries P
 as data (the cascade reads the first P of the C slots, its launch fixed by C), so one capture
-serves every prompt of up to C tokens. Otherwise (several prompts, ``shared_prefix=False``, the
-default with static shapes on a CUDA device, or a target the cascade does not serve) each sequence
-keeps its own copy of its prompt's KV. See
+serves every prompt of up to C tokens. Otherwise (several prompts, ``shared_prefix=False``, or a
+target the cascade does not serve) each sequence keeps its own copy of its prompt's KV. See
 ``SpecDecoder``'s ``shared_prefix``.
+
+Greedy plain decoding with static shapes runs ``decode_chunk`` steps (default 8) per
+``specdec.graphs.GreedyChunk``: the ``[B, 1]`` forward and the argmax of each step feeding the next,
+one CUDA-graph replay and one device-to-host copy per chunk (``SpecDecoder._chunk_steps``).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ gets there* is random. So everything is computed up front, for every node, on th
   a node: K rounds of a few ``[m_j, V]`` ops, ``sum_j m_j = n - 1`` rows in all); the
   acceptance test of child ``c_{j+1}`` is ``u q_j(x) < p_j(x)`` with the rank-j rows gathered.
 - one uniform ``U_c`` per child and one ``U'_v`` per node (float64, from ``generator``), and
-  ``B_v = min{i : C_v(i) > U'_v C_v(V - 1)}``, ``C_v`` the float64 cumulative sum of ``rho_v``
+  ``B_v = min{i : C_v(i) > U'_v C_v(V - 1)}``, ``C_v`` the cumulative sum of ``rho_v``, found in
+  two levels on float64 sums (a block of ``_CDF_BLOCK`` tokens, then a token in it: ``_inverse_cdf``)
   (inverse-CDF sampling: ``P(B_v = i) = rho_v(i) / sum(rho_v)`` up to float64 rounding, and
   ``rho_v(B_v) > 0`` always; a residual with no mass gives ``B_v = V``, see below).
 

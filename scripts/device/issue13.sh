@@ -2,8 +2,8 @@
 # On the device machine: the measurements of issue 13 (engine step, stalls, stress, scale), one step
 # per argument so a session can split them over calls (each call <= 10 minutes). Needs the 1.5B
 # target staged and converted (scripts/device/setup_models.sh qwen2.5-coder-1.5b) for the steps
-# marked (Qwen) and .evaldata/apps_selected150.jsonl; `tests`, `stress` and `scale*` need no files.
-#   bash scripts/device/issue13.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k
+# marked (Qwen) and .evaldata/apps_selected150.jsonl; `tests`, `stress`, `scale*` and `fprofile` need no files.
+#   bash scripts/device/issue13.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k | fprofile
 # (BATCH="1 2 4" for the batch sizes of a `batch` call)
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
@@ -13,7 +13,7 @@ for s in "$@"; do
   echo "== $s $(date +%T)" >> "$out/steps.log"
   case $s in
     tests)  # the CUDA tests of the engine, warm-up, graphs, stress harness and benchmark
-      timeout 170 python3 -m pytest -q -p no:cacheprovider tests/specdec tests/eval/test_stress.py -k "cuda" \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/specdec tests/eval/test_stress.py -k "cuda" \
         > "$out/pytest_cuda.txt" 2>&1 ;;
     stress)  # >= 200 generate calls, tiny random models, fp32, graphs / compile on and off, HF generate between
       timeout 400 python3 scripts/device/stress.py --models tiny --calls 240 --seed 0 --device cuda --dtype fp32 \
@@ -43,6 +43,11 @@ for s in "$@"; do
       L=$([ "$s" = scale1k ] && echo 1024 || echo 16384)
       timeout 560 python3 -m specdec.cli bench-engine --sections scale --device cuda --scale-prompts "$L" \
         --scale-parts engine-graph,hf-static,verify --out "$out/$s.json" > "$out/$s.log" 2>&1 ;;
+    fprofile)  # kernels of the compiled forward (1 and 65 nodes) at Llama-3-8B and the 1.5B's shapes, random weights
+      for c in llama3-8b qwen2.5-1.5b; do
+        timeout 330 python3 scripts/device/forward_profile.py --config "$c" --prompt 1024 --nodes 1 65 \
+          --out "$out/fp-$c.json" > "$out/fp-$c.log" 2>&1
+      done ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
   echo "   rc=$? $(date +%T)" >> "$out/steps.log"
