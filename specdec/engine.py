@@ -737,7 +737,8 @@ class SpecDecoder:
             generator: randomness for sampling and for the drafter.
             pad_token_id: filler of ``sequences`` after a row's end (default: the first eos id, else 0).
             on_tokens: streaming callback, called after every step as ``on_tokens(seq, tokens)`` with
-                the tokens (host ints) appended to sequence ``seq`` in that step (never empty).
+                the tokens (host ints) appended to sequence ``seq`` in that step (never empty); in
+                greedy plain decoding, after every chunk of ``decode_chunk`` steps.
             num_return_sequences: n sequences per prompt (HF's argument): the output's rows are
                 prompt 0's n sequences, then prompt 1's, ...; each decodes on its own (independent
                 samples when sampling, n equal rows when greedy). With n > 1 and one prompt (of at
