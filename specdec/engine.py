@@ -1013,15 +1013,18 @@ class SpecDecoder:
             forward_s=timer.seconds["forward"],
         )
 
+    def _chunking(self) -> bool:
+        """Whether greedy plain decoding runs in chunks: ``decode_chunk``, static shapes, no drafting, one process."""
+        return bool(self.decode_chunk) and not self.tree_size and self.static_shapes and self.rank_sync is None
+
     def _chunk_for(self, run: _Run) -> GreedyChunk | None:
         """The ``GreedyChunk`` for this call's next steps (made on first use), or None: a step at a
         time (see ``decode_chunk``: not greedy plain decoding with static shapes, or an unfinished
         sequence has fewer than ``decode_chunk`` tokens to go)."""
-        k = self.decode_chunk
-        if not k or self.tree_size or run.sampling is not None or not self.static_shapes or self.rank_sync is not None:
+        if not self._chunking() or run.sampling is not None:
             return None
         left = min(len(run.prompts[b]) + run.max_new_tokens - run.lens[b] for b in range(len(run.lens)) if not run.done[b])
-        if left < k:
+        if left < self.decode_chunk:
             return None
         return self._chunk(run.cache, len(run.lens), run.shared)
 
@@ -1037,24 +1040,23 @@ class SpecDecoder:
     def _warm_chunk(self, cache: KVCache, batch: int, shared: KVCache | None = None) -> float | None:
         """Plain decoding with chunks: run (and so capture) the chunk over ``cache`` -- prefilled, with
         room for it -- once; the capture's seconds if this run made it, else None."""
-        if not self.decode_chunk or self.tree_size or not self.static_shapes or self.rank_sync is not None:
-            return None
-        if max(cache.lengths) + self.decode_chunk > cache.capacity:
-            return None  # a cache this small never decodes a chunk
+        if not self._chunking() or max(cache.lengths) + self.decode_chunk > cache.capacity:
+            return None  # no chunks, or a cache this small never decodes one
         chunk = self._chunk(cache, batch, shared)
         first = chunk.calls == 0
         chunk.run([0] * batch, cache.lengths)
         return chunk.capture_s if first else None
 
     def _chunk_steps(self, run: _Run, chunk: GreedyChunk) -> list[StepStats]:
-        """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``_accept``'s
+        """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``_append``'s
         rule; finished ones decode and are ignored); one ``StepStats`` per step, the chunk's time
         split evenly (a step emits one token per sequence still going at it)."""
         timer = _PhaseTimer(self._sync)
         batch, k = len(run.lens), chunk.steps
         with timer("verify"):
             with timer("forward"):
-                tokens = chunk.run([int(run.seqs[b, n - 1]) for b, n in enumerate(run.lens)], run.cache.lengths)
+                ids = run.seqs.numpy()  # a view, for reading host ints
+                tokens = chunk.run([int(ids[b, n - 1]) for b, n in enumerate(run.lens)], run.cache.lengths)
             rows = tokens.tolist()
         appended: list[list[int]] = [[] for _ in range(batch)]
         with timer("commit"):

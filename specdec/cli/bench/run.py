@@ -12,7 +12,7 @@ from typing import Any
 
 from specdec.cli.bench import batch, plain, profile, scale, spec, verify
 from specdec.cli.bench.common import guarded
-from specdec.cli.bench.config import TARGET_SECTIONS, BenchConfig
+from specdec.cli.bench.config import PLAIN_METHODS, TARGET_SECTIONS, BenchConfig
 from specdec.cli.bench.setup import device_dtype, load_setup, reference_tokens
 
 
@@ -80,9 +80,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
         if "plain" in cfg.sections:
             log(f"(a) plain decoding, {len(setup.prompts)} prompts x {cfg.max_new_tokens} new tokens")
             rows: list[dict[str, Any]] = []
-            for method in ("hf", "engine-eager", "engine-graph", "engine-compiled", "engine-graph-step",
-                           "engine-compiled-step"):  # hf-static last: it compiles
-                if method in cfg.plain_methods:
+            for method in PLAIN_METHODS:
+                if method in cfg.plain_methods and method != "hf-static":  # hf-static last: it compiles
                     guarded(rows, {"method": method}, lambda: plain.run_plain_method(setup, method, log), log)
             result["plain"] = rows
             setup.plain_ms.update({r["method"]: r["ms_per_token"] for r in rows if "error" not in r})
