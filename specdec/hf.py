@@ -116,13 +116,17 @@ def max_positions(model) -> int | None:
     return int(val) if val else None
 
 
-def prepare_model(model, name: str = "model") -> str:
+def prepare_model(model, name: str = "model", fuse: bool = True) -> str:
     """Route ``model``'s attention through specdec's function (idempotent); return its registry name.
 
     The model keeps behaving as before for ordinary calls (``generate``, ``forward``): the function
     delegates to the previous implementation (``sdpa`` or the model's ``eager``; any other one,
     e.g. flash attention, is replaced by ``sdpa``, or ``eager`` where the model has no sdpa) when no
     ``specdec_state`` is passed.
+
+    ``fuse``: also give each layer's q / k / v and gate / up projections one GEMM in specdec's
+    forwards (``specdec.fused.fuse_projections``: in place, no extra memory, the model's own calls
+    unchanged). The first call decides; a later one on a prepared model changes nothing.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -131,6 +135,10 @@ def prepare_model(model, name: str = "model") -> str:
     current = model.config._attn_implementation
     if current in {attention_name(b) for b in _BASES}:
         return current
+    if fuse:
+        from specdec.fused import fuse_projections
+
+        fuse_projections(model)
     base = current if current in _BASES else ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
     target = attention_name(base)
     AttentionInterface.register(target, _make_attention(base))

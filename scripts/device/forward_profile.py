@@ -38,13 +38,14 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--bandwidth-gbs", type=float, default=3000.0)
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test, nothing captured)")
+    p.add_argument("--no-fuse", action="store_true", help="separate q / k / v and gate / up GEMMs (the A/B of specdec.fused)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.set_grad_enabled(False)  # the uncaptured body (``_run``) is called here, outside ``forward``'s no_grad
     cap = -(-(args.prompt + max(args.nodes) + 8) // 256) * 256
     model = build_scale_model(args.config, device, torch.bfloat16, max_positions=cap)
-    hf.prepare_model(model)
+    hf.prepare_model(model, fuse=not args.no_fuse)
     gen = torch.Generator().manual_seed(0)
     vocab = hf.vocab_size(model)
     prompt = torch.randint(0, vocab, (args.prompt,), generator=gen)
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     layers = hf.num_layers(model)
     floors = forward_floors(model, prefix, {"flag_gbs": args.bandwidth_gbs, "measured_gbs": args.bandwidth_gbs})
     timer = Timer(device)
-    res = {"config": args.config, "prompt": args.prompt, "capacity": cap, "layers": layers,
+    res = {"config": args.config, "fused": not args.no_fuse, "prompt": args.prompt, "capacity": cap, "layers": layers,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "floors": floors, "rows": []}  # fmt: skip
     for n in args.nodes:
         tree = random_tree(n, int(prompt[-1]), vocab, gen)

@@ -3,7 +3,7 @@
 # per argument so a session can split them over calls (each call <= 10 minutes). Needs the 1.5B
 # target staged and converted (scripts/device/setup_models.sh qwen2.5-coder-1.5b) for the steps
 # marked (Qwen) and .evaldata/apps_selected150.jsonl; `tests`, `stress`, `scale*` and `fprofile` need no files.
-#   bash scripts/device/issue13.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k | fprofile
+#   bash scripts/device/issue13.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k | fprofile fprofile-unfused
 # (BATCH="1 2 4" for the batch sizes of a `batch` call)
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
@@ -22,9 +22,11 @@ for s in "$@"; do
       timeout 400 python3 -m specdec.cli bench-engine --sections profile --dtype bf16 --device cuda --problems 1 \
         "${apps[@]}" --profile-tree-size 64 --out "$out/profile.json" > "$out/profile.log" 2>&1 ;;
     plain)  # (Qwen) plain decode tokens/s compiled, in chunks of 8 greedy steps per replay and one step at a time, vs HF static
+            # (PLAIN_ARGS= more flags, e.g. --no-fuse; TAG= a suffix of the output names)
       timeout 400 python3 -m specdec.cli bench-engine --sections plain \
-        --plain-methods engine-compiled,engine-compiled-step,hf-static --dtype bf16 --device cuda --problems 4 \
-        --max-new-tokens 128 "${apps[@]}" --out "$out/plain.json" > "$out/plain.log" 2>&1 ;;
+        --plain-methods "${PLAIN_METHODS:-engine-compiled,engine-compiled-step,hf-static}" --dtype bf16 --device cuda \
+        --problems 4 --max-new-tokens 128 "${apps[@]}" ${PLAIN_ARGS:-} --out "$out/plain${TAG:-}.json" \
+        > "$out/plain${TAG:-}.log" 2>&1 ;;
     batch)  # (Qwen) throughput at bs $BATCH (default 1 2 4 8 16), Medusa t = 64 compiled (heads in /tmp/medusa:
             # issue14.sh medusa) vs HF static; each batch size compiles both (~2 min): split the sizes over calls
       sizes=${BATCH:-1 2 4 8 16}
@@ -39,14 +41,18 @@ for s in "$@"; do
         timeout 200 python3 -m specdec.cli bench-stalls --mode first-token --device cuda --dtype bf16 --compile \
           "${apps[@]}" --out "$out/ttft$i.json" > "$out/ttft$i.log" 2>&1
       done ;;
-    scale1k|scale16k)  # Llama-3-8B shapes, random weights
+    scale1k|scale16k)  # $SCALE_CONFIG (default Llama-3-8B) shapes, random weights; PARTS= the --scale-parts,
+                       # SCALE_ARGS= more flags (e.g. --no-fuse), TAG= a suffix of the output names
       L=$([ "$s" = scale1k ] && echo 1024 || echo 16384)
       timeout 560 python3 -m specdec.cli bench-engine --sections scale --device cuda --scale-prompts "$L" \
-        --scale-parts engine-graph,hf-static,verify --out "$out/$s.json" > "$out/$s.log" 2>&1 ;;
-    fprofile)  # kernels of the compiled forward (1 and 65 nodes) at Llama-3-8B and the 1.5B's shapes, random weights
-      for c in llama3-8b qwen2.5-1.5b; do
-        timeout 330 python3 scripts/device/forward_profile.py --config "$c" --prompt 1024 --nodes 1 65 \
-          --out "$out/fp-$c.json" > "$out/fp-$c.log" 2>&1
+        --scale-config "${SCALE_CONFIG:-llama3-8b}" --scale-parts "${PARTS:-engine-graph,hf-static,verify}" \
+        ${SCALE_ARGS:-} --out "$out/$s${TAG:-}.json" > "$out/$s${TAG:-}.log" 2>&1 ;;
+    fprofile|fprofile-unfused)  # kernels of the compiled forward (1 and 65 nodes) at $CONFIGS' shapes (default
+                                # Llama-3-8B and the 1.5B's), random weights; -unfused: separate q/k/v, gate/up GEMMs
+      flag=$([ "$s" = fprofile ] && echo "" || echo "--no-fuse")
+      for c in ${CONFIGS:-llama3-8b qwen2.5-1.5b}; do
+        timeout 330 python3 scripts/device/forward_profile.py --config "$c" --prompt 1024 --nodes 1 65 $flag \
+          --out "$out/fp-$c${flag:+-unfused}.json" > "$out/fp-$c${flag:+-unfused}.log" 2>&1
       done ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac

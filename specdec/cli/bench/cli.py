@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto",
                    help="tree attention implementation (auto: Triton on CUDA)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="keep q / k / v and gate / up as separate GEMMs in specdec's forwards (an A/B of specdec.fused)")
     p.add_argument("--no-progress", action="store_true", help="no model fetch/convert progress bars")
     p.add_argument("--out", type=cliargs.output_file, default=None, help="write the results as JSON here (rewritten after every section)")
     g = p.add_argument_group("(d) batch throughput (--sections batch)")
@@ -128,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tree_sizes=tuple(ns.tree_sizes), spec_tree_size=ns.spec_tree_size, sections=tuple(ns.sections),
         plain_methods=tuple(ns.plain_methods), drafters=tuple(ns.drafters), spec_modes=tuple(ns.spec_modes),
         reps=ns.reps, seed=ns.seed,
-        device=ns.device, dtype=ns.dtype, attn_impl=ns.attn_impl, progress=not ns.no_progress, out=ns.out,
+        device=ns.device, dtype=ns.dtype, attn_impl=ns.attn_impl, fuse=not ns.no_fuse, progress=not ns.no_progress, out=ns.out,
         batch_sizes=tuple(ns.batch_sizes), batch_drafters=tuple(ns.batch_drafter), batch_mode=ns.batch_mode,
         batch_skip_hf=ns.batch_skip_hf, medusa_heads=ns.medusa_heads, profile_tree_size=ns.profile_tree_size,
         profile_modes=tuple(ns.profile_modes), profile_reps=ns.profile_reps, profile_top=ns.profile_top,

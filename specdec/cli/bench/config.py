@@ -68,6 +68,8 @@ class BenchConfig:
     device: str | None = None
     dtype: str | None = None
     attn_impl: str = "auto"
+    #: one GEMM per q / k / v and gate / up group in specdec's forwards (``hf.prepare_model(fuse=)``)
+    fuse: bool = True
     progress: bool = True
     out: str | None = None
     # (d) batch

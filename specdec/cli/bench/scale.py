@@ -184,12 +184,13 @@ def run_scale(cfg: BenchConfig, log: Callable[[str], None], save: Callable[[dict
     caps = {L: _scale_capacity(L, new, max(cfg.scale_tree_sizes)) for L in lengths}
     t0 = time.perf_counter()
     model = build_scale_model(name, device, dtype, max(caps.values()), seed=cfg.seed)
-    hf.prepare_model(model, "target")
+    hf.prepare_model(model, "target", fuse=cfg.fuse)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     build_s = time.perf_counter() - t0
     timer = Timer(device)
-    res: dict[str, Any] = {"config": name, "dtype": str(dtype).replace("torch.", ""), "build_s": build_s,
+    res: dict[str, Any] = {"config": name, "fused": cfg.fuse, "dtype": str(dtype).replace("torch.", ""),
+                           "build_s": build_s,
                            "model_config": {k: v for k, v in SCALE_CONFIGS[name].items()},
                            "max_position_embeddings": model.config.max_position_embeddings,
                            "bandwidth": bandwidth_info(cfg, device), "new_tokens": new, "reps": cfg.reps,

@@ -73,7 +73,7 @@ def load_setup(cfg: BenchConfig, log: Callable[[str], None]) -> Setup:
             _plain_generation_config(model, eos, int(pad))
     # Route attention through specdec's function before any generate (HF methods then run the same,
     # delegating, attention code from their first call on; nothing recompiles between methods).
-    hf.prepare_model(target, "target")
+    hf.prepare_model(target, "target", fuse=cfg.fuse)
     problems = load_apps(cfg.data, limit=cfg.problems, unique=True)
     if not problems:
         raise ValueError("problems: the APPS source gave no problems")
