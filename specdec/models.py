@@ -683,7 +683,9 @@ def load_model(
     Args:
         name_or_path: see :func:`resolve_model`. A ``.gguf`` file is loaded (dequantized) directly.
         dtype: parameter dtype, e.g. ``torch.float32`` (default) or ``torch.bfloat16``.
-        device: where to put the model, e.g. ``"cpu"`` (default) or ``"cuda"``.
+        device: where to put the model, e.g. ``"cpu"`` (default) or ``"cuda"``. A GPU device is
+            handed to ``from_pretrained`` as ``device_map`` (unless ``kwargs`` has one), so the
+            weights are read straight onto it instead of into host memory first.
         home: cache root for default names.
         progress: show tqdm bars while fetching/converting a default model (and writing its copy).
         dtype_copy: for a default model loaded in ``torch.bfloat16`` / ``torch.float16``: read the
@@ -709,6 +711,8 @@ def load_model(
             and _dtype_copies_enabled(dtype_copy)):  # fmt: skip
         if ensure_dtype_copy(os.fspath(name_or_path), dtype_name, home, progress=progress) is not None:
             kwargs = {**kwargs, "variant": dtype_name}  # from_pretrained reads model.<dtype>.safetensors
+    if device is not None and torch.device(device).type != "cpu" and "device_map" not in kwargs:
+        kwargs = {**kwargs, "device_map": torch.device(device)}
     model = _from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32 if dtype is None else dtype, **kwargs)
     if device is not None:
         model = model.to(device)
