@@ -89,17 +89,30 @@ class KVCache:
             layer_idx: the attention layer.
             key, value: ``[B, Hkv, m, D]`` (after RoPE), the layer's dtype.
             slots: int64 ``[B, m]`` on key's device, slot of each new token (the caller keeps them
-                below ``capacity``; out-of-range slots raise inside ``scatter_``).
+                below ``capacity``; out-of-range slots raise inside the store).
 
         Returns:
             ``(k_buf, v_buf)``, each ``[B, Hkv, capacity, D]``.
+
+        Run eagerly, the store is one ``scatter_`` per buffer. Traced by ``torch.compile`` it is an
+        ``index_put_`` over (sequence, head, slot), which inductor writes in place with the producer
+        of ``key`` (RoPE) fused into the store; a traced ``scatter_`` becomes a copy of the whole
+        buffer, a scatter into the copy and a copy back into the cache, per buffer and layer: work
+        in the cache's capacity instead of in m (specdec/PERF.md v19).
         """
         if layer_idx not in self._keys:
             self._allocate(layer_idx, key, value)
         k_buf, v_buf = self._keys[layer_idx], self._values[layer_idx]
-        index = slots[:, None, :, None].expand(key.shape)
-        k_buf.scatter_(2, index, key.to(k_buf.dtype))
-        v_buf.scatter_(2, index, value.to(v_buf.dtype))
+        if torch.compiler.is_compiling():
+            batch, heads = key.shape[:2]
+            index = (torch.arange(batch, device=slots.device)[:, None, None],
+                     torch.arange(heads, device=slots.device)[None, :, None], slots[:, None, :])  # -> [B, Hkv, m]
+            k_buf.index_put_(index, key.to(k_buf.dtype))
+            v_buf.index_put_(index, value.to(v_buf.dtype))
+        else:
+            index = slots[:, None, :, None].expand(key.shape)
+            k_buf.scatter_(2, index, key.to(k_buf.dtype))
+            v_buf.scatter_(2, index, value.to(v_buf.dtype))
         return k_buf, v_buf
 
     def allocate_like(self, other: "KVCache") -> None:

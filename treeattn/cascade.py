@@ -43,6 +43,8 @@ from treeattn.ops import (
     _shared_limit,
     _shrink,
     _splits,
+    heads_inner,
+    new_output,
     _window_words,
     interpreter_enabled,
     pick_config,
@@ -310,17 +312,17 @@ def cascade_tree_attention_op(q: torch.Tensor, k_shared: torch.Tensor, v_shared:
     validation and the Triton launch; at run time it is ``cascade_tree_attention(q, k_shared,
     v_shared, k, v, suffix_lens, TreeMask(words, depth), scale, impl, shared_len=shared_len,
     check_suffix_lens=False)`` (shapes as there; ``shared_len`` int ``[1]``: the live prefix length,
-    data, so that nothing the compiler specializes on depends on it). Returns a contiguous
-    ``[n, Hq, t, D]``.
+    data, so that nothing the compiler specializes on depends on it). Returns ``[n, Hq, t, D]`` laid
+    out as ``[n, t, Hq, D]`` (``treeattn.ops.new_output``).
     """
     out = cascade_tree_attention(q, k_shared, v_shared, k, v, suffix_lens, TreeMask(words, depth), scale, impl,
                                  shared_len=shared_len, check_suffix_lens=False)
-    return out.contiguous()
+    return heads_inner(out)
 
 
 @cascade_tree_attention_op.register_fake
 def _cascade_tree_attention_fake(q, k_shared, v_shared, k, v, suffix_lens, shared_len, words, depth, scale, impl):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return new_output(q)
 
 
 class CascadePlan(NamedTuple):
@@ -415,7 +417,7 @@ def launch_fused(q, ks, vs, k, v, suffix_lens, tree_mask, scale: float, cfg: Ker
     if words.stride(-1) != 1:
         words = words.contiguous()
     stride_wb = 0 if tree_mask.batch_size == 1 else words.stride(0)
-    out = torch.empty_like(q)
+    out = new_output(q)
     splits = plan.count
     if splits > 1:
         part_o, part_lse = _partials(q, splits, cfg.partials_in_input_dtype)
@@ -537,7 +539,7 @@ def launch_merge(q, prefix_states, suffix_states) -> torch.Tensor:
     (p1_o, p1_lse, s1), (p2_o, p2_lse, s2) = prefix_states, suffix_states
     rows = n * hq * t_len
     block_d = max(16, _next_pow2(d))
-    out = torch.empty_like(q)
+    out = new_output(q)
     bs1, bs2 = max(2, _next_pow2(s1)), max(2, _next_pow2(s2))
     block_r = max(1, _prev_pow2(4096 // ((bs1 + bs2) * block_d)))  # [R, S1 + S2, D] tile <= 4096 floats
     cascade_merge_kernel[(math.ceil(rows / block_r),)](

@@ -354,7 +354,9 @@ def tree_attention(
 
     Returns:
         ``[B, Hq, n, D]`` in q's dtype; query i attends keys ``[0, prefix_len)`` and the tree keys
-        of its ancestors and itself. Accumulation is in float32.
+        of its ancestors and itself. Accumulation is in float32. The Triton kernel writes it in
+        ``[B, n, Hq, D]`` memory order (``new_output``), so ``out.transpose(1, 2)`` -- what an HF
+        attention layer reshapes to ``[B, n, Hq * D]`` -- is contiguous.
     """
     _check(q, k, v, prefix_lens, tree_mask, impl)
     batch, hq, n, d = q.shape
@@ -380,15 +382,34 @@ def tree_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_
 
     The compiler sees one opaque op (its output is shaped like ``q``) instead of tracing the
     validation and the Triton launch; at run time it is ``tree_attention(q, k, v, prefix_lens,
-    TreeMask(words, depth), scale, impl, check_prefix_lens=False)``. Shapes as in ``tree_attention``.
+    TreeMask(words, depth), scale, impl, check_prefix_lens=False)``. Shapes as in ``tree_attention``;
+    the output always in ``new_output``'s memory order (copied there from the torch path), the
+    layout its fake declares to the compiler.
     """
     out = tree_attention(q, k, v, prefix_lens, TreeMask(words, depth), scale, impl, check_prefix_lens=False)
-    return out.contiguous()
+    return heads_inner(out)
 
 
 @tree_attention_op.register_fake
 def _tree_attention_fake(q, k, v, prefix_lens, words, depth, scale, impl):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return new_output(q)
+
+
+def new_output(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like q ``[B, Hq, n, D]`` and laid out as ``[B, n, Hq, D]``.
+
+    The kernels write through its strides. An HF attention layer transposes the result to
+    ``[B, n, Hq, D]`` and reshapes it to ``[B, n, Hq * D]``: in this order neither copies (a
+    contiguous ``[B, Hq, n, D]`` cost two copy kernels a layer for n > 1 in the compiled forward,
+    specdec/PERF.md v19).
+    """
+    b, h, n, d = q.shape
+    return torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
+def heads_inner(out: torch.Tensor) -> torch.Tensor:
+    """``out`` ``[B, Hq, n, D]`` in ``new_output``'s memory order: itself when it already is, else a copy."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _tree_attention_torch(q, k, v, prefix_lens, tree_mask, scale):
@@ -442,7 +463,7 @@ def _launch(q, k, v, prefix_lens, tree_mask, scale, cfg: KernelConfig, plan: Spl
     # The gathered kernel reads each int64 word as two int32 halves, low half (bits 0-31) first:
     # CUDA and x86 are little-endian.
     stride_wb = 0 if tree_mask.batch_size == 1 else words.stride(0)
-    out = torch.empty_like(q)
+    out = new_output(q)
     splits = plan.count
     grid = (math.ceil(group * n / cfg.block_m), batch * hkv, splits)
     if splits > 1:

@@ -65,17 +65,19 @@ def main(argv=None) -> int:
         for _ in range(3):
             g.forward()
         replay_ms = median_ms([timer(g.forward)[0] for _ in range(args.reps)])
+        check = _check_against_uncompiled(model, cache, g.forward()[0], tree, prefix)
         for _ in range(2):
             g._run()
         uncaptured_ms = median_ms([timer(g._run)[0] for _ in range(args.reps)])
         summary = summarize_kernels(profile_kernels(g._run, device, args.profile_reps), args.profile_reps, args.top)
-        row = {"nodes": n, "replay_ms": replay_ms, "uncaptured_ms": uncaptured_ms,
+        row = {"nodes": n, "replay_ms": replay_ms, "uncaptured_ms": uncaptured_ms, "check": check,
                "compile_s": g.first_run_s, "kernels_per_layer": summary["kernels_per_forward"] / layers, **summary}
         res["rows"].append(row)
         cats = ", ".join(f"{c} {v['ms']:.3f} ms ({v['kernels']:.0f})" for c, v in summary["categories"].items())
         print(f"n={n}: replay {replay_ms:.3f} ms, uncaptured {uncaptured_ms:.3f} ms, kernels "
               f"{summary['kernel_ms']:.3f} ms in {summary['kernels_per_forward']:.0f} ({row['kernels_per_layer']:.1f} "
-              f"a layer): {cats}; floor {floors['floor_ms']:.3f} ms", flush=True)  # fmt: skip
+              f"a layer): {cats}; floor {floors['floor_ms']:.3f} ms; vs the uncompiled body: argmax "
+              f"{check['argmax_agree']:.3f} equal, max |logit diff| {check['max_abs_diff']:.3g}", flush=True)  # fmt: skip
         for t in summary["top"]:
             print(f"   {t['ms']:7.3f} ms {t['count']:6.1f} x {t['us_each']:8.2f} us  {t['category']:<9} {t['name']}")
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -83,6 +85,18 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return 0
+
+
+def _check_against_uncompiled(model, cache, logits, tree, prefix: int) -> dict:
+    """The replayed compiled forward's ``logits`` ``[1, n, V]`` against the same forward run as is (no
+    compile, no capture) on the same inputs: the share of nodes with the same argmax and the largest
+    logit difference (bf16 rounds differently in fused kernels: near-ties may flip)."""
+    want = logits.float().clone()
+    ref = GraphedForward(model, cache, 1, want.shape[1], capture=False, compile=False)
+    ref.load([tree], [prefix])
+    got = ref.forward()[0].float()  # rewrites the same cache slots (the body is idempotent)
+    return {"argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+            "max_abs_diff": (got - want).abs().max().item(), "max_abs_logit": want.abs().max().item()}
 
 
 if __name__ == "__main__":

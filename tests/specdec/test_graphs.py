@@ -384,6 +384,65 @@ def test_compiled_engine_equals_hf_generate(kind, tree_size):
     assert gf.compile == "aot_eager" and gf._compiled is not None
 
 
+class _PostGradOps:
+    """An inductor post-grad pass that only records the graph it is given."""
+
+    def __init__(self):
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        recorded = self.graphs = []
+
+        class Record(CustomGraphPass):
+            def __call__(self, graph):
+                recorded.append(graph)
+
+            def uuid(self):
+                return "record-post-grad-graph"
+
+        self.pass_ = Record()
+
+
+def test_inductor_forward_writes_the_cache_in_place():
+    """compile=True (inductor; C++ code on the CPU): after inductor's post-grad passes every layer stores
+    its new keys and values with one in-place ``index_put_`` each, and no cache buffer is copied back.
+    (A traced ``scatter_`` became a clone of the whole buffer, a scatter and a ``copy_`` back: work in
+    the cache's capacity, kernels a layer on the GPU; PERF.md v19.) Nothing clones the attention
+    op's output on its way to o_proj (it comes laid out as the layer reshapes it). Same logits as the
+    uncompiled body."""
+    from torch._inductor import config as inductor_config
+
+    model = _model("qwen2")
+    layers = model.config.num_hidden_layers
+    prompt = _prompt(30, 3)
+    outputs = []
+    for compile in (False, True):
+        cache = KVCache(1, 80, num_layers=layers)
+        prefill(model, prompt[None, :29], cache, impl="torch")
+        gf = GraphedForward(model, cache, 1, 9, impl="torch", compile=compile)
+        rec = _PostGradOps()
+        with inductor_config.patch(post_grad_custom_post_pass=rec.pass_, force_disable_caches=True):
+            logits, _ = gf.run([_tree(9, 7, root=int(prompt[-1]))], [29])
+        outputs.append((logits.clone(), cache.buffers(0)[0][0, :, 29:38].clone()))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(outputs[1][1], outputs[0][1], atol=2e-6, rtol=1e-6)  # the tree's keys, same slots
+    (graph,) = rec.graphs
+    nodes = [node for node in graph.nodes if node.op == "call_function"]
+    ops = [node.target for node in nodes]
+    aten = torch.ops.aten
+    assert ops.count(aten.index_put_.default) == 2 * layers
+    assert not [op for op in ops if op in (aten.copy_.default, aten.scatter.src, aten.scatter_.src, aten.index_put.default)]
+    views = (aten.permute.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int)
+    attention = [node for node in nodes if node.target == torch.ops.treeattn.tree_attention.default]
+    assert len(attention) == layers
+    for node in attention:
+        users = list(node.users)
+        while users:
+            user = users.pop()
+            assert user.target != aten.clone.default, f"a clone of {node.name} on its way to o_proj"
+            if user.target in views:
+                users += list(user.users)
+
+
 # ---------------------------------------------------------------------------- CUDA graphs (GPU only)
 
 

@@ -215,3 +215,20 @@ def test_cuda_graph_capture_serves_every_live_length(dtype, n, t, cap):
         torch.cuda.synchronize()
         ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, shared_len=live)
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2), live
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_custom_op_equals_the_function_in_the_heads_inner_layout(impl):
+    """treeattn::cascade_tree_attention (what torch.compile sees): the function's values, laid out as
+    ``[n, t, Hq, D]`` (what the fake declares: an HF layer's transpose + reshape then copy nothing),
+    and a schema / fake that pass opcheck."""
+    from treeattn.cascade import cascade_tree_attention_op
+
+    q, ks, vs, k, v, sl, mask = _inputs(3, 6, 2, 21, 16, 40, [0, 17, 9], seed=11)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # HF's layout: a non-contiguous view
+    args = (q, ks, vs, k, v, sl, _len(29), mask.words, mask.depth, 0.25, impl)
+    got = cascade_tree_attention_op(*args)
+    want = cascade_tree_attention(q, ks, vs, k, v, sl, mask, scale=0.25, impl=impl, shared_len=_len(29))
+    torch.testing.assert_close(got, want)
+    assert got.shape == q.shape and got.transpose(1, 2).is_contiguous()
+    torch.library.opcheck(cascade_tree_attention_op, args)
