@@ -657,7 +657,6 @@ class GreedyChunk:
     def _body(self) -> None:
         fwd = self.forward
         for k in range(self.steps):
-            fwd.state.refresh()  # as after every load: the compiled body's guards saw no per-device copies
             logits, _ = fwd._run()
             nxt = logits[:, -1].argmax(dim=-1)  # [B]
             self.tokens[:, k].copy_(nxt)

@@ -235,16 +235,9 @@ class ForwardState:
         self._moved.clear()
 
     def _on(self, device: torch.device) -> tuple:
-        """The state's tensors on ``device`` (layers of a model split across devices)."""
-        if device not in self._moved:
-            self._moved[device] = (
-                self.slots.to(device),
-                self.positions.to(device),
-                None if self.tree_mask is None else self.tree_mask.to(device),
-                None if self.prefix_lens is None else self.prefix_lens.to(device),
-                None if self.shared_len is None else self.shared_len.to(device),
-            )
-        return self._moved[device]
+        """The state's tensors on ``device`` (layers of a model split across devices: ``_on_device``)."""
+        return _on_device(self._moved, device, (self.slots, self.positions, self.tree_mask, self.prefix_lens,
+                                                self.shared_len))  # fmt: skip
 
     def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
         """Write this layer's new K/V and attend. query ``[B, Hq, m, D]``, key / value ``[B, Hkv, m, D]``.
@@ -287,6 +280,23 @@ class ForwardState:
                 visible = _tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window)
                 out = _masked_attention(query, k_all, v_all, visible, scale, softcap)
         return out.transpose(1, 2), None
+
+
+def _on_device(moved: dict, device: torch.device, items: tuple) -> tuple:
+    """``items`` (tensors, ``TreeMask``s or None) on ``device``: the items themselves when all are there
+    already, else copies made on first use and kept in ``moved`` (per device) until ``refresh``.
+
+    On one device nothing is copied and ``moved`` is left alone. That matters under torch.compile:
+    dynamo guards on ``moved``'s keys, so filling it during a compiled forward made the next call
+    (without a ``load`` in between, e.g. a CUDA-graph capture's warm-up forwards) trace and compile
+    the whole model again (specdec/PERF.md v19).
+    """
+    where = [None if x is None else (x.words if isinstance(x, TreeMask) else x).device for x in items]
+    if all(d is None or d == device for d in where):
+        return items
+    if device not in moved:
+        moved[device] = tuple(None if x is None else x.to(device) for x in items)
+    return moved[device]
 
 
 def _check_shared(shared, tree_mask, shared_len) -> None:
@@ -415,10 +425,7 @@ class MaskedState:
             raise ValueError(f"key_positions: expected shape [{batch}, {kv_len}], got {tuple(self.key_positions.shape)}")
 
     def _on(self, device: torch.device) -> tuple:
-        if device not in self._moved:
-            kp = None if self.key_positions is None else self.key_positions.to(device)
-            self._moved[device] = (self.slots.to(device), self.positions.to(device), self.visible.to(device), kp)
-        return self._moved[device]
+        return _on_device(self._moved, device, (self.slots, self.positions, self.visible, self.key_positions))
 
     def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
         """Write this layer's new K/V at ``slots`` and attend over ``[0, kv_len)`` under ``visible``."""
