@@ -5,6 +5,10 @@ against the weight-streaming floor.
 
     python scripts/device/forward_profile.py --config llama3-8b --prompt 1024 --nodes 1 65 --out $OUT/fp-8b.json
     python scripts/device/forward_profile.py --config qwen2.5-1.5b --prompt 1024 --nodes 1 65 --out $OUT/fp-15.json
+
+On a CPU (inductor's C++ code; the check column compares the compiled forward with the uncompiled one):
+
+    python scripts/device/forward_profile.py --config qwen2.5-1.5b --layers 8 --prompt 256 --nodes 65 --device cpu --reps 2 --profile-reps 1 --out fp-cpu.json
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--bandwidth-gbs", type=float, default=3000.0)
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test, nothing captured)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers instead of the config's (a CPU check at the real widths)")
     p.add_argument("--no-fuse", action="store_true", help="separate q / k / v and gate / up GEMMs (the A/B of specdec.fused)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.set_grad_enabled(False)  # the uncaptured body (``_run``) is called here, outside ``forward``'s no_grad
     cap = -(-(args.prompt + max(args.nodes) + 8) // 256) * 256
-    model = build_scale_model(args.config, device, torch.bfloat16, max_positions=cap)
+    model = build_scale_model(args.config, device, torch.bfloat16, max_positions=cap, layers=args.layers)
     hf.prepare_model(model, fuse=not args.no_fuse)
     gen = torch.Generator().manual_seed(0)
     vocab = hf.vocab_size(model)

@@ -277,6 +277,9 @@ def test_build_scale_model_values_are_small_and_finite():
     assert torch.isfinite(logits).all()
     with pytest.raises(ValueError, match=r"name: expected one of \('llama3-8b', .*'tiny'\), got 'gpt'"):
         bench.build_scale_model("gpt", "cpu", torch.float32)
+    assert bench.build_scale_model("qwen2.5-1.5b", "meta", torch.bfloat16, layers=3).config.num_hidden_layers == 3
+    with pytest.raises(ValueError, match=r"layers: expected None or an int >= 1, got 0"):
+        bench.build_scale_model("tiny", "cpu", torch.float32, layers=0)
 
 
 def test_build_scale_model_qwen_shapes_match_the_loaded_defaults():

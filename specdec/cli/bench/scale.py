@@ -29,9 +29,11 @@ def _no_init_weights():
     return contextlib.nullcontext()
 
 
-def build_scale_model(name: str, device, dtype, max_positions: int = 0, seed: int = 0, std: float = 0.02):
+def build_scale_model(name: str, device, dtype, max_positions: int = 0, seed: int = 0, std: float = 0.02,
+                      layers: int | None = None):
     """A random-weight causal LM of ``SCALE_CONFIGS[name]`` (Llama unless the entry names another
-    ``model_type``) built directly on ``device``.
+    ``model_type``) built directly on ``device``; ``layers``: that many decoder layers instead of the
+    config's (e.g. a CPU check at the real widths).
 
     HF's weight init is skipped (``no_init_weights``) and replaced by one cheap pass on the device:
     matrices normal(0, ``std``) from a seeded generator, norm weights 1, biases 0 (finite, small;
@@ -47,6 +49,10 @@ def build_scale_model(name: str, device, dtype, max_positions: int = 0, seed: in
     fields = dict(SCALE_CONFIGS[name])
     model_type = fields.pop("model_type", "llama")
     fields["max_position_embeddings"] = max(int(fields["max_position_embeddings"]), int(max_positions))
+    if layers is not None:
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise ValueError(f"layers: expected None or an int >= 1, got {layers!r}")
+        fields["num_hidden_layers"] = layers
     config = AutoConfig.for_model(model_type, **fields, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     device = torch.device(device)
     with torch.device(device), _no_init_weights():
