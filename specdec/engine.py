@@ -432,6 +432,10 @@ class SpecDecoder:
             time; inductor's on-disk cache, ``specdec.graphs.configure_compile_cache``, makes later
             processes faster). Default False. The prompt-prefill forward is never compiled (it
             would add another long compile per cache bucket for a once-per-call forward).
+            ``"layers"`` (``"layers:BACKEND"``): each decoder layer through one forward compiled for
+            all layers of its kind (``hf.compile_layers``): on a CPU a third of the whole forward's
+            compile time or less, warm or cold (PERF.md v19); loses the fusion of one layer's
+            last residual add with the next layer's norm; not yet timed on a GPU.
         prefill_width: with static shapes, prompt tokens per chunk of the fixed-shape prompt
             prefill (default ``DEFAULT_PREFILL_WIDTH`` = 256): each call prefills its prompts as
             ``ceil(longest prompt / prefill_width)`` (at most one more near a full cache)

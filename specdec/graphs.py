@@ -76,6 +76,8 @@ __all__ = [
     "InputLayout",
     "capture_warmup",
     "compile_fixed_shapes",
+    "compile_plan",
+    "LAYERS",
     "configure_compile_cache",
     "pack_trees",
     "prefill_chunks",
@@ -244,10 +246,34 @@ def _shape_inputs(parents: tuple[int, ...], n: int, width: int) -> tuple[array.a
     return array.array("q", depth), words
 
 
+#: ``compile=`` value of the layer-wise compile: each decoder layer's forward compiled once for all layers
+#: (``hf.compile_layers``) with inductor; ``"layers:BACKEND"`` with another backend (e.g. aot_eager)
+LAYERS = "layers"
+
+
+def compile_plan(compile: bool | str) -> tuple[str | None, bool]:
+    """``(backend, per_layer)`` of a ``compile=`` option: False -> (None, False); True -> ("inductor",
+    False); ``"layers"`` -> ("inductor", True); ``"layers:BACKEND"`` -> (BACKEND, True); another name
+    -> (it, False): the whole fixed-shape body through that backend (``compile_fixed_shapes``)."""
+    if not isinstance(compile, (bool, str)) or compile == "":
+        raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
+    if compile is False:
+        return None, False
+    if compile is True:
+        return "inductor", False
+    if compile == LAYERS or compile.startswith(LAYERS + ":"):
+        backend = compile[len(LAYERS) + 1 :] or "inductor"
+        if backend in (LAYERS, "max-autotune"):
+            raise ValueError(f"compile: expected 'layers' or 'layers:BACKEND' with a plain backend, got {compile!r}")
+        return backend, True
+    return compile, False
+
+
 def uses_inductor(backend: bool | str) -> bool:
-    """Whether ``compile_fixed_shapes(fn, backend)`` compiles with inductor (True, ``"inductor"``,
-    ``"max-autotune"``): the compiles whose on-disk caches ``configure_compile_cache`` sets."""
-    return backend is True or backend in ("inductor", "max-autotune")
+    """Whether a ``compile=`` option compiles with inductor (True, ``"inductor"``, ``"max-autotune"``,
+    ``"layers"``): the compiles whose on-disk caches ``configure_compile_cache`` sets."""
+    name = compile_plan(backend)[0] if backend else None
+    return name in ("inductor", "max-autotune")
 
 
 def compile_fixed_shapes(fn, backend: bool | str):
@@ -261,12 +287,20 @@ def compile_fixed_shapes(fn, backend: bool | str):
     limit is raised. (Inductor's weight freezing was tried and measured no faster on the H100; in the
     draft model's step it merged only gate / up into one GEMM: PERF.md v13, v14.)"""
     mode = "max-autotune-no-cudagraphs" if backend == "max-autotune" else None
+    backend = prepare_compile(backend)
+    return torch.compile(fn, backend=backend, mode=mode, fullgraph=False, dynamic=False)
+
+
+def prepare_compile(backend: bool | str) -> str:
+    """What every fixed-shape compile of this module needs before it runs: inductor's persistent caches
+    (``configure_compile_cache``) and dynamo's variant limit raised (see ``compile_fixed_shapes``);
+    returns the torch.compile backend name (True / ``"max-autotune"`` -> ``"inductor"``)."""
     if uses_inductor(backend):
         backend = "inductor"
         configure_compile_cache()
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, _COMPILE_VARIANTS)
-    return torch.compile(fn, backend=backend, mode=mode, fullgraph=False, dynamic=False)
+    return backend
 
 
 class _Replayed:
@@ -285,8 +319,7 @@ class _Replayed:
         if n > cache.capacity:
             raise ValueError(f"{n_name}: expected at most the cache capacity {cache.capacity}, got {n}")
         warmup = capture_warmup(warmup)
-        if not isinstance(compile, (bool, str)) or compile == "":
-            raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
+        backend, per_layer = compile_plan(compile)
         self.device = hf.input_device(model)
         devices = model_devices(model)
         if capture:
@@ -300,7 +333,13 @@ class _Replayed:
         self.capture = bool(capture)
         self.warmup = warmup
         #: torch.compile backend of the body ("inductor" for True), or None: run it as is
-        self.compile = ("inductor" if compile is True else compile) or None
+        self.compile = backend
+        #: ``compile="layers"``: the body runs as is, its decoder layers through one compiled forward
+        #: (``hf.compile_layers``; the state carries ``layer_backend``)
+        self.compile_layers = per_layer
+        if per_layer:
+            prepare_compile(backend)
+            hf.compile_layers(model)
         self._compiled = None
         self.logits: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
@@ -338,7 +377,7 @@ class _Replayed:
         """The body, through ``torch.compile`` when asked (compiled on the first call, which the
         capture makes outside the recorded region). The fused elementwise work of the model's
         layers is what compiling buys; the tree attention stays one custom op."""
-        if self.compile is None:
+        if self.compile is None or self.compile_layers:
             return self._body()
         if self._compiled is None:
             self._compiled = compile_fixed_shapes(self._body, self.compile)
@@ -528,7 +567,10 @@ class GraphedForward(_Replayed):
         warmup: side-stream forwards before the capture (after one on the current stream); None:
             ``capture_warmup()`` (2 unless ``$SPECDEC_CAPTURE_WARMUP`` says otherwise).
         compile: run the body through ``torch.compile`` (True: inductor; or a backend name), e.g.
-            to fuse the layers' elementwise kernels before the capture.
+            to fuse the layers' elementwise kernels before the capture; ``"layers"`` (or
+            ``"layers:BACKEND"``): run the body as is and each decoder layer through one forward
+            compiled for all of them (``hf.compile_layers``; ``compile_plan``), a fraction of the
+            whole body's compile time.
         logits_to_keep: 0 (default) = logits (and hidden states) of all n nodes; k in [1, n] = of
             the last k nodes only (``hf.run_state``'s semantics), e.g. 1 for a chunked prompt
             prefill that only writes KV: the LM head and the ``[B, n, V]`` logits buffer shrink to k rows.
@@ -565,7 +607,8 @@ class GraphedForward(_Replayed):
         self.tree_mask = TreeMask(words=view("words"), depth=view("depth"))
         self.state = hf.ForwardState(cache, self.slots, self.positions, self.tree_mask, self.prefix_lens,
                                      kv_len=None, impl=impl, shared=shared,
-                                     shared_len=None if shared is None else view("shared_len"))  # fmt: skip
+                                     shared_len=None if shared is None else view("shared_len"),
+                                     layer_backend=self.compile if self.compile_layers else None)  # fmt: skip
 
     # ------------------------------------------------------------------ inputs
 
@@ -736,6 +779,9 @@ class GraphedMaskedForward(_Replayed):
 
     def __init__(self, model, cache: KVCache, batch: int, m: int, *, return_hidden: bool = False,
                  capture: bool = False, warmup: int | None = None, compile: bool | str = False) -> None:  # fmt: skip
+        if compile_plan(compile)[1]:
+            raise ValueError(f"compile: expected a bool or a backend name for a masked forward, got {compile!r} "
+                             f"(the layer-wise compile is for the target's tree forward)")
         super().__init__(model, cache, batch, m, capture=capture, warmup=warmup, compile=compile, n_name="m")
         if m >= cache.capacity:
             raise ValueError(f"m: expected fewer tokens than the cache capacity {cache.capacity} (one slot is scratch), got {m}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.kv import KVCache
+from specdec.kv import KVCache, store
 from treeattn import TreeMask, tree_attention
 from treeattn.cascade import cascade_tree_attention, cascade_tree_attention_op
 from treeattn.ops import tree_attention_op
@@ -36,9 +36,11 @@ from treeattn.ops import tree_attention_op
 __all__ = [
     "STATE_KWARG",
     "ForwardState",
+    "LayerState",
     "MaskedState",
     "attention_name",
     "check_causal_lm",
+    "compile_layers",
     "prepare_model",
     "input_device",
     "masked_forward",
@@ -152,6 +154,83 @@ def prepare_model(model, name: str = "model", fuse: bool = True) -> str:
     return target
 
 
+def compile_layers(model) -> int:
+    """Let ``model``'s decoder layers run a compiled forward in specdec's layer-wise compiled calls
+    (idempotent); returns the number of layers.
+
+    A decoder layer is a module with a direct child attention module that has ``layer_idx`` (every HF
+    decoder-only model). Each gets a ``forward`` of its own that calls its class's forward through
+    ``torch.compile`` -- one compiled function per (layer class, backend) for the whole process -- when
+    the call carries a ``ForwardState`` whose ``layer_backend`` is set, handing the layer
+    ``state.for_layer(i)`` instead of the state. Every other call (the model's own ``forward`` /
+    ``generate``, specdec's other forwards) runs the class's forward as before. Every layer runs the same
+    code, and the layer's ``LayerState`` carries its buffers as tensors, so one trace and one compile
+    serve all layers of one kind (PyTorch's "regional compilation"; Gemma 3's sliding-window and full
+    layers are two kinds): a fraction of a whole-model compile's time (specdec/PERF.md v19).
+    """
+    count = 0
+    for module in model.modules():
+        idx = [c.layer_idx for c in module.children() if isinstance(getattr(c, "layer_idx", None), int)]
+        if len(idx) != 1:
+            continue
+        count += 1
+        if not isinstance(module.__dict__.get("forward"), _LayerForward):
+            module.forward = _LayerForward(module, idx[0])
+    if not count:
+        raise ValueError(f"model: expected decoder layers (a child attention module with layer_idx), got none in "
+                         f"{type(model).__name__}")
+    return count
+
+
+class _LayerForward:
+    """A decoder layer's ``forward`` under ``compile_layers`` (see there)."""
+
+    def __init__(self, layer, layer_idx: int) -> None:
+        self.layer = layer
+        self.layer_idx = layer_idx
+
+    def __call__(self, *args, **kwargs):
+        layer = self.layer
+        state = kwargs.get(STATE_KWARG)
+        if isinstance(state, ForwardState) and state.layer_backend is not None and not torch.compiler.is_compiling():
+            kwargs[STATE_KWARG] = state.for_layer(self.layer_idx)
+            return _compiled_forward(type(layer), state.layer_backend)(layer, *args, **kwargs)
+        return type(layer).forward(layer, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return _LayerForward(copy.deepcopy(self.layer, memo), self.layer_idx)
+
+
+_COMPILED_FORWARDS: dict = {}  # (layer class, backend) -> torch.compile of the class's forward
+
+
+def _compiled_forward(cls, backend: str):
+    key = (cls, backend)
+    if key not in _COMPILED_FORWARDS:
+        _COMPILED_FORWARDS[key] = torch.compile(cls.forward, backend=backend, fullgraph=False, dynamic=False)
+    return _COMPILED_FORWARDS[key]
+
+
+@dataclass(frozen=True, eq=False)
+class LayerState:
+    """One decoder layer's share of a ``ForwardState`` (``ForwardState.for_layer``): its KV buffers, and
+    the shared prompt's, as tensors. ``compile_layers`` hands it to the layer in place of the state, so
+    that nothing its compiled forward traces reads the layer's index (dynamo would specialize on it
+    and compile every layer again)."""
+
+    state: "ForwardState"
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    shared_k: torch.Tensor | None = None
+    shared_v: torch.Tensor | None = None
+
+    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
+        """``ForwardState.attend`` over this layer's buffers."""
+        return self.state.attend(module, query, key, value, scaling, sliding_window, softcap, layer=self)
+
+
 def _make_attention(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         state = kwargs.pop(STATE_KWARG, None)
@@ -206,6 +285,9 @@ class ForwardState:
             ``shared_len``), so nothing in the forward depends on P on the host: what a CUDA graph
             captured once for every prompt length needs (``specdec.graphs.GraphedForward(shared=)``).
             ``positions`` must then carry the offset P already.
+        layer_backend: a torch.compile backend: each decoder layer runs one forward compiled for all
+            layers (``compile_layers``, installed first) and gets ``for_layer(i)`` instead of this
+            state; None (default): the layers run as they are (or as the caller compiled them).
     """
 
     cache: KVCache
@@ -217,9 +299,12 @@ class ForwardState:
     impl: str = "auto"
     shared: KVCache | None = None
     shared_len: torch.Tensor | None = None
+    layer_backend: str | None = None
     _moved: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        if self.layer_backend is not None and not (isinstance(self.layer_backend, str) and self.layer_backend):
+            raise ValueError(f"layer_backend: expected None or a torch.compile backend name, got {self.layer_backend!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl: expected one of {_IMPLS}, got {self.impl!r}")
         if (self.tree_mask is None) != (self.prefix_lens is None):
@@ -234,28 +319,46 @@ class ForwardState:
         """Drop the per-device copies; call after updating the state's tensors in place."""
         self._moved.clear()
 
+    def for_layer(self, layer_idx: int) -> "LayerState":
+        """Layer ``layer_idx``'s share of this state: its KV buffers (and the shared prompt's) as tensors.
+        The layer's buffers must exist (a prefill wrote them)."""
+        if layer_idx not in self.cache.layer_indices:
+            raise ValueError(f"cache: expected KV buffers for layer {layer_idx} (a prefill writes them) before a "
+                             f"layer-wise compiled forward, got a cache without them")
+        k_buf, v_buf = self.cache.buffers(layer_idx)
+        shared_k, shared_v = (None, None) if self.shared is None else _shared_buffers(self.shared, layer_idx)
+        return LayerState(self, k_buf, v_buf, shared_k, shared_v)
+
     def _on(self, device: torch.device) -> tuple:
         """The state's tensors on ``device`` (layers of a model split across devices: ``_on_device``)."""
         return _on_device(self._moved, device, (self.slots, self.positions, self.tree_mask, self.prefix_lens,
                                                 self.shared_len))  # fmt: skip
 
-    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
+    def attend(self, module, query, key, value, scaling, sliding_window, softcap,
+               layer: "LayerState | None" = None) -> tuple[torch.Tensor, None]:  # fmt: skip
         """Write this layer's new K/V and attend. query ``[B, Hq, m, D]``, key / value ``[B, Hkv, m, D]``.
+
+        ``layer``: the layer's buffers (``for_layer``), so that nothing here reads the module's layer
+        index; None: looked up in ``cache`` (and ``shared``) by ``module.layer_idx``.
 
         Returns ``([B, m, Hq, D], None)`` as transformers' attention functions do.
         """
-        layer_idx = _layer_index(module)
         slots, positions, tree_mask, prefix_lens, shared_len = self._on(query.device)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        k_buf, v_buf = self.cache.write(layer_idx, key, value, slots)
+        if layer is None:
+            k_buf, v_buf = self.cache.write(_layer_index(module), key, value, slots)
+        else:
+            k_buf, v_buf = store(layer.k_buf, layer.v_buf, key, value, slots)
         seq_len = self.cache.capacity if self.kv_len is None else self.kv_len
         if self.shared is not None:
             k_all, v_all = k_buf[:, :, :seq_len], v_buf[:, :, :seq_len]
+            shared_kv = (_shared_buffers(self.shared, _layer_index(module)) if layer is None
+                         else (layer.shared_k, layer.shared_v))  # fmt: skip
             # Under torch.compile a device length goes through one opaque op; a host one stays outside the graph.
             opaque = shared_len is not None and torch.compiler.is_compiling()
             attention = _shared_attention if opaque else _shared_attention_outside_graph()
-            out = attention(self.shared, shared_len, layer_idx, query, k_all, v_all, prefix_lens, tree_mask, scale,
-                            self.impl, sliding_window, softcap)
+            out = attention(self.shared, shared_len, shared_kv, module, query, k_all, v_all, prefix_lens, tree_mask,
+                            scale, self.impl, sliding_window, softcap)  # fmt: skip
             return out.transpose(1, 2), None
         window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
         if tree_mask is None:
@@ -319,25 +422,31 @@ def _check_shared(shared, tree_mask, shared_len) -> None:
         raise ValueError(f"shared_len: expected None or an int64 tensor of shape [1], got {got}")
 
 
-def _shared_attention(shared, shared_len, layer_idx, query, k_all, v_all, suffix_lens, tree_mask, scale, impl,
+def _shared_buffers(shared: KVCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared prompt's ``[1, Hkv, C, D]`` key and value buffers of layer ``layer_idx``."""
+    if layer_idx not in shared.layer_indices:
+        raise ValueError(f"shared: expected the shared prompt's KV of layer {layer_idx} (prefill_shared with the "
+                         f"same model), got a cache without it")
+    return shared.buffers(layer_idx)
+
+
+def _shared_attention(shared, shared_len, shared_kv, module, query, k_all, v_all, suffix_lens, tree_mask, scale, impl,
                       sliding_window, softcap) -> torch.Tensor:
     """``[B, Hq, n, D]``: the tree queries ``query`` ``[B, Hq, n, D]`` attending the shared prompt's KV
-    (``shared``'s slots ``[0, P)``: P = ``shared.lengths[0]``, or the device int64 ``[1]``
-    ``shared_len`` over all its slots) and each sequence's own ``k_all, v_all`` ``[B, Hkv, S, D]``
-    (suffix at ``[0, suffix_lens[b])``, int64 ``[B]``, then the tree)."""
+    ``shared_kv`` (``shared``'s buffers of this layer, slots ``[0, P)``: P = ``shared.lengths[0]``, or the
+    device int64 ``[1]`` ``shared_len`` over all its slots) and each sequence's own ``k_all, v_all``
+    ``[B, Hkv, S, D]`` (suffix at ``[0, suffix_lens[b])``, int64 ``[B]``, then the tree). ``module`` (the
+    attention layer) only names its layer in errors."""
     # With a device length only the capacity bounds the prompt on the host.
     prompt_len = shared.lengths[0] if shared_len is None else shared.capacity
     if softcap is not None:
         raise ValueError(f"shared: expected no attention-logit soft-capping with a shared prefix, got softcap="
-                         f"{softcap} in layer {layer_idx}")
+                         f"{softcap} in layer {_layer_index(module)}")
     if sliding_window is not None and sliding_window < prompt_len + k_all.shape[2]:
         raise ValueError(f"shared: expected no sliding window shorter than the context ({prompt_len} shared + "
                          f"{k_all.shape[2]} per-sequence slots) with a shared prefix, got sliding_window="
-                         f"{sliding_window} in layer {layer_idx}")
-    if layer_idx not in shared.layer_indices:
-        raise ValueError(f"shared: expected the shared prompt's KV of layer {layer_idx} (prefill_shared with the "
-                         f"same model), got a cache without it")
-    k_sh, v_sh = shared.buffers(layer_idx)
+                         f"{sliding_window} in layer {_layer_index(module)}")
+    k_sh, v_sh = shared_kv
     if torch.compiler.is_compiling():  # traced (only with shared_len): the custom op, no graph break
         return cascade_tree_attention_op(query, k_sh, v_sh, k_all, v_all, suffix_lens, shared_len, tree_mask.words,
                                          tree_mask.depth, scale, impl)  # fmt: skip

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "store"]
 
 
 class KVCache:
@@ -92,28 +92,11 @@ class KVCache:
                 below ``capacity``; out-of-range slots raise inside the store).
 
         Returns:
-            ``(k_buf, v_buf)``, each ``[B, Hkv, capacity, D]``.
-
-        Run eagerly, the store is one ``scatter_`` per buffer. Traced by ``torch.compile`` it is an
-        ``index_put_`` over (sequence, head, slot), which inductor writes in place with the producer
-        of ``key`` (RoPE) fused into the store; a traced ``scatter_`` becomes a copy of the whole
-        buffer, a scatter into the copy and a copy back into the cache, per buffer and layer: work
-        in the cache's capacity instead of in m (specdec/PERF.md v19).
+            ``(k_buf, v_buf)``, each ``[B, Hkv, capacity, D]`` (``store`` wrote into them).
         """
         if layer_idx not in self._keys:
             self._allocate(layer_idx, key, value)
-        k_buf, v_buf = self._keys[layer_idx], self._values[layer_idx]
-        if torch.compiler.is_compiling():
-            batch, heads = key.shape[:2]
-            index = (torch.arange(batch, device=slots.device)[:, None, None],
-                     torch.arange(heads, device=slots.device)[None, :, None], slots[:, None, :])  # -> [B, Hkv, m]
-            k_buf.index_put_(index, key.to(k_buf.dtype))
-            v_buf.index_put_(index, value.to(v_buf.dtype))
-        else:
-            index = slots[:, None, :, None].expand(key.shape)
-            k_buf.scatter_(2, index, key.to(k_buf.dtype))
-            v_buf.scatter_(2, index, value.to(v_buf.dtype))
-        return k_buf, v_buf
+        return store(self._keys[layer_idx], self._values[layer_idx], key, value, slots)
 
     def allocate_like(self, other: "KVCache") -> None:
         """Allocate (zeroed) buffers for every layer ``other`` has written and this cache has not, with
@@ -202,3 +185,27 @@ class KVCache:
                     move(self._values[layer_idx])
         for b, path in enumerate(paths):
             self.lengths[b] += len(path or [])
+
+
+def store(k_buf: torch.Tensor, v_buf: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``key`` / ``value`` ``[B, Hkv, m, D]`` into ``k_buf`` / ``v_buf`` ``[B, Hkv, S, D]`` at
+    the slots ``slots`` int64 ``[B, m]`` (per sequence); returns the two buffers.
+
+    Run eagerly, the store is one ``scatter_`` per buffer. Traced by ``torch.compile`` it is an
+    ``index_put_`` over (sequence, head, slot), which inductor writes in place with the producer of
+    ``key`` (RoPE) fused into the store; a traced ``scatter_`` becomes a copy of the whole buffer, a
+    scatter into the copy and a copy back into the cache, per buffer and layer: work in the cache's
+    capacity instead of in m (specdec/PERF.md v19).
+    """
+    if torch.compiler.is_compiling():
+        batch, heads = key.shape[:2]
+        index = (torch.arange(batch, device=slots.device)[:, None, None],
+                 torch.arange(heads, device=slots.device)[None, :, None], slots[:, None, :])  # -> [B, Hkv, m]
+        k_buf.index_put_(index, key.to(k_buf.dtype))
+        v_buf.index_put_(index, value.to(v_buf.dtype))
+    else:
+        index = slots[:, None, :, None].expand(key.shape)
+        k_buf.scatter_(2, index, key.to(k_buf.dtype))
+        v_buf.scatter_(2, index, value.to(v_buf.dtype))
+    return k_buf, v_buf

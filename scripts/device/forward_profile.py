@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth-gbs", type=float, default=3000.0)
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test, nothing captured)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers instead of the config's (a CPU check at the real widths)")
+    p.add_argument("--compile", choices=["model", "layers"], default="model",
+                   help="compile the whole forward (compile=True) or each decoder layer once for all (compile='layers')")
     p.add_argument("--no-fuse", action="store_true", help="separate q / k / v and gate / up GEMMs (the A/B of specdec.fused)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -60,11 +62,12 @@ def main(argv=None) -> int:
     layers = hf.num_layers(model)
     floors = forward_floors(model, prefix, {"flag_gbs": args.bandwidth_gbs, "measured_gbs": args.bandwidth_gbs})
     timer = Timer(device)
-    res = {"config": args.config, "fused": not args.no_fuse, "prompt": args.prompt, "capacity": cap, "layers": layers,
+    res = {"config": args.config, "fused": not args.no_fuse, "compile": args.compile, "prompt": args.prompt, "capacity": cap, "layers": layers,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "floors": floors, "rows": []}  # fmt: skip
     for n in args.nodes:
         tree = random_tree(n, int(prompt[-1]), vocab, gen)
-        g = GraphedForward(model, cache, 1, n, capture=device.type == "cuda", compile=True)
+        g = GraphedForward(model, cache, 1, n, capture=device.type == "cuda",
+                           compile=True if args.compile == "model" else "layers")
         g.load([tree], [prefix])
         g.forward()  # compiles and captures
         for _ in range(3):

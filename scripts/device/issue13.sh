@@ -37,9 +37,10 @@ for s in "$@"; do
       timeout 560 python3 -m specdec.cli bench-stalls --device cuda --dtype bf16 --compile --problems 50 --hf-static \
         "${apps[@]}" --out "$out/stalls.json" > "$out/stalls.log" 2>&1 ;;
     ttft)  # (Qwen) two fresh processes to their first token; the second reads the compile cache
+           # (COMPILE=layers: the layer-wise compile; TAG= a suffix of the output names)
       for i in 1 2; do
         timeout 200 python3 -m specdec.cli bench-stalls --mode first-token --device cuda --dtype bf16 --compile \
-          "${apps[@]}" --out "$out/ttft$i.json" > "$out/ttft$i.log" 2>&1
+          ${COMPILE:-} "${apps[@]}" --out "$out/ttft$i${TAG:-}.json" > "$out/ttft$i${TAG:-}.log" 2>&1
       done ;;
     scale1k|scale16k)  # $SCALE_CONFIG (default Llama-3-8B) shapes, random weights; PARTS= the --scale-parts,
                        # SCALE_ARGS= more flags (e.g. --no-fuse), TAG= a suffix of the output names
@@ -48,11 +49,13 @@ for s in "$@"; do
         --scale-config "${SCALE_CONFIG:-llama3-8b}" --scale-parts "${PARTS:-engine-graph,hf-static,verify}" \
         ${SCALE_ARGS:-} --out "$out/$s${TAG:-}.json" > "$out/$s${TAG:-}.log" 2>&1 ;;
     fprofile|fprofile-unfused)  # kernels of the compiled forward (1 and 65 nodes) at $CONFIGS' shapes (default
-                                # Llama-3-8B and the 1.5B's), random weights; -unfused: separate q/k/v, gate/up GEMMs
+                                # Llama-3-8B and the 1.5B's), random weights; -unfused: separate q/k/v, gate/up GEMMs;
+                                # COMPILE=layers: the layer-wise compile; TAG= a suffix of the output names
       flag=$([ "$s" = fprofile ] && echo "" || echo "--no-fuse")
       for c in ${CONFIGS:-llama3-8b qwen2.5-1.5b}; do
+        name="fp-$c${flag:+-unfused}${TAG:-}"
         timeout 330 python3 scripts/device/forward_profile.py --config "$c" --prompt 1024 --nodes 1 65 $flag \
-          --out "$out/fp-$c${flag:+-unfused}.json" > "$out/fp-$c${flag:+-unfused}.log" 2>&1
+          ${COMPILE:+--compile $COMPILE} --out "$out/$name.json" > "$out/$name.log" 2>&1
       done ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac

@@ -99,3 +99,14 @@ def test_medusa_without_heads_is_one_line_error(tiny, capsys):
     assert cli.main(["bench-stalls", "--target", str(target), "--drafter", "medusa", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["specdec bench-stalls: error: --medusa-heads: expected a heads directory for --drafter medusa, got none"]
+
+
+def test_compile_option_takes_the_layer_wise_mode():
+    """``--compile``: off, the whole forward (True), or ``--compile layers`` (SpecDecoder(compile="layers"))."""
+    from specdec.cli.bench_stalls import build_parser
+
+    p = build_parser()
+    assert [p.parse_args([*a, "--device", "cpu"]).compile for a in ([], ["--compile"], ["--compile", "layers"])] == [
+        False, True, "layers"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--compile", "model", "--device", "cpu"])

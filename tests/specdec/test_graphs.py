@@ -122,7 +122,8 @@ def _pointers(gf: GraphedForward) -> list[int]:
     return ptrs
 
 
-@pytest.mark.parametrize("impl,compile", [("torch", False), ("triton", False), ("torch", "aot_eager")])
+@pytest.mark.parametrize("impl,compile", [("torch", False), ("triton", False), ("torch", "aot_eager"),
+                                          ("torch", "layers:aot_eager")])
 def test_graph_eager_replay_over_a_shared_prompt(impl, compile):
     """``GraphedForward(shared=)``: one forward, prompts of several lengths prefilled in turn into the
     same fixed-capacity cache (stale KV after the shorter ones), the sequences' caches and trees
@@ -181,11 +182,14 @@ def test_graph_shared_prompt_length_is_checked_at_load():
 
 
 @pytest.mark.parametrize("family,hidden,compile", [("llama", False, False), ("qwen2", True, False), ("gemma3", False, False),
-                                                   ("qwen2", True, "aot_eager"), ("gemma3", False, "aot_eager")])
+                                                   ("qwen2", True, "aot_eager"), ("gemma3", False, "aot_eager"),
+                                                   ("qwen2", True, "layers:aot_eager"),
+                                                   ("gemma3", False, "layers:aot_eager")])
 def test_graph_eager_replay_equals_tree_forward_over_steps(family, hidden, compile):
     """Several steps, changing prefix lengths and trees (some padded): same logits as hf.tree_forward.
     compile: the body traced by torch.compile (aot_eager: the tracing and functionalization that
-    inductor starts from, without code generation), once for all steps."""
+    inductor starts from, without code generation), once for all steps; "layers:aot_eager": each
+    decoder layer through one forward traced once for all layers of its kind."""
     model = _model(family)
     batch, n, capacity = 2, 33, 96
     prompts = [_prompt(20, 1), _prompt(9, 2)]
@@ -225,7 +229,10 @@ def test_graph_eager_replay_equals_tree_forward_over_steps(family, hidden, compi
                 torch.testing.assert_close(got_hidden[b, : t.n], want_hidden[b, : t.n], atol=2e-5, rtol=1e-5)
         lengths = [lengths[0] + 1 + step, lengths[1] + 2 * step]  # the next step's prefixes (data, not shapes)
     assert gf.calls == 5 and not gf.captured
-    assert counters["stats"]["unique_graphs"] - graphs_before == (1 if compile else 0)  # no recompiles
+    # no recompiles; layer-wise: one graph per kind of layer (Gemma 3's sliding-window and full layers)
+    kinds = len(set(getattr(model.config, "layer_types", None) or ["full_attention"]))
+    want_graphs = 0 if not compile else kinds if compile.startswith("layers") else 1
+    assert counters["stats"]["unique_graphs"] - graphs_before == want_graphs
 
 
 def test_graph_forward_argument_errors():
@@ -389,17 +396,20 @@ def test_compiled_forward_called_again_without_a_load_compiles_once():
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
+@pytest.mark.parametrize("compile", ["aot_eager", "layers:aot_eager"])
 @pytest.mark.parametrize("kind,tree_size", [("oracle", 8), ("random", 31)])
-def test_compiled_engine_equals_hf_generate(kind, tree_size):
-    """SpecDecoder(compile=...) on CPU (aot_eager): the traced forward gives HF's greedy tokens."""
+def test_compiled_engine_equals_hf_generate(kind, tree_size, compile):
+    """SpecDecoder(compile=...) on CPU (aot_eager; layer-wise: each decoder layer through one traced
+    forward): the traced forward gives HF's greedy tokens, and the model's own generate still does."""
     model = _model("qwen2")
     prompt = _prompt(10, 0)
     ref = hf_greedy(model, prompt, 24)
     drafter = {"oracle": OracleDrafter([ref], seed=3), "random": RandomTreeDrafter(seed=4)}[kind]
-    dec = SpecDecoder(model, drafter, tree_size=tree_size, static_shapes=True, attn_impl="torch", compile="aot_eager")
+    dec = SpecDecoder(model, drafter, tree_size=tree_size, static_shapes=True, attn_impl="torch", compile=compile)
     assert dec.generate(prompt, 24).sequences[0].tolist() == ref
     (gf,) = dec._graphs.values()
-    assert gf.compile == "aot_eager" and gf._compiled is not None
+    assert gf.compile == "aot_eager" and (gf._compiled is None) == gf.compile_layers == compile.startswith("layers")
+    assert hf_greedy(model, prompt, 24) == ref
 
 
 class _PostGradOps:
@@ -420,23 +430,24 @@ class _PostGradOps:
         self.pass_ = Record()
 
 
-def test_inductor_forward_writes_the_cache_in_place():
+@pytest.mark.parametrize("compile", [True, "layers"])
+def test_inductor_forward_writes_the_cache_in_place(compile):
     """compile=True (inductor; C++ code on the CPU): after inductor's post-grad passes every layer stores
     its new keys and values with one in-place ``index_put_`` each, and no cache buffer is copied back.
     (A traced ``scatter_`` became a clone of the whole buffer, a scatter and a ``copy_`` back: work in
     the cache's capacity, kernels a layer on the GPU; PERF.md v19.) Nothing clones the attention
     op's output on its way to o_proj (it comes laid out as the layer reshapes it). Same logits as the
-    uncompiled body."""
+    uncompiled body. ``"layers"``: one graph, of one decoder layer, serves both layers."""
     from torch._inductor import config as inductor_config
 
     model = _model("qwen2")
     layers = model.config.num_hidden_layers
     prompt = _prompt(30, 3)
     outputs = []
-    for compile in (False, True):
+    for how in (False, compile):
         cache = KVCache(1, 80, num_layers=layers)
         prefill(model, prompt[None, :29], cache, impl="torch")
-        gf = GraphedForward(model, cache, 1, 9, impl="torch", compile=compile)
+        gf = GraphedForward(model, cache, 1, 9, impl="torch", compile=how)
         rec = _PostGradOps()
         with inductor_config.patch(post_grad_custom_post_pass=rec.pass_, force_disable_caches=True):
             logits, _ = gf.run([_tree(9, 7, root=int(prompt[-1]))], [29])
@@ -447,6 +458,8 @@ def test_inductor_forward_writes_the_cache_in_place():
     nodes = [node for node in graph.nodes if node.op == "call_function"]
     ops = [node.target for node in nodes]
     aten = torch.ops.aten
+    if compile == "layers":
+        layers = 1  # the graph of one decoder layer
     assert ops.count(aten.index_put_.default) == 2 * layers
     assert not [op for op in ops if op in (aten.copy_.default, aten.scatter.src, aten.scatter_.src, aten.index_put.default)]
     views = (aten.permute.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int)
@@ -649,15 +662,17 @@ def test_cuda_graph_engine_equals_hf_generate(kind, tree_size):
 
 
 @cuda_only
-def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager():
-    """compile=True (inductor) + capture: the replayed compiled forward matches the eager one."""
+@pytest.mark.parametrize("compile", [True, "layers"])
+def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager(compile):
+    """compile=True (inductor) or "layers" (each decoder layer through one compiled forward) + capture:
+    the replayed compiled forward gives HF's greedy tokens."""
     model = _cuda_model("qwen2")
     prompt = _prompt(10, 0)
     ref = _hf_greedy_cuda(model, prompt, 30)
-    dec = SpecDecoder(model, RandomTreeDrafter(seed=4), tree_size=31, compile=True)
+    dec = SpecDecoder(model, RandomTreeDrafter(seed=4), tree_size=31, compile=compile)
     assert dec.generate(prompt, 30).sequences[0].tolist() == ref
     (gf,) = dec._graphs.values()
-    assert gf.captured and gf.compile == "inductor"
+    assert gf.captured and gf.compile == "inductor" and gf.compile_layers == (compile == "layers")
     assert gf.warmup == capture_warmup() and 0 <= gf.capture_warmup_s <= gf.capture_s
 
 
@@ -880,3 +895,51 @@ def test_compile_fixed_shapes_modes(monkeypatch):
     assert [(c["backend"], c["mode"]) for c in calls] == [
         ("inductor", None), ("inductor", None), ("inductor", "max-autotune-no-cudagraphs"), ("aot_eager", None)]
     assert all(c["dynamic"] is False for c in calls)
+
+
+def test_compile_plan_values_and_errors():
+    """``compile=``: False, True (inductor), a backend name, ``"layers"`` / ``"layers:BACKEND"`` (each
+    decoder layer through one compiled forward); the errors name the argument."""
+    from specdec.graphs import compile_plan, uses_inductor
+
+    assert compile_plan(False) == (None, False) and compile_plan(True) == ("inductor", False)
+    assert compile_plan("aot_eager") == ("aot_eager", False) and compile_plan("max-autotune") == ("max-autotune", False)
+    assert compile_plan("layers") == ("inductor", True) and compile_plan("layers:aot_eager") == ("aot_eager", True)
+    assert [uses_inductor(c) for c in (False, True, "layers", "layers:aot_eager", "max-autotune")] == [
+        False, True, True, False, True]
+    for bad in ("", 3, None, "layers:max-autotune", "layers:layers"):
+        with pytest.raises(ValueError, match="compile: expected"):
+            compile_plan(bad)
+    model = _model("qwen2")
+    with pytest.raises(ValueError, match="compile: expected a bool or a backend name for a masked forward, got 'layers'"):
+        GraphedMaskedForward(model, KVCache(1, 16), 1, 4, compile="layers")
+
+
+def test_compile_layers_leaves_the_model_alone_outside_specdec():
+    """``hf.compile_layers``: every decoder layer gets the dispatching forward (idempotent); the model's
+    own forward gives the same logits as before; a deep copy's layers dispatch to the copy; a module
+    without decoder layers is refused; a layer-wise forward over a cache with no buffers is refused."""
+    import copy
+
+    from specdec.hf import ForwardState, compile_layers
+
+    model = tiny_model("llama", seed=5)
+    prepare_model(model)
+    ids = _prompt(12, 5)[None]
+    before = model(ids).logits
+    assert compile_layers(model) == compile_layers(model) == model.config.num_hidden_layers
+    forwards = [layer.__dict__["forward"] for layer in model.model.layers]
+    assert [f.layer_idx for f in forwards] == list(range(model.config.num_hidden_layers))
+    assert [f.layer for f in forwards] == list(model.model.layers)
+    assert torch.equal(model(ids).logits, before)
+    twin = copy.deepcopy(model)
+    assert [layer.__dict__["forward"].layer for layer in twin.model.layers] == list(twin.model.layers)
+    assert torch.equal(twin(ids).logits, before)
+    with pytest.raises(ValueError, match="model: expected decoder layers"):
+        compile_layers(torch.nn.Linear(2, 2))
+    state = ForwardState(KVCache(1, 16), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64),
+                         layer_backend="aot_eager")  # fmt: skip
+    with pytest.raises(ValueError, match=r"cache: expected KV buffers for layer 0 \(a prefill writes them\)"):
+        state.for_layer(0)
+    with pytest.raises(ValueError, match="layer_backend: expected None or a torch.compile backend name, got ''"):
+        ForwardState(KVCache(1, 16), state.slots, state.positions, layer_backend="")
