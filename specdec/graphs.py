@@ -848,8 +848,7 @@ def replay_modes(model, static_shapes: bool | None, cuda_graphs: bool | None, co
     for arg, val in (("static_shapes", static_shapes), ("cuda_graphs", cuda_graphs)):
         if val is not None and not isinstance(val, bool):
             raise ValueError(f"{arg}: expected None, True or False, got {val!r}")
-    if not isinstance(compile, (bool, str)) or compile == "":
-        raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
+    compile_plan(compile)  # raises for a bad value
     device = hf.input_device(model)
     one_device = len(model_devices(model)) == 1
     if cuda_graphs:

@@ -376,6 +376,8 @@ def test_cuda_graphs_argument_errors():
         SpecDecoder(model, None, compile=True)
     with pytest.raises(ValueError, match=r"compile: expected a bool or a torch.compile backend name, got ''"):
         SpecDecoder(model, None, static_shapes=True, compile="")
+    with pytest.raises(ValueError, match=r"compile: expected 'layers' or 'layers:BACKEND' with a plain backend"):
+        SpecDecoder(model, None, static_shapes=True, compile="layers:max-autotune")
 
 
 def test_compiled_forward_called_again_without_a_load_compiles_once():
