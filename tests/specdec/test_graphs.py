@@ -414,22 +414,20 @@ def test_compiled_engine_equals_hf_generate(kind, tree_size, compile):
     assert hf_greedy(model, prompt, 24) == ref
 
 
-class _PostGradOps:
-    """An inductor post-grad pass that only records the graph it is given."""
+def _post_grad_recorder():
+    """An inductor post-grad pass that only records the graphs it is given, and the list it fills."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __init__(self):
-        from torch._inductor.custom_graph_pass import CustomGraphPass
+    graphs = []
 
-        recorded = self.graphs = []
+    class Record(CustomGraphPass):
+        def __call__(self, graph):
+            graphs.append(graph)
 
-        class Record(CustomGraphPass):
-            def __call__(self, graph):
-                recorded.append(graph)
+        def uuid(self):
+            return "record-post-grad-graph"
 
-            def uuid(self):
-                return "record-post-grad-graph"
-
-        self.pass_ = Record()
+    return Record(), graphs
 
 
 @pytest.mark.parametrize("compile", [True, "layers"])
@@ -445,23 +443,22 @@ def test_inductor_forward_writes_the_cache_in_place(compile):
     model = _model("qwen2")
     layers = model.config.num_hidden_layers
     prompt = _prompt(30, 3)
+    record, graphs = _post_grad_recorder()
     outputs = []
     for how in (False, compile):
         cache = KVCache(1, 80, num_layers=layers)
         prefill(model, prompt[None, :29], cache, impl="torch")
         gf = GraphedForward(model, cache, 1, 9, impl="torch", compile=how)
-        rec = _PostGradOps()
-        with inductor_config.patch(post_grad_custom_post_pass=rec.pass_, force_disable_caches=True):
+        with inductor_config.patch(post_grad_custom_post_pass=record, force_disable_caches=True):
             logits, _ = gf.run([_tree(9, 7, root=int(prompt[-1]))], [29])
         outputs.append((logits.clone(), cache.buffers(0)[0][0, :, 29:38].clone()))
     torch.testing.assert_close(outputs[1][0], outputs[0][0], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(outputs[1][1], outputs[0][1], atol=2e-6, rtol=1e-6)  # the tree's keys, same slots
-    (graph,) = rec.graphs
+    (graph,) = graphs
     nodes = [node for node in graph.nodes if node.op == "call_function"]
     ops = [node.target for node in nodes]
     aten = torch.ops.aten
-    if compile == "layers":
-        layers = 1  # the graph of one decoder layer
+    layers = 1 if compile == "layers" else layers  # "layers": the graph of one decoder layer
     assert ops.count(aten.index_put_.default) == 2 * layers
     assert not [op for op in ops if op in (aten.copy_.default, aten.scatter.src, aten.scatter_.src, aten.index_put.default)]
     views = (aten.permute.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int)
