@@ -425,17 +425,19 @@ class SpecDecoder:
             static, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``; False on CPU). Needs
             static shapes.
         compile: run the fixed-shape tree forward through ``torch.compile`` before it is captured
-            (True: inductor; ``"max-autotune"``: inductor timing GEMM templates per matmul shape,
-            a longer first compile; or a backend name; needs static shapes): fuses the layers'
-            elementwise kernels; the tree attention stays one custom op. The first forward of
-            each (batch size, cache capacity) compiles (tens of seconds for a real model the first
-            time; inductor's on-disk cache, ``specdec.graphs.configure_compile_cache``, makes later
-            processes faster). Default False. The prompt-prefill forward is never compiled (it
-            would add another long compile per cache bucket for a once-per-call forward).
-            ``"layers"`` (``"layers:BACKEND"``): each decoder layer through one forward compiled for
-            all layers of its kind (``hf.compile_layers``): on a CPU a third of the whole forward's
-            compile time or less, warm or cold (PERF.md v19); loses the fusion of one layer's
-            last residual add with the next layer's norm; not yet timed on a GPU.
+            (needs static shapes): fuses the layers' elementwise kernels; the tree attention stays
+            one custom op. True or ``"layers"`` (``"layers:BACKEND"``): each decoder layer through
+            one forward compiled with inductor for all layers of its kind (``hf.compile_layers``);
+            ``"inductor"``: the whole forward compiled as one (it also fuses one layer's last
+            residual add with the next layer's norm); ``"max-autotune"``: the whole forward, inductor
+            timing GEMM templates per matmul shape (a longer first compile); or another backend
+            name. On an H100 (Qwen2.5-Coder-1.5B, PERF.md v20) the layer-wise compile brought a
+            second process to its first token in 18.4 s against 29.7 s for the whole forward (a
+            first process: 23.6 against 48.4 s), for a 65-node verify of 2.579 against 2.564 ms.
+            The first forward of each (batch size, cache capacity) compiles; inductor's on-disk
+            cache (``specdec.graphs.configure_compile_cache``) makes later processes faster.
+            Default False. The prompt-prefill forward is never compiled (it would add another
+            compile per cache bucket for a once-per-call forward).
         prefill_width: with static shapes, prompt tokens per chunk of the fixed-shape prompt
             prefill (default ``DEFAULT_PREFILL_WIDTH`` = 256): each call prefills its prompts as
             ``ceil(longest prompt / prefill_width)`` (at most one more near a full cache)
@@ -1344,7 +1346,7 @@ class SpecDecoder:
         cache_dir = None
         if uses_inductor(self.compile):
             cache_dir = configure_compile_cache()
-        how = [f"torch.compile ({'inductor' if self.compile is True else self.compile})"] if self.compile else []
+        how = [f"torch.compile ({'layers' if self.compile is True else self.compile})"] if self.compile else []
         how += ["CUDA graphs"] if self.cuda_graphs else (["fixed shapes, eager"] if self.static_shapes else ["eager"])
         say(f"specdec warmup: target forwards [B, {n}] for B in {batch_sizes} over caches of {capacities} slots "
             f"({', '.join(how)}){f'; compile cache {cache_dir}' if cache_dir else ''}")  # fmt: skip

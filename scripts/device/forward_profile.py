@@ -44,10 +44,14 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test, nothing captured)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers instead of the config's (a CPU check at the real widths)")
     p.add_argument("--compile", choices=["model", "layers"], default="model",
-                   help="compile the whole forward (compile=True) or each decoder layer once for all (compile='layers')")
+                   help="compile the whole forward (compile='inductor') or each decoder layer once for all "
+                        "(compile='layers', what compile=True does)")
     p.add_argument("--no-fuse", action="store_true", help="separate q / k / v and gate / up GEMMs (the A/B of specdec.fused)")
+    p.add_argument("--inductor", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="torch._inductor.config settings for this run (a Python literal each), e.g. combo_kernels=True")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    inductor = _set_inductor_options(args.inductor)
     device = torch.device(args.device)
     torch.set_grad_enabled(False)  # the uncaptured body (``_run``) is called here, outside ``forward``'s no_grad
     cap = -(-(args.prompt + max(args.nodes) + 8) // 256) * 256
@@ -62,12 +66,12 @@ def main(argv=None) -> int:
     layers = hf.num_layers(model)
     floors = forward_floors(model, prefix, {"flag_gbs": args.bandwidth_gbs, "measured_gbs": args.bandwidth_gbs})
     timer = Timer(device)
-    res = {"config": args.config, "fused": not args.no_fuse, "compile": args.compile, "prompt": args.prompt, "capacity": cap, "layers": layers,
+    res = {"config": args.config, "fused": not args.no_fuse, "compile": args.compile, "inductor": inductor, "prompt": args.prompt, "capacity": cap, "layers": layers,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "floors": floors, "rows": []}  # fmt: skip
     for n in args.nodes:
         tree = random_tree(n, int(prompt[-1]), vocab, gen)
         g = GraphedForward(model, cache, 1, n, capture=device.type == "cuda",
-                           compile=True if args.compile == "model" else "layers")
+                           compile="inductor" if args.compile == "model" else "layers")
         g.load([tree], [prefix])
         g.forward()  # compiles and captures
         for _ in range(3):
@@ -93,6 +97,33 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return 0
+
+
+def _set_inductor_options(items: list[str]) -> dict:
+    """Set each ``NAME=VALUE`` of ``--inductor`` on ``torch._inductor.config`` (dotted names reach its
+    sub-configs, e.g. ``triton.cudagraphs``); returns them as set. Raises SystemExit naming a bad item."""
+    import ast
+
+    import torch._inductor.config as config
+
+    out = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--inductor: expected NAME=VALUE, got {item!r}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--inductor {name}: expected a Python literal, got {text!r}") from None
+        *path, leaf = name.split(".")
+        target = config
+        for part in path:
+            target = getattr(target, part, None)
+        if target is None or not hasattr(target, leaf):
+            raise SystemExit(f"--inductor: torch._inductor.config has no setting {name!r}")
+        setattr(target, leaf, value)
+        out[name] = value
+    return out
 
 
 def _check_against_uncompiled(model, cache, logits, tree, prefix: int) -> dict:

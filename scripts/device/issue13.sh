@@ -37,7 +37,7 @@ for s in "$@"; do
       timeout 560 python3 -m specdec.cli bench-stalls --device cuda --dtype bf16 --compile --problems 50 --hf-static \
         "${apps[@]}" --out "$out/stalls.json" > "$out/stalls.log" 2>&1 ;;
     ttft)  # (Qwen) two fresh processes to their first token; the second reads the compile cache
-           # (COMPILE=layers: the layer-wise compile; TAG= a suffix of the output names)
+           # (COMPILE=inductor: the whole forward compiled as one, the default before v20; TAG= a suffix of the output names)
       for i in 1 2; do
         timeout 200 python3 -m specdec.cli bench-stalls --mode first-token --device cuda --dtype bf16 --compile \
           ${COMPILE:-} "${apps[@]}" --out "$out/ttft$i${TAG:-}.json" > "$out/ttft$i${TAG:-}.log" 2>&1

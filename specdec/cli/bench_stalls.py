@@ -232,9 +232,9 @@ def build_parser():
     p.add_argument("--drafter", choices=["lookup", "medusa", "none"], default="lookup")
     p.add_argument("--medusa-heads", type=cliargs.existing_path, default=None, help="heads dir for --drafter medusa")
     p.add_argument("--tree-size", type=cliargs.int_at_least(1), default=64)
-    p.add_argument("--compile", nargs="?", const=True, default=False, choices=["layers"],
-                   help="SpecDecoder(compile=True); '--compile layers': compile='layers', each decoder layer "
-                        "through one forward compiled for all of them (a shorter compile)")
+    p.add_argument("--compile", nargs="?", const=True, default=False, choices=["layers", "inductor"],
+                   help="SpecDecoder(compile=True): each decoder layer through one forward compiled for all of "
+                        "them; '--compile inductor': the whole forward compiled as one (a longer compile)")
     p.add_argument("--prefill-width", type=cliargs.int_at_least(0), default=256,
                    help="SpecDecoder(prefill_width=): prompt chunk of the graphed prefill (0: the eager prefill)")
     p.add_argument("--hf-static", action="store_true", help="also time HF generate(cache_implementation='static')")

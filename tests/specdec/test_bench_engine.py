@@ -264,6 +264,19 @@ def test_floor_arithmetic_by_hand():
     assert bw["gbs"] > 0 and bw["bytes"] == 1 << 20 and bw["reps"] == 2
 
 
+def test_bench_engine_scale_whole_forward_compile_row(tmp_path):
+    """``--scale-parts engine-inductor``: plain decoding with the whole forward compiled as one
+    (``compile="inductor"``, the A/B of the layer-wise ``compile=True``), a row like the others."""
+    out = tmp_path / "scale.json"
+    argv = ["bench-engine", "--sections", "scale", "--device", "cpu", "--attn-impl", "torch", "--scale-config", "tiny",
+            "--scale-prompts", "24", "--scale-new-tokens", "3", "--scale-parts", "engine-inductor", "--reps", "1",
+            "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    (row,) = json.loads(out.read_text())["scale"]["decode"]
+    assert "error" not in row, row
+    assert row["method"] == "engine-inductor" and row["ms_per_token"] > 0 and row["new_tokens"] == 3
+
+
 def test_build_scale_model_values_are_small_and_finite():
     import torch
 
@@ -333,7 +346,7 @@ def test_summarize_kernels_categories_and_names():
         (["--scale-prompts", "1"], "argument --scale-prompts: expected an int >= 2, got 1"),
         (["--scale-new-tokens", "1"], "argument --scale-new-tokens: expected an int >= 2, got 1"),
         (["--scale-parts", "verify,plain"], "argument --scale-parts: expected some of engine-graph, engine-compiled, "
-                                            "engine-compiled-step, hf-static, verify, got plain"),
+                                            "engine-inductor, engine-compiled-step, hf-static, verify, got plain"),
         (["--profile-modes", "eager"], "argument --profile-modes: expected some of graph, compiled, got eager"),
         (["--profile-tree-size", "-1"], "argument --profile-tree-size: expected an int >= 0, got -1"),
     ],

@@ -430,14 +430,14 @@ def _post_grad_recorder():
     return Record(), graphs
 
 
-@pytest.mark.parametrize("compile", [True, "layers"])
+@pytest.mark.parametrize("compile", ["inductor", True])
 def test_inductor_forward_writes_the_cache_in_place(compile):
-    """compile=True (inductor; C++ code on the CPU): after inductor's post-grad passes every layer stores
+    """compile="inductor" (the whole forward; C++ code on the CPU): after inductor's post-grad passes every layer stores
     its new keys and values with one in-place ``index_put_`` each, and no cache buffer is copied back.
     (A traced ``scatter_`` became a clone of the whole buffer, a scatter and a ``copy_`` back: work in
     the cache's capacity, kernels a layer on the GPU; PERF.md v19.) Nothing clones the attention
     op's output on its way to o_proj (it comes laid out as the layer reshapes it). Same logits as the
-    uncompiled body. ``"layers"``: one graph, of one decoder layer, serves both layers."""
+    uncompiled body. True (= ``"layers"``): one graph, of one decoder layer, serves both layers."""
     from torch._inductor import config as inductor_config
 
     model = _model("qwen2")
@@ -458,7 +458,7 @@ def test_inductor_forward_writes_the_cache_in_place(compile):
     nodes = [node for node in graph.nodes if node.op == "call_function"]
     ops = [node.target for node in nodes]
     aten = torch.ops.aten
-    layers = 1 if compile == "layers" else layers  # "layers": the graph of one decoder layer
+    layers = 1 if compile is True else layers  # True = "layers": the graph of one decoder layer
     assert ops.count(aten.index_put_.default) == 2 * layers
     assert not [op for op in ops if op in (aten.copy_.default, aten.scatter.src, aten.scatter_.src, aten.index_put.default)]
     views = (aten.permute.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int)
@@ -661,17 +661,17 @@ def test_cuda_graph_engine_equals_hf_generate(kind, tree_size):
 
 
 @cuda_only
-@pytest.mark.parametrize("compile", [True, "layers"])
+@pytest.mark.parametrize("compile", ["inductor", True, "layers"])
 def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager(compile):
-    """compile=True (inductor) or "layers" (each decoder layer through one compiled forward) + capture:
-    the replayed compiled forward gives HF's greedy tokens."""
+    """compile="inductor" (the whole forward) or True = "layers" (each decoder layer through one compiled
+    forward) + capture: the replayed compiled forward gives HF's greedy tokens."""
     model = _cuda_model("qwen2")
     prompt = _prompt(10, 0)
     ref = _hf_greedy_cuda(model, prompt, 30)
     dec = SpecDecoder(model, RandomTreeDrafter(seed=4), tree_size=31, compile=compile)
     assert dec.generate(prompt, 30).sequences[0].tolist() == ref
     (gf,) = dec._graphs.values()
-    assert gf.captured and gf.compile == "inductor" and gf.compile_layers == (compile == "layers")
+    assert gf.captured and gf.compile == "inductor" and gf.compile_layers == (compile != "inductor")
     assert gf.warmup == capture_warmup() and 0 <= gf.capture_warmup_s <= gf.capture_s
 
 
@@ -682,7 +682,7 @@ def test_cuda_capture_of_a_compiled_forward_compiles_once(monkeypatch, one_strea
     PERF.md v9's candidate, all on one side stream) compile the body once: as many dynamo graphs as one
     eager-replay (uncaptured) call of the same forward. Session 11 measured 2 with one stream; the
     second was the state's per-device dict, filled by the first call (fixed in v19, CPU-tested by
-    ``test_compiled_forward_called_again_without_a_load_compiles_once``; not yet run on a GPU)."""
+    ``test_compiled_forward_called_again_without_a_load_compiles_once``; passed on an H100 in session 19)."""
     from specdec.graphs import ONE_STREAM_ENV
 
     monkeypatch.setenv(ONE_STREAM_ENV, one_stream)
@@ -692,7 +692,7 @@ def test_cuda_capture_of_a_compiled_forward_compiles_once(monkeypatch, one_strea
         cache = KVCache(1, capacity, num_layers=2)
         prefill(model, torch.tensor([[3, 4, 5]], device="cuda"), cache, impl="torch")  # the engine prefills first
         cache.lengths = [3]
-        gf = GraphedForward(model, cache, 1, n, capture=capture, compile=True)
+        gf = GraphedForward(model, cache, 1, n, capture=capture, compile="inductor")
         before = counters["stats"]["unique_graphs"]
         gf.run([TokenTree.chain(torch.tensor([6, 7, 8]))], [3])
         assert gf.captured == capture
@@ -896,12 +896,32 @@ def test_compile_fixed_shapes_modes(monkeypatch):
     assert all(c["dynamic"] is False for c in calls)
 
 
+def test_layer_compile_options(monkeypatch):
+    """The layer-wise compile: one ``torch.compile`` per (layer class, backend), with inductor's
+    combo kernels (``hf.LAYER_INDUCTOR_OPTIONS``) for inductor and no options for another backend."""
+    from specdec import hf
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    monkeypatch.setattr(hf, "_COMPILED_FORWARDS", {})
+
+    class Layer(torch.nn.Module):
+        pass
+
+    for backend in ("inductor", "inductor", "aot_eager"):
+        hf._compiled_forward(Layer, backend)
+    assert [(c["backend"], c["options"]) for c in calls] == [("inductor", {"combo_kernels": True}), ("aot_eager", None)]
+    assert all(c["dynamic"] is False for c in calls)
+
+
 def test_compile_plan_values_and_errors():
-    """``compile=``: False, True (inductor), a backend name, ``"layers"`` / ``"layers:BACKEND"`` (each
-    decoder layer through one compiled forward); the errors name the argument."""
+    """``compile=``: False, a backend name (the whole forward), True = ``"layers"`` / ``"layers:BACKEND"``
+    (each decoder layer through one compiled forward); the errors name the argument. A masked forward
+    compiles whole: True is inductor there."""
     from specdec.graphs import compile_plan, uses_inductor
 
-    assert compile_plan(False) == (None, False) and compile_plan(True) == ("inductor", False)
+    assert compile_plan(False) == (None, False) and compile_plan(True) == ("inductor", True)
+    assert compile_plan("inductor") == ("inductor", False)
     assert compile_plan("aot_eager") == ("aot_eager", False) and compile_plan("max-autotune") == ("max-autotune", False)
     assert compile_plan("layers") == ("inductor", True) and compile_plan("layers:aot_eager") == ("aot_eager", True)
     assert [uses_inductor(c) for c in (False, True, "layers", "layers:aot_eager", "max-autotune")] == [
@@ -912,6 +932,8 @@ def test_compile_plan_values_and_errors():
     model = _model("qwen2")
     with pytest.raises(ValueError, match="compile: expected a bool or a backend name for a masked forward, got 'layers'"):
         GraphedMaskedForward(model, KVCache(1, 16), 1, 4, compile="layers")
+    masked = GraphedMaskedForward(model, KVCache(1, 16), 1, 4, compile=True)
+    assert masked.compile == "inductor" and not masked.compile_layers
 
 
 def test_compile_layers_leaves_the_model_alone_outside_specdec():

@@ -61,9 +61,10 @@ every row of the long ones -- so that a run cut off by a time limit keeps what i
            0.02), no model files needed. For each ``--scale-prompts`` L (random token ids;
            default 1024 16384 for llama3-8b, 64 256 for tiny): plain greedy decode of
            ``--scale-new-tokens`` tokens (ms/token with the prefill excluded) by the graphed
-           engine (``engine-graph``), optionally compiled (``engine-compiled``; and
-           ``engine-compiled-step``: the same with ``decode_chunk=0``, a host round trip per
-           token), and HF
+           engine (``engine-graph``), optionally compiled (``engine-compiled``: ``compile=True``,
+           layer-wise; ``engine-inductor``: the whole forward compiled as one; and
+           ``engine-compiled-step``: ``engine-compiled`` with ``decode_chunk=0``, a host round
+           trip per token), and HF
            ``generate`` with the static cache (``hf-static``: compiled by HF on CUDA, warmed up
            twice -- compile time in ``warmup_s`` -- then ms/token from one timed call: the time
            between the first and the last new token reaching the host over new - 1, read by a
@@ -73,7 +74,7 @@ every row of the long ones -- so that a run cut off by a time limit keeps what i
            and at the measured copy bandwidth; also with the prompt's KV bytes), and the issue's
            bars: plain decode ms / floor (<= 1.3) and verify(t = 64) / verify(t = 0) (<= 1.2;
            t = 64 draft nodes are 65 nodes with the root). ``--scale-parts`` picks which of
-           engine-graph, engine-compiled, engine-compiled-step, hf-static, verify run (default
+           engine-graph, engine-compiled, engine-inductor, engine-compiled-step, hf-static, verify run (default
            engine-graph, hf-static, verify). Everything is freed between cells.
 
 On CPU the "graph" rows run the same fixed-buffer code without a capture (``captured: false``).

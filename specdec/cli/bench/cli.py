@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-tree-sizes", type=cliargs.int_at_least(1), nargs="+", default=list(SCALE_TREE_SIZES),
                    help="verify forwards of t draft nodes + the root (t = 0 always; default 1 2 4 ... 256)")
     g.add_argument("--scale-parts", type=_csv(str, SCALE_PARTS), default=("engine-graph", "hf-static", "verify"),
-                   help="comma list of engine-graph, engine-compiled, engine-compiled-step (decode_chunk=0), hf-static, "
-                   "verify (default engine-graph,hf-static,verify)")
+                   help="comma list of engine-graph, engine-compiled (compile=True: layer-wise), engine-inductor (the "
+                   "whole forward compiled), engine-compiled-step (decode_chunk=0), hf-static, verify "
+                   "(default engine-graph,hf-static,verify)")
     p.add_argument("--bandwidth-gbs", type=cliargs.float_in(0.0, low_open=True), default=DEFAULT_BANDWIDTH_GBS,
                    help="(e), (f) memory bandwidth of the floor, GB/s (default 3000: the H100's copy bandwidth; the run "
                    "also measures one and reports both)")

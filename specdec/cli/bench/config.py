@@ -18,7 +18,7 @@ DRAFTERS = ("model", "lookup")
 SPEC_MODES = ("eager", "graph", "compiled")  # compiled: the graphed forwards compiled by inductor first
 BATCH_DRAFTERS = ("medusa", "lookup")
 PROFILE_MODES = ("graph", "compiled")
-SCALE_PARTS = ("engine-graph", "engine-compiled", "engine-compiled-step", "hf-static", "verify")
+SCALE_PARTS = ("engine-graph", "engine-compiled", "engine-inductor", "engine-compiled-step", "hf-static", "verify")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 

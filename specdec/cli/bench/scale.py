@@ -80,13 +80,14 @@ def _scale_capacity(prompt_len: int, new: int, max_tree: int) -> int:
 
 def _scale_engine_decode(model, prompt, cap: int, new: int, method: str, cfg: BenchConfig, timer: Timer,
                          device) -> tuple[dict[str, Any], list[int]]:  # fmt: skip
-    """``method``: engine-graph, engine-compiled, or engine-compiled-step (``decode_chunk=0``)."""
+    """``method``: engine-graph, engine-compiled (``compile=True``: layer-wise), engine-inductor (the whole
+    forward compiled as one, ``compile="inductor"``), or engine-compiled-step (``decode_chunk=0``)."""
     from specdec import SpecDecoder
     from specdec.engine import DEFAULT_DECODE_CHUNK
 
     cuda = device.type == "cuda"
     dec = SpecDecoder(model, None, 0, max_cache_len=cap, attn_impl=cfg.attn_impl, static_shapes=True,
-                      cuda_graphs=cuda, compile=method != "engine-graph",
+                      cuda_graphs=cuda, compile={"engine-graph": False, "engine-inductor": "inductor"}.get(method, True),
                       decode_chunk=0 if method.endswith("-step") else DEFAULT_DECODE_CHUNK)  # fmt: skip
     t0 = time.perf_counter()
     dec.generate(prompt, min(8, new))  # captures (and compiles)
@@ -228,7 +229,7 @@ def run_scale(cfg: BenchConfig, log: Callable[[str], None], save: Callable[[dict
             res["decode"].append(rows[-1])
             save(res)
 
-        for method in ("engine-graph", "engine-compiled", "engine-compiled-step"):
+        for method in ("engine-graph", "engine-compiled", "engine-inductor", "engine-compiled-step"):
             if method in cfg.scale_parts:
                 cell(method, lambda: _scale_engine_decode(model, prompt, cap, new, method, cfg, timer, device))
         verify: list[dict[str, Any]] = []
