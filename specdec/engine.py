@@ -432,8 +432,8 @@ class SpecDecoder:
             residual add with the next layer's norm); ``"max-autotune"``: the whole forward, inductor
             timing GEMM templates per matmul shape (a longer first compile); or another backend
             name. On an H100 (Qwen2.5-Coder-1.5B, PERF.md v20) the layer-wise compile brought a
-            second process to its first token in 18.4 s against 29.7 s for the whole forward (a
-            first process: 23.6 against 48.4 s), for a 65-node verify of 2.579 against 2.564 ms.
+            second process to its first token in ~16 s against 29.7 s for the whole forward (a
+            first process: ~21 against 48.4 s), for a 65-node verify of 2.349 against 2.454 ms.
             The first forward of each (batch size, cache capacity) compiles; inductor's on-disk
             cache (``specdec.graphs.configure_compile_cache``) makes later processes faster.
             Default False. The prompt-prefill forward is never compiled (it would add another
