@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from specdec.cli import args as cliargs
@@ -110,6 +111,19 @@ def _load(ns, log: Callable[[str], None], times: dict[str, float] | None = None)
 
     dtype = getattr(torch, _DTYPES[ns.dtype or ("bf16" if ns.device.startswith("cuda") else "fp32")])
     t0 = time.perf_counter()
+    # the parts of a load apart (the first token's breakdown): the device's context, then the model's code,
+    # which transformers imports lazily inside from_pretrained, then the weights
+    if torch.device(ns.device).type == "cuda":
+        torch.empty(0, device=ns.device)
+        torch.cuda.synchronize(ns.device)
+    device_init_s = time.perf_counter() - t0
+    path = Path(models.resolve_model(ns.target, progress=not ns.no_progress))
+    if path.is_dir():
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]  # imports the class's module
+    code_s = time.perf_counter() - t0 - device_init_s
     copy = None
     if ns.target in models.DEFAULT_MODELS and dtype in (torch.bfloat16, torch.float16):
         copy = models.dtype_copy_path(ns.target, dtype)
@@ -120,9 +134,12 @@ def _load(ns, log: Callable[[str], None], times: dict[str, float] | None = None)
     model_s = time.perf_counter() - t0
     tok = models.load_tokenizer(ns.target, progress=False)
     load_s = time.perf_counter() - t0
-    log(f"loaded {ns.target} in {load_s:.1f} s (model {model_s:.1f} s, tokenizer {load_s - model_s:.1f} s)")
+    weights_s = model_s - device_init_s - code_s
+    log(f"loaded {ns.target} in {load_s:.1f} s (model {model_s:.1f} s: device context {device_init_s:.1f}, model "
+        f"code {code_s:.1f}, weights {weights_s:.1f}; tokenizer {load_s - model_s:.1f} s)")
     if times is not None:
-        times.update(model_s=model_s, tokenizer_s=load_s - model_s)
+        times.update(model_s=model_s, device_init_s=device_init_s, model_code_s=code_s, weights_s=weights_s,
+                     tokenizer_s=load_s - model_s)
     return target, tok, load_s
 
 

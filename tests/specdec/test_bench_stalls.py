@@ -64,6 +64,8 @@ def test_full_and_first_token_modes_write_json(tiny, tmp_path, capsys):
     res = json.loads(out2.read_text())
     assert res["first_token_since_start_s"] >= res["load_s"] > 0
     assert res["load_s"] == pytest.approx(res["model_s"] + res["tokenizer_s"])
+    parts = [res[k] for k in ("device_init_s", "model_code_s", "weights_s")]
+    assert min(parts) >= 0 and sum(parts) == pytest.approx(res["model_s"])
     assert len(res["buckets"]) == 1 and len(res["warmup"]) == 1 and res["warmup_s"] > 0  # one bucket only
     assert res["buckets"][0] == res["prompt_tokens"] + 1 + 4  # dynamic shapes on CPU: exactly prompt + 1 + tree
     assert "first token" in capsys.readouterr().out
