@@ -43,9 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth-gbs", type=float, default=3000.0)
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test, nothing captured)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers instead of the config's (a CPU check at the real widths)")
-    p.add_argument("--compile", choices=["model", "layers"], default="model",
-                   help="compile the whole forward (compile='inductor') or each decoder layer once for all "
-                        "(compile='layers', what compile=True does)")
+    p.add_argument("--compile", choices=["model", "layers"], default="layers",
+                   help="each decoder layer compiled once for all (compile='layers', what compile=True does; the "
+                        "default since PERF.md v20) or the whole forward (compile='inductor')")
     p.add_argument("--no-fuse", action="store_true", help="separate q / k / v and gate / up GEMMs (the A/B of specdec.fused)")
     p.add_argument("--inductor", nargs="+", default=[], metavar="NAME=VALUE",
                    help="torch._inductor.config settings for this run (a Python literal each), e.g. combo_kernels=True")

@@ -50,7 +50,8 @@ for s in "$@"; do
         ${SCALE_ARGS:-} --out "$out/$s${TAG:-}.json" > "$out/$s${TAG:-}.log" 2>&1 ;;
     fprofile|fprofile-unfused)  # kernels of the compiled forward (1 and 65 nodes) at $CONFIGS' shapes (default
                                 # Llama-3-8B and the 1.5B's), random weights; -unfused: separate q/k/v, gate/up GEMMs;
-                                # COMPILE=layers: the layer-wise compile; TAG= a suffix of the output names
+                                # COMPILE=model: the whole forward compiled as one (default: layer-wise, what
+                                # compile=True does); TAG= a suffix of the output names
       flag=$([ "$s" = fprofile ] && echo "" || echo "--no-fuse")
       for c in ${CONFIGS:-llama3-8b qwen2.5-1.5b}; do
         name="fp-$c${flag:+-unfused}${TAG:-}"
