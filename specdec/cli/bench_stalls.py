@@ -112,7 +112,8 @@ def _load(ns, log: Callable[[str], None], times: dict[str, float] | None = None)
     dtype = getattr(torch, _DTYPES[ns.dtype or ("bf16" if ns.device.startswith("cuda") else "fp32")])
     t0 = time.perf_counter()
     # the parts of a load apart (the first token's breakdown): the device's context, then the model's code,
-    # which transformers imports lazily inside from_pretrained, then the weights
+    # which transformers imports lazily inside from_pretrained (with a default model's one-time fetch and
+    # conversion, if it has none yet), then the weights
     if torch.device(ns.device).type == "cuda":
         torch.empty(0, device=ns.device)
         torch.cuda.synchronize(ns.device)
