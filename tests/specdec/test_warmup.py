@@ -455,11 +455,17 @@ def test_step_stats_phases(static):
 
 @pytest.fixture
 def fresh_compile_cache(monkeypatch, tmp_path):
-    """No compile-cache setting yet in this process: SPECDEC_HOME=tmp_path/home, no
-    TORCHINDUCTOR_CACHE_DIR; everything restored afterwards."""
+    """No compile-cache setting and no compiled code yet in this process: SPECDEC_HOME=tmp_path/home, no
+    TORCHINDUCTOR_CACHE_DIR, dynamo reset and no layer-wise compiled forward (``hf._COMPILED_FORWARDS``
+    is process-wide: earlier tests' variants of it would otherwise be in dynamo's cache); everything
+    restored afterwards."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
+    from specdec import hf
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(hf, "_COMPILED_FORWARDS", {})
     monkeypatch.setattr(graphs, "_compile_cache_dir", None)
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
         monkeypatch.setenv(var, "x")  # remembers the current state ...
