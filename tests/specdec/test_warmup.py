@@ -456,9 +456,9 @@ def test_step_stats_phases(static):
 @pytest.fixture
 def fresh_compile_cache(monkeypatch, tmp_path):
     """No compile-cache setting and no compiled code yet in this process: SPECDEC_HOME=tmp_path/home, no
-    TORCHINDUCTOR_CACHE_DIR, dynamo reset and no layer-wise compiled forward (``hf._COMPILED_FORWARDS``
-    is process-wide: earlier tests' variants of it would otherwise be in dynamo's cache); everything
-    restored afterwards."""
+    TORCHINDUCTOR_CACHE_DIR, dynamo reset and an empty layer-wise registry (``hf._COMPILED_FORWARDS`` is
+    process-wide). The settings and the registry are restored afterwards; dynamo's cache is not (later
+    calls recompile)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
