@@ -51,9 +51,10 @@ serves every prompt of up to C tokens. Otherwise (several prompts, ``shared_pref
 target the cascade does not serve) each sequence keeps its own copy of its prompt's KV. See
 ``SpecDecoder``'s ``shared_prefix``.
 
-Greedy plain decoding with static shapes runs ``decode_chunk`` steps (default 8) per
-``specdec.graphs.GreedyChunk``: the ``[B, 1]`` forward and the argmax of each step feeding the next,
-one CUDA-graph replay and one device-to-host copy per chunk (``SpecDecoder._chunk_steps``).
+Plain decoding (no drafter) with static shapes runs ``decode_chunk`` steps (default 8) per
+``specdec.graphs.DecodeChunk``: the ``[B, 1]`` forward and the argmax (greedy) or an inverse-CDF
+draw (sampling) of each step feeding the next, one CUDA-graph replay and one device-to-host copy
+per chunk (``SpecDecoder._chunk_steps``).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ import torch
 from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request, propose_all
 from specdec import hf
 from specdec.distributed import RankSync
-from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, GreedyChunk, configure_compile_cache, prefill_chunks, replay_modes,
+from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, DecodeChunk, configure_compile_cache, prefill_chunks, replay_modes,
                             uses_inductor)
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -93,7 +94,7 @@ __all__ = [
     "wrap",
 ]
 
-#: Greedy plain-decoding steps per ``GreedyChunk`` (``SpecDecoder(decode_chunk=)``'s default).
+#: Plain-decoding steps per ``DecodeChunk`` (``SpecDecoder(decode_chunk=)``'s default).
 DEFAULT_DECODE_CHUNK = 8
 #: The smallest KV capacity (slots per sequence) of the default cache buckets.
 MIN_CACHE_BUCKET = 1024
@@ -147,7 +148,7 @@ class StepStats:
         forward_s: the part of ``verify_s`` from handing the inputs to the device to the forward's
             end (device synchronized): the target forward itself.
 
-    The steps of a ``GreedyChunk`` (``SpecDecoder(decode_chunk=)``) are timed together: each of
+    The steps of a ``DecodeChunk`` (``SpecDecoder(decode_chunk=)``) are timed together: each of
     them holds an equal share of the chunk's time.
     """
 
@@ -259,7 +260,7 @@ class WarmupEntry:
             cache of S slots); C: an entry of a shared prompt, whose prompt cache has C slots (see
             above).
         chunk_capture_s: plain decoding (``tree_size=0``) with ``decode_chunk``: the capture of the
-            ``GreedyChunk`` over this entry's forward (over the shared-prompt forward for an entry
+            ``DecodeChunk`` over this entry's forward (over the shared-prompt forward for an entry
             with ``prompt_capacity``, else the copy layout's); None if it was captured before, or
             without CUDA graphs or chunks.
     """
@@ -453,15 +454,19 @@ class SpecDecoder:
             same trees, and adopt rank 0's verification decision (and, when sampling, its random
             generator state) every step. None (default): ``RankSync.for_model(target)``, i.e. one
             over the target's TP group when transformers sharded it, else none (single process).
-        decode_chunk: greedy plain decoding (no drafter, or ``tree_size=0``) with static shapes runs
-            this many steps per ``specdec.graphs.GreedyChunk``: the device feeds each step's argmax
-            to the next, one replay of one CUDA graph (with ``cuda_graphs``) and one device-to-host
-            copy per chunk instead of a host round trip per token (default ``DEFAULT_DECODE_CHUNK`` =
-            8). A call decodes in chunks while every unfinished sequence has at least that many tokens
-            to go, then one step at a time; a sequence that ends (eos) inside a chunk keeps the
-            tokens up to its eos (the chunk's later steps are wasted work, never output). Same tokens
-            as one step at a time. 0: one step per forward. Ignored with sampling, dynamic shapes
-            and a tensor-parallel target.
+        decode_chunk: plain decoding (no drafter, or ``tree_size=0``) with static shapes runs
+            this many steps per ``specdec.graphs.DecodeChunk``: the device feeds each step's argmax
+            (greedy) or sampled token (an inverse-CDF draw per row and step from the warped
+            distribution, its uniforms drawn from the call's generator before the replay) to the
+            next, one replay of one CUDA graph (with ``cuda_graphs``) and one device-to-host copy per
+            chunk instead of a host round trip per token (default ``DEFAULT_DECODE_CHUNK`` = 8). A
+            call decodes in chunks while every unfinished sequence has at least that many tokens to
+            go, then one step at a time; a sequence that ends (eos) inside a chunk keeps the tokens
+            up to its eos (the chunk's later steps are wasted work, never output). Greedy: the same
+            tokens as one step at a time; sampling: draws from the same distributions, with other
+            random numbers (a sampled chunk is captured on the first call of its sampling
+            configuration: ``warmup`` captures the greedy one). 0: one step per forward. Ignored with
+            dynamic shapes and a tensor-parallel target.
         shared_prefix: how ``generate(num_return_sequences=n)`` with n > 1 and ONE prompt (of at
             least 2 tokens; a one-token prompt has nothing to share) stores that prompt. True: its
             KV once, shared by the n sequences (see the module doc), with static or dynamic shapes;
@@ -572,9 +577,10 @@ class SpecDecoder:
         self._prefill_graphs: dict[tuple[int, int], GraphedForward] = {}  # (batch, capacity) -> prefill forward
         # (batch, capacity, n, shared capacity) -> tree forward over a shared prompt
         self._shared_graphs: dict[tuple[int, int, int, int], GraphedForward] = {}
-        #: greedy steps per GreedyChunk of plain decoding (0: none); see the argument
+        #: steps per DecodeChunk of plain decoding (0: none); see the argument
         self.decode_chunk: int = decode_chunk
-        self._chunks: dict[tuple[int, int, int], GreedyChunk] = {}  # (batch, capacity, shared capacity or 0)
+        # (batch, capacity, shared capacity or 0, sampling config or None) -> chunk
+        self._chunks: dict[tuple[int, int, int, SamplingConfig | None], DecodeChunk] = {}
         self._num_layers = hf.num_layers(target)  # the KV cache keeps all layers in one tensor
         if rank_sync is not None and not all(callable(getattr(rank_sync, a, None))
                                              for a in ("begin", "check_trees", "verdicts")):  # fmt: skip
@@ -745,7 +751,7 @@ class SpecDecoder:
             pad_token_id: filler of ``sequences`` after a row's end (default: the first eos id, else 0).
             on_tokens: streaming callback, called after every step as ``on_tokens(seq, tokens)`` with
                 the tokens (host ints) appended to sequence ``seq`` in that step (never empty); in
-                greedy plain decoding, after every chunk of ``decode_chunk`` steps.
+                plain decoding, after every chunk of ``decode_chunk`` steps.
             num_return_sequences: n sequences per prompt (HF's argument): the output's rows are
                 prompt 0's n sequences, then prompt 1's, ...; each decodes on its own (independent
                 samples when sampling, n equal rows when greedy). With n > 1 and one prompt (of at
@@ -1020,27 +1026,29 @@ class SpecDecoder:
         )
 
     def _chunking(self) -> bool:
-        """Whether greedy plain decoding runs in chunks: ``decode_chunk``, static shapes, no drafting, one process."""
+        """Whether plain decoding runs in chunks: ``decode_chunk``, static shapes, no drafting, one process."""
         return bool(self.decode_chunk) and not self.tree_size and self.static_shapes and self.rank_sync is None
 
-    def _chunk_for(self, run: _Run) -> GreedyChunk | None:
-        """The ``GreedyChunk`` for this call's next steps (made on first use), or None: a step at a
-        time (see ``decode_chunk``: not greedy plain decoding with static shapes, or an unfinished
+    def _chunk_for(self, run: _Run) -> DecodeChunk | None:
+        """The ``DecodeChunk`` for this call's next steps (made on first use), or None: a step at a
+        time (see ``decode_chunk``: not plain decoding with static shapes, or an unfinished
         sequence has fewer than ``decode_chunk`` tokens to go)."""
-        if not self._chunking() or run.sampling is not None:
+        if not self._chunking():
             return None
         left = min(len(run.prompts[b]) + run.max_new_tokens - run.lens[b] for b in range(len(run.lens)) if not run.done[b])
         if left < self.decode_chunk:
             return None
-        return self._chunk(run.cache, len(run.lens), run.shared)
+        return self._chunk(run.cache, len(run.lens), run.shared, run.sampling)
 
-    def _chunk(self, cache: KVCache, batch: int, shared: KVCache | None) -> GreedyChunk:
-        """The ``GreedyChunk`` over the ``[batch, 1]`` forward of ``cache`` (and ``shared``), made on first use."""
-        key = (batch, cache.capacity, 0 if shared is None else shared.capacity)
+    def _chunk(self, cache: KVCache, batch: int, shared: KVCache | None,
+               sampling: SamplingConfig | None = None) -> DecodeChunk:  # fmt: skip
+        """The ``DecodeChunk`` over the ``[batch, 1]`` forward of ``cache`` (and ``shared``), greedy or
+        ``sampling`` (one chunk, and so one CUDA graph, per configuration), made on first use."""
+        key = (batch, cache.capacity, 0 if shared is None else shared.capacity, sampling)
         chunk = self._chunks.get(key)
         forward = self._graphed(cache, batch, 1, shared)
         if chunk is None or chunk.forward is not forward:
-            chunk = self._chunks[key] = GreedyChunk(forward, self.decode_chunk)
+            chunk = self._chunks[key] = DecodeChunk(forward, self.decode_chunk, sampling)
         return chunk
 
     def _warm_chunk(self, cache: KVCache, batch: int, shared: KVCache | None = None) -> float | None:
@@ -1053,7 +1061,7 @@ class SpecDecoder:
         chunk.run([0] * batch, cache.lengths)
         return chunk.capture_s if first else None
 
-    def _chunk_steps(self, run: _Run, chunk: GreedyChunk) -> list[StepStats]:
+    def _chunk_steps(self, run: _Run, chunk: DecodeChunk) -> list[StepStats]:
         """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``_append``'s
         rule; finished ones decode and are ignored); one ``StepStats`` per step, the chunk's time
         split evenly (a step emits one token per sequence still going at it)."""
@@ -1062,13 +1070,17 @@ class SpecDecoder:
         with timer("verify"):
             with timer("forward"):
                 ids = run.seqs.numpy()  # a view, for reading host ints
-                tokens = chunk.run([int(ids[b, n - 1]) for b, n in enumerate(run.lens)], run.cache.lengths)
+                tokens = chunk.run([int(ids[b, n - 1]) for b, n in enumerate(run.lens)], run.cache.lengths,
+                                   run.generator)  # fmt: skip
             rows = tokens.tolist()
         appended: list[list[int]] = [[] for _ in range(batch)]
         with timer("commit"):
             for b, row in enumerate(rows):
                 if not run.done[b]:
                     appended[b] = _append(run, b, row)
+                    if appended[b] and max(appended[b]) >= self.vocab_size:  # a sampled row without mass
+                        raise ValueError(f"logits: expected target distributions with positive mass, got none (NaN or "
+                                         f"all -inf logits) for sequence {b}")  # fmt: skip
                     run.cache.lengths[b] += len(appended[b])  # slots of the root and new[:-1], written by the chunk
         if run.on_tokens is not None:
             for b, new in enumerate(appended):

@@ -66,13 +66,14 @@ import torch
 
 from specdec import hf
 from specdec.kv import KVCache
+from specdec.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf
 from specdec.tree import TokenTree
 from treeattn import TreeMask, num_words
 
 __all__ = [
+    "DecodeChunk",
     "GraphedForward",
     "GraphedMaskedForward",
-    "GreedyChunk",
     "InputLayout",
     "capture_warmup",
     "compile_fixed_shapes",
@@ -660,43 +661,59 @@ class GraphedForward(_Replayed):
         return self.forward()
 
 
-class GreedyChunk:
-    """``steps`` greedy plain-decoding steps of a ``[B, 1]`` ``GraphedForward`` in one replay.
+class DecodeChunk:
+    """``steps`` plain-decoding steps of a ``[B, 1]`` ``GraphedForward`` in one replay: greedy, or
+    sampled from the warped target distribution.
 
     Plain decoding through ``GraphedForward`` pays a host round trip per token: load the root,
-    replay, argmax, copy the token to the host, bookkeeping (PERF.md v17: chunks of 8 took the
-    1.5B's token from 3.13 to 2.80 ms on an H100, the 8B's from 7.91 to 7.49). Here the device
-    feeds itself: each step runs the forward's body on its inputs,
-    takes the argmax of its logits ``[B, 1, V]`` (the same op as the engine's greedy verdict), writes
-    it as the next step's input token and as column k of ``tokens``, and moves every sequence's
-    position, cache slot and prefix length one on. With ``forward.capture`` the ``steps`` steps are
-    recorded as ONE CUDA graph (the forward's compiled body, if any, is reused: no second compile);
-    otherwise they run eagerly on the same buffers (what CPU tests check). No host sync inside.
+    replay, pick the token, copy it to the host, bookkeeping (PERF.md v17: greedy chunks of 8 took
+    the 1.5B's token from 3.13 to 2.80 ms on an H100, the 8B's from 7.91 to 7.49; v21: sampling 16
+    sequences of one prompt, the host's part of a step was 3.3 ms against 3.0 on the device). Here
+    the device feeds itself: each step runs the forward's body on its inputs, picks each row's next
+    token from its logits ``[B, 1, V]`` -- greedy: their argmax (the same op as the engine's greedy
+    verdict); ``sampling``: an inverse-CDF draw (``specdec.sampling.sample_inverse_cdf``, what the
+    stochastic verification draws its bonus tokens with) from ``logits_to_probs(logits, sampling)``
+    with the run's uniform of that row and step -- writes it as the next step's input token and as
+    column k of ``tokens``, and moves every sequence's position, cache slot and prefix length one
+    on. With ``forward.capture`` the ``steps`` steps are recorded as ONE CUDA graph (the forward's
+    compiled body, if any, is reused: no second compile); otherwise they run eagerly on the same
+    buffers (what CPU tests check). No host sync inside.
 
     Args:
         forward: the ``[B, 1]`` forward (``n == 1``, logits of its one node); its input buffers are
             the chunk's: a chunk's run leaves them advanced, and the next ``forward.load`` rewrites
             them.
-        steps: greedy steps per run (>= 1).
+        steps: decoding steps per run (>= 1).
+        sampling: None: greedy; a ``specdec.SamplingConfig``: sampled (recorded in the graph: one
+            chunk per configuration).
 
-    Use: ``run(roots, prefix_lens)`` -> ``tokens`` ``[B, steps]`` (device int64, overwritten by the
-    next run): row b's greedy continuation of root ``roots[b]`` whose KV goes to slot
+    Use: ``run(roots, prefix_lens, generator=None)`` -> ``tokens`` ``[B, steps]`` (device int64,
+    overwritten by the next run): row b's continuation of root ``roots[b]`` whose KV goes to slot
     ``prefix_lens[b]`` (the tokens' KV to the next ``steps - 1`` slots, which must fit in the cache:
-    ``prefix_lens[b] + steps <= capacity``). Every row decodes all ``steps`` steps: callers cut at
-    eos.
+    ``prefix_lens[b] + steps <= capacity``). Sampled runs draw ``B x steps`` float64 uniforms from
+    ``generator`` (any device; None: torch's default one of the forward's device) before the replay,
+    so each token is an independent draw from its row's distribution given the tokens before it. A
+    row with no mass (NaN logits) gives token V (callers raise; the next step reads token V - 1).
+    Every row decodes all ``steps`` steps: callers cut at eos.
     """
 
-    def __init__(self, forward: "GraphedForward", steps: int) -> None:
+    def __init__(self, forward: "GraphedForward", steps: int, sampling: SamplingConfig | None = None) -> None:
         if not isinstance(forward, GraphedForward) or forward.n != 1:
             got = f"GraphedForward of n = {forward.n}" if isinstance(forward, GraphedForward) else type(forward).__name__
             raise ValueError(f"forward: expected a GraphedForward of n = 1, got {got}")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise ValueError(f"sampling: expected None (greedy) or a specdec.SamplingConfig, got {type(sampling).__name__}")
         self.forward = forward
         self.steps = steps
+        self.sampling = sampling
         self.batch = forward.batch
-        #: ``[B, steps]`` greedy tokens of the last run
+        #: ``[B, steps]`` tokens of the last run
         self.tokens = torch.zeros(forward.batch, steps, dtype=torch.int64, device=forward.device)
+        #: ``[B, steps]`` float64 uniforms of the run (sampling), written before each replay
+        self.uniforms = (None if sampling is None else
+                         torch.zeros(forward.batch, steps, dtype=torch.float64, device=forward.device))  # fmt: skip
         self._root = torch.tensor([-1])
         self.graph = None  # torch.cuda.CUDAGraph once captured
         #: seconds of the capture (eager warm-up of the chunk and its recording); None before it
@@ -708,9 +725,13 @@ class GreedyChunk:
         fwd = self.forward
         for k in range(self.steps):
             logits, _ = fwd._run()
-            nxt = logits[:, -1].argmax(dim=-1)  # [B]
+            last = logits[:, -1]  # [B, V]
+            if self.sampling is None:
+                nxt = last.argmax(dim=-1)  # [B]
+            else:
+                nxt = sample_inverse_cdf(logits_to_probs(last, self.sampling), self.uniforms[:, k])
             self.tokens[:, k].copy_(nxt)
-            fwd.tokens[:, 0].copy_(nxt)
+            fwd.tokens[:, 0].copy_(nxt.clamp(max=last.shape[-1] - 1))  # token V (no mass) is the caller's error
             fwd.positions.add_(1)
             fwd.slots.add_(1)
             fwd.prefix_lens.add_(1)
@@ -726,10 +747,15 @@ class GreedyChunk:
         self.forward.load(trees, prefix_lens)
 
     @torch.no_grad()
-    def run(self, roots: Sequence[int], prefix_lens: Sequence[int]) -> torch.Tensor:
-        """``steps`` greedy tokens per sequence after ``roots`` (see the class doc): ``[B, steps]``."""
+    def run(self, roots: Sequence[int], prefix_lens: Sequence[int],
+            generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+        """``steps`` tokens per sequence after ``roots`` (see the class doc): ``[B, steps]``."""
         fwd = self.forward
         self._load(roots, prefix_lens)
+        if self.uniforms is not None:
+            where = generator.device if generator is not None else self.uniforms.device
+            u = torch.rand(self.batch, self.steps, dtype=torch.float64, generator=generator, device=where)
+            self.uniforms.copy_(u, non_blocking=True)
         if fwd.capture:
             if self.graph is None:
                 self._capture()

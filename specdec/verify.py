@@ -37,7 +37,7 @@ gets there* is random. So everything is computed up front, for every node, on th
   acceptance test of child ``c_{j+1}`` is ``u q_j(x) < p_j(x)`` with the rank-j rows gathered.
 - one uniform ``U_c`` per child and one ``U'_v`` per node (float64, from ``generator``), and
   ``B_v = min{i : C_v(i) > U'_v C_v(V - 1)}``, ``C_v`` the cumulative sum of ``rho_v``, found in
-  two levels on float64 sums (a block of ``_CDF_BLOCK`` tokens, then a token in it: ``_inverse_cdf``)
+  two levels on float64 sums (a block of ``CDF_BLOCK`` tokens, then a token in it: ``specdec.sampling.sample_inverse_cdf``)
   (inverse-CDF sampling: ``P(B_v = i) = rho_v(i) / sum(rho_v)`` up to float64 rounding, and
   ``rho_v(B_v) > 0`` always; a residual with no mass gives ``B_v = V``, see below).
 
@@ -72,6 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling import sample_inverse_cdf
 from specdec.transfer import to_device
 from specdec.tree import TokenTree
 
@@ -355,7 +356,7 @@ def _device_pass(plan: _Plan, target_probs: torch.Tensor, generator: torch.Gener
             q_rows = q_rows.index_select(0, seg(perm))
         _sampled_residuals(rows[start : start + m], q_rows, seg(tok).view(len(ranks), m), ranks,
                            kind == "no_replacement", num, den)  # fmt: skip
-    bonus = _inverse_cdf(rows, u[C:])
+    bonus = sample_inverse_cdf(rows, u[C:])
     parts = [u[:C], g]
     if num:
         parts += [torch.cat(num).flatten().double(), torch.cat(den).flatten().double()]
@@ -401,45 +402,6 @@ def _without(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     x = q.scatter(1, tokens, 0.0)
     s = x.sum(-1, keepdim=True)
     return torch.where(s > 0, x / s, q)
-
-
-#: Tokens per block of the bonus sampler (``_inverse_cdf``): a float64 sum per block, then a float64
-#: cumulative sum over the blocks and over the one block drawn, instead of over the whole vocabulary.
-_CDF_BLOCK = 1024
-
-
-def _inverse_cdf(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """int64 ``[R]``: per row r, ``min{i : cdf_r(i) > u[r] * total_r}``, on float64 sums, in two levels.
-
-    Level 1 draws a block of ``_CDF_BLOCK`` tokens by inverse CDF over the float64 block sums, level 2
-    the token inside it by inverse CDF over the block's float64 cumulative sum. Token i comes out with
-    probability ``rows[r, i] / rows[r].sum()`` (up to float64 rounding: the block's mass over the
-    total, times the token's over the block's), never a zero-probability token; a row with no mass
-    (or NaN) gives ``V``. Work: one read of ``rows`` for the block sums (a float64 cumulative sum over
-    all ``R x V`` entries took 0.67 ms a step for 16 trees of 16 nodes at V = 151,936 on the H100,
-    PERF.md v17) and ``R x _CDF_BLOCK`` gathered entries.
-    """
-    R, vocab = rows.shape
-    block = min(_CDF_BLOCK, vocab)
-    full, blocks = vocab // block, -(-vocab // block)
-    rows = rows.contiguous()
-    sums = rows[:, : full * block].reshape(R, full, block).sum(-1, dtype=torch.float64)  # [R, full]
-    if blocks > full:
-        sums = torch.cat([sums, rows[:, full * block :].sum(-1, keepdim=True, dtype=torch.float64)], 1)
-    cdf = sums.cumsum(-1)  # [R, blocks]
-    total = cdf[:, -1:]
-    # u < 1, but u * total can round up to total: the largest float64 below total is the cap
-    at = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    b = torch.searchsorted(cdf, at, right=True).clamp_(max=blocks - 1)  # the block whose range holds `at`
-    prev = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(at))  # mass before it
-    pos = b * block + torch.arange(block, device=rows.device)  # [R, block]
-    inside = pos < vocab
-    within = (rows.gather(1, pos.clamp(max=vocab - 1)).double() * inside).cumsum(-1)
-    last = within[:, -1:]
-    # the block's two sums may round apart: stay below its own cumulative total (a token of mass > 0)
-    t = torch.minimum(at - prev, torch.nextafter(last, torch.zeros_like(last)))
-    idx = b * block + torch.searchsorted(within, t, right=True)
-    return torch.where(total > 0, idx, vocab).squeeze(1)
 
 
 def _topk_remaining(remaining: float, g: float) -> float:

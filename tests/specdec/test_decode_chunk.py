@@ -1,10 +1,13 @@
-"""``specdec.graphs.GreedyChunk`` and ``SpecDecoder(decode_chunk=)``: greedy plain decoding, several
-steps per replay with the device feeding each step's argmax to the next.
+"""``specdec.graphs.DecodeChunk`` and ``SpecDecoder(decode_chunk=)``: plain decoding, several steps
+per replay with the device feeding each step's argmax (greedy) or sampled token to the next.
 
 CPU (CI): the chunk's eager mode (the body a CUDA graph records) against HF greedy ``generate`` in
 fp32, token for token: batches of prompts of different lengths, eos inside a chunk, budgets that
-no chunk size divides, a shared prompt, streaming, warm-up, and the argument checks. CUDA only:
-the captured chunk against the same engine one step at a time.
+no chunk size divides, a shared prompt, streaming, warm-up, and the argument checks; sampled
+chunks against the target's exact distributions (chi-square over the rows of one call, so
+independence between rows is tested too) and, with ``top_k=1``, against greedy. CUDA only: the
+captured chunk against the same engine one step at a time (greedy), and the captured sampled chunk
+against exact distributions.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import KVCache, SpecDecoder
-from specdec.graphs import GraphedForward, GreedyChunk
+from specdec import KVCache, SamplingConfig, SpecDecoder, logits_to_probs
+from specdec.graphs import DecodeChunk, GraphedForward
 from tests.specdec.helpers import hf_greedy, prepared_tiny_model, random_prompt
+from tests.specdec.test_verify import _chi2_fails
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,11 +93,90 @@ def test_chunk_path_matches_one_step_at_a_time_and_off_switch():
     assert c.calls == 17 // 5 + 10 // 5
 
 
-def test_sampling_and_drafters_do_not_chunk():
+def test_drafters_do_not_chunk():
+    from tests.specdec.helpers import RandomTreeDrafter
+
     model = prepared_tiny_model("qwen2")
-    dec = _decoder(model, 4)
+    dec = SpecDecoder(model, RandomTreeDrafter(seed=1), tree_size=4, static_shapes=True, cuda_graphs=False,
+                      attn_impl="torch", decode_chunk=4, max_cache_len=96)  # fmt: skip
     dec.generate(random_prompt(6, 5), 12, do_sample=True, generator=torch.Generator().manual_seed(0))
-    assert not dec._chunks  # sampling: one step at a time
+    assert not dec._chunks  # drafting: one step (one tree) at a time
+
+
+def _exact(model, ids: list[int], sampling: SamplingConfig) -> torch.Tensor:
+    """float64 ``[V]``: the target's warped next-token distribution after ``ids`` (fp32 HF forward)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    return logits_to_probs(logits, sampling).double()
+
+
+def _binned(counts: torch.Tensor, probs: torch.Tensor, bins: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``bins - 1`` likeliest tokens each a bin of their own, every other token one more bin (no
+    bin of a few expected draws, where the chi-square approximation fails)."""
+    top = probs.topk(bins - 1).indices
+    rest = torch.ones_like(probs, dtype=torch.bool)
+    rest[top] = False
+    return (torch.cat([counts[top], counts[rest].sum()[None]]),
+            torch.cat([probs[top], probs[rest].sum()[None]]))  # fmt: skip
+
+
+def _sample_rows(dec, prompt, new: int, sampling: SamplingConfig, rows: int, calls: int, seed: int,
+                 device="cpu") -> list[list[int]]:  # fmt: skip
+    """``calls`` x ``rows`` sampled continuations of ``prompt`` (num_return_sequences rows a call)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(calls):
+        res = dec.generate(prompt.to(device), new, do_sample=True, temperature=sampling.temperature,
+                           top_k=sampling.top_k, top_p=sampling.top_p, num_return_sequences=rows, generator=gen)
+        out += [res.new_tokens(b).tolist() for b in range(rows)]
+    return out
+
+
+def _assert_lossless(model, prompt, samples: list[list[int]], sampling: SamplingConfig) -> None:
+    """The first token's marginal and the second's given the likeliest first are the target's."""
+    vocab = model.config.vocab_size
+    p1 = _exact(model, prompt.tolist(), sampling)
+    first = torch.bincount(torch.tensor([s[0] for s in samples]), minlength=vocab).double()
+    assert not _chi2_fails(*_binned(first, p1))
+    mode = int(first.argmax())
+    after = [s[1] for s in samples if s[0] == mode]
+    assert len(after) >= 300  # enough draws to test the conditional
+    p2 = _exact(model, prompt.tolist() + [mode], sampling)
+    second = torch.bincount(torch.tensor(after), minlength=vocab).double()
+    assert not _chi2_fails(*_binned(second, p2))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=20, top_p=0.9)],
+                         ids=["t1", "t0.7-topk-topp"])  # fmt: skip
+@pytest.mark.parametrize("shared", [True, False])
+def test_sampled_chunks_draw_from_the_target(sampling, shared):
+    """Sampled plain decoding in chunks of 2 (3 new tokens: a chunk for the first two, then one step)
+    over the shared prompt or a copy per row: 2,400 rows of 8 calls; the first token's marginal and
+    the second's conditional on the likeliest first match the target's warped distributions."""
+    model = prepared_tiny_model("qwen2")
+    prompt = random_prompt(9, 21)
+    dec = _decoder(model, 2, shared_prefix=shared, max_cache_len=None, cache_buckets=(32, 64))
+    samples = _sample_rows(dec, prompt, 3, sampling, rows=300, calls=8, seed=5)
+    _assert_lossless(model, prompt, samples, sampling)
+    (c,) = dec._chunks.values()
+    assert c.sampling == sampling and c.calls == 8 and (c.forward.shared is not None) == shared
+
+
+def test_sampled_chunk_with_top_k_1_is_greedy_and_checks_its_arguments():
+    """top_k = 1 leaves one token per row: chunks of 3 over 17 new tokens give HF greedy's tokens, for
+    a batch of prompts; a sampling argument that is no SamplingConfig is a ValueError."""
+    model = prepared_tiny_model("llama")
+    prompts = [random_prompt(L, seed) for L, seed in ((5, 31), (12, 32))]
+    dec = _decoder(model, 3)
+    out = dec.generate(prompts, 17, do_sample=True, top_k=1, generator=torch.Generator().manual_seed(0))
+    for b, p in enumerate(prompts):
+        ref = hf_greedy(model, p, 17)
+        assert out.sequences[b, : len(ref)].tolist() == ref
+    (c,) = dec._chunks.values()
+    assert c.sampling == SamplingConfig(1.0, top_k=1) and c.calls == 17 // 3
+    fwd = GraphedForward(model, KVCache(1, 16), 1, 1, impl="torch")
+    with pytest.raises(ValueError, match=r"sampling: expected None \(greedy\) or a specdec.SamplingConfig, got dict"):
+        DecodeChunk(fwd, 2, {"temperature": 1.0})
 
 
 def test_shared_prompt_rows_decode_in_chunks():
@@ -114,31 +197,31 @@ def test_warmup_runs_the_chunk_of_every_bucket():
     model = prepared_tiny_model("qwen2")
     dec = _decoder(model, 4, max_cache_len=None, cache_buckets=(32, 64))
     report = dec.warmup(batch_sizes=(1, 2), shared=False, log=None)
-    assert sorted(dec._chunks) == [(1, 32, 0), (1, 64, 0), (2, 32, 0), (2, 64, 0)]
+    assert sorted(dec._chunks) == [(1, 32, 0, None), (1, 64, 0, None), (2, 32, 0, None), (2, 64, 0, None)]
     assert all(c.calls == 1 for c in dec._chunks.values())
     assert all(e.chunk_capture_s is None for e in report.entries)  # eager on CPU: nothing captured
     calls = {k: c.calls for k, c in dec._chunks.items()}
     prompt = random_prompt(9, 7)
     assert dec.generate(prompt, 12).sequences[0].tolist() == hf_greedy(model, prompt, 12)
-    assert dec._chunks[(1, 32, 0)].calls == calls[(1, 32, 0)] + 3  # the warmed chunk, no new one
+    assert dec._chunks[(1, 32, 0, None)].calls == calls[(1, 32, 0, None)] + 3  # the warmed chunk, no new one
     assert len(dec._chunks) == 4
 
 
-def test_greedy_chunk_checks_its_arguments():
+def test_decode_chunk_checks_its_arguments():
     model = prepared_tiny_model("qwen2")
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match=r"decode_chunk: expected an int >= 0"):
             _decoder(model, bad)
     cache = KVCache(1, 16)
     with pytest.raises(ValueError, match=r"forward: expected a GraphedForward of n = 1, got GraphedForward of n = 3"):
-        GreedyChunk(GraphedForward(model, cache, 1, 3, impl="torch"), 2)
+        DecodeChunk(GraphedForward(model, cache, 1, 3, impl="torch"), 2)
     with pytest.raises(ValueError, match=r"forward: expected a GraphedForward of n = 1, got str"):
-        GreedyChunk("forward", 2)
+        DecodeChunk("forward", 2)
     fwd = GraphedForward(model, cache, 1, 1, impl="torch")
     for bad in (0, False, 1.5):
         with pytest.raises(ValueError, match=r"steps: expected an int >= 1"):
-            GreedyChunk(fwd, bad)
-    chunk = GreedyChunk(fwd, 4)
+            DecodeChunk(fwd, bad)
+    chunk = DecodeChunk(fwd, 4)
     with pytest.raises(ValueError, match=r"prefix_lens: expected prefix_len \+ steps \(4\) <= the cache capacity 16, got 13"):
         chunk.run([3], [13])
     with pytest.raises(ValueError, match=r"roots: expected 1 root tokens, got 2"):
@@ -166,7 +249,27 @@ def test_cuda_captured_chunk_equals_one_step_at_a_time(compile):
     assert any(e.chunk_capture_s is not None for e in report.entries)
     out = dec.generate([p.cuda() for p in prompts], 40, eos_token_id=eos)
     assert out.sequences.tolist() == ref.sequences.tolist()
-    # The warm-up also captures the shared-prompt variant (key (B, capacity, shared capacity)); these
+    # The warm-up also captures the shared-prompt variant (key (B, capacity, shared capacity, None)); these
     # prompts differ, so the call ran the copy layout's chunk.
     (c,) = [c for key, c in dec._chunks.items() if key[2] == 0]
     assert c.graph is not None and c.calls == 1 + 5
+
+
+@cuda_only
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_captured_sampled_chunk_draws_from_the_target(compile):
+    """The captured sampled chunk (one replay of 2 steps) over a shared prompt, fp32, a CUDA
+    generator: the first token's marginal and the second's conditional are the target's."""
+    from tests.specdec.helpers import tiny_model
+    from specdec.hf import prepare_model
+
+    model = tiny_model("qwen2").cuda()
+    prepare_model(model)
+    prompt = random_prompt(9, 21)
+    sampling = SamplingConfig(0.8)
+    dec = SpecDecoder(model, None, decode_chunk=2, static_shapes=True, cuda_graphs=True, compile=compile,
+                      cache_buckets=(32, 64))  # fmt: skip
+    samples = _sample_rows(dec, prompt, 3, sampling, rows=400, calls=6, seed=7, device="cuda")
+    _assert_lossless(model.cpu(), prompt, samples, sampling)
+    (c,) = [c for key, c in dec._chunks.items() if key[3] == sampling]
+    assert c.graph is not None and c.calls == 6

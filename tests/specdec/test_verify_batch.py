@@ -249,9 +249,9 @@ def test_inverse_cdf_draws_each_row_from_its_distribution(block, monkeypatch):
     """The bonus sampler alone, with blocks of 1 / 2 / 3 / 7 / 1024 tokens (V = 7: a short last block,
     one block, blocks of one token): each row's draws follow the row normalised; zero-probability
     tokens never come out, also where a whole block has none; a row with no mass gives V."""
-    import specdec.verify as verify_mod
+    import specdec.sampling as sampling_mod
 
-    monkeypatch.setattr(verify_mod, "_CDF_BLOCK", block)
+    monkeypatch.setattr(sampling_mod, "CDF_BLOCK", block)
     gen = torch.Generator().manual_seed(block)
     rows = (torch.randn(3, 7, generator=gen) * 2).softmax(-1) * torch.tensor([[1.0], [0.5], [3.0]])
     rows[1, [0, 4]] = 0.0
@@ -262,15 +262,15 @@ def test_inverse_cdf_draws_each_row_from_its_distribution(block, monkeypatch):
     for _ in range(draws // 100):
         u = torch.rand(100, 4, dtype=torch.float64, generator=gen)
         for k in range(100):
-            idx = verify_mod._inverse_cdf(rows, u[k])
+            idx = sampling_mod.sample_inverse_cdf(rows, u[k])
             assert int(idx[3]) == 7
             counts[torch.arange(3), idx[:3]] += 1
     assert counts[1, 0] == 0 and counts[1, 4] == 0 and counts[2, 3:6].sum() == 0
     top = torch.tensor([1.0 - 2.0**-53] * 4, dtype=torch.float64)  # u * total may round up to total
-    assert verify_mod._inverse_cdf(rows, top).tolist() == [6, 6, 6, 7] and rows[1, 6] > 0
+    assert sampling_mod.sample_inverse_cdf(rows, top).tolist() == [6, 6, 6, 7] and rows[1, 6] > 0
     tail = rows.clone()
     tail[0, 5:] = 0.0  # the top of u lands on the last token with mass, not in an empty last block
-    assert verify_mod._inverse_cdf(tail, top).tolist() == [4, 6, 6, 7]
+    assert sampling_mod.sample_inverse_cdf(tail, top).tolist() == [4, 6, 6, 7]
     for r in range(3):
         assert not _chi2_fails(counts[r], rows[r] / rows[r].sum())
 
