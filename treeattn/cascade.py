@@ -52,8 +52,8 @@ from treeattn.ops import (
 )
 
 __all__ = ["CascadeConfig", "CascadePlan", "PrefixPlan", "cascade_plan", "cascade_tree_attention",
-           "cascade_tree_attention_op", "launch_fused", "launch_prefix", "level2_tiles", "pick_prefix_config",
-           "prefix_bias", "prefix_splits", "run_plan", "sdpa_lse_cascade", "suffix_bias"]
+           "cascade_tree_attention_op", "fused_cost", "launch_fused", "launch_prefix", "level2_tiles",
+           "pick_prefix_config", "prefix_bias", "prefix_splits", "run_plan", "sdpa_lse_cascade", "suffix_bias"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,23 @@ def prefix_splits(cfg: KernelConfig, rows: int, num_kv_heads: int, prefix_len: i
         return one
     chunk_tiles = math.ceil(rest / (want - 1))
     return PrefixPlan(1 + math.ceil(rest / chunk_tiles), chunk_tiles * bn, first_tiles * bn)
+
+
+def fused_cost(cfg: KernelConfig, plan: PrefixPlan, rows: int, num_kv_heads: int, extra_tiles: int,
+               device: torch.device) -> float:
+    """The fused kernel's estimated time in tile steps: waves of programs times the longest
+    program (the last split: its prefix range and ``extra_tiles`` of level 2; or another split's
+    chunk) plus the fixed cost of one, plus the merge's share per extra split.
+
+    Why ``cascade_plan`` compares row blocks with it: level 2 is serial over the sequences of a row
+    block, so with few rows per sequence (plain decoding of n samples: ``group`` rows each) a
+    64-row block walks about 64 / group sequences' suffixes in one program (PERF.md v21: 36 us a
+    layer for 16 sequences of one node each at the 1.5B's heads, on an H100)."""
+    slots = (_num_sms(device.index or 0) if device.type == "cuda" else 4) * cfg.programs_per_sm
+    programs = math.ceil(rows / cfg.block_m) * num_kv_heads * plan.count
+    last = math.ceil(plan.first / cfg.block_n) + extra_tiles
+    other = math.ceil(plan.chunk / cfg.block_n) if plan.count > 1 else 0
+    return math.ceil(programs / slots) * (max(last, other) + _FIXED_TILES) + (plan.count - 1) * _SPLIT_TILES
 
 
 def _shared_3d(name: str, t) -> torch.Tensor:
@@ -349,8 +366,17 @@ def cascade_plan(n: int, num_heads: int, num_kv_heads: int, t: int, prefix_len: 
     rows = n * t * group
     if config.fused:
         pcfg, _ = pick_prefix_config(rows, num_kv_heads, prefix_len, head_dim, device, dtype, config.prefix)
-        extra = level2_tiles(pcfg, group, t, seq_len - t)
-        return CascadePlan(pcfg, prefix_splits(pcfg, rows, num_kv_heads, prefix_len, device, extra), None, None)
+        candidates = [pcfg]
+        if config.prefix is None:  # narrower row blocks: fewer sequences' suffixes in each last split
+            candidates += [replace(pcfg, block_m=m) for m in (32, 16) if m < pcfg.block_m and rows < 256]
+        best = None
+        for cfg in candidates:  # the shortest critical path; ties keep the wider block
+            extra = level2_tiles(cfg, group, t, seq_len - t)
+            plan = prefix_splits(cfg, rows, num_kv_heads, prefix_len, device, extra)
+            cost = fused_cost(cfg, plan, rows, num_kv_heads, extra, device)
+            if best is None or cost < best[0]:
+                best = (cost, cfg, plan)
+        return CascadePlan(best[1], best[2], None, None)
     pcfg, pplan = pick_prefix_config(rows, num_kv_heads, prefix_len, head_dim, device, dtype, config.prefix)
     if config.suffix is None:
         scfg, splan = pick_config(n, num_kv_heads, group, t, seq_len, head_dim, device, dtype)

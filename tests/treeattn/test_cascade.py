@@ -2,6 +2,7 @@
 against the float64 reference and against the unshared kernel on the equivalent layout."""
 
 import math
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -12,6 +13,7 @@ from treeattn.cascade import (
     CascadeConfig,
     cascade_plan,
     cascade_tree_attention,
+    fused_cost,
     level2_tiles,
     pick_prefix_config,
     prefix_splits,
@@ -114,6 +116,7 @@ FUSED_CASES = [
     (5, 2, 1, 3, 64, 32, 3, 100, [9, 31, 0, 64, 2], "star"),  # 6 rows per sequence: 5 sequences per block
     (2, 4, 1, 80, 64, 32, 2, 45, [33, 70], "chain"),  # 320 rows per sequence; 2 words, tiles cut a node
     (2, 6, 3, 40, 16, 16, 7, 33, [16, 17], "random"),  # more splits than the prefix keeps busy
+    (6, 6, 1, 1, 16, 32, 3, 70, [0, 5, 64, 17, 33, 2], "chain"),  # plain decoding: 6 rows a sequence, blocks straddle
 ]
 
 
@@ -243,6 +246,19 @@ def test_prefix_config_at_the_h100_shapes():
         assert 8 <= pplan.count <= 16
         cfg, _ = pick_prefix_config(64, 8, 1000, 128, cuda)
         assert (cfg.block_m, cfg.block_n, cfg.programs_per_sm) == (64, 64, 2)
+        # 16 sequences of one node (plain decoding of 16 samples) at Qwen2.5-1.5B's heads (12 / 2): 16-row
+        # blocks, ~4 sequences' suffixes in each last split instead of ~12 (fused_cost); trees of 17 nodes
+        # have enough rows for 128x128 tiles; an explicit config is kept
+        plan = cascade_plan(16, 12, 2, 1, 1024, 130, 128, cuda)
+        assert (plan.prefix.block_m, plan.prefix.block_n) == (16, 64)
+        wide = replace(plan.prefix, block_m=64)
+        extra = level2_tiles(wide, 6, 1, 129)
+        wide_plan = prefix_splits(wide, 96, 2, 1024, cuda, extra)
+        assert fused_cost(plan.prefix, plan.prefix_plan, 96, 2, level2_tiles(plan.prefix, 6, 1, 129), cuda) < \
+            fused_cost(wide, wide_plan, 96, 2, extra, cuda)
+        assert cascade_plan(16, 12, 2, 17, 1024, 146, 128, cuda).prefix.block_m == 128
+        fixed = KernelConfig(block_m=64, block_n=64)
+        assert cascade_plan(16, 12, 2, 1, 1024, 130, 128, cuda, config=CascadeConfig(prefix=fixed)).prefix == fixed
         cfg, _ = pick_prefix_config(4096, 8, 4000, 128, cuda, torch.float32)  # fp32: shrunk to fit
         assert 4 * 128 * (cfg.block_m + 2 * cfg.block_n * cfg.num_stages) <= 232448
 
