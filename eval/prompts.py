@@ -92,14 +92,12 @@ def pad_problems(problems: Sequence[Any], pool: Sequence[Any], tokenizer: Any, p
 
 def load_eval_problems(cfg: EvalConfig) -> tuple[list[Any], list[Any]]:
     """(problems to evaluate, pool of all problems for few-shot padding)."""
-    from eval.datasets import load_apps, load_humaneval
+    from eval.datasets import load_apps, load_problems
 
     if cfg.dataset == "apps":
         pool = load_apps(cfg.data_path, difficulty=cfg.difficulty, unique=True)
-    else:
-        if cfg.difficulty:
-            raise ValueError(f"difficulty: HumanEval has no difficulty levels, got {cfg.difficulty!r}")
-        pool = load_humaneval(cfg.data_path)
+    else:  # HumanEval, or MBPP (tuning) in HumanEval's shape
+        pool = load_problems(cfg.dataset, cfg.data_path, difficulty=cfg.difficulty or None)
     chosen = pool if cfg.problems is None else pool[: cfg.problems]
     if not chosen:
         raise ValueError(f"problems: no {cfg.dataset} problems left after filtering (difficulty={cfg.difficulty!r})")

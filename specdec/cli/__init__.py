@@ -80,7 +80,8 @@ SUBCOMMANDS = {
                      "per-step breakdown", _bench_engine),
     "bench-stalls": ("stalls after warm-up over APPS prompts, and a process's time to its first token",
                      _bench_stalls),
-    "eval": ("evaluate speculative decoding vs HF baselines on APPS / HumanEval (JSONL, resumable)", _eval),
+    "eval": ("evaluate speculative decoding vs HF baselines on APPS / HumanEval (JSONL, resumable; MBPP for "
+             "tuning only)", _eval),
     "sweep": ("drafters x tree sizes sweep: evaluation (baselines once per problem) + attention-only timings -> "
               "table, CSV, summary JSON, plot", _sweep),
     "check": ("pass@1 of a results file: run the completions against the problems' tests (sandboxed), write the "

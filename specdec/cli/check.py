@@ -43,6 +43,8 @@ def add_limit_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from eval.datasets import DATASETS
+
     p = cliargs.ArgumentParser(
         prog="specdec check",
         description="Run the completions of a results file (specdec eval / sweep) against their problems' tests "
@@ -53,10 +55,10 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("results", metavar="RESULTS", type=cliargs.existing_path, help="results JSONL")
-    p.add_argument("--dataset", choices=["apps", "humaneval"], default=None,
-                   help="the dataset to check (None: the one the records name)")  # fmt: skip
+    p.add_argument("--dataset", choices=list(DATASETS), default=None,
+                   help="the dataset to check (None: the one the records name; mbpp: tuning only)")  # fmt: skip
     p.add_argument("--data", type=cliargs.existing_path, default=None,
-                   help="the APPS / HumanEval file the run used (None: the loaders' own)")  # fmt: skip
+                   help="the APPS / HumanEval / MBPP file the run used (None: the loaders' own)")  # fmt: skip
     add_limit_arguments(p)
     p.add_argument("--reference", default=None, metavar="METHOD",
                    help="the baseline of the paired pass@1 difference (None: hf-static, else hf)")  # fmt: skip

@@ -1,4 +1,8 @@
-"""``specdec eval apps|humaneval`` and ``specdec sweep``: the evaluation's command line.
+"""``specdec eval apps|humaneval|mbpp`` and ``specdec sweep``: the evaluation's command line.
+
+``mbpp`` (``--dataset mbpp``) is the tuning set: pick methods and tree sizes on it, report on APPS /
+HumanEval. Its problems are HumanEval-shaped (``eval.datasets.load_mbpp_problems``); ``--data``
+defaults to train-medusa's MBPP file (``$SPECDEC_MBPP``, else ``../shared/data/mbpp/mbpp.jsonl``).
 
 Both parse their flags into an ``eval.config.EvalConfig`` and call ``eval.runner.run_eval``; the
 sweep then times attention alone on the recorded trees (CUDA), and writes one table, CSV, summary
@@ -53,6 +57,7 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
     results file was made on and is not checked against this machine (reports of GPU runs are
     rebuilt anywhere)."""
     from eval.config import DEFAULT_METHODS, DRAFTER_SYNTAX
+    from eval.datasets import DATASETS
     from eval.methods import METHODS
 
     p = cliargs.ArgumentParser(
@@ -69,15 +74,17 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
         "model:draft=qwen2.5-coder-0.5b --tree-sizes 32 64 128 256",
         formatter_class=_Formatter,
     )
+    which = "which problems (mbpp: for tuning only, never report on it)"
     if not sweep:
-        p.add_argument("dataset", choices=["apps", "humaneval"], help="which problems")
+        p.add_argument("dataset", choices=list(DATASETS), help=which)
     else:
-        p.add_argument("--dataset", choices=["apps", "humaneval"], default="apps", help="which problems")
+        p.add_argument("--dataset", choices=list(DATASETS), default="apps", help=which)
     p.add_argument("--problems", type=cliargs.int_at_least(0), default=8, help="number of problems (0 = all)")
     p.add_argument("--difficulty", nargs="+", choices=["introductory", "interview", "competition"],
                    help="APPS difficulties to keep")  # fmt: skip
     p.add_argument("--data", dest="data_path", type=cliargs.existing_path, default=None,
-                   help="APPS / HumanEval file (default: the loaders' own)")  # fmt: skip
+                   help="APPS / HumanEval / MBPP file (default: the loaders' own; MBPP: $SPECDEC_MBPP, else "
+                   "../shared/data/mbpp/mbpp.jsonl, as train-medusa)")  # fmt: skip
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="target model: default name, HF id, directory or .gguf")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b",
                    help="draft model for hf-assisted and for drafters without draft= ('' = none)")  # fmt: skip
@@ -313,7 +320,7 @@ def _check(cfg, ns: argparse.Namespace, records=None, key: str | None = None, da
 
 
 def main_eval(argv: Sequence[str] | None = None) -> int:
-    """``specdec eval apps|humaneval [...]``."""
+    """``specdec eval apps|humaneval|mbpp [...]`` (mbpp: tuning only)."""
     from eval import report
 
     ns = parser("specdec eval", sweep=False).parse_args(list(sys.argv[1:] if argv is None else argv))

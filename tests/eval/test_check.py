@@ -191,7 +191,9 @@ def test_check_file_errors(tmp_path):
         passk.check_file(path, problems=_problems()[:1], progress=False)
     with pytest.raises(ValueError, match="dataset: no apps records in"):
         passk.check_file(path, dataset="apps", problems=_problems())
-    with pytest.raises(ValueError, match="dataset: expected 'apps' or 'humaneval', got 'mbpp'"):
+    with pytest.raises(ValueError, match="dataset: expected one of 'apps', 'humaneval', 'mbpp', got 'codecontests'"):
+        passk.check_file(path, dataset="codecontests", problems=_problems())
+    with pytest.raises(ValueError, match="dataset: no mbpp records in"):
         passk.check_file(path, dataset="mbpp", problems=_problems())
     mixed = _write(tmp_path / "m.jsonl", [*_records(), _rec("7", "hf", "x", dataset="apps")])
     with pytest.raises(ValueError, match="dataset: .* holds records of apps and humaneval; check one at a time"):
@@ -233,7 +235,8 @@ def test_check_cli_then_report_only_shows_pass_at_1(tmp_path, capsys, calls):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--dataset", "mbpp"], "argument --dataset: invalid choice: 'mbpp'"),
+    (["--dataset", "codecontests"], "argument --dataset: invalid choice: 'codecontests'"),
+    (["--dataset", "mbpp"], "specdec check: error: --dataset: no mbpp records in"),
     (["--dataset", "apps"], "specdec check: error: --dataset: no apps records in"),
     (["--reference", "nope"], "specdec check: error: --reference: no checked records of method 'nope'"),
     (["--workers", "0"], "argument --workers: expected an int >= 1, got 0"),

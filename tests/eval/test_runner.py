@@ -185,6 +185,28 @@ def test_humaneval_through_the_same_path(pair, tmp_path, capsys):
     assert f"| specdec | {DRAFTER} | 4 |" in capsys.readouterr().out
 
 
+def test_mbpp_through_the_same_path(pair, tmp_path, capsys):
+    """MBPP (the tuning set) runs as HumanEval does: HumanEval-shaped prompts, then pass@1 checks."""
+    from eval import passk
+
+    row = {"task_id": 2, "text": "Add one.", "code": "def inc(n):\n  return n + 1", "test_setup_code": "",
+           "test_list": ["assert inc(1) == 2"], "challenge_test_list": []}  # fmt: skip
+    data = tmp_path / "mbpp.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "mbpp_out.jsonl"
+    argv = ["eval", "mbpp", "--data", str(data), "--target", pair["target"], "--draft", pair["draft"],
+            "--drafter", DRAFTER, "--tree-sizes", "4", "--methods", "specdec", "hf", "--max-new-tokens", "4",
+            "--device", "cpu", "--attn-impl", "torch", "--out", str(out), "--warmup", "0", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    recs = _lines(out)
+    assert {(r["dataset"], r["problem_id"], r["difficulty"], r["method"]) for r in recs} == {
+        ("mbpp", "MBPP/2", "mbpp", "hf"), ("mbpp", "MBPP/2", "mbpp", "specdec")}
+    assert all(r["match"] is True for r in recs)
+    res = passk.check_file(out, data=data, progress=False, workers=1)
+    assert (res.dataset, res.checked) == ("mbpp", 2)
+    assert all("check_status" in r for r in _lines(out))
+
+
 def test_sweep_cli_and_report_only(pair, tmp_path, capsys):
     out = tmp_path / "s.jsonl"
     base = ["sweep", "--problems", "1", "--data", pair["data"], "--target", pair["target"], "--draft", pair["draft"],
