@@ -557,8 +557,9 @@ class Session:
         ``warm``, run the engine's declared warm-up (``SpecDecoder.warmup``: every forward the run's
         prompts will use, compiled / captured; with ``samples`` > 1, ``new_tokens=max_new_tokens`` and
         ``shared="only"``: every (rows' cache, prompt cache) pair of the shared prompts from
-        ``min_len`` to ``max_cache_len``, and no copy-layout caches of n rows). Returns (seconds
-        building, seconds warming up)."""
+        ``min_len`` to ``max_cache_len``, and no copy-layout caches of n rows; when sampling, the
+        sampled plain-decoding chunks beside the greedy ones). Returns (seconds building, seconds
+        warming up)."""
         if not method.engine:
             return 0.0, 0.0
         t0 = time.perf_counter()
@@ -570,12 +571,16 @@ class Session:
             self._sync()
             t0 = time.perf_counter()
             max_len = max(self.max_cache_len, 2)
+            # the sampled plain-decoding chunks of speculative()'s calls too (SpecDecoder.warmup's sampling)
+            from specdec import SamplingConfig
+
+            sampling = None if self.cfg.greedy else SamplingConfig(self.cfg.temperature or 1.0)
             if self.samples > 1 and self.cfg.shared_prompt and max_len > self.cfg.max_new_tokens:
                 min_len = None if self.min_len is None else min(max(self.min_len, 2), max_len)
                 warmup(batch_sizes=(self.samples,), max_len=max_len, min_len=min_len,
-                       new_tokens=self.cfg.max_new_tokens, shared="only", log=None)  # fmt: skip
+                       new_tokens=self.cfg.max_new_tokens, shared="only", sampling=sampling, log=None)  # fmt: skip
             else:
-                warmup(batch_sizes=(self.samples,), max_len=max_len, log=None)
+                warmup(batch_sizes=(self.samples,), max_len=max_len, sampling=sampling, log=None)
             self._sync()
             prep_s = time.perf_counter() - t0
         return load_s, prep_s

@@ -261,8 +261,9 @@ class WarmupEntry:
             above).
         chunk_capture_s: plain decoding (``tree_size=0``) with ``decode_chunk``: the capture of the
             ``DecodeChunk`` over this entry's forward (over the shared-prompt forward for an entry
-            with ``prompt_capacity``, else the copy layout's); None if it was captured before, or
-            without CUDA graphs or chunks.
+            with ``prompt_capacity``, else the copy layout's), with ``warmup(sampling=)`` the
+            greedy and the sampled chunk's together; None if they were captured before, or without
+            CUDA graphs or chunks.
     """
 
     batch_size: int
@@ -1051,15 +1052,23 @@ class SpecDecoder:
             chunk = self._chunks[key] = DecodeChunk(forward, self.decode_chunk, sampling)
         return chunk
 
-    def _warm_chunk(self, cache: KVCache, batch: int, shared: KVCache | None = None) -> float | None:
-        """Plain decoding with chunks: run (and so capture) the chunk over ``cache`` -- prefilled, with
-        room for it -- once; the capture's seconds if this run made it, else None."""
+    def _warm_chunk(self, cache: KVCache, batch: int, shared: KVCache | None = None,
+                    sampling: SamplingConfig | None = None) -> float | None:  # fmt: skip
+        """Plain decoding with chunks: run (and so capture) the greedy chunk over ``cache`` --
+        prefilled, with room for it -- once, and the ``sampling`` one if given; the seconds of the
+        captures this run made, else None."""
         if not self._chunking() or max(cache.lengths) + self.decode_chunk > cache.capacity:
             return None  # no chunks, or a cache this small never decodes one
-        chunk = self._chunk(cache, batch, shared)
-        first = chunk.calls == 0
-        chunk.run([0] * batch, cache.lengths)
-        return chunk.capture_s if first else None
+        made = None
+        for config in (None, sampling) if sampling is not None else (None,):
+            chunk = self._chunk(cache, batch, shared, config)
+            first = chunk.calls == 0
+            # a generator of its own: warming up leaves torch's default random state alone
+            generator = torch.Generator(device=chunk.tokens.device).manual_seed(0) if config is not None else None
+            chunk.run([0] * batch, cache.lengths, generator)
+            if first and chunk.capture_s is not None:
+                made = (made or 0.0) + chunk.capture_s
+        return made
 
     def _chunk_steps(self, run: _Run, chunk: DecodeChunk) -> list[StepStats]:
         """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``_append``'s
@@ -1230,6 +1239,7 @@ class SpecDecoder:
         min_len: int | None = None,
         shared: bool | str = True,
         new_tokens: int | None = None,
+        sampling: SamplingConfig | None = None,
         log: Callable[[str], None] | None = _stderr,
     ) -> WarmupReport:
         """Make every target forward that later ``generate`` calls will use, before timing them.
@@ -1317,6 +1327,13 @@ class SpecDecoder:
                 those calls with prompts from ``min_len - new_tokens`` to ``max_len - new_tokens``
                 tokens (see above) instead of the equal-bucket pairs; must be < ``max_len``. None
                 (default): step 3 as without it.
+            sampling: the sampling configuration of the calls to come
+                (``SamplingConfig(temperature, top_k, top_p)`` of ``generate(do_sample=True, ...)``):
+                plain decoding in chunks (``decode_chunk``) also runs the sampled chunk of every
+                warmed forward once, beside the greedy one (a sampled chunk records its
+                configuration: without this, each cache pair's first sampled call captures its
+                own, a ~1-s stall on an H100 for 16 rows of the 1.5B, PERF.md v21). None (default):
+                the greedy chunks only.
             log: called with progress messages (default: print to stderr); None: silent.
 
         Returns:
@@ -1345,6 +1362,8 @@ class SpecDecoder:
                              f"got {new_tokens}")  # fmt: skip
         if shared == "only" and new_tokens is None:
             raise ValueError("shared: 'only' needs new_tokens (the calls' max_new_tokens, which sizes the rows' cache)")
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise ValueError(f"sampling: expected None or a specdec.SamplingConfig, got {type(sampling).__name__}")
         if log is not None and not callable(log):
             raise ValueError(f"log: expected a callable or None, got {type(log).__name__}")
         say = log or (lambda message: None)
@@ -1377,7 +1396,7 @@ class SpecDecoder:
             copies = batch == 1 or shared != "only" or not self.shared_prefix
             for capacity in capacities if copies else ():
                 say(f"  B={batch} S={capacity} n={n} ...")
-                entry = self._warm_one(batch, capacity, n, bool(shared) and new_tokens is None)
+                entry = self._warm_one(batch, capacity, n, bool(shared) and new_tokens is None, sampling)
                 entries.append(entry)
                 parts = [f"{entry.seconds:.1f} s"]
                 if entry.first_run_s is not None and self.compile:
@@ -1398,7 +1417,7 @@ class SpecDecoder:
                 say(f"  B={batch} S={capacity} n={n}: {', '.join(parts)}")
             for prompt_cap in prompt_caps if batch > 1 else ():
                 say(f"  B={batch} S={rows_cap} n={n} shared prompt C={prompt_cap} ...")
-                entry = self._warm_shared(batch, rows_cap, n, prompt_cap)
+                entry = self._warm_shared(batch, rows_cap, n, prompt_cap, sampling)
                 entries.append(entry)
                 parts = [f"{entry.seconds:.1f} s"]
                 if entry.shared_first_run_s is not None and self.compile:
@@ -1474,7 +1493,8 @@ class SpecDecoder:
                       sorted(set(caps) - set(served)))  # fmt: skip
         return rows_cap, served
 
-    def _warm_shared(self, batch: int, rows_cap: int, n: int, prompt_cap: int) -> WarmupEntry:
+    def _warm_shared(self, batch: int, rows_cap: int, n: int, prompt_cap: int,
+                     sampling: SamplingConfig | None = None) -> WarmupEntry:  # fmt: skip
         """Step 3 of ``warmup`` for one pair: a 2-token dummy prompt prefilled into the batch-1 cache of
         ``prompt_cap`` slots (through its prefill forward, if any), then the tree forward of ``batch``
         rows of ``rows_cap`` slots over it run once (made and compiled / captured here if new)."""
@@ -1490,7 +1510,7 @@ class SpecDecoder:
                 rows.allocate_like(prompt_cache)  # as generate does: buffers before the first forward
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
             self._tree_forward(rows, [chain] * batch, prompt_cache)()
-            chunk_s = self._warm_chunk(rows, batch, prompt_cache)
+            chunk_s = self._warm_chunk(rows, batch, prompt_cache, sampling)
             rows.reset()
             prompt_cache.reset()
         over_shared = self._shared_graphs.get(shared_key)  # None with dynamic shapes
@@ -1507,7 +1527,8 @@ class SpecDecoder:
                            shared_capture_s=over_shared.capture_s if shared_first else None,
                            prompt_capacity=prompt_cap, chunk_capture_s=chunk_s)  # fmt: skip
 
-    def _warm_one(self, batch: int, capacity: int, n: int, shared: bool = True) -> WarmupEntry:
+    def _warm_one(self, batch: int, capacity: int, n: int, shared: bool = True,
+                  sampling: SamplingConfig | None = None) -> WarmupEntry:  # fmt: skip
         """Prefill a dummy prompt into the ``[batch, capacity]`` cache (through its prefill forward, if
         any) and run its tree forward once; with ``shared``, for batch > 1 and ``shared_prefix``, also
         the tree forward over a dummy prompt shared through the batch-1 cache of ``capacity`` slots."""
@@ -1522,12 +1543,12 @@ class SpecDecoder:
                 self._prefill(cache, torch.zeros(batch, 2, dtype=torch.int64), [2] * batch)
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
             self._tree_forward(cache, [chain] * batch)()
-            chunk_s = self._warm_chunk(cache, batch)
+            chunk_s = self._warm_chunk(cache, batch, None, sampling)
             cache.reset()
             over_shared = None  # the shared-prompt forward's entry, if warmed here
             context = 2 * capacity if self.static_shapes else capacity + 1  # what the call's obstacle check sees
             if shared and self.shared_prefix and batch > 1 and hf.shared_prefix_obstacle(self.target, context) is None:
-                over_shared = self._warm_shared(batch, capacity, n, capacity)
+                over_shared = self._warm_shared(batch, capacity, n, capacity, sampling)
         graphed = self._graphs.get(key)  # None with dynamic shapes
         first = graphed is not None and graphed.calls == 1  # this was its first run: timings are ours
         pre = self._prefill_graphs.get((batch, capacity))  # None: an eager prefill

@@ -207,6 +207,25 @@ def test_warmup_runs_the_chunk_of_every_bucket():
     assert len(dec._chunks) == 4
 
 
+def test_warmup_with_sampling_runs_the_sampled_chunks_too():
+    """warmup(sampling=) runs the sampled chunk of every warmed forward beside the greedy one, so
+    sampled calls over prompts of both prompt buckets make no chunk (and so, on CUDA, no capture)."""
+    model = prepared_tiny_model("qwen2")
+    dec = _decoder(model, 4, shared_prefix=True, max_cache_len=None, cache_buckets=(32, 64))
+    sampling = SamplingConfig(0.8)
+    dec.warmup(batch_sizes=(3,), max_len=60, new_tokens=12, shared="only", sampling=sampling, log=None)
+    assert {key[3] for key in dec._chunks} == {None, sampling}
+    assert {key[2] for key in dec._chunks if key[3] == sampling} == {32, 64}  # both prompt capacities
+    before = dict(dec._chunks)
+    gen = torch.Generator().manual_seed(3)
+    for length in (9, 40):
+        dec.generate(random_prompt(length, 40 + length), 12, do_sample=True, temperature=0.8, num_return_sequences=3,
+                     generator=gen)  # fmt: skip
+    assert dec._chunks == before
+    with pytest.raises(ValueError, match=r"sampling: expected None or a specdec.SamplingConfig, got float"):
+        dec.warmup(batch_sizes=(1,), max_len=20, sampling=0.8, log=None)
+
+
 def test_decode_chunk_checks_its_arguments():
     model = prepared_tiny_model("qwen2")
     for bad in (-1, True, 2.0):
@@ -273,3 +292,26 @@ def test_cuda_captured_sampled_chunk_draws_from_the_target(compile):
     _assert_lossless(model.cpu(), prompt, samples, sampling)
     (c,) = [c for key, c in dec._chunks.items() if key[3] == sampling]
     assert c.graph is not None and c.calls == 6
+
+
+@cuda_only
+def test_cuda_warmup_with_sampling_captures_every_sampled_chunk():
+    """On CUDA the warm-up with ``sampling`` captures the sampled chunks of both prompt buckets; the
+    sampled calls that follow capture nothing (session 20's one stall of 164 HumanEval calls: the
+    first prompt of the smaller bucket captured its sampled chunk mid-run)."""
+    from tests.specdec.helpers import tiny_model
+    from specdec.hf import prepare_model
+
+    model = tiny_model("qwen2").cuda()
+    prepare_model(model)
+    sampling = SamplingConfig(0.8)
+    dec = SpecDecoder(model, None, decode_chunk=4, static_shapes=True, cuda_graphs=True, cache_buckets=(32, 64))
+    dec.warmup(batch_sizes=(3,), max_len=60, new_tokens=12, shared="only", sampling=sampling, log=None)
+    sampled = {key: c for key, c in dec._chunks.items() if key[3] == sampling}
+    assert {key[2] for key in sampled} == {32, 64} and all(c.graph is not None for c in sampled.values())
+    before = dict(dec._chunks)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for length in (9, 40):
+        dec.generate(random_prompt(length, 40 + length).cuda(), 12, do_sample=True, temperature=0.8,
+                     num_return_sequences=3, generator=gen)  # fmt: skip
+    assert dec._chunks == before and sum(c.calls for c in sampled.values()) == len(sampled) + 2
