@@ -438,8 +438,12 @@ class SpecDecoder:
             first process: ~21 against 48.4 s), for a 65-node verify of 2.349 against 2.454 ms.
             The first forward of each (batch size, cache capacity) compiles; inductor's on-disk
             cache (``specdec.graphs.configure_compile_cache``) makes later processes faster.
-            Default False. The prompt-prefill forward is never compiled (it would add another
-            compile per cache bucket for a once-per-call forward).
+            Default False, by decision (PERF.md v21): compiled, a first token costs a fresh process
+            ~16-21 s on an H100 against a few seconds with CUDA graphs alone, which a one-off
+            ``generate`` would pay for ~1.5x the speed afterwards; runs of many calls (the
+            evaluation's ``--compile`` and drafter specs' ``compile=true``, ``bench-stalls
+            --compile``) turn it on. The prompt-prefill forward is never compiled (it would add
+            another compile per cache bucket for a once-per-call forward).
         prefill_width: with static shapes, prompt tokens per chunk of the fixed-shape prompt
             prefill (default ``DEFAULT_PREFILL_WIDTH`` = 256): each call prefills its prompts as
             ``ceil(longest prompt / prefill_width)`` (at most one more near a full cache)
