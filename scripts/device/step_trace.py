@@ -34,9 +34,9 @@ import torch
 
 
 def _prompts(dataset: str, data: str | None, count: int, tokenizer) -> list[list[int]]:
-    from eval.datasets import load_apps, load_humaneval, prompt_ids
+    from eval.datasets import load_problems, prompt_ids
 
-    problems = load_apps(data) if dataset == "apps" else load_humaneval(data)
+    problems = load_problems(dataset, data)
     seen, out = set(), []
     for p in problems:
         ids = prompt_ids(p, tokenizer)
@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", required=True, metavar="LABEL=SPEC")
     p.add_argument("--tree-size", type=int, default=64)
-    p.add_argument("--dataset", choices=["humaneval", "apps"], default="humaneval")
+    p.add_argument("--dataset", choices=["humaneval", "apps", "mbpp"], default="humaneval",
+                   help="whose prompts (mbpp: for tuning; report on apps / humaneval)")
     p.add_argument("--data", default=None)
     p.add_argument("--problems", type=int, default=12)
     p.add_argument("--trace", type=int, default=1, help="prompts decoded under the profiler after the timed ones")
