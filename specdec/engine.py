@@ -72,7 +72,7 @@ import torch
 from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, Drafter, hidden_states_request, propose_all
 from specdec import hf
 from specdec.distributed import RankSync
-from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, DecodeChunk, configure_compile_cache, prefill_chunks, replay_modes,
+from specdec.graphs import (DEFAULT_PREFILL_WIDTH, DecodeChunk, GraphedForward, configure_compile_cache, prefill_chunks, replay_modes,
                             uses_inductor)
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -469,9 +469,9 @@ class SpecDecoder:
             go, then one step at a time; a sequence that ends (eos) inside a chunk keeps the tokens
             up to its eos (the chunk's later steps are wasted work, never output). Greedy: the same
             tokens as one step at a time; sampling: draws from the same distributions, with other
-            random numbers (a sampled chunk is captured on the first call of its sampling
-            configuration: ``warmup`` captures the greedy one). 0: one step per forward. Ignored with
-            dynamic shapes and a tensor-parallel target.
+            random numbers (a sampled chunk records its sampling configuration: ``warmup(sampling=)``
+            captures it ahead, else a call's first chunk does). 0: one step per forward. Ignored
+            with dynamic shapes and a tensor-parallel target.
         shared_prefix: how ``generate(num_return_sequences=n)`` with n > 1 and ONE prompt (of at
             least 2 tokens; a one-token prompt has nothing to share) stores that prompt. True: its
             KV once, shared by the n sequences (see the module doc), with static or dynamic shapes;
