@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.datasets import DATASETS
+from eval.datasets import check_dataset
 
 __all__ = [
     "BASELINE_METHODS",
@@ -351,8 +351,7 @@ class EvalConfig:
     shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.dataset not in DATASETS:
-            raise ValueError(f"dataset: expected one of {', '.join(map(repr, DATASETS))}, got {self.dataset!r}")
+        check_dataset(self.dataset)
         specs = _as_specs(self.drafters)
         object.__setattr__(self, "drafters", specs)
         keys = [s.key for s in specs]

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 __all__ = [
     "APPS_DIFFICULTIES",
     "DATASETS",
+    "check_dataset",
     "AppsProblem",
     "HumanEvalProblem",
     "IOExample",
@@ -612,6 +613,13 @@ def load_mbpp_problems(path: str | os.PathLike[str] | None = None, *, limit: int
 # any dataset
 
 
+def check_dataset(dataset: Any) -> str:
+    """``dataset`` if it is one of :data:`DATASETS`, else a ValueError naming the choices."""
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset: expected one of {', '.join(map(repr, DATASETS))}, got {dataset!r}")
+    return dataset
+
+
 def load_problems(
     dataset: str, path: str | os.PathLike[str] | None = None, *, difficulty: str | Iterable[str] | None = None,
     limit: int | None = None,
@@ -619,10 +627,8 @@ def load_problems(
     """``dataset`` is one of :data:`DATASETS`; the rest as in :func:`load_apps` /
     :func:`load_humaneval` / :func:`load_mbpp_problems` (``difficulty`` applies to APPS only).
     ``"mbpp"`` is for tuning only."""
-    if dataset == "apps":
+    if check_dataset(dataset) == "apps":
         return load_apps(path, difficulty=difficulty, limit=limit)
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset: expected one of {', '.join(map(repr, DATASETS))}, got {dataset!r}")
     if difficulty is not None:
         raise ValueError(f"difficulty: {_DATASET_NAMES[dataset]} has no difficulty levels, got {difficulty!r}")
     if dataset == "humaneval":

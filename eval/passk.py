@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from eval import execution
-from eval.datasets import DATASETS
+from eval.datasets import DATASETS, check_dataset
 from eval.execution import Limits, PairedDiff, bootstrap_mean_ci, paired_diff_ci, pass_at_k
 from eval.records import is_timed, load_records, record_drafter, row_sort_key
 
@@ -173,8 +173,7 @@ def _record_verdicts(rec: Mapping[str, Any]) -> list[tuple[_Key, dict[str, Any]]
 
 def _resolve_dataset(records: Sequence[Mapping[str, Any]], dataset: str | None, path: Path) -> str:
     if dataset is not None:
-        if dataset not in DATASETS:
-            raise ValueError(f"dataset: expected one of {', '.join(map(repr, DATASETS))}, got {dataset!r}")
+        check_dataset(dataset)
         timed = [r for r in records if is_timed(r)]
         if timed and not any(_record_dataset(r, dataset) for r in timed):
             held = sorted({str(r.get("dataset")) for r in timed})
