@@ -157,7 +157,7 @@ def prefix_splits(cfg: KernelConfig, rows: int, num_kv_heads: int, prefix_len: i
         want = min(cfg.num_splits, tiles)
     else:
         per_split = math.ceil(rows / cfg.block_m) * num_kv_heads
-        slots = (_num_sms(device.index or 0) if device.type == "cuda" else 4) * cfg.programs_per_sm
+        slots = _slots(cfg, device)
 
         def cost(s: int) -> float:
             return math.ceil(per_split * s / slots) * (math.ceil(work / s) + _FIXED_TILES) + (s - 1) * _SPLIT_TILES
@@ -174,6 +174,11 @@ def prefix_splits(cfg: KernelConfig, rows: int, num_kv_heads: int, prefix_len: i
     return PrefixPlan(1 + math.ceil(rest / chunk_tiles), chunk_tiles * bn, first_tiles * bn)
 
 
+def _slots(cfg: KernelConfig, device: torch.device) -> int:
+    """Programs of ``cfg`` the device runs at once (4 SMs off CUDA, as the plans assume)."""
+    return (_num_sms(device.index or 0) if device.type == "cuda" else 4) * cfg.programs_per_sm
+
+
 def fused_cost(cfg: KernelConfig, plan: PrefixPlan, rows: int, num_kv_heads: int, extra_tiles: int,
                device: torch.device) -> float:
     """The fused kernel's estimated time in tile steps: waves of programs times the longest
@@ -184,7 +189,7 @@ def fused_cost(cfg: KernelConfig, plan: PrefixPlan, rows: int, num_kv_heads: int
     block, so with few rows per sequence (plain decoding of n samples: ``group`` rows each) a
     64-row block walks about 64 / group sequences' suffixes in one program (PERF.md v21: 36 us a
     layer for 16 sequences of one node each at the 1.5B's heads, on an H100)."""
-    slots = (_num_sms(device.index or 0) if device.type == "cuda" else 4) * cfg.programs_per_sm
+    slots = _slots(cfg, device)
     programs = math.ceil(rows / cfg.block_m) * num_kv_heads * plan.count
     last = math.ceil(plan.first / cfg.block_n) + extra_tiles
     other = math.ceil(plan.chunk / cfg.block_n) if plan.count > 1 else 0
