@@ -1,39 +1,41 @@
-"""The sandboxed side of :mod:`eval.execution` (stdlib only; never import the project from here).
+"""The runner: what runs inside the sandbox (stdlib only; never import the project from here).
 
-:mod:`eval.execution` starts this file as ``python -I -B -X utf8 _sandbox_child.py SPEC`` in a new
-session, with a fresh temporary directory as cwd, HOME and TMPDIR and a minimal environment.
-This process is the *driver*: it runs no generated code itself. It
+:mod:`eval.execution` starts one fresh interpreter per test, ``python -I -B -X utf8 runner.py``,
+through :func:`eval.sandbox.spawn` (inside bubblewrap: its own user, pid and network namespaces,
+read-only system files, a private ``/tmp``). The spec (JSON) comes on the descriptor named by the
+first argument and is closed before any generated code runs. The runner then
 
-1. reads the pickled spec (written by the parent) and opens the files it reports through;
-2. sets resource limits that every process it forks inherits: address space (``RLIMIT_AS``),
-   file size (``RLIMIT_FSIZE``, which also caps the program's stdout and stderr: both are
-   files), no core files;
-3. tries to move into a private network namespace (``unshare(CLONE_NEWNET)``, inside a new user
-   namespace when not root): then the kernel has no route anywhere. Where that is refused the
-   Python-level socket guard below is all there is;
-4. installs Python-level guards (:func:`install_guards`): writes outside the temporary directory,
-   process creation, signals to other processes, raising limits and ``socket.socket`` /
-   ``create_connection`` / DNS raise ``PermissionError``; ``ctypes``, ``sqlite3``, ``dbm`` and
-   POSIX shared memory cannot be imported (the C-level ``_socket.socket`` is left alone:
-   ``socket.socket`` calls it by name; the network namespace is what stops it);
-5. runs each test in a forked process (stdin from the test's input file, stdout to a file), kills
-   it with SIGKILL when it passes the per-test wall-clock limit (also ``RLIMIT_CPU`` as a
-   backstop), compares the output here, outside the tested process, and writes one JSON result.
+1. sets resource limits the program cannot raise again (hard = soft): address space
+   (``RLIMIT_AS``), file size (``RLIMIT_FSIZE``, which also caps stdout and stderr), CPU seconds
+   (``RLIMIT_CPU``), processes (``RLIMIT_NPROC``; the sandbox's pids cgroup bounds them too), no
+   core files;
+2. installs the Python-level guards (:func:`install_guards`) as a second layer: writes outside the
+   working directory, process creation, signals, raising limits, sockets and ``ctypes`` raise or
+   cannot be imported (accidents stop there; the kernel stops the rest);
+3. runs one mode:
 
-The guards are best effort, in the spirit of HumanEval's ``reliability_guard``: they stop accidents
-by generated code (``os.remove``, ``shutil.rmtree('/')``, ``subprocess.run``, writing
-``../x.txt``), not a determined attacker, who can reach the original functions (closures,
-``gc``) or C code. The kernel-enforced parts are the resource limits, the process group the
-parent kills, and the network namespace when it is granted.
+   * ``stdin`` -- the program as ``__main__`` with the test's input on stdin and its stdout going
+     to the parent, which compares it; the exit status says whether it ended cleanly;
+   * ``call`` -- defines the program, calls the function once per argument typing
+     (:func:`arg_candidates`) and writes what came back (plain data only: :func:`plain`) as one
+     frame (:func:`write_frame`) to the parent, which compares it with :func:`values_match`;
+   * ``serve`` -- defines the program (a HumanEval prompt + completion), says ``ready``, then answers
+     call requests from the judge with plain values;
+   * ``judge`` -- trusted code only: the dataset's prompt (for its helpers) and test, whose
+     ``check`` gets a proxy for the entry point that asks the ``serve`` process; generated code
+     never runs in this process, and its answers arrive as plain data decoded by
+     :class:`PlainUnpickler`. The judge's outcome goes to the parent on a descriptor the generated
+     program never had.
+
+Whatever the generated program does to its own process, it can only change its own answers: the
+verdict is taken by the parent (stdout comparison, call results) or by the judge.
 """
 
 from __future__ import annotations
 
-import ast
 import builtins
 import errno
 import functools
-import inspect
 import io
 import itertools
 import json
@@ -43,10 +45,8 @@ import os
 import pickle
 import re
 import resource
-import select
-import signal
+import struct
 import sys
-import time
 import traceback
 
 FLOAT_TOLERANCE = 1e-6
@@ -55,8 +55,9 @@ FLOAT_TOLERANCE = 1e-6
 MAX_ARG_CANDIDATES = 16
 """At most this many typings are tried for one MapCoder call-based test (see :func:`arg_candidates`)."""
 
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
+MAX_FRAME_BYTES = 16 << 20
+"""The largest message one process accepts from another (a larger one is an error)."""
+
 _DETAIL_CHARS = 600
 _INT_TOKEN = re.compile(r"[+-]?\d+")
 
@@ -150,6 +151,8 @@ def values_match(got, expected, wrapped: bool) -> bool:
 
 
 def _literal_options(text: str) -> list:
+    import ast
+
     try:
         value = ast.literal_eval(text)
     except Exception:  # ValueError, SyntaxError, MemoryError, RecursionError, ...
@@ -182,6 +185,8 @@ def arg_candidates(text: str, n_required: int, n_max: int | None) -> list[list]:
 
 
 def _arity(fn) -> tuple[int, int | None]:
+    import inspect
+
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -195,16 +200,115 @@ def _arity(fn) -> tuple[int, int | None]:
 
 
 # ----------------------------------------------------------------------------------------------
+# plain data between processes
+
+
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def to_plain(value, depth: int = 0):
+    """``value`` with numpy-like scalars and arrays turned into Python ones (``tolist``); other
+    objects are left as they are (and are then not :func:`is_plain`)."""
+    if depth > 200:
+        return value
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:
+        return value
+    if kind in (list, tuple):
+        return kind(to_plain(v, depth + 1) for v in value)
+    if kind is dict:
+        return {to_plain(k, depth + 1): to_plain(v, depth + 1) for k, v in value.items()}
+    if kind in (set, frozenset):
+        return kind(to_plain(v, depth + 1) for v in value)
+    if hasattr(value, "tolist") and callable(value.tolist):
+        try:
+            return to_plain(value.tolist(), depth + 1)
+        except Exception:
+            return value
+    return value
+
+
+def is_plain(value, depth: int = 0) -> bool:
+    """Whether ``value`` is made of exactly the builtin data types (no subclasses: nothing whose
+    comparison the program chose), at most 200 levels deep."""
+    if depth > 200:
+        return False
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:
+        return True
+    if kind in (list, tuple, set, frozenset):
+        return all(is_plain(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(is_plain(k, depth + 1) and is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Decodes only builtin data: no class or function can be named (``find_class`` refuses all but
+    ``complex``, ``set`` and ``frozenset``), so a message from a generated program cannot run code."""
+
+    _ALLOWED = {("builtins", "complex"), ("builtins", "set"), ("builtins", "frozenset")}
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED:
+            return getattr(builtins, name)
+        raise pickle.UnpicklingError(f"not plain data: {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("not plain data: a persistent id")
+
+
+def loads_plain(data: bytes):
+    """:class:`PlainUnpickler` on ``data``, then :func:`is_plain` on the result (ValueError if not)."""
+    try:
+        value = PlainUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise ValueError(f"not a plain-data message ({type(e).__name__}: {e})") from None
+    if not is_plain(value):
+        raise ValueError(f"not a plain-data message (a {type(value).__name__})")
+    return value
+
+
+def write_frame(fd: int, value) -> None:
+    """Send ``value`` (pickled) as one length-prefixed frame."""
+    data = pickle.dumps(value, protocol=5)
+    view = memoryview(struct.pack("<Q", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int, plain: bool = True):
+    """The next frame's value (None at end of stream); ``plain`` decodes with :func:`loads_plain`.
+
+    Raises:
+        ValueError: a frame over :data:`MAX_FRAME_BYTES`, cut short, or (``plain``) not plain data.
+    """
+    head = _read_exact(fd, 8)
+    if head is None:
+        return None
+    (size,) = struct.unpack("<Q", head)
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(f"a message of {size} bytes (the limit is {MAX_FRAME_BYTES})")
+    data = _read_exact(fd, size)
+    if data is None:
+        raise ValueError("a message cut short")
+    return loads_plain(data) if plain else pickle.loads(data)
+
+
+# ----------------------------------------------------------------------------------------------
 # guards
-
-
-class _Originals:
-    """The real functions the driver keeps for itself before the guards replace them."""
-
-    def __init__(self) -> None:
-        self.fork = os.fork
-        self.kill = os.kill
-        self.setrlimit = resource.setrlimit
 
 
 def _refuse(what: str):
@@ -378,37 +482,31 @@ def install_guards(root: str) -> None:
     sys.meta_path.insert(0, BlockImports())
 
 
-def _set_limits(spec: dict, originals: _Originals) -> None:
+# ----------------------------------------------------------------------------------------------
+# limits
+
+
+def _set_limits(spec: dict) -> None:
     def limit(which, value):
         if value is None:
             return
         soft, hard = resource.getrlimit(which)
         if hard != resource.RLIM_INFINITY:
             value = min(value, hard)
-        originals.setrlimit(which, (value, value))
+        resource.setrlimit(which, (value, value))
 
-    limit(resource.RLIMIT_AS, spec["memory_bytes"])
-    limit(resource.RLIMIT_FSIZE, spec["fsize_bytes"])
+    limit(resource.RLIMIT_AS, spec.get("memory_bytes"))
+    limit(resource.RLIMIT_FSIZE, spec.get("fsize_bytes"))
     limit(resource.RLIMIT_CORE, 0)
-
-
-def _isolate_network() -> bool:
-    """Move into a private network namespace (only loopback, down); False where refused."""
-    flags = _CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET
-    try:
-        if hasattr(os, "unshare"):  # Python 3.12+
-            os.unshare(flags)
-            return True
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.unshare(flags) == 0
-    except Exception:
-        return False
+    limit(resource.RLIMIT_NPROC, spec.get("max_procs"))
+    if spec.get("cpu_s"):
+        cpu = int(math.ceil(spec["cpu_s"]))
+        soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1 if hard == resource.RLIM_INFINITY else min(cpu + 1, hard)))
 
 
 # ----------------------------------------------------------------------------------------------
-# one test, in the forked process
+# running generated code
 
 
 def _short(value, limit: int = 120) -> str:
@@ -420,68 +518,81 @@ def _short(value, limit: int = 120) -> str:
 
 
 def _exc_detail(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    try:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    except BaseException:
+        text = type(exc).__name__
     return text[:_DETAIL_CHARS]
 
 
 _FILENAME = "solution.py"
 
 
-def _format_traceback() -> str:
-    """The current exception's traceback from the program's first frame on (not the driver's)."""
+def _format_traceback(files: tuple[str, ...] = (_FILENAME,)) -> str:
+    """The current exception's traceback from the first frame of ``files`` on (not the runner's)."""
     try:
         etype, exc, tb = sys.exc_info()
         first = tb
-        while first is not None and first.tb_frame.f_code.co_filename != _FILENAME:
+        while first is not None and first.tb_frame.f_code.co_filename not in files:
             first = first.tb_next
         return "".join(traceback.format_exception(etype, exc, first or tb))
     except BaseException:
         return ""
 
 
-def _print_traceback() -> None:
+def _print_traceback(files: tuple[str, ...] = (_FILENAME,)) -> None:
     try:
-        sys.stderr.write(_format_traceback())
+        sys.stderr.write(_format_traceback(files))
     except BaseException:
         pass
 
 
-def _exec(code: str, namespace: dict) -> None:
-    linecache.cache[_FILENAME] = (len(code), None, code.splitlines(True), _FILENAME)  # source lines in tracebacks
-    exec(compile(code, _FILENAME, "exec"), namespace)
+def _exec(code: str, namespace: dict, filename: str = _FILENAME) -> None:
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # source lines in tracebacks
+    exec(compile(code, filename, "exec"), namespace)
 
 
-def _body_humaneval(spec: dict, test: dict) -> dict:
-    ns = {"__name__": "__sandbox__", "__builtins__": builtins}
-    try:
-        _exec(spec["code"], ns)
-    except AssertionError as e:
-        _print_traceback()
-        return {"outcome": "fail", "detail": "a test assertion failed" + (f": {e}" if str(e) else "")}
-    except SystemExit as e:
-        return {"outcome": "error", "detail": f"the program exited (SystemExit {e.code!r}) before the tests finished"}
-    except BaseException as e:
-        _print_traceback()
-        return {"outcome": "error", "detail": _exc_detail(e)}
-    return {"outcome": "pass"}
+def _finish() -> None:
+    """End the way ``python solution.py`` would: wait for non-daemon threads (the
+    ``threading.Thread(target=main).start()`` idiom for deep recursion), then run ``atexit``
+    functions (fast-output templates print the buffered answer there), then flush."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__):
+        if stream is not None:
+            stream.flush()
 
 
-def _body_stdin(spec: dict, test: dict) -> dict:
+def _run_stdin(spec: dict) -> int:
+    """The program as ``__main__``: its exit status (0: ended cleanly)."""
     ns = {"__name__": "__main__", "__builtins__": builtins}
-    exec(spec["header"], ns)
+    exec(spec.get("header") or "", ns)
+    code = 0
     try:
         _exec(spec["code"], ns)
     except SystemExit as e:
         if e.code is None or e.code == 0:
-            return {"outcome": "exited", "code": 0}
-        if isinstance(e.code, int):
-            return {"outcome": "exited", "code": e.code, "detail": f"exit status {e.code}"}
-        print(e.code, file=sys.stderr)
-        return {"outcome": "exited", "code": 1, "detail": f"exit({_short(e.code)})"}
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code & 0xFF or 1
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
     except BaseException as e:
         _print_traceback()
-        return {"outcome": "exited", "code": 1, "detail": _exc_detail(e)}
-    return {"outcome": "exited", "code": 0}
+        print(f"specdec-sandbox: {_exc_detail(e)}", file=sys.stderr)
+        code = 1
+    try:
+        _finish()
+    except BaseException as e:  # e.g. EFBIG once the output reaches RLIMIT_FSIZE
+        print(f"specdec-sandbox: writing the output failed: {_exc_detail(e)}", file=sys.stderr)
+        code = code or 1
+    return code
 
 
 def _find_function(ns: dict, name: str):
@@ -494,230 +605,209 @@ def _find_function(ns: dict, name: str):
     return obj if callable(obj) else None
 
 
-def _body_call(spec: dict, test: dict) -> dict:
+def _define(spec: dict, name: str) -> dict:
+    """Run the program's definitions (``__name__ == "__sandbox__"``): ``{"fn": callable}`` or
+    ``{"outcome": "fail" | "error", "detail": ...}``."""
     ns = {"__name__": "__sandbox__", "__builtins__": builtins}
-    exec(spec["header"], ns)
+    exec(spec.get("header") or "", ns)
     try:
         _exec(spec["code"], ns)
     except SystemExit as e:
         return {"outcome": "error", "detail": f"the program exited (SystemExit {e.code!r}) while defining the solution"}
     except EOFError as e:  # top-level code reading stdin (a main the task did not ask for): stdin is empty
-        if _find_function(ns, spec["fn_name"]) is None:
+        if _find_function(ns, name) is None:
             _print_traceback()
             return {"outcome": "error", "detail": "while defining the solution: " + _exc_detail(e)}
+    except AssertionError as e:
+        _print_traceback()
+        return {"outcome": "fail", "detail": "a test assertion failed" + (f": {e}" if str(e) else "")}
     except BaseException as e:
         _print_traceback()
         return {"outcome": "error", "detail": "while defining the solution: " + _exc_detail(e)}
-    fn = _find_function(ns, spec["fn_name"])
+    fn = _find_function(ns, name)
     if fn is None:
-        return {"outcome": "error", "detail": f"no function {spec['fn_name']!r} (nor Solution().{spec['fn_name']}) defined"}
+        return {"outcome": "error", "detail": f"no function {name!r} (nor Solution().{name}) defined"}
+    return {"fn": fn}
+
+
+def _answer(fn, args: list, kwargs: dict) -> dict:
+    """One call: ``{"value": plain}``, ``{"opaque": type name, "repr": ...}`` (not plain data) or
+    ``{"raised": exception type name, "detail": ...}``."""
+    try:
+        got = fn(*args, **kwargs)
+    except SystemExit as e:
+        return {"raised": "SystemExit", "detail": f"the function exited (SystemExit {_short(e.code)})"}
+    except BaseException as e:
+        sys.stderr.write(_format_traceback())
+        return {"raised": type(e).__name__, "detail": _exc_detail(e)}
+    got = to_plain(got)
+    if is_plain(got):
+        return {"value": got}
+    return {"opaque": type(got).__name__, "repr": _short(got)}
+
+
+def _send(fd: int, message: dict) -> None:
+    try:
+        write_frame(fd, message)
+    except (ValueError, TypeError, pickle.PicklingError, RecursionError, OverflowError) as e:
+        write_frame(fd, {"raised": "TypeError", "detail": f"the answer could not be sent: {_exc_detail(e)}"})
+
+
+def _run_call(spec: dict) -> int:
+    """Define the solution, call it once per argument typing, send the answers as one frame."""
+    defined = _define(spec, spec["fn_name"])
+    out = spec["reply_fd"]
+    if "fn" not in defined:
+        _send(out, defined)
+        return 0
+    fn, test = defined["fn"], spec["test"]
     if "args" in test:
         candidates = [list(test["args"]) if isinstance(test["args"], (list, tuple)) else [test["args"]]]
     else:
         candidates = arg_candidates(test["text"], *_arity(fn))
-    outcomes = []
+    answers = []
     for args in candidates:
-        try:
-            got = fn(*args)
-        except SystemExit as e:
-            outcomes.append({"outcome": "error", "detail": f"args {_short(args)}: the function exited (SystemExit {e.code!r})"})
-        except BaseException as e:
-            outcomes.append({"outcome": "error", "detail": f"args {_short(args)}: {_exc_detail(e)}", "tb": _format_traceback()})
-        else:
-            if values_match(got, test["expected"], test["wrapped"]):
-                return {"outcome": "pass"}
-            expected = test["expected"]
-            if test["wrapped"] and isinstance(expected, list) and len(expected) == 1:
-                expected = expected[0]
-            outcomes.append({"outcome": "fail", "detail": f"args {_short(args)}: expected {_short(expected)}, got {_short(got)}"})
-    # a wrong value outranks an exception: the exception may only mean a wrong guess at the types
-    chosen = next((o for o in outcomes if o["outcome"] == "fail"), outcomes[0])
-    if chosen.get("tb"):
-        sys.stderr.write(chosen.pop("tb"))
-    chosen.pop("tb", None)
-    return chosen
+        answer = _answer(fn, args, {})
+        answer["args"] = _short(args)
+        answers.append(answer)
+    _send(out, {"answers": answers})
+    _finish()
+    return 0
 
 
-_BODIES = {"humaneval": _body_humaneval, "stdin": _body_stdin, "call": _body_call}
-
-
-def _finish() -> None:
-    """End the way ``python solution.py`` would: wait for non-daemon threads (the
-    ``threading.Thread(target=main).start()`` idiom for deep recursion), then run ``atexit``
-    functions (fast-output templates print the buffered answer there)."""
-    import atexit
-    import threading
-
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-
-
-def _in_fork(spec: dict, test: dict, in_fd: int, out_fd: int, report_fd: int, originals: _Originals) -> None:
-    """The forked test process: never returns."""
-    try:
-        os.dup2(in_fd, 0)
-        os.dup2(out_fd, 1)
-        cpu = math.ceil(spec["timeout_s"]) + 1
-        originals.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        sys.argv = [_FILENAME]
-        message = _BODIES[spec["mode"]](spec, test)
-        _finish()
-    except BaseException as e:
-        message = {"outcome": "error", "detail": "sandbox: " + _exc_detail(e)}
-    for stream in (sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__):
-        try:
-            if stream is not None:
-                stream.flush()
-        except BaseException as e:  # e.g. EFBIG once the output reaches RLIMIT_FSIZE
-            if stream in (sys.stdout, sys.__stdout__) and message.get("outcome") in ("pass", "exited"):
-                message = {"outcome": "error", "detail": f"writing the output failed: {_exc_detail(e)}"}
-    try:
-        os.write(report_fd, json.dumps(message).encode()[:60000])
-    finally:
-        os._exit(0)
+def _run_serve(spec: dict) -> int:
+    """Define the program, then answer the judge's calls until it hangs up."""
+    requests, replies = spec["request_fd"], spec["reply_fd"]
+    defined = _define(spec, spec["fn_name"])
+    if "fn" not in defined:
+        _send(replies, defined)
+        return 0
+    _send(replies, {"ready": True})
+    fn = defined["fn"]
+    while True:
+        request = read_frame(requests, plain=False)
+        if request is None:
+            return 0
+        args, kwargs = request
+        _send(replies, _answer(fn, list(args), dict(kwargs)))
 
 
 # ----------------------------------------------------------------------------------------------
-# the driver
+# the judge (trusted code only)
 
 
-def _wait(pid: int, timeout: float, originals: _Originals) -> tuple[int, bool]:
-    """Wait for ``pid`` at most ``timeout`` seconds, then SIGKILL it: (wait status, timed out)."""
-    deadline = time.monotonic() + timeout
-    pidfd = None
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pass
-    try:
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return status, False
-            left = deadline - time.monotonic()
-            if left <= 0:
-                originals.kill(pid, signal.SIGKILL)
-                return os.waitpid(pid, 0)[1], True
-            if pidfd is not None:
-                select.select([pidfd], [], [], left)
-            else:
-                time.sleep(min(left, 0.005))
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
+class ProgramGone(Exception):
+    """The generated program stopped answering (it exited, crashed or sent something invalid)."""
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    os.set_blocking(fd, False)
-    while True:
+class Opaque:
+    """An answer that was not plain data: equal to nothing, so a test comparing it fails."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        self.kind, self.text = kind, text
+
+    def __eq__(self, other):
+        return False
+
+    def __ne__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} from the program: {self.text}>"
+
+
+def _raise_answer(answer: dict):
+    name, detail = answer.get("raised"), str(answer.get("detail", ""))
+    if name == "SystemExit":
+        raise ProgramGone(detail)
+    cls = getattr(builtins, str(name), None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
         try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    return b"".join(chunks)
+            exc = cls(detail)
+        except Exception:
+            exc = RuntimeError(f"{name}: {detail}")
+        raise exc
+    raise RuntimeError(f"{name}: {detail}")
 
 
-def _read_output(out_fd: int) -> str:
-    size = os.fstat(out_fd).st_size
-    data = os.pread(out_fd, size, 0) if size else b""
-    return data.decode("utf-8", errors="replace")
+def _proxy(spec: dict):
+    requests, replies = spec["request_fd"], spec["reply_fd"]
 
-
-def _run_test(spec: dict, test: dict, out_fd: int, originals: _Originals) -> tuple[str, str, str | None]:
-    """One test: (outcome in pass/fail/error/timeout, detail, the program's stdout or None)."""
-    in_fd = os.open(test.get("input_path") or os.devnull, os.O_RDONLY)
-    os.ftruncate(out_fd, 0)
-    os.lseek(out_fd, 0, os.SEEK_SET)
-    read_fd, write_fd = os.pipe()
-    pid = originals.fork()
-    if pid == 0:
-        os.close(read_fd)
-        _in_fork(spec, test, in_fd, out_fd, write_fd, originals)
-    os.close(write_fd)
-    os.close(in_fd)
-    try:
-        status, timed_out = _wait(pid, spec["timeout_s"], originals)
-        raw = _read_all(read_fd)
-    finally:
-        os.close(read_fd)
-    stdout = _read_output(out_fd) if spec["mode"] == "stdin" else None
-    if timed_out:
-        return "timeout", f"no answer within {spec['timeout_s']:g} s (killed)", stdout
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig == signal.SIGXCPU:
-            return "timeout", "CPU time limit exceeded", stdout
+    def candidate(*args, **kwargs):
         try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        hint = " (out of memory?)" if sig == signal.SIGKILL else ""
-        return "error", f"killed by {name}{hint}", stdout
+            write_frame(requests, (args, kwargs))
+        except BrokenPipeError:
+            raise ProgramGone("the program exited before the tests finished") from None
+        try:
+            answer = read_frame(replies)
+        except ValueError as e:
+            raise ProgramGone(f"the program sent {e}") from None
+        if not isinstance(answer, dict):
+            raise ProgramGone("the program exited before the tests finished")
+        if "value" in answer:
+            return answer["value"]
+        if "opaque" in answer:
+            return Opaque(str(answer["opaque"]), str(answer.get("repr", "")))
+        _raise_answer(answer)
+
+    candidate.__name__ = spec["fn_name"]
+    return candidate
+
+
+def _run_judge(spec: dict) -> int:
+    """``check(candidate)`` of the dataset's test, the candidate answering from the other process."""
+    result_fd = spec["result_fd"]
+
+    def report(outcome: str, detail: str = "") -> int:
+        os.write(result_fd, json.dumps({"outcome": outcome, "detail": detail[:_DETAIL_CHARS]}).encode())
+        return 0
+
     try:
-        message = json.loads(raw.decode()) if raw else None
-    except ValueError:
-        message = None
-    if message is None:
-        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1
-        if spec["mode"] == "stdin":
-            message = {"outcome": "exited", "code": code, "detail": f"exit status {code}"}
-        else:
-            return "error", f"the program exited (status {code}) before the tests finished", stdout
-    if message["outcome"] != "exited":
-        return message["outcome"], message.get("detail", ""), stdout
-    if message["code"] != 0:
-        return "error", message.get("detail") or f"exit status {message['code']}", stdout
-    if test.get("expected") is None:
-        return "pass", "", stdout
-    if outputs_match(stdout, test["expected"]):
-        return "pass", "", stdout
-    return "fail", f"wrong answer: expected {_short(test['expected'], 80)}, got {_short(stdout, 80)}", stdout
+        ready = read_frame(spec["reply_fd"])
+    except ValueError as e:
+        return report("error", f"the program sent {e}")
+    if not isinstance(ready, dict):
+        return report("error", "the program exited before the tests finished")
+    if not ready.get("ready"):
+        return report(str(ready.get("outcome", "error")) if ready.get("outcome") in ("fail", "error") else "error",
+                      str(ready.get("detail", "the program did not start")))
+    ns = {"__name__": "__sandbox__", "__builtins__": builtins}
+    try:
+        _exec(spec["prompt"], ns, "prompt.py")
+        _exec(spec["test"], ns, "test.py")
+        candidate = _proxy(spec)
+        ns[spec["fn_name"]] = candidate
+        ns["check"](candidate)
+    except AssertionError as e:
+        _print_traceback(("test.py", "prompt.py"))
+        return report("fail", "a test assertion failed" + (f": {e}" if str(e) else ""))
+    except ProgramGone as e:
+        return report("error", str(e))
+    except BaseException as e:
+        _print_traceback(("test.py", "prompt.py"))
+        return report("error", _exc_detail(e))
+    return report("pass")
 
 
-def run(spec: dict, out_fd: int, originals: _Originals) -> dict:
-    """Run the spec's tests in order (stopping at the first failure when asked)."""
-    status, detail, passed, ran, stdout = "pass", "", 0, 0, None
-    for i, test in enumerate(spec["tests"]):
-        outcome, what, stdout = _run_test(spec, test, out_fd, originals)
-        ran += 1
-        if outcome == "pass":
-            passed += 1
-            continue
-        if status == "pass":
-            status = outcome
-            detail = f"test {i}: {what}" if len(spec["tests"]) > 1 else what
-        if spec["stop_on_failure"]:
-            break
-    result = {"status": status, "detail": detail, "tests_run": ran, "tests_passed": passed}
-    if spec.get("capture_stdout"):
-        result["stdout"] = (stdout or "")[: spec["capture_stdout"]]
-    return result
+_MODES = {"stdin": _run_stdin, "call": _run_call, "serve": _run_serve, "judge": _run_judge}
 
 
 def main(argv: list[str]) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    with open(argv[1], "rb") as f:
-        spec = pickle.load(f)
-    os.unlink(argv[1])  # the expected outputs need not stay readable
-    result_fd = os.open(spec["result_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    out_fd = os.open(spec["stdout_path"], os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    originals = _Originals()
-    _set_limits(spec, originals)
-    network_namespace = _isolate_network() if spec["isolate_network"] else False
-    install_guards(spec["sandbox"])
-    result = run(spec, out_fd, originals)
-    result["network_namespace"] = network_namespace
-    os.write(result_fd, json.dumps(result).encode())
-    os.close(result_fd)
-    return 0
+    spec_fd = int(argv[1])
+    with os.fdopen(spec_fd, "rb") as f:
+        spec = json.loads(f.read().decode("utf-8"))
+    sys.path.extend(spec.get("site_dirs") or ())  # the interpreter runs with -S: packages without .pth hooks
+    _set_limits(spec)
+    if spec["mode"] != "judge" and spec.get("guards", True):
+        install_guards(spec["root"])
+    sys.argv = [_FILENAME]
+    return _MODES[spec["mode"]](spec)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    os._exit(code)  # no interpreter teardown: nothing of the program's runs after its verdict

@@ -27,27 +27,17 @@ answer that also reads stdin at top level, an unrequested ``main``, gets empty s
 :attr:`Limits.stop_on_failure` is False). Each test runs in a fresh process: no state carries
 over from one test to the next.
 
-Sandbox (see ``eval/_sandbox_child.py`` for the details). Each check starts one
-``python -I -B -X utf8`` driver process in a new session, with a fresh temporary directory as cwd,
-HOME and TMPDIR (removed afterwards) and a minimal environment (no proxies, one BLAS thread).
-The driver sets ``RLIMIT_AS`` (:attr:`Limits.memory_mb`), ``RLIMIT_FSIZE``
-(:attr:`Limits.file_size_mb`, which also caps stdout and stderr) and no core files, tries a
-private network namespace, installs Python-level guards, then forks one process per test,
-killed with SIGKILL after :attr:`Limits.timeout_s` (``RLIMIT_CPU`` as a backstop). The parent
-kills the whole process group when the driver finishes or passes its own overall limit.
-
-Limits of the sandbox, stated plainly: the guards are Python-level and best effort (like
-HumanEval's ``reliability_guard``): ``open``/``os.*`` writes outside the temporary directory,
-process creation (``os.system``, ``subprocess``, ``os.fork``, ``multiprocessing``), signals to
-other processes, raising resource limits and sockets raise ``PermissionError``; ``ctypes`` and
-C modules that create files themselves (``sqlite3``, ``dbm``, POSIX shared memory) cannot be
-imported; reading files anywhere is allowed. Code that sets out to escape can (it can
-recover the original functions), so run untrusted code in a container or VM as well. No network
-is kernel-enforced only when ``unshare(CLONE_NEWNET)`` is granted (root, or unprivileged user
-namespaces enabled; :attr:`RunResult.network_namespace` says); otherwise only the Python-level
-``socket`` guard stands, and the C-level ``_socket`` module is not covered. ``RLIMIT_NPROC`` is not set: Linux
-counts it per user (all of the user's processes, threads included) and ignores it for root, so
-process creation is stopped by the guards instead.
+Isolation (``eval/sandbox.py``, ``eval/_sandbox_child.py``). Every test runs as a fresh
+interpreter inside bubblewrap: uid 65534 with no capabilities in its own user, pid, network, ipc
+and uts namespaces, read-only system files, a private size-limited ``/tmp``, a pids cgroup (or
+``RLIMIT_NPROC``), and hard resource limits (address space, file size, CPU); when the test ends the
+kernel kills whatever it left behind. The verdict is taken outside the tested process: a
+standard-input program's output is compared here; a call-based answer comes back as plain data
+(builtin types only) and is compared here; a HumanEval test runs in a second sandboxed process (the
+judge) that holds only the dataset's prompt and test, calls the completion's function in the
+first process and receives plain data back. Python-level guards (``install_guards``) stay inside as
+a second layer. Without bubblewrap the checks refuse to run (:class:`eval.sandbox.IsolationUnavailable`)
+unless ``unsafe=True``; every :class:`Verdict` records its :attr:`~Verdict.isolation`.
 """
 
 from __future__ import annotations
@@ -56,14 +46,9 @@ import ast
 import json
 import math
 import os
-import pickle
 import re
-import select
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -73,13 +58,16 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-from eval._sandbox_child import FLOAT_TOLERANCE, arg_candidates, outputs_match, values_match
+from eval import sandbox
+from eval._sandbox_child import FLOAT_TOLERANCE, MAX_FRAME_BYTES, arg_candidates, loads_plain, outputs_match, values_match
 from eval.datasets import AppsProblem, HumanEvalProblem
+from eval.sandbox import Isolation, IsolationUnavailable
 
 __all__ = [
     "APPS_HEADER",
     "FLOAT_TOLERANCE",
     "STATUSES",
+    "IsolationUnavailable",
     "Limits",
     "PairedDiff",
     "RunResult",
@@ -92,6 +80,7 @@ __all__ = [
     "check_humaneval",
     "extract_code",
     "humaneval_program",
+    "humaneval_solution",
     "outputs_match",
     "paired_diff_ci",
     "pass_at_k",
@@ -120,9 +109,11 @@ from math import gcd, sqrt, ceil, floor, inf, log, log2
 LeetCode-style answers use ``List`` without importing it, as the APPS harness assumes. A
 smaller set than APPS's own header: no ``from math import *`` (it would shadow ``pow``), no numpy."""
 
-_CHILD = Path(__file__).with_name("_sandbox_child.py")
+_RUNNER = str(Path(__file__).with_name("_sandbox_child.py"))
 _STDERR_TAIL = 2000
 _CAPTURE_STDOUT = 1 << 20
+_START_S = 2.0
+"""Wall-clock allowance per process on top of its limit, for interpreter start-up (and the sandbox's)."""
 
 
 @dataclass(frozen=True)
@@ -137,10 +128,7 @@ class Limits:
             and stderr included; None for none.
         max_tests: run only the first this many tests of an APPS problem; None (default): all.
         stop_on_failure: stop at a problem's first failing test (its verdict is decided).
-        isolate_network: also try a private network namespace (``unshare``); the socket guard
-            is always on.
-        startup_s: slack for interpreter start-up on top of the per-test limits, after which the
-            parent kills the whole process group.
+        max_procs: processes (threads included) one test may hold at once.
     """
 
     timeout_s: float = 5.0
@@ -148,14 +136,15 @@ class Limits:
     file_size_mb: int | None = 16
     max_tests: int | None = None
     stop_on_failure: bool = True
-    isolate_network: bool = True
-    startup_s: float = 10.0
+    max_procs: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "startup_s"):
+        for name in ("timeout_s",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
                 raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+        if isinstance(self.max_procs, bool) or not isinstance(self.max_procs, int) or self.max_procs < 2:
+            raise ValueError(f"max_procs: expected an int >= 2, got {self.max_procs!r}")
         for name in ("memory_mb", "file_size_mb", "max_tests"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -177,6 +166,7 @@ class Verdict:
         tests_passed: tests passed.
         detail: what went wrong first (e.g. ``"test 3: wrong answer: expected ..."``), else "".
         stderr: the last 2000 characters of the program's stderr (tracebacks).
+        isolation: ``"bubblewrap"``, or ``"none"`` for a check run with ``unsafe=True`` without it.
     """
 
     problem_id: str
@@ -189,6 +179,7 @@ class Verdict:
     tests_passed: int = 0
     detail: str = ""
     stderr: str = ""
+    isolation: str = "bubblewrap"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (one JSONL record)."""
@@ -205,7 +196,7 @@ class RunResult:
         stderr: the last 2000 characters of its standard error.
         seconds: wall-clock seconds, start-up included.
         detail: what went wrong, else "".
-        network_namespace: whether the run had a private network namespace.
+        isolation: ``"bubblewrap"`` or ``"none"``.
     """
 
     status: str
@@ -213,7 +204,7 @@ class RunResult:
     stderr: str
     seconds: float
     detail: str = ""
-    network_namespace: bool = False
+    isolation: str = "bubblewrap"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,8 +251,8 @@ def extract_code(text: str, fn_name: str | None = None) -> str:
     return max(candidates, key=len).rstrip() + "\n"
 
 
-def humaneval_program(problem: HumanEvalProblem, completion: str) -> str:
-    """The program for a HumanEval completion: ``prompt + completion + test + check(entry_point)``.
+def humaneval_solution(problem: HumanEvalProblem, completion: str) -> str:
+    """What a HumanEval completion defines: ``prompt + completion``.
 
     A plain completion (the function body continuing the prompt) is appended to the prompt as is.
     A chat answer with code fences is reduced by :func:`extract_code`; when that code defines the
@@ -271,10 +262,15 @@ def humaneval_program(problem: HumanEvalProblem, completion: str) -> str:
     """
     code = extract_code(completion, fn_name=problem.entry_point) if "```" in completion else completion
     if _defines(code, problem.entry_point):
-        body = problem.prompt.rstrip() + "\n\n" + code
-    else:
-        body = problem.prompt + code
-    return f"{body}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+        return problem.prompt.rstrip() + "\n\n" + code
+    return problem.prompt + code
+
+
+def humaneval_program(problem: HumanEvalProblem, completion: str) -> str:
+    """The whole HumanEval program, ``solution + test + check(entry_point)``, as the dataset's
+    harness would run it in one process. :func:`check_humaneval` does not run this: it runs the
+    solution and the test in two processes (see the module docstring)."""
+    return f"{humaneval_solution(problem, completion)}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
 
 
 def apps_program(problem: AppsProblem, completion: str) -> str:
@@ -287,161 +283,261 @@ def apps_program(problem: AppsProblem, completion: str) -> str:
 # running
 
 
-def _child_env(sandbox: str) -> dict[str, str]:
+def _spec(mode: str, limits: Limits, iso: Isolation, root: str, **fields: Any) -> dict[str, Any]:
     return {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": sandbox, "TMPDIR": sandbox, "TMP": sandbox, "TEMP": sandbox,
-        "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-        "NO_PROXY": "*", "no_proxy": "*",
-        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
+        "mode": mode, "root": root, "guards": True, "cpu_s": float(limits.timeout_s) + 1.0,
+        "memory_bytes": None if limits.memory_mb is None else limits.memory_mb << 20,
+        "fsize_bytes": None if limits.file_size_mb is None else limits.file_size_mb << 20,
+        "max_procs": limits.max_procs if iso.tool == "bubblewrap" else None, "site_dirs": _site_dirs(), **fields,
     }  # fmt: skip
 
 
-def _rmtree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.exists(path):  # a program made a directory unwritable: open it up (not through links), retry
-        for root, dirs, _ in os.walk(path):
-            for d in dirs:
-                full = os.path.join(root, d)
-                if not os.path.islink(full):
-                    try:
-                        os.chmod(full, 0o700)
-                    except OSError:
-                        pass
-        shutil.rmtree(path, ignore_errors=True)
+def _site_dirs() -> list[str]:
+    """This interpreter's site-packages, which the runner (started with ``-S``) puts on its path."""
+    import site
+
+    return [d for d in site.getsitepackages() if os.path.isdir(d)]
 
 
-def _tail(path: str, chars: int = _STDERR_TAIL) -> str:
+def _launch(iso: Isolation, spec: dict[str, Any], limits: Limits, *, fds: Sequence[int] = (), stdin: int | None = None,
+            stdout: int | None = None, stderr: int | None = None, workdir: str | None = None) -> sandbox.Spawned:  # fmt: skip
+    """One fresh runner process in the sandbox, its spec handed over on an in-memory file."""
+    with sandbox.memfd("spec", json.dumps(spec).encode()) as spec_fd:
+        argv = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "{runner}", str(spec_fd)]
+        tmp = max(16 << 20, 4 * ((limits.file_size_mb or 16) << 20))
+        return sandbox.spawn(iso, argv, fds=(spec_fd, *fds), stdin=stdin, stdout=stdout, stderr=stderr,
+                             max_procs=limits.max_procs, tmp_bytes=tmp, runner=_RUNNER, workdir=workdir)  # fmt: skip
+
+
+def _ended(returncode: int, iso: Isolation) -> tuple[int | None, int | None]:
+    """(exit status, terminating signal) of a runner, through bwrap (which exits 128 + signal) or not."""
+    if returncode < 0:
+        return None, -returncode
+    if iso.tool == "bubblewrap" and returncode > 128:
+        return None, returncode - 128
+    return returncode, None
+
+
+def _signal_outcome(sig: int) -> tuple[str, str]:
+    if sig == signal.SIGXCPU:
+        return "timeout", "CPU time limit exceeded"
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 4 * chars))
-            return f.read().decode("utf-8", errors="replace")[-chars:]
-    except OSError:
-        return ""
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    hint = " (out of memory?)" if sig == signal.SIGKILL else ""
+    return "error", f"killed by {name}{hint}"
 
 
-def _wait_then_kill_group(proc: subprocess.Popen, timeout: float) -> bool:
-    """Wait for the driver at most ``timeout`` s, kill its process group, reap it: timed out?
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
 
-    With a pidfd the driver is waited for without reaping it, so its pid (the group id) cannot
-    be reused before the group is killed."""
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
-        pidfd = None
-    try:
-        if pidfd is not None:
-            timed_out = not select.select([pidfd], [], [], timeout)[0]
+
+def _last_line(text: str, prefix: str = "specdec-sandbox: ") -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1][len(prefix):] if lines and lines[-1].startswith(prefix) else ""
+
+
+@dataclass
+class _Run:
+    """One test's run: ``outcome`` in pass / fail / error / timeout, what went wrong, its output."""
+
+    outcome: str
+    detail: str = ""
+    stdout: str = ""
+    stderr: str = ""
+
+
+def _run_stdin_test(iso: Isolation, code: str, header: str, stdin_text: str, expected: str | None, limits: Limits,
+                    capture: int = _CAPTURE_STDOUT) -> _Run:  # fmt: skip
+    """The program with ``stdin_text`` on stdin; its stdout compared here with ``expected`` (None: any)."""
+    root = sandbox.workdir(iso)
+    spec = _spec("stdin", limits, iso, root, code=code, header=header)
+    with sandbox.memfd("stdin", stdin_text.encode("utf-8")) as fin, sandbox.memfd("stdout") as fout, \
+            sandbox.memfd("stderr") as ferr:  # fmt: skip
+        run = _launch(iso, spec, limits, stdin=fin, stdout=fout, stderr=ferr, workdir=root)
+        in_time = run.wait(limits.timeout_s + _START_S)
+        returncode = run.finish()
+        stdout = _text(sandbox.read_fd(fout, capture))
+        stderr = _text(sandbox.read_fd(ferr, 1 << 20))[-_STDERR_TAIL:]
+    if not in_time:
+        return _Run("timeout", f"no answer within {limits.timeout_s:g} s (killed)", stdout, stderr)
+    status, sig = _ended(returncode, iso)
+    if sig is not None:
+        outcome, detail = _signal_outcome(sig)
+        return _Run(outcome, detail, stdout, stderr)
+    if status != 0:
+        return _Run("error", _last_line(stderr) or f"exit status {status}", stdout, stderr)
+    if expected is None or outputs_match(stdout, expected):
+        return _Run("pass", "", stdout, stderr)
+    return _Run("fail", f"wrong answer: expected {_short(expected, 80)}, got {_short(stdout, 80)}", stdout, stderr)
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _judge_answers(message: Any, test: dict[str, Any]) -> _Run:
+    """A call-based test's verdict from the answers the program sent (plain data, compared here)."""
+    if not isinstance(message, dict):
+        return _Run("error", "the program sent no answer")
+    if "outcome" in message:
+        outcome = message["outcome"] if message["outcome"] in ("fail", "error") else "error"
+        return _Run(outcome, str(message.get("detail", ""))[:600])
+    answers = message.get("answers")
+    if not isinstance(answers, list) or not answers:
+        return _Run("error", "the program sent no answer")
+    expected = test["expected"]
+    shown = expected[0] if test["wrapped"] and isinstance(expected, list) and len(expected) == 1 else expected
+    failed: list[str] = []
+    errors: list[str] = []
+    for answer in answers:
+        if not isinstance(answer, dict):
+            continue
+        args = str(answer.get("args", ""))
+        if "value" in answer:
+            if values_match(answer["value"], expected, test["wrapped"]):
+                return _Run("pass")
+            failed.append(f"args {args}: expected {_short(shown)}, got {_short(answer['value'])}")
+        elif "opaque" in answer:
+            failed.append(f"args {args}: expected {_short(shown)}, got a {answer['opaque']} ({answer.get('repr', '')})")
+        elif answer.get("raised") == "SystemExit":
+            errors.append(f"args {args}: {answer.get('detail', '')}")
         else:
-            try:
-                proc.wait(timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        return timed_out
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
+            errors.append(f"args {args}: {answer.get('raised')}: {answer.get('detail', '')}".replace(": :", ":"))
+    # a wrong value outranks an exception: the exception may only mean a wrong guess at the types
+    if failed:
+        return _Run("fail", failed[0][:600])
+    return _Run("error", (errors[0] if errors else "the program sent no answer")[:600])
 
 
-def _execute(mode: str, code: str, tests: list[dict], limits: Limits, *, header: str = "", fn_name: str | None = None,
-             capture_stdout: int = 0) -> tuple[dict, str, float]:  # fmt: skip
-    """Run one driver: (its result dict, stderr tail, seconds). Tests carry ``input`` (stdin
-    text, written to a file here) and ``expected``."""
-    start = time.monotonic()
-    base = tempfile.mkdtemp(prefix="specdec-exec-")
+def _run_call_test(iso: Isolation, code: str, fn_name: str, test: dict[str, Any], limits: Limits) -> _Run:
+    """Define the solution and call ``fn_name`` in the sandbox; the answers are compared here."""
+    root = sandbox.workdir(iso)
+    call = {k: v for k, v in test.items() if k in ("args", "text")}
+    with sandbox.memfd("reply") as reply, sandbox.memfd("stderr") as ferr:
+        spec = _spec("call", limits, iso, root, code=code, header=APPS_HEADER, fn_name=fn_name, test=call, reply_fd=reply)
+        run = _launch(iso, spec, limits, fds=(reply,), stderr=ferr, workdir=root)
+        in_time = run.wait(limits.timeout_s + _START_S)
+        returncode = run.finish()
+        data = sandbox.read_fd(reply, MAX_FRAME_BYTES + 8)
+        stderr = _text(sandbox.read_fd(ferr, 1 << 20))[-_STDERR_TAIL:]
+    if not in_time:
+        return _Run("timeout", f"no answer within {limits.timeout_s:g} s (killed)", "", stderr)
+    status, sig = _ended(returncode, iso)
+    if sig is not None:
+        outcome, detail = _signal_outcome(sig)
+        return _Run(outcome, detail, "", stderr)
     try:
-        sandbox = os.path.join(base, "sandbox")
-        io_dir = os.path.join(base, "io")
-        os.mkdir(sandbox, 0o700)
-        os.mkdir(io_dir, 0o700)
-        driver_tests = []
-        for i, test in enumerate(tests):
-            test = dict(test)
-            text = test.pop("input", None)
-            if text is not None:
-                test["input_path"] = os.path.join(io_dir, f"in_{i}.txt")
-                with open(test["input_path"], "w", encoding="utf-8", newline="") as f:
-                    f.write(text)
-            driver_tests.append(test)
-        spec = {
-            "mode": mode, "code": code, "header": header, "fn_name": fn_name, "tests": driver_tests,
-            "sandbox": sandbox, "result_path": os.path.join(io_dir, "result.json"),
-            "stdout_path": os.path.join(io_dir, "stdout"), "timeout_s": float(limits.timeout_s),
-            "memory_bytes": None if limits.memory_mb is None else limits.memory_mb << 20,
-            "fsize_bytes": None if limits.file_size_mb is None else limits.file_size_mb << 20,
-            "isolate_network": limits.isolate_network, "stop_on_failure": limits.stop_on_failure,
-            "capture_stdout": capture_stdout,
-        }  # fmt: skip
-        spec_path = os.path.join(io_dir, "spec.pkl")
-        with open(spec_path, "wb") as f:
-            pickle.dump(spec, f)
-        stderr_path = os.path.join(io_dir, "stderr")
-        overall = limits.startup_s + len(tests) * (limits.timeout_s + 0.5)
-        with open(stderr_path, "wb") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-X", "utf8", str(_CHILD), spec_path],
-                cwd=sandbox, env=_child_env(sandbox), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=err, start_new_session=True, close_fds=True,
-            )  # fmt: skip
-            timed_out = _wait_then_kill_group(proc, overall)
-        try:
-            with open(spec["result_path"], encoding="utf-8") as f:
-                result = json.loads(f.read() or "null")
-        except (OSError, ValueError):
-            result = None
-        stderr = _tail(stderr_path)
-        if not isinstance(result, dict):
-            if timed_out:
-                what = f"the sandbox passed its overall limit of {overall:g} s and was killed"
-                result = {"status": "timeout", "detail": what, "tests_run": 0, "tests_passed": 0}
-            else:
-                what = f"the sandbox driver failed (exit status {proc.returncode})"
-                result = {"status": "error", "detail": what, "tests_run": 0, "tests_passed": 0}
-        return result, stderr, time.monotonic() - start
+        message = loads_plain(data[8:]) if len(data) > 8 else None
+    except ValueError as e:
+        return _Run("error", f"the program sent {e}", "", stderr)
+    if message is None:
+        return _Run("error", f"the program exited (status {status}) before answering", "", stderr)
+    run_ = _judge_answers(message, test)
+    run_.stderr = stderr
+    return run_
+
+
+def _run_humaneval(iso: Isolation, problem: HumanEvalProblem, solution: str, limits: Limits) -> _Run:
+    """The completion's definitions in one sandbox (answering calls), the dataset's test in another."""
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    procs: list[sandbox.Spawned] = []
+    try:
+        with sandbox.memfd("result") as result, sandbox.memfd("stderr") as err_program, \
+                sandbox.memfd("stderr") as err_judge:  # fmt: skip
+            root = sandbox.workdir(iso)
+            serve = _spec("serve", limits, iso, root, code=solution, fn_name=problem.entry_point,
+                          request_fd=req_r, reply_fd=rep_w)  # fmt: skip
+            procs.append(_launch(iso, serve, limits, fds=(req_r, rep_w), stderr=err_program, workdir=root))
+            root = sandbox.workdir(iso)
+            judge = _spec("judge", limits, iso, root, prompt=problem.prompt, test=problem.test, fn_name=problem.entry_point,
+                          request_fd=req_w, reply_fd=rep_r, result_fd=result)  # fmt: skip
+            procs.append(_launch(iso, judge, limits, fds=(req_w, rep_r, result), stderr=err_judge, workdir=root))
+            for fd in (req_r, req_w, rep_r, rep_w):
+                os.close(fd)
+            req_r = req_w = rep_r = rep_w = -1
+            in_time = procs[1].wait(limits.timeout_s + 2 * _START_S)
+            program_rc = procs[0].finish()
+            procs[1].finish()
+            raw = sandbox.read_fd(result, 1 << 16)
+            stderr = _text(sandbox.read_fd(err_program, 1 << 20))[-_STDERR_TAIL:]
+            judged = _text(sandbox.read_fd(err_judge, 1 << 20)).strip()
+            if judged:
+                stderr = (stderr + ("\n" if stderr else "") + judged)[-_STDERR_TAIL:]
     finally:
-        _rmtree(base)
+        for fd in (req_r, req_w, rep_r, rep_w):
+            if fd >= 0:
+                os.close(fd)
+        for proc in procs:
+            proc.finish()
+    if not in_time:
+        return _Run("timeout", f"the tests did not finish within {limits.timeout_s:g} s (killed)", "", stderr)
+    try:
+        message = json.loads(raw.decode()) if raw else None
+    except ValueError:
+        message = None
+    if not isinstance(message, dict) or message.get("outcome") not in STATUSES:
+        return _Run("error", "the test harness failed", "", stderr)
+    detail = str(message.get("detail", ""))
+    status, sig = _ended(program_rc, iso)
+    if message["outcome"] == "error" and "exited before" in detail:
+        if sig is not None:
+            outcome, what = _signal_outcome(sig)
+            return _Run(outcome, what, "", stderr)
+        detail = f"the program exited (status {status}) before the tests finished"
+    return _Run(message["outcome"], detail, "", stderr)
 
 
-def run_program(source: str, stdin: str = "", *, limits: Limits | None = None) -> RunResult:
-    """Run ``source`` as a script (``__name__ == "__main__"``) in the sandbox with ``stdin`` as
-    its standard input; see the module docstring for the sandbox."""
+def _isolation(unsafe: bool) -> Isolation:
+    return sandbox.isolation(unsafe=unsafe)
+
+
+def run_program(source: str, stdin: str = "", *, limits: Limits | None = None, unsafe: bool = False) -> RunResult:
+    """Run ``source`` as a script (``__name__ == "__main__"``) with ``stdin`` as its standard input,
+    in the sandbox (see the module docstring; ``unsafe=True`` runs it without isolation where
+    bubblewrap is missing). ``status`` is ``ok`` when it exited with status 0."""
     limits = limits or Limits()
     if not isinstance(source, str):
         raise ValueError(f"source: expected the program text (str), got {type(source).__name__}")
     if not isinstance(stdin, str):
         raise ValueError(f"stdin: expected str, got {type(stdin).__name__}")
-    result, stderr, seconds = _execute("stdin", source, [{"input": stdin, "expected": None}], limits,
-                                       capture_stdout=_CAPTURE_STDOUT)  # fmt: skip
-    status = {"pass": "ok"}.get(result["status"], result["status"])
-    return RunResult(status, result.get("stdout", ""), stderr, seconds, result.get("detail", ""),
-                     bool(result.get("network_namespace")))  # fmt: skip
+    iso = _isolation(unsafe)
+    start = time.monotonic()
+    run = _run_stdin_test(iso, source, "", stdin, None, limits)
+    status = {"pass": "ok"}.get(run.outcome, run.outcome)
+    return RunResult(status, run.stdout, run.stderr, time.monotonic() - start, run.detail, iso.label)
 
 
-def _verdict(problem_id: str, difficulty: str, n_tests: int, result: dict, stderr: str, seconds: float) -> Verdict:
-    status = result["status"]
-    return Verdict(
-        problem_id=problem_id, difficulty=difficulty, passed=status == "pass", status=status,
-        seconds=round(seconds, 4), tests_total=n_tests, tests_run=int(result.get("tests_run", 0)),
-        tests_passed=int(result.get("tests_passed", 0)), detail=result.get("detail", ""), stderr=stderr,
-    )  # fmt: skip
+def _tests_verdict(problem_id: str, difficulty: str, runs: Sequence[_Run], n_tests: int, limits: Limits, seconds: float,
+                   iso: Isolation) -> Verdict:  # fmt: skip
+    status, detail, stderr = "pass", "", ""
+    for i, run in enumerate(runs):
+        if run.outcome != "pass" and status == "pass":
+            status, stderr = run.outcome, run.stderr
+            detail = f"test {i}: {run.detail}" if n_tests > 1 else run.detail
+    if status == "pass" and runs:
+        stderr = runs[-1].stderr
+    return Verdict(problem_id=problem_id, difficulty=difficulty, passed=status == "pass", status=status,
+                   seconds=round(seconds, 4), tests_total=n_tests, tests_run=len(runs),
+                   tests_passed=sum(r.outcome == "pass" for r in runs), detail=detail, stderr=stderr,
+                   isolation=iso.label)  # fmt: skip
 
 
-def check_humaneval(problem: HumanEvalProblem, completion: str, limits: Limits | None = None) -> Verdict:
-    """Run :func:`humaneval_program` once; pass iff it finishes within :attr:`Limits.timeout_s`
-    without an exception (a failed assertion is ``fail``, anything else ``error``; calling
-    ``exit()`` before the tests finish is an ``error``, not a pass)."""
+def check_humaneval(problem: HumanEvalProblem, completion: str, limits: Limits | None = None, *,
+                    unsafe: bool = False) -> Verdict:  # fmt: skip
+    """Run the completion's :func:`humaneval_solution` against the problem's test: pass iff
+    ``check(entry_point)`` finishes within :attr:`Limits.timeout_s` without an exception (a failed
+    assertion is ``fail``, anything else ``error``; a program that exits before the tests finish is
+    an ``error``). The test runs in its own process and calls the solution's function across the
+    sandbox boundary (see the module docstring)."""
     limits = limits or Limits()
-    program = humaneval_program(problem, completion)
-    result, stderr, seconds = _execute("humaneval", program, [{}], limits)
-    return _verdict(problem.id, problem.difficulty, 1, result, stderr, seconds)
+    iso = _isolation(unsafe)
+    start = time.monotonic()
+    run = _run_humaneval(iso, problem, humaneval_solution(problem, completion), limits)
+    return _tests_verdict(problem.id, problem.difficulty, [run], 1, limits, time.monotonic() - start, iso)
 
 
 def _stdin_text(value: Any) -> str:
@@ -469,35 +565,52 @@ def _apps_tests(problem: AppsProblem, limits: Limits) -> list[dict]:
     return out
 
 
-def check_apps(problem: AppsProblem, completion: str, limits: Limits | None = None) -> Verdict:
-    """Run an APPS completion against the problem's tests (see the module docstring).
+def check_apps(problem: AppsProblem, completion: str, limits: Limits | None = None, *, unsafe: bool = False) -> Verdict:
+    """Run an APPS completion against the problem's tests (see the module docstring), one fresh
+    sandboxed interpreter per test.
 
     Call-based tests of MapCoder rows store the arguments as text; :func:`arg_candidates` says
     how they are turned back into arguments. A problem without tests, or a call-based problem
     without a function name, gets an ``error`` verdict without running anything."""
     limits = limits or Limits()
+    iso = _isolation(unsafe)
     tests = _apps_tests(problem, limits)
     if not tests:
-        return Verdict(problem.id, problem.difficulty, False, "error", 0.0, detail="the problem has no tests")
+        return Verdict(problem.id, problem.difficulty, False, "error", 0.0, detail="the problem has no tests",
+                       isolation=iso.label)  # fmt: skip
     if problem.call_based and not problem.fn_name:
         return Verdict(problem.id, problem.difficulty, False, "error", 0.0, len(tests),
-                       detail="call-based problem without a function name")  # fmt: skip
+                       detail="call-based problem without a function name", isolation=iso.label)  # fmt: skip
     code = apps_program(problem, completion)
     if not code.strip():
-        return Verdict(problem.id, problem.difficulty, False, "error", 0.0, len(tests), detail="no code in the completion")
-    mode = "call" if problem.call_based else "stdin"
-    result, stderr, seconds = _execute(mode, code, tests, limits, header=APPS_HEADER, fn_name=problem.fn_name)
-    return _verdict(problem.id, problem.difficulty, len(tests), result, stderr, seconds)
+        return Verdict(problem.id, problem.difficulty, False, "error", 0.0, len(tests), detail="no code in the completion",
+                       isolation=iso.label)  # fmt: skip
+    start = time.monotonic()
+    runs: list[_Run] = []
+    for test in tests:
+        if problem.call_based:
+            run = _run_call_test(iso, code, problem.fn_name, test, limits)
+        else:
+            run = _run_stdin_test(iso, code, APPS_HEADER, test["input"], test["expected"], limits, capture=1 << 24)
+        runs.append(run)
+        if run.outcome != "pass" and limits.stop_on_failure:
+            break
+    return _tests_verdict(problem.id, problem.difficulty, runs, len(tests), limits, time.monotonic() - start, iso)
 
 
-def check(problem: AppsProblem | HumanEvalProblem, completion: str, limits: Limits | None = None) -> Verdict:
-    """:func:`check_humaneval` or :func:`check_apps` by the problem's type."""
+def check(problem: AppsProblem | HumanEvalProblem, completion: str, limits: Limits | None = None, *,
+          unsafe: bool = False) -> Verdict:  # fmt: skip
+    """:func:`check_humaneval` or :func:`check_apps` by the problem's type.
+
+    Raises:
+        IsolationUnavailable: bubblewrap is missing or cannot start a sandbox here, and not ``unsafe``.
+    """
     if not isinstance(completion, str):
         raise ValueError(f"completion: expected str, got {type(completion).__name__}")
     if isinstance(problem, HumanEvalProblem):
-        return check_humaneval(problem, completion, limits)
+        return check_humaneval(problem, completion, limits, unsafe=unsafe)
     if isinstance(problem, AppsProblem):
-        return check_apps(problem, completion, limits)
+        return check_apps(problem, completion, limits, unsafe=unsafe)
     raise ValueError(f"problem: expected an AppsProblem or a HumanEvalProblem, got {type(problem).__name__}")
 
 
@@ -509,6 +622,7 @@ def score(
     workers: int | None = None,
     progress: bool = True,
     desc: str = "tests",
+    unsafe: bool = False,
 ) -> list[Verdict]:
     """Check every problem's completion, ``workers`` at a time; verdicts in ``problems`` order.
 
@@ -521,9 +635,11 @@ def score(
             count, at most the number of problems.
         progress: show a tqdm progress bar.
         desc: the progress bar's label.
+        unsafe: run without kernel isolation where bubblewrap is missing (recorded in each verdict).
 
     Raises:
         ValueError: completions that do not match the problems, or a bad ``workers``.
+        IsolationUnavailable: no bubblewrap, and not ``unsafe``.
     """
     limits = limits or Limits()
     problems = list(problems)
@@ -540,13 +656,14 @@ def score(
         workers = max(1, min(len(problems), os.cpu_count() or 1))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    _isolation(unsafe)  # refuse before starting anything
     verdicts: list[Verdict | None] = [None] * len(problems)
     from tqdm.auto import tqdm
 
     pool = ThreadPoolExecutor(max_workers=workers)
     try:
         with tqdm(total=len(problems), desc=desc, disable=not progress) as bar:
-            futures = {pool.submit(check, p, t, limits): i for i, (p, t) in enumerate(zip(problems, texts))}
+            futures = {pool.submit(check, p, t, limits, unsafe=unsafe): i for i, (p, t) in enumerate(zip(problems, texts))}
             n_pass = 0
             for future in as_completed(futures):
                 verdict = future.result()

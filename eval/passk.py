@@ -24,9 +24,11 @@ What :func:`check_file` does with a results JSONL (``eval.runner`` records):
   error``, ``eval.execution.STATUSES``), and ``check_detail`` (what went wrong first) when it did
   not pass; a record with several samples gets ``sample_passed`` / ``sample_status`` /
   ``sample_detail`` (one per sample, in order; detail None where it passed) and ``num_correct``
-  (c of its ``num_samples`` n), once all its samples have verdicts. The whole file is rewritten
-  atomically (a temporary file beside it, then ``os.replace``), in place or to ``out``; every other
-  line is kept as it was read. The file is read again just before each write, so records appended
+  (c of its ``num_samples`` n), once all its samples have verdicts; every checked record also gets
+  ``check_isolation`` (``"bubblewrap"``, or ``"none"`` when run with ``unsafe=True``). The file is
+  rewritten atomically (a temporary file beside it, then ``os.replace``), in place or to ``out``:
+  only the lines of records given a verdict change; every other line, a truncated or malformed one
+  included (reported in :attr:`CheckResult.malformed`), is kept byte for byte. The file is read again just before each write, so records appended
   meanwhile are kept -- but a process still appending to the file (a running sweep) keeps writing
   to the replaced file: check a file once its run has finished.
 
@@ -62,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval import execution
+from eval import execution, sandbox
 from eval.datasets import DATASETS, check_dataset
 from eval.execution import Limits, PairedDiff, bootstrap_mean_ci, paired_diff_ci, pass_at_k
 from eval.records import is_timed, load_records, record_drafter, row_sort_key
@@ -82,7 +84,7 @@ __all__ = [
     "pass_fields",
     "pass_rows",
     "record_counts",
-    "write_records",
+    "rewrite_records",
 ]
 
 #: The reference of the paired pass@1 difference when none is given: the first with verdicts.
@@ -206,6 +208,8 @@ def load_check_problems(dataset: str, data: str | os.PathLike[str] | None = None
 def _verdict_fields(v: Any) -> dict[str, Any]:
     passed = bool(getattr(v, "passed", v))
     fields: dict[str, Any] = {"passed": passed, "check_status": getattr(v, "status", "pass" if passed else "fail")}
+    if hasattr(v, "isolation"):
+        fields["check_isolation"] = v.isolation
     detail = getattr(v, "detail", "")
     if not passed and detail:
         fields["check_detail"] = str(detail)[:_DETAIL_CHARS]
@@ -230,6 +234,9 @@ def apply_verdicts(records: Iterable[dict[str, Any]], verdicts: Mapping[_Key, Ma
             rec.update(sample_passed=[f["passed"] for f in found], sample_status=[f["check_status"] for f in found],
                        sample_detail=[f.get("check_detail") for f in found],
                        num_correct=sum(bool(f["passed"]) for f in found))  # fmt: skip
+            isolations = sorted({f["check_isolation"] for f in found if "check_isolation" in f})
+            if isolations:
+                rec["check_isolation"] = "none" if "none" in isolations else isolations[0]
         else:
             rec.pop("check_detail", None)
             rec.update(found[0])
@@ -237,29 +244,52 @@ def apply_verdicts(records: Iterable[dict[str, Any]], verdicts: Mapping[_Key, Ma
     return changed
 
 
-def write_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> Path:
-    """Write ``records`` as JSONL to ``path`` atomically: a temporary file in the same folder
-    (fsynced), then ``os.replace``; an existing file's permissions are kept."""
+def rewrite_records(src: str | os.PathLike[str], dest: str | os.PathLike[str],
+                    update: Callable[[dict[str, Any]], bool]) -> tuple[int, list[int]]:  # fmt: skip
+    """Copy ``src`` to ``dest`` atomically, each JSON record passed to ``update`` (which changes it in
+    place and says whether it did): changed records are written anew, every other line -- a
+    truncated or malformed one included -- byte for byte. Returns (records changed, 1-based numbers
+    of the lines that are not JSON objects). With ``dest == src`` and nothing changed, nothing is
+    written."""
     import json
 
-    path = Path(path)
+    src, dest = Path(src), Path(dest)
+    lines = src.read_bytes().splitlines(keepends=True)
+    out, changed, malformed = [], 0, []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict):
+            if line.strip():
+                malformed.append(i + 1)
+            out.append(line)
+            continue
+        if update(rec):
+            changed += 1
+            end = b"\n" if line.endswith(b"\n") or i < len(lines) - 1 else b""
+            out.append(json.dumps(rec, separators=(",", ":")).encode() + end)
+        else:
+            out.append(line)
+    if changed or dest != src:
+        _write_atomic(dest, b"".join(out))
+    return changed, malformed
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-        else:
-            os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
 def _umask() -> int:
@@ -286,6 +316,8 @@ class CheckResult:
         statuses: verdict statuses of the completions checked by this call.
         verdicts: (problem id, completion) -> the fields written, for every pair run or reused.
         written: whether the file was (re)written.
+        malformed: 1-based numbers of lines that are not complete JSON records (a run killed
+            mid-write): left in place, not checked.
     """
 
     path: Path
@@ -300,6 +332,7 @@ class CheckResult:
     statuses: Counter = field(default_factory=Counter)
     verdicts: dict[_Key, dict[str, Any]] = field(default_factory=dict)
     written: bool = False
+    malformed: list[int] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line: how many records were checked, programs run, and their statuses."""
@@ -313,6 +346,9 @@ class CheckResult:
         line = ", ".join(parts)
         if self.statuses:
             line += ": " + ", ".join(f"{s} {self.statuses[s]}" for s in execution.STATUSES if self.statuses[s])
+        if self.malformed:
+            shown = ", ".join(map(str, self.malformed[:5])) + (" ..." if len(self.malformed) > 5 else "")
+            line += f"; line(s) {shown} not a complete record (left as they are, not checked)"
         return line
 
 
@@ -329,6 +365,7 @@ def check_file(
     recheck: bool = False,
     config_key: str | None = None,
     checkpoint_s: float = 60.0,
+    unsafe: bool = False,
 ) -> CheckResult:
     """Check the completions of a results file and write the verdicts into its records.
 
@@ -346,8 +383,12 @@ def check_file(
         recheck: run records that already have a verdict again (and overwrite it).
         config_key: check only records of this configuration (``eval.config.config_key``).
         checkpoint_s: write the verdicts so far at least this often (seconds).
+        unsafe: run the programs without kernel isolation where bubblewrap is missing
+            (``eval.sandbox``); every verdict then records ``check_isolation = "none"``.
 
     Raises:
+        eval.sandbox.IsolationUnavailable: no bubblewrap (or it cannot start here), and not
+            ``unsafe``; raised before anything is run or written.
         ValueError: a missing or empty results file (``results``), a bad or ambiguous
             ``dataset``, problem ids that ``data`` does not hold (``data``), a bad ``workers``.
     """
@@ -360,6 +401,7 @@ def check_file(
     dataset = _resolve_dataset(records, dataset, src)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    sandbox.isolation(unsafe)  # refuse before anything runs or is written
     dest = Path(out) if out is not None else src
     limits = limits or Limits()
     considered = [r for r in records if _eligible(r, dataset, config_key)]
@@ -379,25 +421,32 @@ def check_file(
             by_id = _problem_map(problems) if problems is not None else load_check_problems(dataset, data)
             missing = sorted({pid for pid, _ in todo} - set(by_id), key=_natural)
             if missing:
-                where = str(data) if data else f"the default {dataset} data"
-                where = "the given problems" if problems is not None else where
-                raise ValueError(f"data: {len(missing)} problem id(s) of {src} not found in {where} ({len(by_id)} "
-                                 f"problems): {missing[:5]}{' ...' if len(missing) > 5 else ''}; give the file the "
-                                 "run used")  # fmt: skip
+                shown = f"{missing[:5]}{' ...' if len(missing) > 5 else ''}"
+                if problems is not None:
+                    raise ValueError(f"problems: {len(missing)} problem id(s) of {src} not among the given problems "
+                                     f"({len(by_id)}): {shown}")  # fmt: skip
+                if data:
+                    raise ValueError(f"data: {len(missing)} problem id(s) of {src} not found in {data} ({len(by_id)} "
+                                     f"problems): {shown}; give the file the run used")  # fmt: skip
+                raise ValueError(f"results: {len(missing)} problem id(s) of {src} are not {dataset} problems of the "
+                                 f"default data ({len(by_id)} problems): {shown}; if the run used another file, give it "
+                                 "with --data")  # fmt: skip
             jobs = {k: by_id[k[0]] for k in sorted(todo, key=lambda k: (_natural(k[0]), k[1]))}
 
-    def flush() -> list[dict[str, Any]]:
-        current = load_records(src)
-        apply_verdicts(current, cache, dataset=dataset, config_key=config_key, overwrite=recheck)
-        write_records(dest, current)
-        return current
+    def flush() -> None:
+        def update(rec: dict[str, Any]) -> bool:
+            return apply_verdicts([rec], cache, dataset=dataset, config_key=config_key, overwrite=recheck) > 0
+
+        changed, res.malformed = rewrite_records(src, dest, update)
+        res.written = res.written or bool(changed) or dest != src
 
     new: dict[_Key, dict[str, Any]] = {}
     try:
-        _run_checks(jobs, limits, workers, progress, dataset, new, cache, flush, checkpoint_s)
+        _run_checks(jobs, limits, workers, progress, dataset, new, cache, flush, checkpoint_s, unsafe)
     finally:
-        res.written = bool(new or pending or dest != src)
-        res.records = flush() if res.written else records
+        if new or pending or dest != src:
+            flush()
+        res.records = load_records(dest) if res.written else records
     res.verdicts = {key: cache[key] for r in pending for key in _keys(r) if key in cache}
     res.run = len(new)
     for r in pending:
@@ -423,7 +472,7 @@ def _problem_map(problems: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
 
 def _run_checks(jobs: Mapping[_Key, Any], limits: Limits, workers: int | None, progress: bool, dataset: str,
                 new: dict[_Key, dict[str, Any]], cache: dict[_Key, dict[str, Any]], flush: Callable[[], Any],
-                checkpoint_s: float) -> None:  # fmt: skip
+                checkpoint_s: float, unsafe: bool = False) -> None:  # fmt: skip
     """Run ``execution.check`` on every job, ``workers`` at a time; each verdict goes into ``new``
     and ``cache``; ``flush()`` every ``checkpoint_s`` and (by the caller) at the end / on interrupt."""
     if not jobs:
@@ -438,7 +487,7 @@ def _run_checks(jobs: Mapping[_Key, Any], limits: Limits, workers: int | None, p
         with tqdm(total=len(jobs), desc=f"checking {dataset}", unit="program", disable=not progress,
                   file=sys.stderr) as bar:  # fmt: skip
             for key, problem in jobs.items():
-                futures[pool.submit(execution.check, problem, key[1], limits)] = key
+                futures[pool.submit(execution.check, problem, key[1], limits, unsafe=unsafe)] = key
             n_pass = 0
             for future in as_completed(futures):
                 fields = _verdict_fields(future.result())

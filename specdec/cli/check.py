@@ -40,6 +40,10 @@ def add_limit_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help="programs checked at once, each in its own sandbox (None: the CPU count)")  # fmt: skip
     p.add_argument(f"--{prefix}timeout", type=cliargs.float_in(0.0, low_open=True), default=5.0,
                    help="seconds per test (an APPS test, or a whole HumanEval program)")  # fmt: skip
+    p.add_argument("--unsafe-no-isolation", action="store_true",
+                   help="run generated code without bubblewrap when it is not installed (no kernel isolation: "
+                   "only resource limits and Python-level guards); recorded as check_isolation='none' in every "
+                   "verdict")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -78,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         res = passk.check_file(ns.results, dataset=ns.dataset, data=ns.data, out=ns.out,
                                limits=Limits(timeout_s=ns.timeout), workers=ns.workers,
-                               progress=not ns.no_progress, recheck=ns.recheck)  # fmt: skip
+                               progress=not ns.no_progress, recheck=ns.recheck,
+                               unsafe=ns.unsafe_no_isolation)  # fmt: skip
         rows = passk.pass_rows(res.records, ns.reference, dataset=res.dataset)
     except ValueError as e:
         raise flag_error(e) from None

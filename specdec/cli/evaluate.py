@@ -311,7 +311,7 @@ def _check(cfg, ns: argparse.Namespace, records=None, key: str | None = None, da
     try:
         res = passk.check_file(path or cfg.results_path, dataset=dataset, data=cfg.data_path, config_key=key,
                                limits=Limits(timeout_s=ns.check_timeout), workers=ns.check_workers,
-                               progress=cfg.progress)  # fmt: skip
+                               progress=cfg.progress, unsafe=ns.unsafe_no_isolation)  # fmt: skip
     except ValueError as e:
         raise flag_error(e, {"data": "--data", "workers": "--check-workers", "timeout_s": "--check-timeout"}) from None
     if records is not None:

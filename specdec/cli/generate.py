@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Speculative decoding of one prompt: prints the completion and a one-line summary "
         "(tokens/s, mean accepted tokens per step, speedup estimate) on stderr.",
     )
-    parser.add_argument("prompt", help="the prompt (a user message when the chat template is used)")
+    parser.add_argument("prompt", type=cliargs.nonempty_text,
+                        help="the prompt (a user message when the chat template is used)")  # fmt: skip
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"default model name, HF id or local dir (default {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
     parser.add_argument("--drafter", type=_drafter_name, default="model",

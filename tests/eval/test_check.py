@@ -79,9 +79,9 @@ def calls(monkeypatch):
     seen = []
     real = E.check
 
-    def counting(problem, completion, limits=None):
+    def counting(problem, completion, limits=None, *, unsafe=False):
         seen.append((problem.id, completion))
-        return real(problem, completion, limits)
+        return real(problem, completion, limits, unsafe=unsafe)
 
     monkeypatch.setattr(E, "check", counting)
     return seen
@@ -115,7 +115,8 @@ def test_check_file_verdicts_shared_texts_and_untouched_lines(tmp_path, calls):
     assert "AssertionError" in after[4]["check_detail"] or "assertion" in after[4]["check_detail"]
     assert "passed" not in after[0]  # the warm-up record is left alone
     for old, new in zip(before, after):  # nothing else changed
-        assert {k: v for k, v in new.items() if k not in ("passed", "check_status", "check_detail")} == old
+        assert {k: v for k, v in new.items() if k not in ("passed", "check_status", "check_detail", "check_isolation")} == old
+        assert new.get("check_isolation", "bubblewrap") == "bubblewrap"
     assert not list(tmp_path.glob(".r.jsonl.*"))  # no temporary file left behind
 
 
@@ -143,7 +144,7 @@ def test_check_interrupted_keeps_finished_verdicts(tmp_path, monkeypatch):
     path = _write(tmp_path / "r.jsonl", _records())
     done = []
 
-    def flaky(problem, completion, limits=None):
+    def flaky(problem, completion, limits=None, *, unsafe=False):
         if done:
             raise KeyboardInterrupt
         done.append(completion)
@@ -187,7 +188,7 @@ def test_check_file_errors(tmp_path):
     with pytest.raises(ValueError, match="results: no such file"):
         passk.check_file(tmp_path / "nope.jsonl", problems=_problems())
     path = _write(tmp_path / "r.jsonl", _records())
-    with pytest.raises(ValueError, match=r"data: 1 problem id\(s\) of .* not found in the given problems \(1 problems\)"):
+    with pytest.raises(ValueError, match=r"problems: 1 problem id\(s\) of .* not among the given problems \(1\)"):
         passk.check_file(path, problems=_problems()[:1], progress=False)
     with pytest.raises(ValueError, match="dataset: no apps records in"):
         passk.check_file(path, dataset="apps", problems=_problems())

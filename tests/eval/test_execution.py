@@ -31,6 +31,23 @@ def _add_problem() -> HumanEvalProblem:
     return HumanEvalProblem("Synthetic/add", prompt, "add", "    return a + b\n", test)
 
 
+def _runner_processes() -> list[int]:
+    """Host pids of sandbox runners still alive (not zombies)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"_sandbox_child.py" in cmd or b"/specdec/runner.py" in cmd:
+            if not _gone(int(entry)):
+                found.append(int(entry))
+    return found
+
+
 def _gone(pid: int) -> bool:
     """No such process, or only its zombie (reaped by whoever adopted it)."""
     try:
@@ -50,7 +67,7 @@ def test_humaneval_right_wrong_and_chat_style():
     assert (ok.passed, ok.status, ok.tests_total, ok.tests_run, ok.tests_passed) == (True, "pass", 1, 1, 1)
     wrong = E.check(p, "    return a - b\n", FAST)
     assert (wrong.passed, wrong.status) == (False, "fail")
-    assert "AssertionError" in wrong.stderr and "solution.py" in wrong.stderr
+    assert "AssertionError" in wrong.stderr and 'test.py", line 2' in wrong.stderr and "runner" not in wrong.stderr
     chat = "Sure:\n```python\ndef add(a, b):\n    return b + a\n```\nExample:\n```python\nprint(add(1, 2))\n```\n"
     assert E.check(p, chat, FAST).status == "pass"
     broken = E.check(p, "    return a +\n", FAST)
@@ -92,28 +109,11 @@ def test_infinite_loop_times_out_and_the_process_is_gone():
     limits = E.Limits(timeout_s=1.0, memory_mb=512)
     start = time.monotonic()
     r = E.run_program("import os\nprint(os.getpid(), flush=True)\nwhile True:\n    pass\n", limits=limits)
-    assert r.status == "timeout" and time.monotonic() - start < 4.0
-    pid = int(r.stdout.split()[0])
-    assert _gone(pid)
+    assert r.status == "timeout" and time.monotonic() - start < 5.0
+    assert r.stdout.split() and not _runner_processes()
     v = E.check(_add_problem(), "    while True:\n        pass\n", limits)
-    assert (v.status, v.passed) == ("timeout", False) and v.seconds < 4.0
-
-
-def test_the_whole_process_group_is_killed():
-    """The parent's backstop: when the driver overruns, it and everything in its session die."""
-    spawner = ("import subprocess, sys, time\n"
-               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-               "print(p.pid, flush=True)\ntime.sleep(60)\n")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", spawner], stdout=subprocess.PIPE, start_new_session=True)
-    child = int(proc.stdout.readline())
-    start = time.monotonic()
-    assert E._wait_then_kill_group(proc, 0.5) is True
-    assert time.monotonic() - start < 5 and proc.returncode == -9
-    deadline = time.monotonic() + 5
-    while not _gone(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(child)
-    proc.stdout.close()
+    assert (v.status, v.passed) == ("timeout", False) and v.seconds < 6.0
+    assert not _runner_processes()
 
 
 def test_memory_bomb_fails_and_the_machine_is_fine():
@@ -169,7 +169,7 @@ def test_writes_outside_the_temporary_directory_do_not_escape(tmp_path):
             try:
                 attempt()
                 print("WROTE", name)
-            except PermissionError:
+            except OSError:  # the guard's PermissionError, or (in the sandbox) a host path that is not there
                 print("blocked", name)
         print("escaped" if os.path.exists("../escape.txt") else "nothing outside")
     """)
@@ -183,7 +183,10 @@ def test_writes_outside_the_temporary_directory_do_not_escape(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt", "victim_dir"]
     assert not Path("/escape-root.txt").exists()
     sandbox = lines[0].split(" ", 1)[1]
-    assert not os.path.exists(sandbox) and not os.path.exists(os.path.dirname(sandbox))  # removed afterwards
+    if r.isolation == "bubblewrap":
+        assert sandbox == "/sandbox"  # the sandbox's private tmpfs, gone with it
+    else:
+        assert not os.path.exists(sandbox)  # removed afterwards
 
 
 def test_process_creation_is_blocked(tmp_path):
@@ -247,11 +250,10 @@ def test_network_is_blocked():
     r = E.run_program(program, limits=FAST)
     assert r.status == "ok", r.stderr
     assert r.stdout.split().count("blocked") == 4, r.stdout
-    # the C-level socket is not guarded; a private network namespace (where granted) stops it in the kernel
+    # the C-level socket is not guarded in Python; the sandbox's network namespace stops it in the kernel
     raw = "import _socket\ns = _socket.socket()\ntry:\n    s.connect(('1.1.1.1', 80))\nexcept OSError:\n    print('unreachable')\n"
     r = E.run_program(raw, limits=FAST)
-    if r.network_namespace:
-        assert r.stdout == "unreachable\n"
+    assert r.isolation == "bubblewrap" and r.stdout == "unreachable\n"
     local = "import asyncio\nasync def f():\n    await asyncio.sleep(0)\n    return 7\nprint(asyncio.run(f()))\n"
     assert E.run_program(local, limits=FAST).stdout == "7\n"  # socketpair (asyncio's self-pipe) still works
 

@@ -35,6 +35,8 @@ BAD_ARGUMENTS = [
     (["generate", "hi", "--target", _NO_MODEL, "--depth", "x"], "--depth", "'x'"),
     (["generate", "hi", "--target", _NO_MODEL, "--device", "tpu"], "--device", "expected cpu, cuda or cuda:N"),
     (["generate", "hi", "--drafter", "medusa", "--heads", "/nonexistent/heads"], "--heads", "no such file"),
+    (["generate", "", "--target", _NO_MODEL], "prompt", "expected a non-empty text, got ''"),
+    (["generate", "  \n", "--target", _NO_MODEL], "prompt", "expected a non-empty text"),
     (["eval", "apps", "--target", _NO_MODEL, "--out", "/proc/nope/o.jsonl"], "--out", "cannot write"),
     (["eval", "apps", "--target", _NO_MODEL, "--data", "/nonexistent/apps.jsonl"], "--data", "no such file"),
     (["eval", "apps", "--target", _NO_MODEL, "--problems", "-3"], "--problems", "got -3"),
@@ -68,6 +70,25 @@ def test_bad_arguments_are_one_line_errors(argv, argument, detail, capsys, tmp_p
     captured = capsys.readouterr()
     _one_line_error(captured.err, argv[0], argument, detail)
     assert not (tmp_path / "x").exists() or argv[0] == "train-medusa"
+
+
+BAD_DRAFTERS = [
+    (["eval", "apps", "--drafters", "eagle:heads=/nonexistent"], "heads='/nonexistent'"),
+    (["sweep", "--drafters", "lookup+eagle:heads=/nonexistent/h"], "is not an existing folder"),
+    (["eval", "humaneval", "--drafters", "model:draft=/nonexistent/draft-dir"], "no such file or folder"),
+]
+
+
+@pytest.mark.parametrize("argv,detail", BAD_DRAFTERS, ids=[a[-1] for a, _ in BAD_DRAFTERS])
+def test_bad_drafter_paths_fail_before_any_model_loads(argv, detail, capsys, tmp_path, monkeypatch):
+    """Checked with the arguments: one line, exit 2, nothing downloaded or written (the default
+    models are not in this empty cache, so loading one would start a download)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPECDEC_HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    _one_line_error(capsys.readouterr().err, argv[0], "--drafters", detail)
+    assert not home.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_cuda_device_without_cuda_is_a_one_line_error(capsys):

