@@ -8,7 +8,7 @@
 #       methods are host-bound (40-55 ms of Python a token on a GPU that is busy a few ms of it), so
 #       they share the GPU; each process writes /tmp/results/<ds>-$TAG<lk|as>.rank<r>-of-<SHARDS>.jsonl
 #       (resumable: a second `par` call goes on where the first stopped).
-#       Session 15 measured what that costs (the same problems run alone): hf-lookup 3.2x slower per
+#       The 2026-11-25 run `429f876` measured what that costs (the same problems run alone): hf-lookup 3.2x slower per
 #       call with 8 processes, hf-assisted 1.5x, hf 1.1x -- too much to report; use `solo-*`.
 # solo-<dataset>: METHODS (default hf-lookup) in one process alone on the GPU, on the first PROBLEMS problems
 #       (default 0 = all; hf-assisted on the first LIMIT), into /tmp/results/<ds>-${TAG}solo.jsonl

@@ -4,9 +4,9 @@
 # 1.5B target (and for `model` the 0.5B draft) staged and converted (scripts/device/setup_models.sh)
 # and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
 # and the logs / summaries to $OUT.
-#   bash scripts/device/issue14.sh setup | tests | distill | train | medusa | apps | humaneval | cascade
+#   bash scripts/device/train_and_sweep.sh setup | tests | distill | train | medusa | apps | humaneval | cascade
 # (steps run in the given order: `setup train medusa` converts the models, then trains one head after the other;
-# two trainings side by side ran out of GPU memory in session 13)
+# two trainings side by side ran out of GPU memory in the 2026-11-24 run `d7af2d9`)
 # Issue 15's full sweep is the same apps / humaneval steps with every drafter and baseline, e.g.
 #   METHODS="specdec hf-static hf-lookup hf-assisted hf" LIMITS="hf-assisted=50 hf=50" TREES="32 64 128 256" \
 #   DRAFTERS="l=lookup md=medusa:heads=/tmp/medusa mW=model:draft=qwen2.5-coder-0.5b,depth=4,topk=8,compile=true \
@@ -47,7 +47,7 @@ sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --
        --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}" ${SAMPLES:+--samples "$SAMPLES"}
        --calibrate "${CALIBRATE:-8}" ${NO_GC_FREEZE:+--no-gc-freeze} ${NO_SHARED:+--no-shared-prompt} ${COMPILE:+--compile})
 read -ra methods <<< "${METHODS:-specdec hf-static}"
-# the self-distillation data of session 14 (MBPP answers of the 1.5B target and its own exercises,
+# the self-distillation data of the 2026-11-24 run `8875823` (MBPP answers of the 1.5B target and its own exercises,
 # gzipped in the repository): `distill`, `train` and `medusa` start from it unless .evaldata has a copy or FRESH=1
 cache=docs/runs/2026-11-24-h100-s14/selfdistill
 restore_eagle_data() {
