@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the device machine: the measurements of issue 13 (engine step, stalls, stress, scale), one step
+# On the device machine: the measurements of the engine work (engine step, stalls, stress, scale), one step
 # per argument so a session can split them over calls (each call <= 10 minutes). Needs the 1.5B
 # target staged and converted (scripts/device/setup_models.sh qwen2.5-coder-1.5b) for the steps
 # marked (Qwen) and .evaldata/apps_selected150.jsonl; `tests`, `stress`, `scale*` and `fprofile` need no files.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the device machine: issue 15's HF baselines other than HF static -- HF prompt lookup (`hf-lookup`) on
+# On the device machine: the full sweep's HF baselines other than HF static -- HF prompt lookup (`hf-lookup`) on
 # every problem, HF assisted generation with the 0.5B (`hf-assisted`) and the default-cache greedy reference
 # (`hf`) on the first LIMIT problems -- for both datasets. Needs both Qwen models staged and converted
 # (scripts/device/setup_models.sh) and .evaldata/{apps_selected150.jsonl,wheels} carried.
@@ -13,7 +13,7 @@
 # solo-<dataset>: METHODS (default hf-lookup) in one process alone on the GPU, on the first PROBLEMS problems
 #       (default 0 = all; hf-assisted on the first LIMIT), into /tmp/results/<ds>-${TAG}solo.jsonl
 #       (resumable); no `hf` reference here (it ran side by side, where it lost only ~10 %).
-# tests17: issue 17's CUDA tests (cascade kernel, shared-prompt graphs and warm-up) within TESTS_S seconds.
+# tests17: the 16-samples work's CUDA tests (cascade kernel, shared-prompt graphs and warm-up) within TESTS_S seconds.
 # Environment: TAG (default s15), SHARDS (default 2), LIMIT (default 50), SWEEP_S (each process's time
 # limit, default 540), CALL_S (the whole call's budget in seconds, default 570: a step never runs past it, so
 # the records are copied to $OUT before the call's 600-s limit; never wrap this script in an outer timeout).
