@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the device machine: the measurements of the engine work (engine step, stalls, stress, scale), one step
-# per argument so a session can split them over calls (each call <= 10 minutes). Needs the 1.5B
+# On the device machine: the engine's measurements (step, stalls, stress, scale), one step
+# per argument so a run can split them over device calls (each call <= 10 minutes). Needs the 1.5B
 # target staged and converted (scripts/device/setup_models.sh qwen2.5-coder-1.5b) for the steps
 # marked (Qwen) and .evaldata/apps_selected150.jsonl; `tests`, `stress`, `scale*` and `fprofile` need no files.
 #   bash scripts/device/engine_bench.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k | fprofile fprofile-unfused

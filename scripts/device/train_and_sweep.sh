@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the device machine: the EAGLE work's runs (EAGLE head trained here, then the unseen-problem sweep),
-# one step per argument so a session splits them over calls (each call <= 10 minutes). Needs the
+# On the device machine: train the drafters' heads here (EAGLE, Medusa), then sweep them over APPS / HumanEval,
+# one step per argument so a run splits them over device calls (each call <= 10 minutes). Needs the
 # 1.5B target (and for `model` the 0.5B draft) staged and converted (scripts/device/setup_models.sh)
 # and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
 # and the logs / summaries to $OUT.
@@ -61,7 +61,7 @@ tag=${TAG:-$([ "${TEMP:-0}" = 0 ] && echo eagle || echo "eagle-t${TEMP}")}
 for s in "$@"; do
   echo "== $s $(date +%T)" >> "$out/steps.log"
   case $s in
-    tests)  # the CUDA paths new in this session: device-side draft loops, graph replay, all-token features
+    tests)  # the CUDA paths of the EAGLE drafter: device-side draft loops, graph replay, all-token features
       timeout 280 python3 -m pytest -q -p no:cacheprovider tests/drafters/test_eagle.py tests/drafters/test_draft_model.py \
         tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -k "cuda" > "$out/pytest_cuda.txt" 2>&1 ;;
     distill)  # the self-distillation data only (cached in /tmp/eagle; a carried .evaldata/selfdistill*.jsonl of
