@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Which `specdec generate` configuration pays on a CPU (issue 15): each candidate decodes each prompt
+# Which `specdec generate` configuration pays on a CPU: each candidate decodes each prompt
 # with --baseline (the target alone, same process, right after), greedy, fp32, 64 new tokens, and
 # writes one JSON per run into OUT (default docs/runs/<date>-cpu). Prompts: the README's, plus two
 # MBPP tasks (training data; never APPS / HumanEval). Run on an otherwise idle machine.

@@ -1,4 +1,4 @@
-"""Issue 13: where the compiled fixed-shape forward's time goes, at a model's shapes with random weights
+"""Where the compiled fixed-shape forward's time goes, at a model's shapes with random weights
 (no staging): per node count, the replayed forward's median time, then the kernels of the same
 compiled body run uncaptured (count per layer, GEMM / attention / other, the costliest kernels),
 against the weight-streaming floor.

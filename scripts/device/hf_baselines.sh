@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# On the device machine: issue 15's HF baselines other than HF static -- HF prompt lookup (`hf-lookup`) on
+# On the device machine: the full sweep's HF baselines other than HF static -- HF prompt lookup (`hf-lookup`) on
 # every problem, HF assisted generation with the 0.5B (`hf-assisted`) and the default-cache greedy reference
 # (`hf`) on the first LIMIT problems -- for both datasets. Needs both Qwen models staged and converted
 # (scripts/device/setup_models.sh) and .evaldata/{apps_selected150.jsonl,wheels} carried.
-#   bash scripts/device/hf_baselines.sh par | solo-humaneval | solo-apps | tests17
+#   bash scripts/device/hf_baselines.sh par | solo-humaneval | solo-apps | tests-shared
 # par:  2 x SHARDS sweep processes per dataset side by side, each pinned to its own 2 cores (taskset): these
 #       methods are host-bound (40-55 ms of Python a token on a GPU that is busy a few ms of it), so
 #       they share the GPU; each process writes /tmp/results/<ds>-$TAG<lk|as>.rank<r>-of-<SHARDS>.jsonl
 #       (resumable: a second `par` call goes on where the first stopped).
-#       Session 15 measured what that costs (the same problems run alone): hf-lookup 3.2x slower per
+#       The 2026-11-25 run `429f876` measured what that costs (the same problems run alone): hf-lookup 3.2x slower per
 #       call with 8 processes, hf-assisted 1.5x, hf 1.1x -- too much to report; use `solo-*`.
 # solo-<dataset>: METHODS (default hf-lookup) in one process alone on the GPU, on the first PROBLEMS problems
 #       (default 0 = all; hf-assisted on the first LIMIT), into /tmp/results/<ds>-${TAG}solo.jsonl
 #       (resumable); no `hf` reference here (it ran side by side, where it lost only ~10 %).
-# tests17: issue 17's CUDA tests (cascade kernel, shared-prompt graphs and warm-up) within TESTS_S seconds.
+# tests-shared: the CUDA tests of the shared-prompt path (cascade kernel, shared-prompt graphs and warm-up) within TESTS_S seconds.
 # Environment: TAG (default s15), SHARDS (default 2), LIMIT (default 50), SWEEP_S (each process's time
 # limit, default 540), CALL_S (the whole call's budget in seconds, default 570: a step never runs past it, so
 # the records are copied to $OUT before the call's 600-s limit; never wrap this script in an outer timeout).
@@ -58,7 +58,7 @@ for s in "$@"; do
       timeout "$(left "${SWEEP_S:-540}")" python3 -m specdec.cli sweep --dataset "$ds" $(data_of "$ds") "${common[@]}" \
         --problems "${PROBLEMS:-0}" --method-problems hf=0 "hf-assisted=$limit" --methods ${METHODS:-hf-lookup} \
         --out "/tmp/results/$ds-${tag}solo.jsonl" >> "$out/$ds-${tag}solo.log" 2>&1 ;;
-    tests17)
+    tests-shared)  # its log kept the name pytest_cuda17.txt of the records
       timeout "$(left "${TESTS_S:-400}")" python3 -m pytest -v -p no:cacheprovider tests/specdec/test_graphs.py \
         tests/specdec/test_warmup.py tests/treeattn/test_cascade_device_len.py tests/treeattn/test_cascade.py \
         -k "cascade or shared" > "$out/pytest_cuda17.txt" 2>&1 ;;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a 2-GPU device machine (kind nvidia-h200-x2): a tensor-parallel target (TP = 2, NCCL, transformers'
-# TP plan, specdec.distributed.RankSync) against the same target on one GPU. Issue 16, GPU half.
+# TP plan, specdec.distributed.RankSync) against the same target on one GPU. The GPU half of the two-GPU tensor-parallel check.
 #   bash scripts/device/multigpu.sh [build|llama|llama-bf16|qwen|sweep-note]...   (default: build llama qwen)
 # Steps (each fits one device call; files in /tmp survive only while the machine stays warm):
 #   build       random-weight Llama-3-8B shapes (hidden 4096, 32 heads / 8 KV heads, vocab 128256),

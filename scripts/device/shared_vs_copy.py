@@ -1,4 +1,4 @@
-"""Issue 17: n samples of one prompt through the engine, the prompt's KV kept once (shared layout,
+"""N samples of one prompt through the engine, the prompt's KV kept once (shared layout,
 ``shared_prefix=True``) against a copy per row (``shared_prefix=False``), at a real model's shapes
 with random weights (no staging): time per step (draft / verify / commit), per call and the peak
 GPU memory of each layout.

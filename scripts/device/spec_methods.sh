@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the device machine, after scripts/device/setup_models.sh: the speculative half of the issue-6
+# On the device machine, after scripts/device/setup_models.sh: the speculative half of the APPS
 # sweep (docs/DEVICE_RUNS.md). Trains the Medusa heads into /tmp/medusa (unless there already),
 # then runs the `specdec` rows into the baselines' JSONL (same settings, so one report pairs them),
 # then the graphed draft model (20 problems) into its own file, then the fp32 exactness check.

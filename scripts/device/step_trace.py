@@ -7,7 +7,7 @@ warm it up, decode ``--problems`` prompts (HumanEval or APPS chat prompts, bf16,
 the per-step medians / means of the engine's phases (draft, verify, forward, commit), tau and tokens/s, and
 the slowest steps. Then ``--trace`` more prompts run under ``torch.profiler``; the Chrome trace is
 written gzipped to ``OUT/trace-LABEL.json.gz`` (phases are ``specdec.<phase>`` ranges). A JSON
-summary of every configuration goes to ``OUT/step_trace.json``. Session 8's run (H100, 12 HumanEval
+summary of every configuration goes to ``OUT/step_trace.json``. The run of 2026-11-24 (records `10205a0`; H100, 12 HumanEval
 problems): specdec/PERF.md v7.
 
     PYTHONPATH=. python3 scripts/device/step_trace.py --out $OUT --problems 12 --trace 1 \\

@@ -1,4 +1,4 @@
-"""Randomized stress test of the engine in one process (issue 13): argparse -> StressConfig -> run_stress.
+"""Randomized stress test of the engine in one process: argparse -> StressConfig -> run_stress.
 
 Runs ``--calls`` random ``SpecDecoder.generate`` calls (random batch sizes, prompt lengths, tree
 sizes, drafters, greedy / sampling, CUDA graphs and torch.compile on / off) interleaved with the

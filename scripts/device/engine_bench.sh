@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On the device machine: the measurements of issue 13 (engine step, stalls, stress, scale), one step
-# per argument so a session can split them over calls (each call <= 10 minutes). Needs the 1.5B
+# On the device machine: the engine's measurements (step, stalls, stress, scale), one step
+# per argument so a run can split them over device calls (each call <= 10 minutes). Needs the 1.5B
 # target staged and converted (scripts/device/setup_models.sh qwen2.5-coder-1.5b) for the steps
 # marked (Qwen) and .evaldata/apps_selected150.jsonl; `tests`, `stress`, `scale*` and `fprofile` need no files.
-#   bash scripts/device/issue13.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k | fprofile fprofile-unfused
+#   bash scripts/device/engine_bench.sh tests stress | profile plain batch | stalls ttft | scale1k scale16k | fprofile fprofile-unfused
 # (BATCH="1 2 4" for the batch sizes of a `batch` call)
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
@@ -28,7 +28,7 @@ for s in "$@"; do
         --problems 4 --max-new-tokens 128 "${apps[@]}" ${PLAIN_ARGS:-} --out "$out/plain${TAG:-}.json" \
         > "$out/plain${TAG:-}.log" 2>&1 ;;
     batch)  # (Qwen) throughput at bs $BATCH (default 1 2 4 8 16), Medusa t = 64 compiled (heads in /tmp/medusa:
-            # issue14.sh medusa) vs HF static; each batch size compiles both (~2 min): split the sizes over calls
+            # train_and_sweep.sh medusa) vs HF static; each batch size compiles both (~2 min): split the sizes over calls
       sizes=${BATCH:-1 2 4 8 16}
       timeout 580 python3 -m specdec.cli bench-engine --sections batch --batch-drafter medusa --medusa-heads /tmp/medusa \
         --batch-mode compiled --dtype bf16 --device cuda --problems 8 --max-new-tokens 128 "${apps[@]}" \

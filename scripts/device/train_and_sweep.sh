@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# On the device machine: issue 14's runs (EAGLE head trained here, then the unseen-problem sweep),
-# one step per argument so a session splits them over calls (each call <= 10 minutes). Needs the
+# On the device machine: train the drafters' heads here (EAGLE, Medusa), then sweep them over APPS / HumanEval,
+# one step per argument so a run splits them over device calls (each call <= 10 minutes). Needs the
 # 1.5B target (and for `model` the 0.5B draft) staged and converted (scripts/device/setup_models.sh)
 # and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
 # and the logs / summaries to $OUT.
-#   bash scripts/device/issue14.sh setup | tests | distill | train | medusa | apps | humaneval | cascade
+#   bash scripts/device/train_and_sweep.sh setup | tests | distill | train | medusa | apps | humaneval | cascade
 # (steps run in the given order: `setup train medusa` converts the models, then trains one head after the other;
-# two trainings side by side ran out of GPU memory in session 13)
-# Issue 15's full sweep is the same apps / humaneval steps with every drafter and baseline, e.g.
+# two trainings side by side ran out of GPU memory in the 2026-11-24 run `d7af2d9`)
+# The full sweep is the same apps / humaneval steps with every drafter and baseline, e.g.
 #   METHODS="specdec hf-static hf-lookup hf-assisted hf" LIMITS="hf-assisted=50 hf=50" TREES="32 64 128 256" \
 #   DRAFTERS="l=lookup md=medusa:heads=/tmp/medusa mW=model:draft=qwen2.5-coder-0.5b,depth=4,topk=8,compile=true \
 #             ecY=eagle:heads=/tmp/eagle-s9,draft_vocab=32768,compile_head=true,compile=true" bash ... humaneval
@@ -21,7 +21,7 @@
 # hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50), STYLES
 # (train-eagle --prompt-styles, default function,stdin,starter), ANSWERS (--answers-per-prompt, default
 # 1), GEN (--gen-batch-size, default 120; 384 ran out of memory on the H100), FRESH (1: distill anew, not from a carried cache), METHODS (default
-# "specdec hf-static"), SAMPLES (--samples: completions per problem in one batched call, issue 17's n = 16 run with
+# "specdec hf-static"), SAMPLES (--samples: completions per problem in one batched call, the 16-samples work's n = 16 run with
 # TEMP=0.8; give it a TAG of its own), TEMP (sampling temperature, default 0 = greedy; results
 # then go to $s-eagle-t$TEMP.jsonl), TAG (the results file is $s-$TAG.jsonl instead: a new TAG starts a new file,
 # so its baselines run again in this process), SWEEP_S (the sweep's time limit in seconds, default 590: a
@@ -30,7 +30,7 @@
 # times HF static again on this many first problems, ~35 s with its compile, so the table's "vs hf-static same
 # process" holds each row against the baseline at its own machine's speed; default 8, 0: off), NO_GC_FREEZE (1:
 # --no-gc-freeze, the A/B of specdec/PERF.md v15; give it a TAG of its own), NO_SHARED (1: with SAMPLES, --no-shared-prompt:
-# each row its own copy of the prompt's KV, issue 17's comparison; a TAG of its own). COMPILE (1: --compile,
+# each row its own copy of the prompt's KV, the 16-samples work's comparison; a TAG of its own). COMPILE (1: --compile,
 # every engine row's target forward compiled, specdec-plain's too: drafter rows compile by their spec's compile=true). Every apps / humaneval call adds its rows to one file per dataset
 # (baselines reused), so calls may split drafters and tree sizes.
 set -uo pipefail
@@ -47,7 +47,7 @@ sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --
        --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}" ${SAMPLES:+--samples "$SAMPLES"}
        --calibrate "${CALIBRATE:-8}" ${NO_GC_FREEZE:+--no-gc-freeze} ${NO_SHARED:+--no-shared-prompt} ${COMPILE:+--compile})
 read -ra methods <<< "${METHODS:-specdec hf-static}"
-# the self-distillation data of session 14 (MBPP answers of the 1.5B target and its own exercises,
+# the self-distillation data of the 2026-11-24 run `8875823` (MBPP answers of the 1.5B target and its own exercises,
 # gzipped in the repository): `distill`, `train` and `medusa` start from it unless .evaldata has a copy or FRESH=1
 cache=docs/runs/2026-11-24-h100-s14/selfdistill
 restore_eagle_data() {
@@ -61,7 +61,7 @@ tag=${TAG:-$([ "${TEMP:-0}" = 0 ] && echo eagle || echo "eagle-t${TEMP}")}
 for s in "$@"; do
   echo "== $s $(date +%T)" >> "$out/steps.log"
   case $s in
-    tests)  # the CUDA paths new in this session: device-side draft loops, graph replay, all-token features
+    tests)  # the CUDA paths of the EAGLE drafter: device-side draft loops, graph replay, all-token features
       timeout 280 python3 -m pytest -q -p no:cacheprovider tests/drafters/test_eagle.py tests/drafters/test_draft_model.py \
         tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -k "cuda" > "$out/pytest_cuda.txt" 2>&1 ;;
     distill)  # the self-distillation data only (cached in /tmp/eagle; a carried .evaldata/selfdistill*.jsonl of
@@ -89,7 +89,7 @@ for s in "$@"; do
       gzip -c "/tmp/results/$s-$tag.jsonl" > "$out/$s-$tag.jsonl.gz" ;;
     setup)  # assemble and convert the staged models (scripts/device/setup_models.sh; ~170 s)
       bash scripts/device/setup_models.sh > "$out/setup.log" 2>&1 ;;
-    medusa)  # Medusa heads for the full sweep (issue 15), trained on MBPP into /tmp/medusa (unless there already);
+    medusa)  # Medusa heads for the full sweep (the full sweep), trained on MBPP into /tmp/medusa (unless there already);
              # a carried .evaldata/medusa_selfdistill.jsonl of the same settings spares the generation (~100 s)
       mkdir -p /tmp/medusa && [ -f /tmp/medusa/selfdistill.jsonl ] || [ "${FRESH:-0}" = 1 ] || cp .evaldata/medusa_selfdistill.jsonl \
         /tmp/medusa/selfdistill.jsonl 2>/dev/null || zcat "$cache/medusa.selfdistill.jsonl.gz" > /tmp/medusa/selfdistill.jsonl
@@ -97,7 +97,7 @@ for s in "$@"; do
         --data .evaldata/mbpp.jsonl --out /tmp/medusa --max-new-tokens 192 --gen-batch-size "${GEN:-120}" --steps 1000 \
         --no-progress > "$out/train_medusa.log" 2>&1
       cp /tmp/medusa/medusa_config.json /tmp/medusa/selfdistill.jsonl "$out/" 2>/dev/null ;;
-    cascade)  # shared-prefix tree attention vs the unshared kernel and two SDPA calls (issue 17)
+    cascade)  # shared-prefix tree attention vs the unshared kernel and two SDPA calls (the 16-samples work)
       timeout 300 python3 -m treeattn.bench_cascade --out "$out/cascade.json" > "$out/cascade.log" 2>&1 ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac
