@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drafters.medusa import MedusaHeads
+from eval.datasets import AppsProblem, HumanEvalProblem, default_mbpp_path, load_mbpp, mbpp_signature
 from specdec.cli import args as cliargs
 
 __all__ = [
@@ -57,9 +57,6 @@ __all__ = [
     "train_heads",
     "warmup_cosine",
 ]
-
-_MBPP_ENV = "SPECDEC_MBPP"
-
 
 @dataclass(frozen=True)
 class Example:
@@ -111,33 +108,6 @@ class TrainConfig:
 # data
 
 
-def default_mbpp_path() -> Path:
-    """``$SPECDEC_MBPP`` if set, else ``<project root>/../shared/data/mbpp/mbpp.jsonl``."""
-    env = os.environ.get(_MBPP_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
-
-
-def load_mbpp(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """MBPP rows (dicts with at least ``text``) from a JSONL file, in file order."""
-    p = Path(path) if path is not None else default_mbpp_path()
-    if not p.is_file():
-        raise ValueError(f"path: expected the MBPP jsonl file (--data or ${_MBPP_ENV}), got {str(p)!r}, which does not exist")
-    rows = []
-    with open(p) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ValueError(f"path: expected rows with a 'text' string, line {line_no} of {p} has none")
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"path: expected at least one MBPP row, {p} has none")
-    return rows
-
-
 #: Instruction styles of the training prompts built from an MBPP row (``mbpp_prompt(row, style)``):
 #: ``"mbpp"`` the statement and its tests; the evaluation harness's own instructions applied to the
 #: MBPP task (written by ``eval.datasets``' problem classes, so the text is theirs): ``"function"`` as
@@ -146,17 +116,6 @@ def load_mbpp(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]
 #: problem (the signature as starter code). A drafter learns the answers' form (fenced code, a
 #: repeated signature and docstring) it will meet. No evaluation problem is used.
 PROMPT_STYLES = ("mbpp", "function", "stdin", "starter")
-
-
-def mbpp_signature(row: dict[str, Any]) -> str | None:
-    """The ``def NAME(ARGS):`` line of the function the row's tests call (None if the code has none)."""
-    code = str(row.get("code", "")).replace("\r", "")
-    defs = re.findall(r"^def\s+(\w+)\s*\((.*)\)\s*(?:->[^:]*)?:", code, re.M)
-    tests = " ".join(row.get("test_list") or [])
-    for name, args in defs:
-        if re.search(rf"\b{re.escape(name)}\s*\(", tests):
-            return f"def {name}({args.strip()}):"
-    return f"def {defs[-1][0]}({defs[-1][1].strip()}):" if defs else None
 
 
 def _doc_examples(row: dict[str, Any]) -> str:
@@ -177,8 +136,6 @@ def mbpp_prompt(row: dict[str, Any], style: str = "mbpp") -> str | None:
     if style == "mbpp":
         tests = "\n".join(row.get("test_list") or [])
         return f"{text}\nYour code should pass these tests:\n\n{tests}\n" if tests else text + "\n"
-    from eval.datasets import AppsProblem, HumanEvalProblem  # the harness's instructions (stdlib only)
-
     if style == "stdin":
         return AppsProblem("mbpp", "introductory", text).messages()[0]["content"]
     sig = mbpp_signature(row)
@@ -455,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Train Medusa heads on the frozen target's own answers to MBPP prompts (self-distillation).",
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
-    parser.add_argument("--data", type=cliargs.existing_path, default=None, help=f"MBPP jsonl (default ${_MBPP_ENV} or ../shared/data/mbpp)")
+    parser.add_argument("--data", type=cliargs.existing_path, default=None, help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp)")
     parser.add_argument("--out", type=cliargs.output_dir, required=True, help="output directory (heads, config, self-distillation cache)")
     parser.add_argument("--num-heads", type=cliargs.int_at_least(1), default=4)
     parser.add_argument("--num-layers", type=cliargs.int_at_least(1), default=1, help="residual blocks per head")
