@@ -2,7 +2,7 @@
 
 Pipeline (:func:`run_eagle`, ``specdec train-eagle``):
 
-1. **Prompts and answers**: exactly ``training.medusa``'s data (``training.distill``) (MBPP from ``--data`` /
+1. **Prompts and answers**: exactly ``training.medusa``'s data (``training.distill``; MBPP from ``--data`` /
    ``$SPECDEC_MBPP`` / ``../shared/data/mbpp/mbpp.jsonl``; never APPS or HumanEval): the target
    answers every prompt itself (greedy by default); the token ids are cached in
    ``OUT/selfdistill.jsonl`` (``--cache`` elsewhere: a ``train-medusa`` run's cache made with the
