@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specdec.cli import train as train_cli
+from tests.training.helpers import cli_argv
 from training import eagle as eagle_train
 from training.exercises import exercise_prompt, exercise_request, parse_exercise, select_exercises
 
@@ -69,9 +70,7 @@ def test_cli_exercises_are_written_answered_cached_and_counted(tmp_path, capsys,
     """--exercises N: N writing requests from the training problems; the kept stubs are answered and
     join the training set; a second run reuses the cache. A tiny random target writes no Python, so
     the selection is wrapped to keep a known stub for every written answer."""
-    from tests.training.test_eagle import _cli_argv
-
-    argv, out = _cli_argv(tmp_path, 5, 1, 6, "--exercises", "3")
+    argv, out = cli_argv(tmp_path, 5, 1, 6, "--exercises", "3")
     seen = []
 
     def keep_known(answers, exclude):
