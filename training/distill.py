@@ -33,6 +33,7 @@ __all__ = [
     "DTYPES",
     "Example",
     "LoadedTarget",
+    "check_run_fields",
     "PROMPT_STYLES",
     "encode_prompt",
     "load_examples",
@@ -239,6 +240,22 @@ def warmup_cosine(step: int, total: int, warmup: float) -> float:
         return (step + 1) / warm
     frac = (step - warm) / max(1, total - warm)
     return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def check_run_fields(run: Any, at_least_one: Sequence[str], at_least_zero: Sequence[str]) -> None:
+    """ValueError naming the field of a training run's settings that is out of range: the
+    ``at_least_one`` / ``at_least_zero`` int fields, ``num_prompts`` (None or >= 1) and ``dtype``
+    (None or one of :data:`DTYPES`)."""
+    for names, low in ((at_least_one, 1), (at_least_zero, 0)):
+        for name in names:
+            val = getattr(run, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {val!r}")
+    n = run.num_prompts
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"num_prompts: expected None or an int >= 1, got {n!r}")
+    if run.dtype is not None and run.dtype not in DTYPES:
+        raise ValueError(f"dtype: expected None or one of {tuple(DTYPES)}, got {run.dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,9 @@ from tqdm.auto import tqdm
 from drafters.eagle import EagleHead, TargetParts, rank_tokens
 from eval.datasets import load_mbpp
 from training.distill import (
+    PROMPT_STYLES,
     Example,
+    check_run_fields,
     encode_prompt,
     load_examples,
     load_target,
@@ -515,6 +517,14 @@ class EagleRun:
     dtype: str | None = None
     seed: int = 0
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_run_fields(self, ("batch_size", "unroll", "max_positions", "max_new_tokens", "gen_batch_size",
+                                "answers_per_prompt"), ("steps", "heldout", "exercises"))  # fmt: skip
+        styles = self.prompt_styles
+        if (not isinstance(styles, tuple) or not styles or len(set(styles)) != len(styles)
+                or any(s not in PROMPT_STYLES for s in styles)):  # fmt: skip
+            raise ValueError(f"prompt_styles: expected a tuple of distinct styles of {PROMPT_STYLES}, got {styles!r}")
 
 
 def _exercise_examples(target, tok, rows: Sequence[dict], run: EagleRun, meta: dict, cache: Path, eos,

@@ -37,6 +37,7 @@ from drafters.medusa import MedusaHeads
 from eval.datasets import load_mbpp
 from training.distill import (
     Example,
+    check_run_fields,
     encode_prompt,
     load_examples,
     load_target,
@@ -249,6 +250,10 @@ class MedusaRun:
     table_ranks: int = 16
     seed: int = 0
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_run_fields(self, ("num_heads", "num_layers", "batch_size", "max_positions", "max_new_tokens",
+                                "gen_batch_size", "table_ranks"), ("steps", "heldout"))  # fmt: skip
 
 
 def run_medusa(run: MedusaRun) -> None:

@@ -160,3 +160,25 @@ def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tm
     dec = SpecDecoder(target, EagleDrafter(target, head, draft_vocab=seen), tree_size=8, attn_impl="torch")
     plain = SpecDecoder(target, None, attn_impl="torch")
     assert dec.generate(prompt, 12).sequences.tolist() == plain.generate(prompt, 12).sequences.tolist()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(heldout=-1), "heldout: expected an int >= 0, got -1"),
+    (dict(unroll=0), "unroll: expected an int >= 1, got 0"),
+    (dict(num_prompts=0), "num_prompts: expected None or an int >= 1, got 0"),
+    (dict(dtype="f32"), "dtype: expected None or one of"),
+    (dict(prompt_styles=("mbpp", "apps")), "prompt_styles: expected a tuple of distinct styles"),
+    (dict(prompt_styles=("mbpp", "mbpp")), "prompt_styles: expected a tuple of distinct styles"),
+])  # fmt: skip
+def test_run_settings_name_the_field_out_of_range(kw, match):
+    from training.eagle import EagleRun
+    from training.medusa import MedusaRun
+
+    with pytest.raises(ValueError, match=match):
+        EagleRun(out="x", **kw)
+    assert EagleRun(out="x").prompt_styles == ("mbpp",)
+    if "unroll" not in kw and "prompt_styles" not in kw:  # fields the Medusa run has too
+        with pytest.raises(ValueError, match=match):
+            MedusaRun(out="x", **kw)
+    with pytest.raises(ValueError, match="table_ranks: expected an int >= 1, got 0"):
+        MedusaRun(out="x", table_ranks=0)
