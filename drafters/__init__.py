@@ -2,7 +2,7 @@
 
 - ``DraftModelDrafter`` (``drafters.draft_model``): a small draft LM, EAGLE-2-style dynamic tree;
 - ``MedusaDrafter`` / ``MedusaHeads`` (``drafters.medusa``): heads on the target's hidden state over
-  a static topology; trained by ``python -m drafters.medusa_train`` (``specdec train-medusa``);
+  a static topology; trained by ``training.medusa`` (``specdec train-medusa``);
 - ``EagleDrafter`` / ``EagleHead`` (``drafters.eagle``): an EAGLE head (fc + one decoder layer on the
   target's features) growing an EAGLE-2-style dynamic tree; trained by ``specdec train-eagle``;
 - ``LookupDrafter`` (``drafters.lookup``): n-gram matches in the prompt and generated text;

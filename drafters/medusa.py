@@ -20,7 +20,7 @@ verification forward of the previous step or from the prefill). It fills a stati
 deterministic (``"topk"``), so stochastic verification stays lossless without ``draft_probs``.
 
 Heads are saved as ``medusa_heads.safetensors`` next to ``medusa_config.json`` (sizes, the target
-it was trained for, training notes); ``drafters.medusa_train`` trains them.
+it was trained for, training notes); ``training.medusa`` trains them.
 """
 
 from __future__ import annotations

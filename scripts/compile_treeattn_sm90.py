@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"triton {triton.__version__}, target {target}")
     overrides = [json.loads(c) for c in args.config] or [{}]
     if args.sweep:
-        from treeattn.bench import _sweep_configs
+        from treeattn.bench import sweep_configs
 
-        overrides = [asdict(c) for c in _sweep_configs() if c is not None]
+        overrides = [asdict(c) for c in sweep_configs() if c is not None]
 
     class Recorder:
         def __getitem__(self, grid):

@@ -28,7 +28,7 @@ from treeattn.ops import KernelConfig, pick_config, tree_attention
 from treeattn.reference import dense_tree_mask, flex_tree_mask_mod, tree_attention_ref
 from treeattn.timing import markdown_row, markdown_table, measure_ceilings, time_rotating_graph, write_rows
 
-__all__ = ["BenchShape", "make_inputs", "main"]
+__all__ = ["BenchShape", "make_inputs", "main", "sweep_configs"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -130,7 +130,7 @@ def run_gpu(args) -> list[dict]:
     peak, bw = measure_ceilings("cuda")
     print(f"measured: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
           f"({torch.cuda.get_device_name()})")
-    configs = _sweep_configs() if args.sweep else [None]
+    configs = sweep_configs() if args.sweep else [None]
     rows = []
     for L in args.L:
         for t in args.t:
@@ -206,7 +206,7 @@ def _time_config(sets, cfg, ref, args):
     return time_rotating_graph(calls), cfg, err
 
 
-def _sweep_configs() -> list[KernelConfig | None]:
+def sweep_configs() -> list[KernelConfig | None]:
     """The auto config plus 14: per tile shape (64x128 / 4 warps, 128x128 / 8 warps over auto and
     2 splits, 64x64 / 4 warps; 3 stages) the tree part (v3's word tiles or gathered tiles of 32 or
     64 keys; 32 only at 64x64), 128x128 over 2 splits with warp specialization, and 64x64 split

@@ -13,7 +13,7 @@ for s in "$@"; do
   echo "== $s $(date +%T)" >> "$out/steps.log"
   case $s in
     tests)  # the CUDA tests of the engine, warm-up, graphs, stress harness and benchmark
-      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/specdec tests/eval/test_stress.py -k "cuda" \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/specdec tests/specdec/test_stress.py -k "cuda" \
         > "$out/pytest_cuda.txt" 2>&1 ;;
     stress)  # >= 200 generate calls, tiny random models, fp32, graphs / compile on and off, HF generate between
       timeout 400 python3 scripts/device/stress.py --models tiny --calls 240 --seed 0 --device cuda --dtype fp32 \

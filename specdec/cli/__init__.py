@@ -62,15 +62,15 @@ def _bench_stalls(argv: list[str]) -> int:
 
 
 def _train_medusa(argv: list[str]) -> int:
-    from drafters import medusa_train
+    from specdec.cli import train
 
-    return medusa_train.main(argv)
+    return train.main_medusa(argv)
 
 
 def _train_eagle(argv: list[str]) -> int:
-    from drafters import eagle_train
+    from specdec.cli import train
 
-    return eagle_train.main(argv)
+    return train.main_eagle(argv)
 
 
 # name -> (help, handler taking the remaining argv). Handlers import lazily so --help stays fast.

@@ -24,15 +24,15 @@ from drafters.eagle import (
     TargetParts,
     _Plan,
 )
-from drafters.eagle_train import EagleTrainConfig, evaluate_eagle, train_eagle, unrolled_features
 from drafters.medusa import MedusaHeads
-from drafters.medusa_train import self_distill, target_hidden_states
 from specdec import SpecDecoder
 from specdec.drafting import DraftContext
 from specdec.sampling import SamplingConfig, warp_logits
 from specdec.verify import Verdict
 from tests.drafters.helpers import random_eagle_head
 from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model
+from training.distill import self_distill, target_hidden_states
+from training.eagle import EagleTrainConfig, evaluate_eagle, train_eagle, unrolled_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -342,8 +342,8 @@ def test_bad_heads_and_inputs_raise_value_errors(tmp_path):
 
 
 def test_train_eagle_cli_on_a_tiny_model(tmp_path, capsys):
-    from drafters import eagle_train
     from specdec import cli
+    from specdec.cli import train as train_cli
     from tests.drafters.helpers import save_tiny_pair
 
     target_dir, _ = save_tiny_pair(tmp_path)
@@ -353,7 +353,7 @@ def test_train_eagle_cli_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "eagle"
     argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size", "2",
             "--heldout", "2", "--max-new-tokens", "12", "--unroll", "2", "--device", "cpu", "--no-progress"]
-    assert eagle_train.main(argv) == 0
+    assert train_cli.main_eagle(argv) == 0
     text = capsys.readouterr().out
     assert "depth 1 (unrolled step 1): held-out top-1" in text and "depth 2 (unrolled step 2)" in text
     cfg = json.loads((out / CONFIG_NAME).read_text())
@@ -361,8 +361,8 @@ def test_train_eagle_cli_on_a_tiny_model(tmp_path, capsys):
     assert cfg["model_type"] == "qwen2" and cfg["layer_class"] == "Qwen2DecoderLayer"
     assert (out / "selfdistill.jsonl").is_file()
     # a second run reuses the cached answers, also from another directory through --cache
-    assert eagle_train.main(argv[:5] + [str(tmp_path / "second"), "--cache", str(out / "selfdistill.jsonl")]
-                            + argv[6:]) == 0  # fmt: skip
+    assert train_cli.main_eagle(argv[:5] + [str(tmp_path / "second"), "--cache", str(out / "selfdistill.jsonl")]
+                                + argv[6:]) == 0  # fmt: skip
     assert "cached answers" in capsys.readouterr().out
     assert (tmp_path / "second" / WEIGHTS_NAME).is_file()
     # the subcommand is registered; argument errors are one line

@@ -10,19 +10,12 @@ import torch
 
 from specdec.drafting import DraftContext
 from drafters.medusa import MedusaDrafter, MedusaHeads
-from drafters.medusa_train import (
-    Example,
-    TrainConfig,
-    evaluate_heads,
-    load_mbpp,
-    mbpp_prompt,
-    rank_rates,
-    self_distill,
-    train_heads,
-)
 from drafters.trees import MC_SIM_7B_63, Topology
+from eval.datasets import load_mbpp
 from specdec import SpecDecoder
 from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model
+from training.distill import Example, mbpp_prompt, self_distill
+from training.medusa import TrainConfig, evaluate_heads, rank_rates, train_heads
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -224,7 +217,7 @@ def test_mbpp_rows_and_prompts(tmp_path):
 
 
 def test_train_medusa_cli_on_a_tiny_model(tmp_path, capsys):
-    from drafters import medusa_train
+    from specdec.cli import train as train_cli
     from tests.drafters.helpers import save_tiny_pair
 
     target_dir, _ = save_tiny_pair(tmp_path)
@@ -234,7 +227,7 @@ def test_train_medusa_cli_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "heads"
     argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size", "2",
             "--heldout", "2", "--max-new-tokens", "12", "--num-heads", "2", "--device", "cpu", "--no-progress"]
-    assert medusa_train.main(argv) == 0
+    assert train_cli.main_medusa(argv) == 0
     text = capsys.readouterr().out
     assert "head 1 (token +1 beyond the next): held-out top-1" in text
     cfg = json.loads((out / "medusa_config.json").read_text())
@@ -244,7 +237,7 @@ def test_train_medusa_cli_on_a_tiny_model(tmp_path, capsys):
     assert [r[0] for r in rates] == cfg["heldout_top1"]
     assert (out / "selfdistill.jsonl").is_file()
     # a second run reuses the cached self-distillation answers
-    assert medusa_train.main(argv) == 0
+    assert train_cli.main_medusa(argv) == 0
     assert "cached answers" in capsys.readouterr().out
     assert MedusaHeads.load(out).num_heads == 2
     assert Example((1, 2), 1).prompt_len == 1

@@ -12,7 +12,7 @@ import torch
 from drafters import make_drafter
 from drafters.eagle import EagleDrafter, EagleHead
 from drafters.lookup import LookupDrafter
-from drafters.medusa_train import target_hidden_states
+from training.distill import target_hidden_states
 from drafters.merge import MergedDrafter
 from specdec import SpecDecoder
 from specdec.drafting import BaseDrafter, DraftContext

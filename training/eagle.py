@@ -1,14 +1,14 @@
 """Train an EAGLE head by self-distillation: the frozen target's own answers to MBPP prompts.
 
-Pipeline (``python -m drafters.eagle_train`` or ``specdec train-eagle``):
+Pipeline (:func:`run_eagle`, ``specdec train-eagle``):
 
-1. **Prompts and answers**: exactly ``drafters.medusa_train``'s data (MBPP from ``--data`` /
+1. **Prompts and answers**: exactly ``training.medusa``'s data (``training.distill``; MBPP from ``--data`` /
    ``$SPECDEC_MBPP`` / ``../shared/data/mbpp/mbpp.jsonl``; never APPS or HumanEval): the target
    answers every prompt itself (greedy by default); the token ids are cached in
    ``OUT/selfdistill.jsonl`` (``--cache`` elsewhere: a ``train-medusa`` run's cache made with the
    same settings is reused as is). The last ``--heldout`` problems are held out.
    ``--prompt-styles mbpp,function,stdin,starter`` phrases every problem in several instruction
-   styles (``drafters.medusa_train.PROMPT_STYLES``: the evaluation harness's own instructions applied
+   styles (``training.distill.PROMPT_STYLES``: the evaluation harness's own instructions applied
    to MBPP tasks), so the head learns the answer forms it will meet (default ``mbpp`` only).
    ``--answers-per-prompt N`` adds N - 1 answers per training prompt sampled at
    ``--sample-temperature`` (other seeds; each pass cached in ``selfdistill.sampledK.jsonl``):
@@ -54,10 +54,8 @@ steps fixes how many steps fit, and the learning-rate schedule is rescaled to th
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -68,28 +66,30 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drafters.eagle import EagleHead, TargetParts, rank_tokens
-from drafters.exercises import exercise_prompt, exercise_request, humaneval_names, select_exercises
-from drafters.medusa_train import (
+from eval.datasets import load_mbpp
+from training.distill import (
     PROMPT_STYLES,
     Example,
-    _batch,
+    check_run_fields,
     encode_prompt,
     load_examples,
-    load_mbpp,
+    load_target,
+    padded_batch,
     save_examples,
     self_distill,
     styled_prompts,
     target_hidden_states,
     warmup_cosine,
 )
-from specdec.cli import args as cliargs
+from training.exercises import exercise_prompt, exercise_request, humaneval_names, select_exercises
 
 __all__ = [
+    "EagleRun",
     "EagleTrainConfig",
     "UnrolledAttention",
     "answer_token_counts",
     "evaluate_eagle",
-    "main",
+    "run_eagle",
     "train_eagle",
     "unrolled_features",
 ]
@@ -269,7 +269,7 @@ def _step_terms(target, head, parts, examples, unroll, max_positions, gen, devic
     step's valid rows; ``pick`` indexes the (at most ``max_positions``) rows the cross-entropy uses.
     ``cached``: the examples' target features (``[len, H]`` each, ``_feature_cache``), else the
     target runs over the batch."""
-    ids, mask, lens, plens = _batch(examples, device)
+    ids, mask, lens, plens = padded_batch(examples, device)
     if cached is None:
         feats = target_hidden_states(target, ids, mask)
     else:  # right-padded like ids; padding rows are never valid
@@ -325,7 +325,7 @@ def _feature_cache(target, examples: Sequence[Example], device, amp: bool | None
     out: list[torch.Tensor | None] = [None] * len(examples)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        ids, mask, lens, _ = _batch([examples[i] for i in rows], device)
+        ids, mask, lens, _ = padded_batch([examples[i] for i in rows], device)
         with _autocast(device, amp):
             feats = target_hidden_states(target, ids, mask)
         for b, i in enumerate(rows):
@@ -456,44 +456,99 @@ def evaluate_eagle(target, head: EagleHead, examples: Sequence[Example], unroll:
 
 
 # ----------------------------------------------------------------------------------------------
-# CLI
+# the whole pipeline
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+@dataclass(frozen=True)
+class EagleRun:
+    """Everything ``specdec train-eagle`` does, as settings of :func:`run_eagle`.
+
+    Attributes:
+        out: output directory (head, config, draft vocabulary, self-distillation cache).
+        target: default model name, HF id or local directory of the frozen target.
+        data: MBPP jsonl (None: ``eval.datasets.default_mbpp_path``).
+        cache: the self-distillation cache (None: ``OUT/selfdistill.jsonl``; a ``train-medusa``
+            cache made with the same settings is reused).
+        steps: optimizer steps (0: no training, the untrained head is saved).
+        lr, batch_size, unroll, max_positions, train_vocab, reg_weight, ce_weight, seed:
+            :class:`EagleTrainConfig`'s.
+        num_prompts: use only the first N MBPP problems (None: all).
+        heldout: the last N problems are held out for the accuracy report.
+        max_new_tokens, gen_batch_size, temperature: the self-distillation's answer length,
+            prompts per ``generate`` batch, sampling temperature (0 = greedy).
+        answers_per_prompt: answers per training prompt: the first at ``temperature``, each further
+            one sampled at ``sample_temperature`` (held-out problems keep one answer).
+        time_budget: seconds the optimization may take (None: no limit; ``train_eagle``).
+        prompt_styles: instruction styles of the training prompts (``training.distill.PROMPT_STYLES``),
+            each MBPP problem in every one.
+        exercises: the target first writes N new exercises from the training problems and answers
+            them too (``training.exercises``); ``exercise_temperature`` samples the writing.
+        chat: prompts through the chat template (False: plain prompts).
+        device, dtype: the target's (None: cuda if available; bf16 on cuda, fp32 elsewhere);
+            the head trains in fp32.
+        progress: progress bars.
+    """
+
+    out: str
+    target: str = "qwen2.5-coder-1.5b"
+    data: str | None = None
+    cache: str | None = None
+    steps: int = EagleTrainConfig.steps
+    lr: float = EagleTrainConfig.lr
+    batch_size: int = EagleTrainConfig.batch_size
+    unroll: int = EagleTrainConfig.unroll
+    max_positions: int = EagleTrainConfig.max_positions
+    train_vocab: int | None = None
+    reg_weight: float = EagleTrainConfig.reg_weight
+    ce_weight: float = EagleTrainConfig.ce_weight
+    num_prompts: int | None = None
+    heldout: int = 48
+    max_new_tokens: int = 192
+    gen_batch_size: int = 120
+    temperature: float = 0.0
+    answers_per_prompt: int = 1
+    sample_temperature: float = 0.8
+    time_budget: float | None = None
+    prompt_styles: tuple[str, ...] = ("mbpp",)
+    exercises: int = 0
+    exercise_temperature: float = 0.8
+    chat: bool = True
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_run_fields(self, ("batch_size", "unroll", "max_positions", "max_new_tokens", "gen_batch_size",
+                                "answers_per_prompt"), ("steps", "heldout", "exercises"))  # fmt: skip
+        styles = self.prompt_styles
+        if (not isinstance(styles, tuple) or not styles or len(set(styles)) != len(styles)
+                or any(s not in PROMPT_STYLES for s in styles)):  # fmt: skip
+            raise ValueError(f"prompt_styles: expected a tuple of distinct styles of {PROMPT_STYLES}, got {styles!r}")
 
 
-def _styles(text: str) -> tuple[str, ...]:
-    styles = tuple(s.strip() for s in text.split(",") if s.strip())
-    bad = [s for s in styles if s not in PROMPT_STYLES]
-    if not styles or bad or len(set(styles)) != len(styles):
-        raise argparse.ArgumentTypeError(f"expected distinct styles of {', '.join(PROMPT_STYLES)} separated by "
-                                         f"commas, got {text!r}")
-    return styles
-
-
-def _exercise_examples(target, tok, rows: Sequence[dict], ns: argparse.Namespace, meta: dict, cache: Path, eos,
+def _exercise_examples(target, tok, rows: Sequence[dict], run: EagleRun, meta: dict, cache: Path, eos,
                        pad: int) -> list[Example]:  # fmt: skip
-    """The target's answers to ``ns.exercises`` exercises it writes itself from the training ``rows``
+    """The target's answers to ``run.exercises`` exercises it writes itself from the training ``rows``
     (cycled), cached beside ``cache`` (``*.exercises.jsonl``; the stubs in ``*.exercises.stubs.jsonl``)."""
-    ex_meta = {**meta, "prompts": ns.exercises, "exercises_from": len(rows),
-               "exercise_temperature": ns.exercise_temperature}  # fmt: skip
+    ex_meta = {**meta, "prompts": run.exercises, "exercises_from": len(rows),
+               "exercise_temperature": run.exercise_temperature}  # fmt: skip
     ex_cache = cache.with_name(f"{cache.stem}.exercises{cache.suffix}")
     examples = load_examples(ex_cache, ex_meta)
     if examples is not None:
         print(f"self-written exercises: {len(examples)} cached answers from {ex_cache}")
         return examples
-    progress = not ns.no_progress
-    requests = [encode_prompt(tok, exercise_request(rows[i % len(rows)]), chat=not ns.no_chat)
-                for i in range(ns.exercises)]  # fmt: skip
-    written = self_distill(target, requests, EXERCISE_TOKENS, ns.gen_batch_size, eos, pad, ns.exercise_temperature,
-                           ns.seed + 1000, progress)  # fmt: skip
+    progress = run.progress
+    requests = [encode_prompt(tok, exercise_request(rows[i % len(rows)]), chat=run.chat)
+                for i in range(run.exercises)]  # fmt: skip
+    written = self_distill(target, requests, EXERCISE_TOKENS, run.gen_batch_size, eos, pad, run.exercise_temperature,
+                           run.seed + 1000, progress)  # fmt: skip
     answers = [tok.decode(e.ids[e.prompt_len :], skip_special_tokens=True) for e in written]
     stubs, report = select_exercises(answers, humaneval_names())
     print(report.line())
     _save_stubs(stubs, report, ex_cache.with_name(f"{ex_cache.stem}.stubs{ex_cache.suffix}"))
-    prompts = [encode_prompt(tok, exercise_prompt(s), chat=not ns.no_chat) for s in stubs]
-    examples = self_distill(target, prompts, ns.max_new_tokens, ns.gen_batch_size, eos, pad, ns.temperature, ns.seed,
+    prompts = [encode_prompt(tok, exercise_prompt(s), chat=run.chat) for s in stubs]
+    examples = self_distill(target, prompts, run.max_new_tokens, run.gen_batch_size, eos, pad, run.temperature, run.seed,
                             progress)  # fmt: skip
     save_examples(examples, ex_cache, ex_meta)
     return examples
@@ -507,123 +562,67 @@ def _save_stubs(stubs: Sequence[str], report, path: Path) -> None:
             f.write(json.dumps({"stub": stub}) + "\n")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``specdec train-eagle``: self-distill the target on MBPP and train an EAGLE head."""
-    d = EagleTrainConfig()
-    parser = cliargs.ArgumentParser(
-        prog="specdec train-eagle",
-        description="Train an EAGLE head (fc + one decoder layer on the target's hidden states) on the frozen "
-                    "target's own answers to MBPP prompts (self-distillation). The defaults take about 6 minutes "
-                    "on one H100 for Qwen2.5-Coder-1.5B (bf16), data generation included.",
-    )  # fmt: skip
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
-    parser.add_argument("--data", type=cliargs.existing_path, default=None, help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp)")
-    parser.add_argument("--out", type=cliargs.output_dir, required=True, help="output directory (head, config, self-distillation cache)")
-    parser.add_argument("--cache", type=cliargs.output_file, default=None,
-                        help="self-distillation cache (default OUT/selfdistill.jsonl; a train-medusa cache made with "
-                             "the same settings is reused)")  # fmt: skip
-    parser.add_argument("--steps", type=cliargs.int_at_least(0), default=d.steps)
-    parser.add_argument("--lr", type=cliargs.float_in(0.0, low_open=True), default=d.lr)
-    parser.add_argument("--batch-size", type=cliargs.int_at_least(1), default=d.batch_size)
-    parser.add_argument("--unroll", type=cliargs.int_at_least(1), default=d.unroll, help="unrolled steps of the training-time test")
-    parser.add_argument("--max-positions", type=cliargs.int_at_least(1), default=d.max_positions, help="positions per unrolled step in the cross-entropy")
-    parser.add_argument("--train-vocab", type=cliargs.int_at_least(1), default=None, metavar="N",
-                        help="cross-entropy over the N most frequent answer tokens only (default: the whole vocabulary)")
-    parser.add_argument("--reg-weight", type=cliargs.float_in(0.0), default=d.reg_weight, help="smooth-L1 feature loss weight")
-    parser.add_argument("--ce-weight", type=cliargs.float_in(0.0), default=d.ce_weight, help="cross-entropy weight")
-    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None, help="use only the first N MBPP problems")
-    parser.add_argument("--heldout", type=cliargs.int_at_least(0), default=48, help="problems held out for the accuracy report")
-    parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=192, help="answer length of the self-distillation")
-    parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=120)
-    parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")
-    parser.add_argument("--answers-per-prompt", type=cliargs.int_at_least(1), default=1,
-                        help="answers per training prompt: the first as --temperature says, each further one sampled at "
-                             "--sample-temperature (more, more varied data; held-out problems keep one answer)")
-    parser.add_argument("--sample-temperature", type=cliargs.float_in(0.0, low_open=True), default=0.8,
-                        help="temperature of the extra answers")
-    parser.add_argument("--time-budget", type=cliargs.float_in(0.0, low_open=True), default=None,
-                        help="seconds the optimization may take: fewer steps (schedule rescaled) if --steps would not fit")
-    parser.add_argument("--prompt-styles", type=_styles, default=("mbpp",),
-                        help="comma-separated instruction styles of the training prompts, each MBPP problem in every "
-                             f"one: {', '.join(PROMPT_STYLES)} (see drafters.medusa_train.PROMPT_STYLES; default mbpp)")
-    parser.add_argument("--exercises", type=cliargs.int_at_least(0), default=0, metavar="N",
-                        help="the target first writes N new exercises (function stubs with typed signatures and "
-                             "docstrings, each from a training MBPP task) and answers them too: more varied training "
-                             "sequences (drafters.exercises; default 0)")
-    parser.add_argument("--exercise-temperature", type=cliargs.float_in(0.0, low_open=True), default=0.8,
-                        help="sampling temperature of the exercise writing")
-    parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
-    parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                        help="target dtype (default bf16 on cuda, fp32 on cpu); the head trains in fp32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
-    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-
-    from specdec import models
-
+def run_eagle(run: EagleRun) -> None:
+    """Self-distill the target on MBPP and train an EAGLE head; save it in ``run.out`` and print the
+    data, the loss, the held-out accuracy per depth before and after, and the time of each part."""
     clock = {"start": time.perf_counter()}
-    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _dtype(ns.dtype or ("bf16" if device.type == "cuda" else "fp32"))
-    progress = not ns.no_progress
-    rows = load_mbpp(ns.data)
-    if ns.num_prompts is not None:
-        rows = rows[: ns.num_prompts]
-    if not 0 <= ns.heldout < len(rows):
-        raise ValueError(f"--heldout: expected 0 <= heldout < the {len(rows)} problems used, got {ns.heldout}")
-    cfg = EagleTrainConfig(steps=max(ns.steps, 1), lr=ns.lr, batch_size=ns.batch_size, unroll=ns.unroll,
-                           max_positions=ns.max_positions, reg_weight=ns.reg_weight, ce_weight=ns.ce_weight,
-                           seed=ns.seed, train_vocab=ns.train_vocab)  # fmt: skip
-    out = Path(ns.out)
+    progress = run.progress
+    rows = load_mbpp(run.data)
+    if run.num_prompts is not None:
+        rows = rows[: run.num_prompts]
+    if not 0 <= run.heldout < len(rows):
+        raise ValueError(f"--heldout: expected 0 <= heldout < the {len(rows)} problems used, got {run.heldout}")
+    cfg = EagleTrainConfig(steps=max(run.steps, 1), lr=run.lr, batch_size=run.batch_size, unroll=run.unroll,
+                           max_positions=run.max_positions, reg_weight=run.reg_weight, ce_weight=run.ce_weight,
+                           seed=run.seed, train_vocab=run.train_vocab)  # fmt: skip
+    out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    tok = models.load_tokenizer(ns.target, progress=progress)
-    target = models.load_model(ns.target, dtype=dtype, device=device, progress=progress)
-    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
-    eos = eos if eos is not None else tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    loaded = load_target(run.target, run.device, run.dtype, progress)
+    tok, target, device, dtype, eos, pad = (loaded.tokenizer, loaded.model, loaded.device, loaded.dtype, loaded.eos,
+                                            loaded.pad)  # fmt: skip
     clock["load"] = time.perf_counter()
-    styled = styled_prompts(rows, ns.prompt_styles)
-    prompts = [encode_prompt(tok, text, chat=not ns.no_chat) for _, text in styled]
-    held = [i >= len(rows) - ns.heldout for i, _ in styled]  # the last --heldout problems, in every style
+    styled = styled_prompts(rows, run.prompt_styles)
+    prompts = [encode_prompt(tok, text, chat=run.chat) for _, text in styled]
+    held = [i >= len(rows) - run.heldout for i, _ in styled]  # the last `heldout` problems, in every style
 
     # the same cache key as train-medusa: its answers serve both
-    meta = {"target": str(ns.target), "dtype": str(dtype), "max_new_tokens": ns.max_new_tokens,
-            "temperature": ns.temperature, "chat": not ns.no_chat, "prompts": len(prompts), "seed": ns.seed}  # fmt: skip
-    if list(ns.prompt_styles) != ["mbpp"]:  # only when set: caches made before the option stay valid
-        meta["styles"] = list(ns.prompt_styles)
-    cache = Path(ns.cache) if ns.cache else out / "selfdistill.jsonl"
+    meta = {"target": str(run.target), "dtype": str(dtype), "max_new_tokens": run.max_new_tokens,
+            "temperature": run.temperature, "chat": run.chat, "prompts": len(prompts), "seed": run.seed}  # fmt: skip
+    if list(run.prompt_styles) != ["mbpp"]:  # only when set: caches made before the option stay valid
+        meta["styles"] = list(run.prompt_styles)
+    cache = Path(run.cache) if run.cache else out / "selfdistill.jsonl"
     examples = load_examples(cache, meta)
     if examples is None:
-        examples = self_distill(target, prompts, ns.max_new_tokens, ns.gen_batch_size, eos, pad, ns.temperature,
-                                ns.seed, progress)  # fmt: skip
+        examples = self_distill(target, prompts, run.max_new_tokens, run.gen_batch_size, eos, pad, run.temperature,
+                                run.seed, progress)  # fmt: skip
         save_examples(examples, cache, meta)
     else:
         print(f"self-distillation data: {len(examples)} cached answers from {cache}")
     train = [e for e, h in zip(examples, held) if not h]
     heldout = [e for e, h in zip(examples, held) if h]
     train_prompts = [p for p, h in zip(prompts, held) if not h]
-    for k in range(1, ns.answers_per_prompt):  # extra sampled answers to the training prompts, cached per pass
-        extra_meta = {**meta, "prompts": len(train_prompts), "temperature": ns.sample_temperature, "seed": ns.seed + k}
+    for k in range(1, run.answers_per_prompt):  # extra sampled answers to the training prompts, cached per pass
+        extra_meta = {**meta, "prompts": len(train_prompts), "temperature": run.sample_temperature, "seed": run.seed + k}
         extra_cache = cache.with_name(f"{cache.stem}.sampled{k}{cache.suffix}")
         extra = load_examples(extra_cache, extra_meta)
         if extra is None:
-            extra = self_distill(target, train_prompts, ns.max_new_tokens, ns.gen_batch_size, eos, pad,
-                                 ns.sample_temperature, ns.seed + k, progress)  # fmt: skip
+            extra = self_distill(target, train_prompts, run.max_new_tokens, run.gen_batch_size, eos, pad,
+                                 run.sample_temperature, run.seed + k, progress)  # fmt: skip
             save_examples(extra, extra_cache, extra_meta)
         train = train + extra
-    split = len(rows) - ns.heldout
-    exercises = _exercise_examples(target, tok, rows[:split], ns, meta, cache, eos, pad) if ns.exercises else []
-    print(f"training sequences: {len(train) + len(exercises)} ({split} problems x {len(ns.prompt_styles)} prompt "
-          f"styles ({', '.join(ns.prompt_styles)}) x {ns.answers_per_prompt} answers, fewer where a style needs a "
+    split = len(rows) - run.heldout
+    exercises = _exercise_examples(target, tok, rows[:split], run, meta, cache, eos, pad) if run.exercises else []
+    print(f"training sequences: {len(train) + len(exercises)} ({split} problems x {len(run.prompt_styles)} prompt "
+          f"styles ({', '.join(run.prompt_styles)}) x {run.answers_per_prompt} answers, fewer where a style needs a "
           f"signature; {len(exercises)} answers to self-written exercises), held out: {len(heldout)}")
     train = train + exercises
     clock["data"] = time.perf_counter()
 
-    torch.manual_seed(ns.seed)
+    torch.manual_seed(run.seed)
     head = EagleHead(target).to(device)
     before = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout else []
-    losses = train_eagle(target, head, train, cfg, progress=progress, time_budget=ns.time_budget) if ns.steps > 0 else []
+    losses = train_eagle(target, head, train, cfg, progress=progress, time_budget=run.time_budget) if run.steps > 0 else []
     after = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout and losses else before
     clock["train"] = time.perf_counter()
     counts = answer_token_counts(train, head.config.vocab_size)
@@ -633,8 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              if n < head.config.vocab_size}  # fmt: skip
     print(f"answer tokens: {total}, distinct {seen} of {head.config.vocab_size}; the most frequent N cover "
           + (", ".join(f"{c:.1%} (N = {n})" for n, c in cover.items()) or "all"))  # fmt: skip
-    head.save(out, target=str(ns.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": ns.answers_per_prompt,
-                                                  "prompt_styles": list(ns.prompt_styles), "exercises": ns.exercises},
+    head.save(out, target=str(run.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": run.answers_per_prompt,
+                                                   "prompt_styles": list(run.prompt_styles), "exercises": run.exercises},
               train_examples=len(train),
               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
               final_loss=losses[-1] if losses else None,
@@ -647,8 +646,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"time: model {clock['load'] - clock['start']:.0f} s, data {clock['data'] - clock['load']:.0f} s, training "
           f"{clock['train'] - clock['data']:.0f} s (feature cache and held-out evaluation included), total "
           f"{time.perf_counter() - clock['start']:.0f} s")  # fmt: skip
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,12 @@
-"""Training prompts in the evaluation harness's instruction styles (``drafters.medusa_train.PROMPT_STYLES``):
+"""Training prompts in the evaluation harness's instruction styles (``training.distill.PROMPT_STYLES``):
 the same text as ``eval.datasets`` writes for a problem of that kind, and the CLI option."""
 
 from __future__ import annotations
 
 import pytest
 
-from drafters.medusa_train import PROMPT_STYLES, mbpp_prompt, mbpp_signature, styled_prompts
-from eval.datasets import AppsProblem, HumanEvalProblem
+from eval.datasets import AppsProblem, HumanEvalProblem, mbpp_signature
+from training.distill import PROMPT_STYLES, mbpp_prompt, styled_prompts
 
 ROW = {
     "text": "Write a function to find the shared elements from the given two lists.",

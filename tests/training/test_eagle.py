@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafters import eagle_train
 from drafters.eagle import CONFIG_NAME, VOCAB_NAME, EagleDrafter, EagleHead
-from drafters.eagle_train import _BUDGET_PROBE, EagleTrainConfig, answer_token_counts, train_eagle
-from drafters.medusa_train import self_distill
+from specdec.cli import train as train_cli
 from tests.specdec.helpers import VOCAB, tiny_model
+from tests.training.helpers import cli_argv
+from training import eagle as eagle_train
+from training.distill import self_distill
+from training.eagle import _BUDGET_PROBE, EagleTrainConfig, answer_token_counts, train_eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,24 +88,9 @@ def test_a_reduced_training_vocabulary_renormalizes_the_cross_entropy_over_its_t
         EagleTrainConfig(train_vocab=0)
 
 
-def _cli_argv(tmp_path, problems: int, heldout: int, new_tokens: int, *extra: str) -> tuple[list[str], Path]:
-    """train-eagle arguments on a tiny saved target and ``problems`` MBPP-like rows; (argv, out dir)."""
-    from tests.drafters.helpers import save_tiny_pair
-
-    target_dir, _ = save_tiny_pair(tmp_path)
-    data = tmp_path / "mbpp.jsonl"
-    rows = [{"text": f"Write a function number {i}.", "test_list": [f"assert f({i}) == {i}"]} for i in range(problems)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "eagle"
-    argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
-            "--heldout", str(heldout), "--max-new-tokens", str(new_tokens), "--unroll", "2", "--device", "cpu",
-            "--no-progress", *extra]  # fmt: skip
-    return argv, out
-
-
 def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path, capsys):
-    argv, out = _cli_argv(tmp_path, 6, 2, 10, "--answers-per-prompt", "3", "--time-budget", "600")
-    assert eagle_train.main(argv) == 0
+    argv, out = cli_argv(tmp_path, 6, 2, 10, "--answers-per-prompt", "3", "--time-budget", "600")
+    assert train_cli.main_eagle(argv) == 0
     assert "training sequences: 12 (4 problems x 1 prompt styles (mbpp) x 3 answers" in capsys.readouterr().out
     cfg = json.loads((out / CONFIG_NAME).read_text())
     assert cfg["train_examples"] == 12 and cfg["heldout_examples"] == 2 and cfg["train"]["answers_per_prompt"] == 3
@@ -112,7 +99,7 @@ def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path
     answers = [[json.loads(line)["ids"] for line in p.read_text().splitlines()[1:]] for p in extra]
     assert len(answers[0]) == len(answers[1]) == 4 and answers[0] != answers[1]  # other seeds, other samples
     mtimes = [p.stat().st_mtime_ns for p in extra]
-    assert eagle_train.main(argv) == 0  # the second run reuses every pass
+    assert train_cli.main_eagle(argv) == 0  # the second run reuses every pass
     assert [p.stat().st_mtime_ns for p in extra] == mtimes
     assert "answer tokens:" in capsys.readouterr().out
 
@@ -120,8 +107,8 @@ def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path
 def test_cli_prompt_styles_phrase_every_problem_in_each_style(tmp_path, capsys):
     """--prompt-styles: every problem once per style (held-out problems too), a cache of its own;
     rows without a function skip the styles that need its signature."""
-    argv, out = _cli_argv(tmp_path, 5, 1, 6, "--prompt-styles", "mbpp,stdin,function")
-    assert eagle_train.main(argv) == 0
+    argv, out = cli_argv(tmp_path, 5, 1, 6, "--prompt-styles", "mbpp,stdin,function")
+    assert train_cli.main_eagle(argv) == 0
     assert "training sequences: 8 (4 problems x 3 prompt styles (mbpp, stdin, function) x 1 answers" \
         in capsys.readouterr().out  # the rows have no code: no 'function' prompts
     cfg = json.loads((out / CONFIG_NAME).read_text())
@@ -130,7 +117,7 @@ def test_cli_prompt_styles_phrase_every_problem_in_each_style(tmp_path, capsys):
     with open(out / "selfdistill.jsonl") as f:
         assert json.loads(f.readline())["meta"]["styles"] == ["mbpp", "stdin", "function"]
     with pytest.raises(SystemExit):
-        eagle_train.main(argv[:-1] + ["mbpp,apps"])
+        train_cli.main_eagle(argv[:-1] + ["mbpp,apps"])
     assert "expected distinct styles of mbpp, function, stdin, starter" in capsys.readouterr().err
 
 
@@ -138,13 +125,13 @@ def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tm
     """train-eagle ranks the vocabulary by the training answers' token counts (held-out answers and
     prompts not counted) and saves it beside the head; the loaded head drafts from that subset."""
     from drafters import make_drafter
-    from drafters.medusa_train import Example, load_examples
+    from training.distill import Example, load_examples
     from specdec import SpecDecoder
     from specdec.drafting import DraftContext
     from specdec.models import load_model
-    argv, out = _cli_argv(tmp_path, 5, 1, 16, "--temperature", "1.0")  # sampled answers: many distinct tokens
+    argv, out = cli_argv(tmp_path, 5, 1, 16, "--temperature", "1.0")  # sampled answers: many distinct tokens
     target_dir = Path(argv[1])
-    assert eagle_train.main(argv) == 0
+    assert train_cli.main_eagle(argv) == 0
     assert "answer tokens:" in capsys.readouterr().out and (out / VOCAB_NAME).is_file()
     with open(out / "selfdistill.jsonl") as f:
         meta = json.loads(f.readline())["meta"]
@@ -173,3 +160,25 @@ def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tm
     dec = SpecDecoder(target, EagleDrafter(target, head, draft_vocab=seen), tree_size=8, attn_impl="torch")
     plain = SpecDecoder(target, None, attn_impl="torch")
     assert dec.generate(prompt, 12).sequences.tolist() == plain.generate(prompt, 12).sequences.tolist()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(heldout=-1), "heldout: expected an int >= 0, got -1"),
+    (dict(unroll=0), "unroll: expected an int >= 1, got 0"),
+    (dict(num_prompts=0), "num_prompts: expected None or an int >= 1, got 0"),
+    (dict(dtype="f32"), "dtype: expected None or one of"),
+    (dict(prompt_styles=("mbpp", "apps")), "prompt_styles: expected a tuple of distinct styles"),
+    (dict(prompt_styles=("mbpp", "mbpp")), "prompt_styles: expected a tuple of distinct styles"),
+])  # fmt: skip
+def test_run_settings_name_the_field_out_of_range(kw, match):
+    from training.eagle import EagleRun
+    from training.medusa import MedusaRun
+
+    with pytest.raises(ValueError, match=match):
+        EagleRun(out="x", **kw)
+    assert EagleRun(out="x").prompt_styles == ("mbpp",)
+    if "unroll" not in kw and "prompt_styles" not in kw:  # fields the Medusa run has too
+        with pytest.raises(ValueError, match=match):
+            MedusaRun(out="x", **kw)
+    with pytest.raises(ValueError, match="table_ranks: expected an int >= 1, got 0"):
+        MedusaRun(out="x", table_ranks=0)

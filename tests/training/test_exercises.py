@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from drafters import eagle_train
-from drafters.exercises import exercise_prompt, exercise_request, parse_exercise, select_exercises
+from specdec.cli import train as train_cli
+from tests.training.helpers import cli_argv
+from training import eagle as eagle_train
+from training.exercises import exercise_prompt, exercise_request, parse_exercise, select_exercises
 
 STUB = '''from typing import List
 
@@ -68,9 +70,7 @@ def test_cli_exercises_are_written_answered_cached_and_counted(tmp_path, capsys,
     """--exercises N: N writing requests from the training problems; the kept stubs are answered and
     join the training set; a second run reuses the cache. A tiny random target writes no Python, so
     the selection is wrapped to keep a known stub for every written answer."""
-    from tests.drafters.test_eagle_train import _cli_argv
-
-    argv, out = _cli_argv(tmp_path, 5, 1, 6, "--exercises", "3")
+    argv, out = cli_argv(tmp_path, 5, 1, 6, "--exercises", "3")
     seen = []
 
     def keep_known(answers, exclude):
@@ -82,7 +82,7 @@ def test_cli_exercises_are_written_answered_cached_and_counted(tmp_path, capsys,
         return stubs, report
 
     monkeypatch.setattr(eagle_train, "select_exercises", keep_known)
-    assert eagle_train.main(argv) == 0
+    assert train_cli.main_eagle(argv) == 0
     text = capsys.readouterr().out
     assert seen == [3] and "exercises: 0 kept of 3 written" in text
     assert "training sequences: 7 (4 problems x 1 prompt styles (mbpp) x 1 answers" in text
@@ -96,6 +96,6 @@ def test_cli_exercises_are_written_answered_cached_and_counted(tmp_path, capsys,
     stubs = (out / "selfdistill.exercises.stubs.jsonl").read_text().splitlines()
     assert json.loads(stubs[1])["stub"] == STUB.replace("pair_sums", "pair_sums_0")
     mtime = cache.stat().st_mtime_ns
-    assert eagle_train.main(argv) == 0  # reused: nothing written again
+    assert train_cli.main_eagle(argv) == 0  # reused: nothing written again
     assert seen == [3] and cache.stat().st_mtime_ns == mtime
     assert "self-written exercises: 3 cached answers" in capsys.readouterr().out

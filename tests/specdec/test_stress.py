@@ -1,9 +1,9 @@
-"""``eval.stress``: the randomized stress harness of issue 13 and its entry point ``scripts/device/stress.py``.
+"""``specdec.cli.stress``: the randomized stress harness of issue 13 and its entry point ``scripts/device/stress.py``.
 
 CPU: the harness on tiny models with a handful of calls -- counts add up, the JSON is written, an
 engine that alters one row is reported as a mismatch, an exception as a crash (and the run goes
 on), a CUDA error stops the run, the time budget stops it early, the reference equals HF greedy
-decoding, and the command line. CUDA only (skipped here; on a GPU: ``pytest tests/eval/test_stress.py``):
+decoding, and the command line. CUDA only (skipped here; on a GPU: ``pytest tests/specdec/test_stress.py``):
 a short stress run with CUDA graphs and HF's static-cache generate interleaved, which must end with
 no crash and no mismatch.
 """
@@ -20,8 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval import stress
-from eval.stress import CallPlan, StressConfig, StressModels, check_output, plan_calls, run_stress
+from specdec.cli import stress
+from specdec.cli.stress import CallPlan, StressConfig, StressModels, check_output, plan_calls, run_stress
+from specdec.cli.stress import checks as stress_checks
+from specdec.cli.stress import cli as stress_cli
+from specdec.cli.stress import run as stress_run
 from specdec import SpecDecoder
 from specdec.engine import GenerationOutput, StepStats
 
@@ -111,7 +114,7 @@ def test_make_prompt_is_deterministic_and_in_range():
 def test_reference_equals_hf_greedy(mode):
     """The ground truth: the plain decoder alone equals the target's own HF greedy generate."""
     m = _models()
-    ref = stress._Reference(m.target, "torch", mode)
+    ref = stress_checks._Reference(m.target, "torch", mode)
     for spec in ((11, 1), (12, 40), (13, 97)):
         p = stress.make_prompt(spec, m.vocab_size)
         hf = m.target.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=10,
@@ -386,7 +389,7 @@ def test_script_runs_and_exits_0(tmp_path, capsys):
 
 
 def test_script_defaults():
-    mod = _script()
+    mod = stress_cli
     cfg = mod.config_from_args(mod.build_parser().parse_args(["--device", "cpu"]))
     assert cfg == StressConfig(device="cpu")  # the library's defaults; no compile on CPU
     cfg = mod.config_from_args(mod.build_parser().parse_args(["--device", "cpu", "--models", "qwen",
@@ -409,7 +412,7 @@ def test_script_argument_errors_are_one_line(argv, match, capsys):
 
 
 def test_script_exits_1_on_a_failure(monkeypatch, capsys):
-    monkeypatch.setattr(stress, "run_stress", lambda cfg, log: type("R", (), {"ok": False})())
+    monkeypatch.setattr(stress_run, "run_stress", lambda cfg, log: type("R", (), {"ok": False})())
     assert _script().main(["--device", "cpu", "--calls", "1"]) == 1
 
 

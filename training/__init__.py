@@ -1,0 +1,13 @@
+"""Drafter training: the layer above ``eval`` (whose MBPP loader and prompts it uses).
+
+* ``training.distill``   -- the self-distillation data both loops share: MBPP prompts in the
+  evaluation harness's instruction styles, the target's own answers (cached), padded batches, the
+  target's features, the learning-rate schedule, loading the target;
+* ``training.medusa``    -- the Medusa heads' loop and its held-out acceptance table
+  (``specdec train-medusa``);
+* ``training.eagle``     -- the EAGLE head's unrolled loop (``specdec train-eagle``);
+* ``training.exercises`` -- programming exercises the target writes itself, more varied prompts.
+
+Nothing below this package imports it; the command line (``specdec.cli.train``) parses the
+flags into ``MedusaRun`` / ``EagleRun`` and calls ``run_medusa`` / ``run_eagle``.
+"""

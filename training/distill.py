@@ -1,0 +1,295 @@
+"""What the Medusa and EAGLE training loops share: the self-distillation data and its plumbing.
+
+* **Prompts**: MBPP rows (``eval.datasets.load_mbpp``; MBPP is training data only, APPS and
+  HumanEval stay the evaluation sets) phrased in one of :data:`PROMPT_STYLES`
+  (:func:`mbpp_prompt`, :func:`styled_prompts`) and tokenized through the chat template
+  (:func:`encode_prompt`).
+* **Answers**: the frozen target's own answers (:func:`self_distill`, batched HF ``generate``),
+  cached as JSONL keyed by the settings that made them (:func:`save_examples`,
+  :func:`load_examples`), so a rerun -- or the other loop, with the same settings -- skips the
+  generation.
+* **Batches and features**: right-padded batches (:func:`padded_batch`) and the target's final
+  hidden states, the LM head's input (:func:`target_hidden_states`).
+* **Schedule**: linear warm-up then cosine decay (:func:`warmup_cosine`).
+* **The target**: device / dtype defaults and loading, eos and pad ids (:func:`load_target`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from eval.datasets import AppsProblem, HumanEvalProblem, mbpp_signature
+
+__all__ = [
+    "DTYPES",
+    "Example",
+    "LoadedTarget",
+    "check_run_fields",
+    "PROMPT_STYLES",
+    "encode_prompt",
+    "load_examples",
+    "load_target",
+    "mbpp_prompt",
+    "padded_batch",
+    "save_examples",
+    "self_distill",
+    "styled_prompts",
+    "target_hidden_states",
+    "warmup_cosine",
+]
+
+#: ``--dtype`` names of the target's dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Example:
+    """One self-distillation sequence: prompt followed by the target's answer.
+
+    Attributes:
+        ids: token ids (prompt + answer).
+        prompt_len: number of prompt tokens at the start of ``ids``.
+    """
+
+    ids: tuple[int, ...]
+    prompt_len: int
+
+
+#: Instruction styles of the training prompts built from an MBPP row (``mbpp_prompt(row, style)``):
+#: ``"mbpp"`` the statement and its tests; the evaluation harness's own instructions applied to the
+#: MBPP task (written by ``eval.datasets``' problem classes, so the text is theirs): ``"function"`` as
+#: a HumanEval prompt (complete a function given its signature and a docstring of the statement and
+#: examples), ``"stdin"`` as an APPS standard-input problem, ``"starter"`` as an APPS call-based
+#: problem (the signature as starter code). A drafter learns the answers' form (fenced code, a
+#: repeated signature and docstring) it will meet. No evaluation problem is used.
+PROMPT_STYLES = ("mbpp", "function", "stdin", "starter")
+
+
+def _doc_examples(row: dict[str, Any]) -> str:
+    """The row's ``assert CALL == VALUE`` tests as doctest lines (others as they are)."""
+    lines = []
+    for test in row.get("test_list") or []:
+        call, sep, value = test.strip().removeprefix("assert ").partition(" == ")
+        lines += [f">>> {call.strip()}", value.strip()] if sep else [f">>> {test.strip()}"]
+    return "\n".join(f"    {line}" for line in lines)
+
+
+def mbpp_prompt(row: dict[str, Any], style: str = "mbpp") -> str | None:
+    """The task as a user message in one of ``PROMPT_STYLES`` (None: the style needs a function
+    signature and the row's code has none)."""
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"style: expected one of {PROMPT_STYLES}, got {style!r}")
+    text = row["text"].strip()
+    if style == "mbpp":
+        tests = "\n".join(row.get("test_list") or [])
+        return f"{text}\nYour code should pass these tests:\n\n{tests}\n" if tests else text + "\n"
+    if style == "stdin":
+        return AppsProblem("mbpp", "introductory", text).messages()[0]["content"]
+    sig = mbpp_signature(row)
+    if sig is None:
+        return None
+    if style == "starter":
+        return AppsProblem("mbpp", "introductory", text, starter_code=sig).messages()[0]["content"]
+    examples = _doc_examples(row)
+    doc = f'    """{text}\n' + (f"{examples}\n" if examples else "") + '    """'
+    return HumanEvalProblem("mbpp", f"{sig}\n{doc}\n", "", "", "").messages()[0]["content"]
+
+
+def styled_prompts(rows: Sequence[dict[str, Any]], styles: Sequence[str]) -> list[tuple[int, str]]:
+    """(row index, prompt text) for every row in every style, grouped by style in ``styles`` order
+    (rows a style cannot phrase are left out of it)."""
+    out = []
+    for style in styles:
+        for i, row in enumerate(rows):
+            text = mbpp_prompt(row, style)
+            if text is not None:
+                out.append((i, text))
+    return out
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of ``text``: through the chat template (generation prompt added) when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)  # fmt: skip
+        return list(out["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+@torch.no_grad()
+def self_distill(
+    target,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int = 0,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[Example]:
+    """The target's own answers to ``prompts`` (batched HF ``generate``, left padding).
+
+    Greedy for ``temperature == 0`` (default), else sampling at that temperature. Each answer is
+    cut after its first eos. Batches are formed from the prompts sorted by length (less padding);
+    a batch that runs out of device memory is retried at half the size (with a warning), down to
+    one prompt. Returns one :class:`Example` per prompt, in the given order.
+    """
+    from transformers import GenerationConfig
+
+    device = target.get_input_embeddings().weight.device
+    eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+        top_k=None, top_p=None, eos_token_id=eos or None, pad_token_id=pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    out: list[Example | None] = [None] * len(prompts)
+    bar = tqdm(total=len(prompts), desc="self-distill", unit="prompt", disable=not progress)
+    start = 0
+    while start < len(prompts):
+        rows = order[start : start + batch_size]
+        chunk = [list(prompts[i]) for i in rows]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for b, p in enumerate(chunk):
+            ids[b, width - len(p) :] = torch.tensor(p)
+            mask[b, width - len(p) :] = 1
+        try:
+            gen = target.generate(ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        except torch.OutOfMemoryError:
+            if len(rows) == 1:
+                raise
+            batch_size = (len(rows) + 1) // 2
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            bar.write(f"self-distill: out of device memory at {len(rows)} prompts a batch; retrying at {batch_size}")
+            continue
+        start += len(rows)
+        bar.update(len(rows))
+        for b, p in enumerate(chunk):
+            answer = gen[b, width:].tolist()
+            for j, tok in enumerate(answer):
+                if tok in eos:
+                    answer = answer[: j + 1]
+                    break
+            out[rows[b]] = Example(tuple(p) + tuple(answer), len(p))
+    bar.close()
+    return out
+
+
+def save_examples(examples: Sequence[Example], path: str | os.PathLike[str], meta: dict[str, Any]) -> None:
+    """Write examples as JSONL (first line: ``{"meta": ...}``), atomically."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"meta": meta}) + "\n")
+        for ex in examples:
+            f.write(json.dumps({"ids": list(ex.ids), "prompt_len": ex.prompt_len}) + "\n")
+    os.replace(tmp, p)
+
+
+def load_examples(path: str | os.PathLike[str], meta: dict[str, Any]) -> list[Example] | None:
+    """Examples cached by :func:`save_examples`, or None if absent or made with other settings."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    with open(p) as f:
+        head = json.loads(f.readline() or "{}")
+        if head.get("meta") != meta:
+            return None
+        return [Example(tuple(r["ids"]), int(r["prompt_len"])) for r in map(json.loads, f) if r]
+
+
+@torch.no_grad()
+def target_hidden_states(target, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H]`` final hidden states (what the LM head reads) of right-padded sequences."""
+    out = target(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
+                 use_cache=False)  # fmt: skip
+    return out.hidden_states[-1]
+
+
+def padded_batch(examples: Sequence[Example], device) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """``(ids [B, T], attention mask [B, T], lengths, prompt lengths)`` of ``examples``, right-padded
+    with 0 to the longest one, on ``device``."""
+    width = max(len(e.ids) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    mask = torch.zeros(len(examples), width, dtype=torch.long)
+    for b, e in enumerate(examples):
+        ids[b, : len(e.ids)] = torch.tensor(e.ids)
+        mask[b, : len(e.ids)] = 1
+    return ids.to(device), mask.to(device), [len(e.ids) for e in examples], [e.prompt_len for e in examples]
+
+
+def warmup_cosine(step: int, total: int, warmup: float) -> float:
+    """Learning-rate factor at optimizer step ``step`` (0-based) of ``total``: linear warm-up over
+    the first ``warmup`` fraction of the steps (at least one), then cosine decay to 0 at ``total``."""
+    warm = max(1, int(warmup * total))
+    if step < warm:
+        return (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def check_run_fields(run: Any, at_least_one: Sequence[str], at_least_zero: Sequence[str]) -> None:
+    """ValueError naming the field of a training run's settings that is out of range: the
+    ``at_least_one`` / ``at_least_zero`` int fields, ``num_prompts`` (None or >= 1) and ``dtype``
+    (None or one of :data:`DTYPES`)."""
+    for names, low in ((at_least_one, 1), (at_least_zero, 0)):
+        for name in names:
+            val = getattr(run, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {val!r}")
+    n = run.num_prompts
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"num_prompts: expected None or an int >= 1, got {n!r}")
+    if run.dtype is not None and run.dtype not in DTYPES:
+        raise ValueError(f"dtype: expected None or one of {tuple(DTYPES)}, got {run.dtype!r}")
+
+
+@dataclass(frozen=True)
+class LoadedTarget:
+    """The frozen target of a training run (:func:`load_target`).
+
+    Attributes:
+        tokenizer, model: the target's.
+        device, dtype: where and in which dtype the model sits.
+        eos: the eos id(s) its answers end at (the generation config's, else the tokenizer's).
+        pad: the padding id (the tokenizer's, else the eos id when a single one, else 0).
+    """
+
+    tokenizer: Any
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    eos: int | list[int] | None
+    pad: int
+
+
+def load_target(name: str, device: str | None = None, dtype: str | None = None, progress: bool = True) -> LoadedTarget:
+    """The target ``name`` (a default model name, HF id or local directory; ``specdec.models``).
+
+    ``device``: default cuda when available, else cpu. ``dtype``: one of :data:`DTYPES`' names;
+    default bf16 on cuda, fp32 elsewhere.
+    """
+    from specdec import models
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")]
+    tok = models.load_tokenizer(name, progress=progress)
+    target = models.load_model(name, dtype=torch_dtype, device=dev, progress=progress)
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    eos = eos if eos is not None else tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    return LoadedTarget(tok, target, dev, torch_dtype, eos, pad)
