@@ -43,14 +43,10 @@ import linecache
 import math
 import os
 import pickle
-import re
 import resource
 import struct
 import sys
 import traceback
-
-FLOAT_TOLERANCE = 1e-6
-"""Two numbers (at least one not an integer) match when within this absolute or relative error."""
 
 MAX_ARG_CANDIDATES = 16
 """At most this many typings are tried for one MapCoder call-based test (see :func:`arg_candidates`)."""
@@ -59,95 +55,10 @@ MAX_FRAME_BYTES = 16 << 20
 """The largest message one process accepts from another (a larger one is an error)."""
 
 _DETAIL_CHARS = 600
-_INT_TOKEN = re.compile(r"[+-]?\d+")
 
 
 # ----------------------------------------------------------------------------------------------
-# comparisons (pure functions; eval.execution re-exports them)
-
-
-def _tokens_close(got: str, expected: str) -> bool:
-    if _INT_TOKEN.fullmatch(got) and _INT_TOKEN.fullmatch(expected):
-        return int(got) == int(expected)
-    try:
-        g, e = float(got), float(expected)
-    except ValueError:
-        return False
-    if math.isnan(g) or math.isnan(e):
-        return math.isnan(g) and math.isnan(e)
-    return math.isclose(g, e, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
-
-
-def outputs_match(got: str, expected: str) -> bool:
-    """Whether a standard-input program's output ``got`` matches ``expected``.
-
-    Compared as whitespace-separated tokens, so line breaks, trailing spaces and blank lines do
-    not matter (APPS's whitespace-split comparison; Codeforces' default token checker). Two tokens
-    match when equal as strings, when both are integers of equal value, or when both parse as
-    floats (at least one not an integer) within :data:`FLOAT_TOLERANCE` absolute or relative
-    error. Case matters ("YES" is not "Yes"); order matters (APPS's last, order-free set
-    comparison is not used).
-    """
-    if got == expected:
-        return True
-    g, e = got.split(), expected.split()
-    return len(g) == len(e) and all(a == b or _tokens_close(a, b) for a, b in zip(g, e))
-
-
-def _plain(value):
-    if isinstance(value, tuple):
-        return list(value)
-    if hasattr(value, "tolist") and not isinstance(value, (str, bytes, list, dict)):
-        try:  # numpy scalars and arrays
-            return value.tolist()
-        except Exception:
-            return value
-    return value
-
-
-def _same(got, expected) -> bool:
-    got, expected = _plain(got), _plain(expected)
-    if isinstance(expected, bool) or isinstance(got, bool):
-        return isinstance(expected, bool) and isinstance(got, bool) and got == expected
-    if isinstance(expected, (int, float)) and isinstance(got, (int, float)):
-        if isinstance(expected, int) and isinstance(got, int):
-            return got == expected
-        if math.isnan(got) or math.isnan(expected):
-            return math.isnan(got) and math.isnan(expected)
-        return math.isclose(got, expected, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
-    if isinstance(expected, list) and isinstance(got, list):
-        return len(got) == len(expected) and all(_same(g, e) for g, e in zip(got, expected))
-    if isinstance(expected, dict) and isinstance(got, dict):
-        if len(got) != len(expected):
-            return False
-        by_str = {str(k): v for k, v in got.items()}  # JSON turned the reference's keys into strings
-        for key, value in expected.items():
-            if key in got:
-                if not _same(got[key], value):
-                    return False
-            elif not (isinstance(key, str) and key in by_str and _same(by_str[key], value)):
-                return False
-        return True
-    try:
-        return bool(got == expected)
-    except Exception:
-        return False
-
-
-def values_match(got, expected, wrapped: bool) -> bool:
-    """Whether a call-based solution's return value ``got`` matches the test's ``expected``.
-
-    ``wrapped=True`` (MapCoder rows): ``expected`` is ``[value]``; compare with ``value`` only.
-    ``wrapped=False`` (original APPS rows): APPS's rule, ``got == expected`` or, when ``expected``
-    is a non-empty list, ``got == expected[0]``. Tuples compare as lists (the reference went
-    through JSON), dict keys may have become strings, bools only equal bools, and numbers (at
-    least one a float) compare within :data:`FLOAT_TOLERANCE`.
-    """
-    if wrapped:
-        if isinstance(expected, (list, tuple)) and len(expected) == 1:
-            return _same(got, expected[0])
-        return _same(got, expected)
-    return _same(got, expected) or (isinstance(expected, list) and len(expected) > 0 and _same(got, expected[0]))
+# argument typings of call-based tests
 
 
 def _literal_options(text: str) -> list:
@@ -229,43 +140,88 @@ def to_plain(value, depth: int = 0):
     return value
 
 
-def is_plain(value, depth: int = 0) -> bool:
+SANDBOX_MODULE = "__sandbox__"
+"""The module name the program's and the judge's namespaces are registered under, so that
+instances of the dataset's own classes (a test building a ``Node`` for the function) travel by
+reference to the class of the same name on the other side."""
+
+
+def _namespace_module() -> dict:
+    """A fresh namespace registered as :data:`SANDBOX_MODULE` (its ``__dict__``)."""
+    import types
+
+    module = types.ModuleType(SANDBOX_MODULE)
+    module.__builtins__ = builtins
+    sys.modules[SANDBOX_MODULE] = module
+    return module.__dict__
+
+
+def is_plain(value, depth: int = 0, classes: frozenset = frozenset()) -> bool:
     """Whether ``value`` is made of exactly the builtin data types (no subclasses: nothing whose
-    comparison the program chose), at most 200 levels deep."""
+    comparison the program chose), or of instances of ``classes`` (the dataset's own, trusted)
+    holding such data, at most 200 levels deep."""
     if depth > 200:
         return False
     kind = type(value)
     if kind in _PLAIN_SCALARS:
         return True
     if kind in (list, tuple, set, frozenset):
-        return all(is_plain(v, depth + 1) for v in value)
+        return all(is_plain(v, depth + 1, classes) for v in value)
     if kind is dict:
-        return all(is_plain(k, depth + 1) and is_plain(v, depth + 1) for k, v in value.items())
+        return all(is_plain(k, depth + 1, classes) and is_plain(v, depth + 1, classes) for k, v in value.items())
+    if kind in classes:
+        state = getattr(value, "__dict__", None)
+        return type(state) is dict and is_plain(state, depth + 1, classes)
     return False
 
 
+def _own_classes(value, depth: int = 0) -> bool:
+    """Whether every non-plain object in ``value`` is an instance of a class defined in the
+    program's namespace (sent by reference; the judge accepts only the dataset's ones)."""
+    if depth > 200:
+        return False
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:
+        return True
+    if kind in (list, tuple, set, frozenset):
+        return all(_own_classes(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(_own_classes(k, depth + 1) and _own_classes(v, depth + 1) for k, v in value.items())
+    state = getattr(value, "__dict__", None)
+    return (getattr(kind, "__module__", None) == SANDBOX_MODULE and type(state) is dict
+            and _own_classes(state, depth + 1))  # fmt: skip
+
+
 class PlainUnpickler(pickle.Unpickler):
-    """Decodes only builtin data: no class or function can be named (``find_class`` refuses all but
-    ``complex``, ``set`` and ``frozenset``), so a message from a generated program cannot run code."""
+    """Decodes only builtin data, plus instances of ``classes`` (the judge's own namespace's, which
+    the dataset defined): no other class or function can be named (``find_class`` refuses all but
+    ``complex``, ``set``, ``frozenset`` and those), so a message from a generated program cannot run
+    the program's code."""
 
     _ALLOWED = {("builtins", "complex"), ("builtins", "set"), ("builtins", "frozenset")}
+
+    def __init__(self, file, classes: dict | None = None) -> None:
+        super().__init__(file)
+        self.classes = classes or {}
 
     def find_class(self, module, name):
         if (module, name) in self._ALLOWED:
             return getattr(builtins, name)
+        if module == SANDBOX_MODULE and name in self.classes:
+            return self.classes[name]
         raise pickle.UnpicklingError(f"not plain data: {module}.{name}")
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("not plain data: a persistent id")
 
 
-def loads_plain(data: bytes):
+def loads_plain(data: bytes, classes: dict | None = None):
     """:class:`PlainUnpickler` on ``data``, then :func:`is_plain` on the result (ValueError if not)."""
     try:
-        value = PlainUnpickler(io.BytesIO(data)).load()
+        value = PlainUnpickler(io.BytesIO(data), classes).load()
     except Exception as e:
         raise ValueError(f"not a plain-data message ({type(e).__name__}: {e})") from None
-    if not is_plain(value):
+    if not is_plain(value, classes=frozenset((classes or {}).values())):
         raise ValueError(f"not a plain-data message (a {type(value).__name__})")
     return value
 
@@ -289,8 +245,9 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def read_frame(fd: int, plain: bool = True):
-    """The next frame's value (None at end of stream); ``plain`` decodes with :func:`loads_plain`.
+def read_frame(fd: int, plain: bool = True, classes: dict | None = None):
+    """The next frame's value (None at end of stream); ``plain`` decodes with :func:`loads_plain`
+    (which also accepts instances of ``classes``).
 
     Raises:
         ValueError: a frame over :data:`MAX_FRAME_BYTES`, cut short, or (``plain``) not plain data.
@@ -304,7 +261,7 @@ def read_frame(fd: int, plain: bool = True):
     data = _read_exact(fd, size)
     if data is None:
         raise ValueError("a message cut short")
-    return loads_plain(data) if plain else pickle.loads(data)
+    return loads_plain(data, classes) if plain else pickle.loads(data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -608,7 +565,7 @@ def _find_function(ns: dict, name: str):
 def _define(spec: dict, name: str) -> dict:
     """Run the program's definitions (``__name__ == "__sandbox__"``): ``{"fn": callable}`` or
     ``{"outcome": "fail" | "error", "detail": ...}``."""
-    ns = {"__name__": "__sandbox__", "__builtins__": builtins}
+    ns = _namespace_module()
     exec(spec.get("header") or "", ns)
     try:
         _exec(spec["code"], ns)
@@ -641,7 +598,7 @@ def _answer(fn, args: list, kwargs: dict) -> dict:
         sys.stderr.write(_format_traceback())
         return {"raised": type(e).__name__, "detail": _exc_detail(e)}
     got = to_plain(got)
-    if is_plain(got):
+    if is_plain(got) or _own_classes(got):
         return {"value": got}
     return {"opaque": type(got).__name__, "repr": _short(got)}
 
@@ -732,16 +689,19 @@ def _raise_answer(answer: dict):
     raise RuntimeError(f"{name}: {detail}")
 
 
-def _proxy(spec: dict):
+def _proxy(spec: dict, ns: dict):
+    """The entry point as the test sees it: each call goes to the program's process and comes back
+    as plain data (or as instances of the dataset's own classes, those of ``ns``)."""
     requests, replies = spec["request_fd"], spec["reply_fd"]
 
     def candidate(*args, **kwargs):
+        classes = {k: v for k, v in ns.items() if isinstance(v, type) and v.__module__ == SANDBOX_MODULE}
         try:
             write_frame(requests, (args, kwargs))
         except BrokenPipeError:
             raise ProgramGone("the program exited before the tests finished") from None
         try:
-            answer = read_frame(replies)
+            answer = read_frame(replies, classes=classes)
         except ValueError as e:
             raise ProgramGone(f"the program sent {e}") from None
         if not isinstance(answer, dict):
@@ -773,11 +733,11 @@ def _run_judge(spec: dict) -> int:
     if not ready.get("ready"):
         return report(str(ready.get("outcome", "error")) if ready.get("outcome") in ("fail", "error") else "error",
                       str(ready.get("detail", "the program did not start")))
-    ns = {"__name__": "__sandbox__", "__builtins__": builtins}
+    ns = _namespace_module()
     try:
         _exec(spec["prompt"], ns, "prompt.py")
         _exec(spec["test"], ns, "test.py")
-        candidate = _proxy(spec)
+        candidate = _proxy(spec, ns)
         ns[spec["fn_name"]] = candidate
         ns["check"](candidate)
     except AssertionError as e:

@@ -35,14 +35,14 @@ What :func:`check_file` does with a results JSONL (``eval.runner`` records):
 :func:`pass_rows` then gives one row per (method, drafter, tree size): pass@1 over the problems
 with a verdict, and the difference to a reference method (default ``hf-static``, else ``hf``) with
 its 95% interval, Tango's paired score interval over the problems both have
-(``eval.execution.paired_diff_ci``). Identical outputs give a difference of 0 with an interval of
+(``eval.stats.paired_diff_ci``). Identical outputs give a difference of 0 with an interval of
 ``±z²/(n + z²)``; only problems one method solves and the other does not move it.
 
 **pass@k with several samples** (:func:`pass_fields`, :func:`paired_pass_diff`). A problem with c
 of n samples correct gets the unbiased estimate ``pass@k = 1 - C(n - c, k) / C(n, k)`` (Chen et al.
-2021, ``eval.execution.pass_at_k``; ``c / n`` for k = 1), for k in :data:`PASS_KS` up to n; a row's
+2021, ``eval.stats.pass_at_k``; ``c / n`` for k = 1), for k in :data:`PASS_KS` up to n; a row's
 pass@k is the mean over its problems. Its 95% interval is the percentile bootstrap over problems
-(``eval.execution.bootstrap_mean_ci``: 10,000 resamplings of the problems, seeded, so a report is
+(``eval.stats.bootstrap_mean_ci``: 10,000 resamplings of the problems, seeded, so a report is
 reproducible), which covers both the spread between problems and the sampling noise of each
 estimate. The difference to the reference is the mean of the paired per-problem differences of the
 estimates over the problems both have, with the paired bootstrap interval (pairs resampled
@@ -66,7 +66,8 @@ from typing import Any
 
 from eval import execution, sandbox
 from eval.datasets import DATASETS, check_dataset
-from eval.execution import Limits, PairedDiff, bootstrap_mean_ci, paired_diff_ci, pass_at_k
+from eval.execution import Limits
+from eval.stats import PairedDiff, bootstrap_mean_ci, paired_diff_ci, pass_at_k
 from eval.records import is_timed, load_records, record_drafter, row_sort_key
 
 __all__ = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eval import execution as E
-from eval import passk
+from eval import passk, stats
 from eval.datasets import HumanEvalProblem
 from specdec import cli
 
@@ -167,7 +167,7 @@ def test_pass_rows_and_paired_interval(tmp_path):
     assert all(r["reference"] == "hf-static" for r in rows) and by[("hf-static", None)]["diff"] is None
     hf = by[("hf", None)]
     assert (hf["checked"], hf["passed"], hf["pass_at_1"], hf["paired"], hf["better"], hf["worse"]) == (2, 2, 1.0, 2, 1, 0)
-    want = E.paired_diff_ci([True, True], [True, False], method="tango")
+    want = stats.paired_diff_ci([True, True], [True, False], method="tango")
     assert (hf["diff"], hf["low"], hf["high"]) == pytest.approx((0.5, want.low, want.high))
     sp8 = by[("specdec", 8)]  # one problem only (the other raised): paired over it
     assert (sp8["checked"], sp8["pass_at_1"], sp8["paired"], sp8["diff"]) == (1, 0.0, 1, -1.0)
@@ -393,7 +393,7 @@ def test_pass_at_k_rows_from_known_correctness():
     assert (spec["better"], spec["worse"]) == (1, 1)
     assert (hf["diff"], hf["low"], hf["high"]) == (0.0, 0.0, 0.0) and hf["pass_at_10_diff"] == 0.0  # identical
     assert static["diff"] is None and "pass_at_10_diff" not in static
-    expect = E.paired_diff_ci([0.9, 0.5, 0.1], [1.0, 0.5, 0.0], method="bootstrap")
+    expect = stats.paired_diff_ci([0.9, 0.5, 0.1], [1.0, 0.5, 0.0], method="bootstrap")
     assert (spec["low"], spec["high"]) == pytest.approx((expect.low, expect.high))
     table = passk.format_pass_table(list(rows.values()))
     head = [h.strip() for h in table.splitlines()[0].strip("|").split("|")]
@@ -425,3 +425,34 @@ def test_report_has_pass_at_k_and_aggregate_tokens_per_s():
     cells = dict(zip(head, (c.strip() for c in table.splitlines()[4].strip("|").split("|"))))
     assert cells["n"] == "10" and cells["pass@10"].startswith("100.0% [") and cells["Δpass@10 vs hf-static pp (95% CI)"]
     assert {"samples", "pass_at_10", "pass_at_10_diff_high"} <= set(report.COLUMNS)
+
+
+def test_check_keeps_unscored_lines_byte_for_byte_and_a_truncated_line_in_place(tmp_path, capsys):
+    data = _write_problems(tmp_path / "he.jsonl")
+    path = tmp_path / "r.jsonl"
+    lines = [json.dumps(r, indent=None) for r in _records()]
+    lines[0] = json.dumps(_records()[0], indent=1).replace("\n", " ")  # an odd but valid format: kept as is
+    torn = json.dumps(_rec("Synthetic/0", "hf", ADD_OK, note="killed"))[:57]  # a run killed mid-write
+    path.write_text("\n".join(lines) + "\n" + torn)
+    assert cli.main(["check", str(path), "--data", str(data), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "line(s) 10 not a complete record (left as they are, not checked)" in out
+    after = path.read_text().split("\n")
+    assert after[-1] == torn and after[0] == lines[0]  # the torn line and the unscored warm-up, untouched
+    assert after[8] == lines[8]  # the error record (no text): not scored, not rewritten
+    assert all(json.loads(a).get("check_isolation") == "bubblewrap" for a in after[1:8])
+
+
+def test_check_without_bubblewrap_refuses_before_anything(tmp_path, capsys, monkeypatch):
+    from eval import sandbox
+
+    data = _write_problems(tmp_path / "he.jsonl")
+    path = _write(tmp_path / "r.jsonl", _records())
+    before = path.read_bytes()
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    assert cli.main(["check", str(path), "--data", str(data), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "apt-get install bubblewrap" in err[0] and "--unsafe-no-isolation" in err[0]
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["he.jsonl", "r.jsonl"]
+    assert cli.main(["check", str(path), "--data", str(data), "--no-progress", "--unsafe-no-isolation"]) == 0
+    assert {r.get("check_isolation") for r in _lines(path)[1:8]} == {"none"}
