@@ -41,8 +41,9 @@ def _build(ns) -> None:
     config = LlamaConfig(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     device = torch.device(ns.device)
     t0 = time.perf_counter()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[ns.dtype]
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     gen = torch.Generator(device=device).manual_seed(ns.seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,7 +54,7 @@ def _build(ns) -> None:
     model.generation_config = GenerationConfig(pad_token_id=0)
     model.save_pretrained(ns.out, max_shard_size="4GB")
     n = sum(p.numel() for p in model.parameters())
-    print(f"built {ns.layers}-layer {ns.config} shapes ({n / 1e9:.2f} B params, fp32) into {ns.out} in "
+    print(f"built {ns.layers}-layer {ns.config} shapes ({n / 1e9:.2f} B params, {ns.dtype}) into {ns.out} in "
           f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
 
 
@@ -108,13 +109,26 @@ def _run(ns) -> None:
     cap = max(len(p) for p in prompts) + ns.new + ns.tree_size + 64
     graphs = {"auto": None, "on": True, "off": False}[ns.cuda_graphs]
     dec = SpecDecoder(target, drafter, ns.tree_size if drafter else 0, max_cache_len=-(-cap // 256) * 256,
-                      cuda_graphs=graphs)  # fmt: skip
+                      cuda_graphs=graphs, compile=ns.compile)  # fmt: skip
     t0 = time.perf_counter()
     dec.warmup([1], log=None)
     dec.generate(prompts[0], 8)  # drafter warm-up, first-call costs
     sync()
     warm_s = time.perf_counter() - t0
     rows = []
+    if ns.trace and rank == 0:  # where one call's time goes: host ops and device kernels
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            dec.generate(prompts[0], ns.new)
+            sync()
+        lines = []
+        for key in ("self_cuda_time_total", "cpu_time_total"):
+            lines.append(prof.key_averages().table(sort_by=key, row_limit=25))
+        Path(ns.trace).write_text("\n\n".join(lines))
+    elif ns.trace:
+        dec.generate(prompts[0], ns.new)  # the other ranks run the same call (collectives)
     for p in prompts:
         sync()
         t = time.perf_counter()
@@ -135,11 +149,18 @@ def _run(ns) -> None:
         print(f"{ns.out}: world {world} {ns.dtype} drafter={ns.drafter} t={dec.tree_size} graphs={dec.cuda_graphs}: "
               f"{new} tokens in {secs:.2f} s = {new / secs:.1f} tok/s (bs 1), "
               f"{res['max_memory_gib']:.1f} GiB on rank 0")  # fmt: skip
-    if world > 1:
+    if world > 1:  # a clean exit: graphs (which hold the communicator) freed before the group goes
         import torch.distributed as dist
 
-        dist.barrier()
+        t_end = time.perf_counter()
+        dec.release()
+        del dec, target, drafter
+        sync()
+        print(f"rank {rank}: released in {time.perf_counter() - t_end:.2f} s", flush=True)
+        dist.barrier(device_ids=[device.index]) if cuda else dist.barrier()
+        print(f"rank {rank}: barrier passed at {time.perf_counter() - t_end:.2f} s", flush=True)
         dist.destroy_process_group()
+        print(f"rank {rank}: process group destroyed at {time.perf_counter() - t_end:.2f} s", flush=True)
 
 
 def _compare(ns) -> int:
@@ -169,6 +190,7 @@ def main(argv=None) -> int:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--std", type=float, default=0.02)
     b.add_argument("--device", default="cuda:0")
+    b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the saved weights' dtype")
     r = sub.add_parser("run", help="decode prompts at batch size 1 (TP under torchrun) and write JSON")
     r.add_argument("--model", required=True)
     r.add_argument("--out", required=True)
@@ -182,6 +204,8 @@ def main(argv=None) -> int:
     r.add_argument("--tokenizer", action="store_true", help="real prompts through the model's tokenizer")
     r.add_argument("--prompts-file", help="JSONL with a 'description' per line (APPS), with --tokenizer")
     r.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
+    r.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True): the layer-wise compile")
+    r.add_argument("--trace", help="write a torch.profiler table of one call (rank 0) to this file")
     r.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("compare", help="compare two run JSONs (outputs, tokens/s)")
     c.add_argument("one")
