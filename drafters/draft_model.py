@@ -56,7 +56,7 @@ import torch
 from drafters._build import NodePool, best_first as _best_first, expanded_path, make_tree, root_only
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
-from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, GraphedMaskedForward, _Replayed, compile_fixed_shapes,
+from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, GraphedMaskedForward, Replayed, compile_fixed_shapes,
                             prefill_chunks, replay_modes)
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
@@ -139,7 +139,7 @@ class DraftModelDrafter(BaseDrafter):
     ``StepStats.draft_s``): ``last_forwards`` (draft forwards, catch-up included), ``last_depth``
     (levels drafted), ``last_device_loop``.
 
-    Draft forwards attend with SDPA under an explicit mask (``specdec.hf.MaskedState``): the
+    Draft forwards attend with SDPA under an explicit mask (``specdec.attention.MaskedState``): the
     queries of a depth are a few frontier nodes, not the whole tree the tree-attention kernel
     expects. The draft's KV lives in one ``specdec.KVCache`` per sequence, grown (by copying the
     committed part) when a step would not fit; with static shapes its last slot is scratch for
@@ -671,7 +671,7 @@ def _compiled_run_state(backend: bool | str):
     return compile_fixed_shapes(hf.run_state, backend)
 
 
-class _DeviceLoop(_Replayed):
+class _DeviceLoop(Replayed):
     """One sequence's whole draft step on the device: fixed shapes, no host sync inside.
 
     ``propose``'s forwards and choices -- the catch-up chain (``chain > 0``: up to ``chain`` tokens

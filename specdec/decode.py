@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import hf
-from specdec.graphs import DecodeChunk
+from specdec.decode_chunk import DecodeChunk
 from specdec.drafting import HIDDEN_LAST, DraftContext, propose_all
 from specdec.kv import KVCache
 from specdec.outputs import StepStats

@@ -22,7 +22,8 @@ from specdec.capacity import MIN_CACHE_BUCKET, CacheCapacity, checked_buckets, d
 from specdec.decode import DecodeLoop, Run
 from specdec.distributed import RankSync
 from specdec.drafting import Drafter, hidden_states_request
-from specdec.graphs import DEFAULT_PREFILL_WIDTH, DecodeChunk, GraphedForward, replay_modes
+from specdec.decode_chunk import DecodeChunk
+from specdec.graphs import DEFAULT_PREFILL_WIDTH, GraphedForward, replay_modes
 from specdec.kv import KVCache
 from specdec.outputs import GenerationOutput, StepStats, WarmupEntry, WarmupReport
 from specdec.prefill import Prefill

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from specdec import KVCache, SamplingConfig, SpecDecoder, logits_to_probs
-from specdec.graphs import DecodeChunk, GraphedForward
+from specdec.decode_chunk import DecodeChunk
+from specdec.graphs import GraphedForward
 from tests.specdec.helpers import hf_greedy, prepared_tiny_model, random_prompt
 from tests.specdec.test_verify import _chi2_fails
 
