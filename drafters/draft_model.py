@@ -22,7 +22,7 @@ Per step and sequence (``propose``), with root r = the last committed token:
 4. **Commit** (``update``): the accepted path's nodes that the draft expanded are moved next to the
    committed prefix with ``KVCache.commit``; the rest of the tree region is overwritten next step.
 
-**Where it runs (issue 14).** Steps 1 (after the first step of a sequence) and 2 and the choice
+**Where it runs.** Steps 1 (after the first step of a sequence) and 2 and the choice
 of nodes run on the device (``DeviceLoop``, the default for every proposal kind): fixed ``topk``
 rows per depth (rows without a live node are padding that nobody attends to), top-k / draws /
 scores / the next frontier in device tensors, the ancestor matrix and the masks over the draft

@@ -394,7 +394,7 @@ def clear_cublas_workspaces() -> None:
     depends on memory it does not own: once the workspace cache is cleared (torch.compile's
     CUDA-graph trees clear it around every recording, e.g. under HF ``generate`` with the static
     cache) and the owning pool is released, replaying the graph reads and writes freed device
-    memory ("unspecified launch failure", issue 13). Clearing right before a capture makes the
+    memory ("unspecified launch failure"). Clearing right before a capture makes the
     capture allocate a fresh workspace inside its own pool, which lives as long as the graph.
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

@@ -62,6 +62,11 @@ class GenerationOutput:
         shared_prompt: whether the call decoded on the shared layout (``num_return_sequences`` > 1 of
             one prompt whose KV was kept once for all its sequences, see ``SpecDecoder``'s
             ``shared_prefix``); False: every sequence held its own copy of its prompt's KV.
+
+    Timing (``steps``' ``draft_s`` / ``verify_s`` / ``forward_s`` / ``commit_s`` and ``prefill_s``):
+    host wall time without any device synchronize by default; with ``SpecDecoder(profile=True)``
+    every phase ends with a device synchronize, so each holds the device work it queued (see
+    ``StepStats``).
     """
 
     sequences: torch.Tensor

@@ -99,16 +99,10 @@ class Warmup:
         (e.g. an evaluation drawing 16 samples per prompt: ``warmup(batch_sizes=(16,),
         max_len=longest + N, min_len=shortest + N, new_tokens=N, shared="only")``).
 
-        Memory: every warmed cache stays allocated (see the class docstring), e.g. all six default
-        buckets of Qwen2.5-1.5B in bf16 take 1.7 GiB per sequence of batch size.
-
-        Warming only what the first request needs (time to first token): ``min_len = max_len =
-        prompt + max_new_tokens`` of that request builds exactly the one bucket its ``generate``
-        uses (each bucket costs a compile -- or, with a warm compile cache, a trace and cache load
-        -- and a capture: ~15 s per bucket for Qwen2.5-1.5B compiled on an H100, PERF.md v4). The
-        trade-off: a later request that needs another bucket (a longer one, or a shorter one whose
-        smaller bucket was skipped) builds it on its first call, a stall of that size; warm the
-        range the workload spans (``min_len`` None) before timing a run.
+        Memory: every warmed cache stays allocated (see ``SpecDecoder``). Warming only what the
+        first request needs (``min_len = max_len = prompt + max_new_tokens``) builds exactly the one
+        bucket its ``generate`` uses; a later request that needs another bucket builds it on its
+        first call, a stall (docs/ENGINE.md, "Warm-up", gives sizes and costs).
 
         Args:
             batch_sizes: the batch sizes (sequences per call: prompts x num_return_sequences) to come.
@@ -135,8 +129,7 @@ class Warmup:
                 plain decoding in chunks (``decode_chunk``) also runs the sampled chunk of every
                 warmed forward once, beside the greedy one (a sampled chunk records its
                 configuration: without this, each cache pair's first sampled call captures its
-                own, a ~1-s stall on an H100 for 16 rows of the 1.5B, PERF.md v21). None (default):
-                the greedy chunks only.
+                own, a stall). None (default): the greedy chunks only.
             log: called with progress messages (default: print to stderr); None: silent.
 
         Returns:
