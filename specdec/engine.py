@@ -216,7 +216,7 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         if shared_prefix and obstacle is not None:
             raise ValueError(f"shared_prefix: True needs a target the cascade attention serves, got one with "
                              f"{obstacle}")
-        #: n > 1 sequences of one prompt keep its KV once (the module doc), where the call allows it.
+        #: n > 1 sequences of one prompt keep its KV once (docs/ENGINE.md), where the call allows it.
         self.shared_prefix: bool = (obstacle is None) if shared_prefix is None else shared_prefix
         self._shared_required = shared_prefix is True  # a call the cascade cannot serve raises
         #: synchronize the device at the end of every timed phase of ``generate`` (see the argument)
