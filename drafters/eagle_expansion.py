@@ -8,8 +8,8 @@ head forward. ``Expansion`` runs it over one sequence's head cache at fixed addr
 recorded once as a CUDA graph and replayed), with the step's catch-up fused in front when it is
 short (``CatchUp``); the record comes back to the host in one copy.
 
-The functions and classes here call the drafter's head through ``EagleDrafter._forward`` /
-``_draft_logits`` / ``_token_ids`` / ``_catch_up_visible`` (drafters.eagle).
+They reach the head through the drafter (``drafters.eagle.EagleDrafter``), whatever offers the
+methods ``ExpansionHost`` lists.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,10 +28,27 @@ from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, warp_logits
 from specdec.tree import TokenTree
 
-if TYPE_CHECKING:
-    from drafters.eagle import EagleDrafter
+__all__ = ["CatchUp", "Expansion", "ExpansionHost", "ExpansionPlan", "expand_depths"]
 
-__all__ = ["CatchUp", "Expansion", "ExpansionPlan", "expand_depths"]
+
+class ExpansionHost(Protocol):
+    """What an expansion calls on its drafter (``drafters.eagle.EagleDrafter``)."""
+
+    device: torch.device
+    head: Any  # the EagleHead: its ``fc.weight`` (dtype, device) and ``hidden_size``
+    _depth_loop: Any  # ``expand_depths``, or a torch.compile of it
+
+    def _draft_logits(self, feats: torch.Tensor) -> torch.Tensor: ...
+
+    def _token_ids(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+    def _forward(self, cache: KVCache, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
+
+    def _mark(self, phase: str) -> None: ...
+
+    @staticmethod
+    def _catch_up_visible(keep, m, rows: int, kv_len: int, padded: bool, device: torch.device) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -164,7 +181,7 @@ class ExpansionPlan:
         return TokenTree(torch.from_numpy(tokens), torch.from_numpy(parents)), exp[order].tolist()
 
 
-def expand_depths(drafter: "EagleDrafter", cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
+def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
                    kv_lens: tuple[int, ...], scalars: torch.Tensor, feat: torch.Tensor, tok: torch.Tensor,
                    score_out: torch.Tensor, pick_out: torch.Tensor) -> None:  # fmt: skip
     """Depths 1 .. ``plan.depth`` of an expansion on the device: candidates, the next frontier, its
@@ -226,7 +243,7 @@ class Expansion:
     ``capture=False`` runs the same body eagerly (what CPU tests check).
     """
 
-    def __init__(self, drafter: "EagleDrafter", cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
+    def __init__(self, drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
                  capture: bool, width: int = 0) -> None:  # fmt: skip
         dev, w = drafter.device, drafter.head.fc.weight
         self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
