@@ -29,6 +29,70 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _copy_entry_line(entry: WarmupEntry, compiled: bool, static: bool) -> str:
+    """The progress line of a copy-layout ``WarmupEntry``: its seconds and what they went to."""
+    parts = [f"{entry.seconds:.1f} s"]
+    if entry.first_run_s is not None and compiled:
+        parts.append(f"compile {entry.first_run_s:.1f} s")
+    if entry.capture_s is not None:
+        split = ("" if entry.capture_warmup_s is None else
+                 f" (warm-up forwards {entry.capture_warmup_s:.1f}, "
+                 f"recording {entry.capture_s - entry.capture_warmup_s:.1f})")  # fmt: skip
+        parts.append(f"capture {entry.capture_s:.1f} s{split}")
+    if entry.prefill_capture_s is not None:
+        parts.append(f"prefill capture {entry.prefill_capture_s:.1f} s")
+    if entry.shared_capture_s is not None:
+        parts.append(f"shared-prompt forward capture {entry.shared_capture_s:.1f} s")
+    if entry.chunk_capture_s is not None:
+        parts.append(f"decode-chunk capture {entry.chunk_capture_s:.1f} s")
+    if static and not entry.built:
+        parts.append("already built")
+    return ", ".join(parts)
+
+
+def _shared_entry_line(entry: WarmupEntry, compiled: bool, static: bool) -> str:
+    """The progress line of a shared-prompt ``WarmupEntry`` (``prompt_capacity`` set)."""
+    parts = [f"{entry.seconds:.1f} s"]
+    if entry.shared_first_run_s is not None and compiled:
+        parts.append(f"compile {entry.shared_first_run_s:.1f} s")
+    if entry.shared_capture_s is not None:
+        parts.append(f"capture {entry.shared_capture_s:.1f} s")
+    if entry.prefill_capture_s is not None:
+        parts.append(f"prompt prefill capture {entry.prefill_capture_s:.1f} s")
+    if static and not entry.shared_built:
+        parts.append("already built")
+    return ", ".join(parts)
+
+
+def _check_warmup_args(batch_sizes, max_len, min_len, shared, new_tokens, sampling, log, limit: int | None) -> None:
+    """``ValueError`` naming the first bad argument of ``warmup`` (``limit``: the target's context)."""
+    if isinstance(batch_sizes, int) or not isinstance(batch_sizes, Sequence) or not batch_sizes or any(
+            not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):  # fmt: skip
+        raise ValueError(f"batch_sizes: expected a non-empty sequence of ints >= 1, got {batch_sizes!r}")
+    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2):
+        raise ValueError(f"max_len: expected None or an int >= 2 (prompt + max_new_tokens), got {max_len!r}")
+    if min_len is not None and (not isinstance(min_len, int) or isinstance(min_len, bool) or min_len < 2):
+        raise ValueError(f"min_len: expected None or an int >= 2 (prompt + max_new_tokens), got {min_len!r}")
+    if min_len is not None and max_len is not None and min_len > max_len:
+        raise ValueError(f"min_len: expected at most max_len = {max_len}, got {min_len}")
+    if max_len is not None and limit is not None and max_len > limit:
+        raise ValueError(f"max_len: expected at most the target's context of {limit} positions, got {max_len}")
+    if not isinstance(shared, bool) and not (isinstance(shared, str) and shared == "only"):
+        raise ValueError(f"shared: expected True, False or 'only', got {shared!r}")
+    if new_tokens is not None and (not isinstance(new_tokens, int) or isinstance(new_tokens, bool)
+                                   or new_tokens < 1):  # fmt: skip
+        raise ValueError(f"new_tokens: expected None or an int >= 1 (the calls' max_new_tokens), got {new_tokens!r}")
+    if new_tokens is not None and max_len is not None and new_tokens >= max_len:
+        raise ValueError(f"new_tokens: expected less than max_len = {max_len} (prompts of at least one token), "
+                         f"got {new_tokens}")  # fmt: skip
+    if shared == "only" and new_tokens is None:
+        raise ValueError("shared: 'only' needs new_tokens (the calls' max_new_tokens, which sizes the rows' cache)")
+    if sampling is not None and not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling: expected None or a specdec.SamplingConfig, got {type(sampling).__name__}")
+    if log is not None and not callable(log):
+        raise ValueError(f"log: expected a callable or None, got {type(log).__name__}")
+
+
 class Warmup:
     """The warm-up of ``SpecDecoder`` (a base class of it): builds through the decoder's
     ``_cache_for``, ``_prefill``, ``_tree_forward`` and ``_chunk``, and reads its kept forwards."""
@@ -136,32 +200,8 @@ class Warmup:
             ``WarmupReport``: per (B, S), the seconds of its prefill, compile (``first_run_s``) and
             capture, and of the prefill forward's first run and capture.
         """
-        if isinstance(batch_sizes, int) or not isinstance(batch_sizes, Sequence) or not batch_sizes or any(
-                not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):  # fmt: skip
-            raise ValueError(f"batch_sizes: expected a non-empty sequence of ints >= 1, got {batch_sizes!r}")
-        if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2):
-            raise ValueError(f"max_len: expected None or an int >= 2 (prompt + max_new_tokens), got {max_len!r}")
-        if min_len is not None and (not isinstance(min_len, int) or isinstance(min_len, bool) or min_len < 2):
-            raise ValueError(f"min_len: expected None or an int >= 2 (prompt + max_new_tokens), got {min_len!r}")
-        if min_len is not None and max_len is not None and min_len > max_len:
-            raise ValueError(f"min_len: expected at most max_len = {max_len}, got {min_len}")
-        limit = hf.max_positions(self.target)
-        if max_len is not None and limit is not None and max_len > limit:
-            raise ValueError(f"max_len: expected at most the target's context of {limit} positions, got {max_len}")
-        if not isinstance(shared, bool) and not (isinstance(shared, str) and shared == "only"):
-            raise ValueError(f"shared: expected True, False or 'only', got {shared!r}")
-        if new_tokens is not None and (not isinstance(new_tokens, int) or isinstance(new_tokens, bool)
-                                       or new_tokens < 1):  # fmt: skip
-            raise ValueError(f"new_tokens: expected None or an int >= 1 (the calls' max_new_tokens), got {new_tokens!r}")
-        if new_tokens is not None and max_len is not None and new_tokens >= max_len:
-            raise ValueError(f"new_tokens: expected less than max_len = {max_len} (prompts of at least one token), "
-                             f"got {new_tokens}")  # fmt: skip
-        if shared == "only" and new_tokens is None:
-            raise ValueError("shared: 'only' needs new_tokens (the calls' max_new_tokens, which sizes the rows' cache)")
-        if sampling is not None and not isinstance(sampling, SamplingConfig):
-            raise ValueError(f"sampling: expected None or a specdec.SamplingConfig, got {type(sampling).__name__}")
-        if log is not None and not callable(log):
-            raise ValueError(f"log: expected a callable or None, got {type(log).__name__}")
+        _check_warmup_args(batch_sizes, max_len, min_len, shared, new_tokens, sampling, log,
+                           hf.max_positions(self.target))  # fmt: skip
         say = log or (lambda message: None)
         capacities = self._warm_capacities(max_len, min_len)
         batch_sizes = sorted(set(batch_sizes))
@@ -194,37 +234,13 @@ class Warmup:
                 say(f"  B={batch} S={capacity} n={n} ...")
                 entry = self._warm_one(batch, capacity, n, bool(shared) and new_tokens is None, sampling)
                 entries.append(entry)
-                parts = [f"{entry.seconds:.1f} s"]
-                if entry.first_run_s is not None and self.compile:
-                    parts.append(f"compile {entry.first_run_s:.1f} s")
-                if entry.capture_s is not None:
-                    split = ("" if entry.capture_warmup_s is None else
-                             f" (warm-up forwards {entry.capture_warmup_s:.1f}, "
-                             f"recording {entry.capture_s - entry.capture_warmup_s:.1f})")  # fmt: skip
-                    parts.append(f"capture {entry.capture_s:.1f} s{split}")
-                if entry.prefill_capture_s is not None:
-                    parts.append(f"prefill capture {entry.prefill_capture_s:.1f} s")
-                if entry.shared_capture_s is not None:
-                    parts.append(f"shared-prompt forward capture {entry.shared_capture_s:.1f} s")
-                if entry.chunk_capture_s is not None:
-                    parts.append(f"decode-chunk capture {entry.chunk_capture_s:.1f} s")
-                if self.static_shapes and not entry.built:
-                    parts.append("already built")
-                say(f"  B={batch} S={capacity} n={n}: {', '.join(parts)}")
+                say(f"  B={batch} S={capacity} n={n}: {_copy_entry_line(entry, bool(self.compile), self.static_shapes)}")
             for prompt_cap in prompt_caps if batch > 1 else ():
                 say(f"  B={batch} S={rows_cap} n={n} shared prompt C={prompt_cap} ...")
                 entry = self._warm_shared(batch, rows_cap, n, prompt_cap, sampling)
                 entries.append(entry)
-                parts = [f"{entry.seconds:.1f} s"]
-                if entry.shared_first_run_s is not None and self.compile:
-                    parts.append(f"compile {entry.shared_first_run_s:.1f} s")
-                if entry.shared_capture_s is not None:
-                    parts.append(f"capture {entry.shared_capture_s:.1f} s")
-                if entry.prefill_capture_s is not None:
-                    parts.append(f"prompt prefill capture {entry.prefill_capture_s:.1f} s")
-                if self.static_shapes and not entry.shared_built:
-                    parts.append("already built")
-                say(f"  B={batch} S={rows_cap} n={n} shared prompt C={prompt_cap}: {', '.join(parts)}")
+                say(f"  B={batch} S={rows_cap} n={n} shared prompt C={prompt_cap}: "
+                    f"{_shared_entry_line(entry, bool(self.compile), self.static_shapes)}")
         drafter_s = 0.0
         drafter_warmup = getattr(self.drafter, "warmup", None)
         if callable(drafter_warmup):
