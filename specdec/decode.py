@@ -87,8 +87,6 @@ def append_tokens(run: Run, b: int, tokens: list[int]) -> list[int]:
     return new
 
 
-
-
 def _stream(run: Run, appended: list[list[int]]) -> None:
     """The ``on_tokens`` callback (if any) for every sequence that appended tokens."""
     if run.on_tokens is not None:
@@ -133,57 +131,6 @@ class DecodeLoop:
             forward_s=timer.seconds["forward"],
         )
 
-    def _update_drafter(self, contexts: list[DraftContext | None], trees: list[TokenTree],
-                        verdicts: list[Verdict | None]) -> None:  # fmt: skip
-        """Tell the drafter what was accepted of each tree it proposed."""
-        if self.drafter is not None:
-            for b, v in enumerate(verdicts):
-                if contexts[b] is not None:
-                    self.drafter.update(contexts[b], trees[b], v)
-
-    def _chunking(self) -> bool:
-        """Whether plain decoding runs in chunks: ``decode_chunk``, static shapes, no drafting, one process."""
-        return bool(self.decode_chunk) and not self.tree_size and self.static_shapes and self.rank_sync is None
-
-    def _chunk_for(self, run: Run) -> DecodeChunk | None:
-        """The ``DecodeChunk`` for this call's next steps (made on first use), or None: a step at a
-        time (see ``decode_chunk``: not plain decoding with static shapes, or an unfinished
-        sequence has fewer than ``decode_chunk`` tokens to go)."""
-        if not self._chunking():
-            return None
-        left = min(len(run.prompts[b]) + run.max_new_tokens - run.lens[b] for b in range(len(run.lens)) if not run.done[b])
-        if left < self.decode_chunk:
-            return None
-        return self._chunk(run.cache, len(run.lens), run.shared, run.sampling)
-
-    def _chunk_steps(self, run: Run, chunk: DecodeChunk) -> list[StepStats]:
-        """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``append_tokens``'s
-        rule; finished ones decode and are ignored); one ``StepStats`` per step, the chunk's time
-        split evenly (a step emits one token per sequence still going at it)."""
-        timer = self._phase_timer()
-        batch, k = len(run.lens), chunk.steps
-        with timer("verify"):
-            with timer("forward"):
-                ids = run.seqs.numpy()  # a view, for reading host ints
-                tokens = chunk.run([int(ids[b, n - 1]) for b, n in enumerate(run.lens)], run.cache.lengths,
-                                   run.generator)  # fmt: skip
-            rows = tokens.tolist()
-        appended: list[list[int]] = [[] for _ in range(batch)]
-        with timer("commit"):
-            for b, row in enumerate(rows):
-                if not run.done[b]:
-                    appended[b] = append_tokens(run, b, row)
-                    if appended[b] and max(appended[b]) >= self.vocab_size:  # a sampled row without mass
-                        raise ValueError(f"logits: expected target distributions with positive mass, got none (NaN or "
-                                         f"all -inf logits) for sequence {b}")  # fmt: skip
-                    run.cache.lengths[b] += len(appended[b])  # slots of the root and new[:-1], written by the chunk
-        _stream(run, appended)
-        share = {phase: timer.seconds[phase] / k for phase in ("verify", "commit", "forward")}
-        zeros = (0,) * batch
-        return [StepStats(nodes_proposed=zeros, tokens_accepted=zeros,
-                          tokens_emitted=tuple(int(j < len(new)) for new in appended), draft_s=0.0, verify_s=share["verify"],
-                          commit_s=share["commit"], forward_s=share["forward"]) for j in range(k)]  # fmt: skip
-
     def _draft(self, run: Run) -> tuple[list[TokenTree], list[DraftContext | None]]:
         """Per sequence, the drafter's tree (root-only when finished or without a drafter) and the
         context it was asked with (None when it was not asked)."""
@@ -202,6 +149,27 @@ class DecodeLoop:
         for ctx, tree in zip(asked, propose_all(self.drafter, asked)):
             trees[ctx.seq] = self._checked_tree(tree, ctx, int(ids[ctx.seq, len(ctx.tokens) - 1]))
         return trees, contexts
+
+    def _checked_tree(self, tree, ctx: DraftContext, last: int) -> TokenTree:
+        """The drafter's tree, checked against what the forward and the verification assume (the
+        tree's own structure was checked when it was made); ``last``: the last committed token."""
+        if not isinstance(tree, TokenTree):
+            raise ValueError(f"drafter: propose() must return a specdec.TokenTree, got {type(tree).__name__}")
+        if tree.n - 1 > ctx.tree_size:
+            raise ValueError(f"drafter: expected at most tree_size = {ctx.tree_size} nodes besides the root, got {tree.n - 1}")
+        root = tree.token_list[0]
+        if root != last:
+            raise ValueError(f"drafter: expected the tree's root token to be the last committed token {last}, got {root}")
+        top = max(tree.token_list)
+        if top >= self.vocab_size:
+            raise ValueError(f"drafter: expected token ids < V = {self.vocab_size} (the target's vocabulary), got {top}")
+        if ctx.sampling is not None and tree.proposal != "topk":
+            if tree.draft_probs is None:
+                raise ValueError(f"drafter: a {tree.proposal!r} tree needs draft_probs for stochastic verification")
+            if tree.draft_probs.shape[1] != self.vocab_size:
+                raise ValueError(f"drafter: expected draft_probs over the target's vocabulary V = {self.vocab_size}, "
+                                 f"got {tree.draft_probs.shape[1]}")  # fmt: skip
+        return tree
 
     def _tree_forward(self, cache: KVCache, trees: list[TokenTree], shared: KVCache | None = None) -> _Forward:
         """The target's forward over the B trees as a call, its inputs prepared on the host.
@@ -291,23 +259,53 @@ class DecodeLoop:
                     run.hidden[b] = node_hidden[b, list(kept)]  # advanced indexing copies
         return appended, paths
 
-    def _checked_tree(self, tree, ctx: DraftContext, last: int) -> TokenTree:
-        """The drafter's tree, checked against what the forward and the verification assume (the
-        tree's own structure was checked when it was made); ``last``: the last committed token."""
-        if not isinstance(tree, TokenTree):
-            raise ValueError(f"drafter: propose() must return a specdec.TokenTree, got {type(tree).__name__}")
-        if tree.n - 1 > ctx.tree_size:
-            raise ValueError(f"drafter: expected at most tree_size = {ctx.tree_size} nodes besides the root, got {tree.n - 1}")
-        root = tree.token_list[0]
-        if root != last:
-            raise ValueError(f"drafter: expected the tree's root token to be the last committed token {last}, got {root}")
-        top = max(tree.token_list)
-        if top >= self.vocab_size:
-            raise ValueError(f"drafter: expected token ids < V = {self.vocab_size} (the target's vocabulary), got {top}")
-        if ctx.sampling is not None and tree.proposal != "topk":
-            if tree.draft_probs is None:
-                raise ValueError(f"drafter: a {tree.proposal!r} tree needs draft_probs for stochastic verification")
-            if tree.draft_probs.shape[1] != self.vocab_size:
-                raise ValueError(f"drafter: expected draft_probs over the target's vocabulary V = {self.vocab_size}, "
-                                 f"got {tree.draft_probs.shape[1]}")  # fmt: skip
-        return tree
+    def _update_drafter(self, contexts: list[DraftContext | None], trees: list[TokenTree],
+                        verdicts: list[Verdict | None]) -> None:  # fmt: skip
+        """Tell the drafter what was accepted of each tree it proposed."""
+        if self.drafter is not None:
+            for b, v in enumerate(verdicts):
+                if contexts[b] is not None:
+                    self.drafter.update(contexts[b], trees[b], v)
+
+    def _chunking(self) -> bool:
+        """Whether plain decoding runs in chunks: ``decode_chunk``, static shapes, no drafting, one process."""
+        return bool(self.decode_chunk) and not self.tree_size and self.static_shapes and self.rank_sync is None
+
+    def _chunk_for(self, run: Run) -> DecodeChunk | None:
+        """The ``DecodeChunk`` for this call's next steps (made on first use), or None: a step at a
+        time (see ``decode_chunk``: not plain decoding with static shapes, or an unfinished
+        sequence has fewer than ``decode_chunk`` tokens to go)."""
+        if not self._chunking():
+            return None
+        left = min(len(run.prompts[b]) + run.max_new_tokens - run.lens[b] for b in range(len(run.lens)) if not run.done[b])
+        if left < self.decode_chunk:
+            return None
+        return self._chunk(run.cache, len(run.lens), run.shared, run.sampling)
+
+    def _chunk_steps(self, run: Run, chunk: DecodeChunk) -> list[StepStats]:
+        """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``append_tokens``'s
+        rule; finished ones decode and are ignored); one ``StepStats`` per step, the chunk's time
+        split evenly (a step emits one token per sequence still going at it)."""
+        timer = self._phase_timer()
+        batch, k = len(run.lens), chunk.steps
+        with timer("verify"):
+            with timer("forward"):
+                ids = run.seqs.numpy()  # a view, for reading host ints
+                tokens = chunk.run([int(ids[b, n - 1]) for b, n in enumerate(run.lens)], run.cache.lengths,
+                                   run.generator)  # fmt: skip
+            rows = tokens.tolist()
+        appended: list[list[int]] = [[] for _ in range(batch)]
+        with timer("commit"):
+            for b, row in enumerate(rows):
+                if not run.done[b]:
+                    appended[b] = append_tokens(run, b, row)
+                    if appended[b] and max(appended[b]) >= self.vocab_size:  # a sampled row without mass
+                        raise ValueError(f"logits: expected target distributions with positive mass, got none (NaN or "
+                                         f"all -inf logits) for sequence {b}")  # fmt: skip
+                    run.cache.lengths[b] += len(appended[b])  # slots of the root and new[:-1], written by the chunk
+        _stream(run, appended)
+        share = {phase: timer.seconds[phase] / k for phase in ("verify", "commit", "forward")}
+        zeros = (0,) * batch
+        return [StepStats(nodes_proposed=zeros, tokens_accepted=zeros,
+                          tokens_emitted=tuple(int(j < len(new)) for new in appended), draft_s=0.0, verify_s=share["verify"],
+                          commit_s=share["commit"], forward_s=share["forward"]) for j in range(k)]  # fmt: skip
