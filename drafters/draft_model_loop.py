@@ -31,7 +31,7 @@ ATTENTIONS = ("sdpa", "tree")
 
 @dataclass(frozen=True, eq=False)
 class GroupedMaskedState(MaskedState):
-    """``hf.MaskedState`` whose attention folds each KV head's query heads into the query rows.
+    """``specdec.attention.MaskedState`` whose attention folds each KV head's query heads into the query rows.
 
     ``F.scaled_dot_product_attention`` with an explicit mask and ``enable_gqa`` (what
     ``MaskedState`` calls) runs PyTorch's math backend on CUDA: the keys and values of the whole

@@ -104,7 +104,7 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
             shared layout where True would give it, the copy layout where True would raise. Calls
             with several prompts always use the copy layout.
         decode_chunk: plain decoding (no drafter, or ``tree_size=0``) with static shapes runs
-            this many steps per ``specdec.graphs.DecodeChunk`` (default ``DEFAULT_DECODE_CHUNK`` =
+            this many steps per ``specdec.decode_chunk.DecodeChunk`` (default ``DEFAULT_DECODE_CHUNK`` =
             8): one replay and one device-to-host copy per chunk instead of a host round trip per
             token, while every unfinished sequence has at least that many tokens to go. Greedy: the
             same tokens as one step at a time; sampling: draws from the same distributions with

@@ -62,6 +62,7 @@ from collections.abc import Sequence
 import torch
 
 from specdec import hf
+from specdec.attention import MaskedState
 from specdec.kv import KVCache
 from specdec.tree import TokenTree
 from specdec.tree_inputs import InputLayout, pack_trees
@@ -274,7 +275,7 @@ class Replayed:
         """The captured region: the model's forward over the fixed inputs (no host sync inside).
 
         Subclasses set ``tokens``, ``positions`` (fixed ``[B, m]`` device tensors), ``state`` (a
-        ``hf.ForwardState`` / ``hf.MaskedState`` over fixed tensors) and ``return_hidden``.
+        ``hf.ForwardState`` / ``attention.MaskedState`` over fixed tensors) and ``return_hidden``.
         """
         out = hf.run_state(self.model, self.tokens, self.positions, self.state,
                            logits_to_keep=self.logits_to_keep, return_hidden=self.return_hidden)
@@ -602,7 +603,7 @@ class GraphedMaskedForward(Replayed):
         self.slots = self._ints[2 * seg : 3 * seg].view(batch, m)
         self.key_positions = self._ints[3 * seg :].view(batch, cap)
         self.visible = self._mask.view(batch, m, cap)
-        self.state = hf.MaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
+        self.state = MaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
 
     def load(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
              key_positions: torch.Tensor | None = None) -> None:  # fmt: skip

@@ -1,4 +1,4 @@
-"""``specdec.graphs.DecodeChunk`` and ``SpecDecoder(decode_chunk=)``: plain decoding, several steps
+"""``specdec.decode_chunk.DecodeChunk`` and ``SpecDecoder(decode_chunk=)``: plain decoding, several steps
 per replay with the device feeding each step's argmax (greedy) or sampled token to the next.
 
 CPU (CI): the chunk's eager mode (the body a CUDA graph records) against HF greedy ``generate`` in
