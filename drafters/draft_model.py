@@ -114,18 +114,16 @@ class DraftModelDrafter(BaseDrafter):
             prompt's KV (all but the root) in chunks of this many tokens through one fixed-shape
             forward (``specdec.graphs.GraphedForward``, captured like the loop; the engine's
             chunked prefill), and the root then runs as the loop's catch-up, so the step needs no
-            eager forward of the draft. Default ``DEFAULT_PREFILL_WIDTH`` (256; measured on the H100:
-            a call's first draft step 107 -> 14 ms, PERF.md v13); 0 or None = one eager causal
-            forward over the prompt (what dynamic shapes always use).
+            eager forward of the draft. Default ``DEFAULT_PREFILL_WIDTH`` (256; docs/ENGINE.md, "Draft
+            model"); 0 or None = one eager causal forward over the prompt (what dynamic shapes always use).
         attention: how the device loop's forwards attend: ``"sdpa"`` (SDPA under a dense mask over
             the whole draft cache, every layer kind), ``"tree"`` (treeattn's kernel: the committed
             prefix read up to its length, split over many thread blocks, the expanded nodes through
             ancestor bit words, every level's forward over all of them; no sliding-window or
             soft-capped layers) or ``"auto"`` (default): ``"tree"`` on a CUDA device when the
             draft's config allows it, else ``"sdpa"`` (on a CPU a forward's cost grows with its
-            rows, and a tree level runs ``topk * (depth - 1)`` of them). Measured on the H100 (PERF.md
-            v14): ``"tree"`` took the 0.5B's step from 9.9 to 9.0 ms on HumanEval and from 11.5 to
-            9.3 ms on APPS's longer prompts. The host-driven loop always uses SDPA.
+            rows, and a tree level runs ``topk * (depth - 1)`` of them; docs/ENGINE.md, "Draft model").
+            The host-driven loop always uses SDPA.
 
     Counters of the last ``propose`` (for benchmarks: draft ms per step come from the engine's
     ``StepStats.draft_s``): ``last_forwards`` (draft forwards, catch-up included), ``last_depth``

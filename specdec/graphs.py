@@ -157,12 +157,7 @@ def compile_plan(compile: bool | str) -> tuple[str | None, bool]:
     """``(backend, per_layer)`` of a ``compile=`` option: False -> (None, False); True or ``"layers"``
     -> ("inductor", True): the layer-wise compile; ``"layers:BACKEND"`` -> (BACKEND, True); another
     name, ``"inductor"`` included -> (it, False): the whole fixed-shape body through that backend
-    (``compile_fixed_shapes``).
-
-    Why True is layer-wise (PERF.md v20, H100): at Qwen2.5-Coder-1.5B a second process reaches its
-    first token in ~16 s against 29.7 s for the whole forward, and with inductor's combo kernels
-    (``hf.LAYER_INDUCTOR_OPTIONS``) the 65-node verify costs 2.349 against 2.454 ms on the same machine;
-    at Llama-3-8B shapes plain decoding takes 1.285 against 1.291× the weight-streaming floor."""
+    (``compile_fixed_shapes``). Why True is layer-wise: docs/ENGINE.md, "Compile"."""
     if not isinstance(compile, (bool, str)) or compile == "":
         raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
     if compile is False:

@@ -203,9 +203,8 @@ class _LayerForward:
 _COMPILED_FORWARDS: dict = {}  # (layer class, backend) -> torch.compile of the class's forward
 
 #: inductor options of the layer-wise compile: ``combo_kernels`` puts independent small kernels of a layer
-#: into one launch (the query's RoPE beside the keys' RoPE and store): on an H100 at Qwen2.5-Coder-1.5B
-#: shapes 12.8 kernels a layer instead of 13.8, the 65-node verify 2.363 against 2.412 ms, the logits
-#: unchanged (specdec/PERF.md v20). Triton code only: inductor's CPU code ignores it.
+#: into one launch (the query's RoPE beside the keys' RoPE and store; docs/ENGINE.md, "Compile"). Triton
+#: code only: inductor's CPU code ignores it.
 LAYER_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
