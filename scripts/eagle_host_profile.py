@@ -29,8 +29,7 @@ import time
 import torch
 from host_profile import randomize, tiny_qwen2  # this directory (the script's own) is on sys.path
 
-DETAIL = ("drafters.eagle:_Plan.pool", "drafters.eagle:best_first", "drafters.eagle:make_tree",
-          "drafters.eagle:_Plan.tree", "drafters.eagle:EagleDrafter._real_features",
+DETAIL = ("drafters.eagle_expansion:ExpansionPlan.tree", "drafters.eagle:EagleDrafter._real_features",
           "drafters.eagle:EagleDrafter._catch_up_inputs", "drafters.eagle:EagleDrafter._history",
           "drafters.eagle:expanded_path", "specdec.tree:TokenTree.__init__")
 
@@ -63,7 +62,8 @@ def _wrap(spec: str, times: dict[str, float]) -> None:
 
 
 def profile(size: int, args, target, head) -> dict[str, float]:
-    from drafters.eagle import EagleDrafter, _Expansion
+    from drafters.eagle import EagleDrafter
+    from drafters.eagle_expansion import Expansion
     from specdec.drafting import DraftContext
     from specdec.verify import Verdict
 
@@ -76,7 +76,7 @@ def profile(size: int, args, target, head) -> dict[str, float]:
     hidden = head.hidden_size
 
     marks: dict[str, float] = {}
-    run = _Expansion.run
+    run = Expansion.run
 
     def timed_run(self, *a, **k):
         marks["enter"] = time.perf_counter()
@@ -84,7 +84,7 @@ def profile(size: int, args, target, head) -> dict[str, float]:
         marks["exit"] = time.perf_counter()
         return out
 
-    _Expansion.run = timed_run
+    Expansion.run = timed_run
     details: dict[str, float] = {}
     for spec in args.detail:
         _wrap(spec, details)
@@ -120,7 +120,7 @@ def profile(size: int, args, target, head) -> dict[str, float]:
             row.update(details)
             rows.append(row)
     finally:
-        _Expansion.run = run
+        Expansion.run = run
     keys = list(dict.fromkeys(k for r in rows for k in r))
     return {k: 1e6 * statistics.median(r.get(k, 0.0) for r in rows) for k in keys} | {"len": float(len(tokens))}
 

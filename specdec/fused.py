@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.hf import STATE_KWARG
+from specdec.attention import STATE_KWARG
 
 __all__ = ["GROUPS", "FusedPart", "fuse_projections", "fused_groups", "unfuse_projections"]
 

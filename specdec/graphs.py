@@ -55,39 +55,35 @@ compiling the same shapes loads the compiled code from disk instead of regenerat
 
 from __future__ import annotations
 
-import array
-import functools
 import os
-import struct
 import time
 from collections.abc import Sequence
 
 import torch
 
 from specdec import hf
+from specdec.attention import MaskedState
 from specdec.kv import KVCache
-from specdec.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf
 from specdec.tree import TokenTree
-from treeattn import TreeMask, num_words
+from specdec.tree_inputs import InputLayout, pack_trees
+from treeattn import TreeMask
 
 __all__ = [
-    "DecodeChunk",
     "GraphedForward",
     "GraphedMaskedForward",
-    "InputLayout",
+    "Replayed",
     "capture_warmup",
+    "clear_cublas_workspaces",
     "compile_fixed_shapes",
     "compile_plan",
     "LAYERS",
     "configure_compile_cache",
-    "pack_trees",
     "prefill_chunks",
     "DEFAULT_PREFILL_WIDTH",
     "replay_modes",
     "uses_inductor",
 ]
 
-_ALIGN = 8  # int64 elements (64 bytes): every input view starts on a 16-byte boundary
 _COMPILE_VARIANTS = 64  # compiled forwards (shapes x instances) kept per process
 _compile_cache_dir: str | None = None  # set by the first configure_compile_cache() of the process
 #: side-stream forwards before a capture when a forward is made with ``warmup=None`` (the default)
@@ -99,7 +95,7 @@ ONE_STREAM_ENV = "SPECDEC_CAPTURE_ONE_STREAM"
 
 def capture_warmup(warmup: int | None = None) -> int:
     """The side-stream warm-up forwards before a CUDA-graph capture: ``warmup`` if given, else
-    ``$SPECDEC_CAPTURE_WARMUP`` if set, else ``DEFAULT_CAPTURE_WARMUP`` (2). See ``_Replayed._capture``."""
+    ``$SPECDEC_CAPTURE_WARMUP`` if set, else ``DEFAULT_CAPTURE_WARMUP`` (2). See ``Replayed._capture``."""
     if warmup is not None:
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
             raise ValueError(f"warmup: expected None or an int >= 0, got {warmup!r}")
@@ -150,102 +146,6 @@ def configure_compile_cache() -> str:
     return _compile_cache_dir
 
 
-class InputLayout:
-    """Where each input lives in the flat int64 input vector of a ``[B, n]`` forward.
-
-    Segments, in order (each starting at a multiple of 8 elements): ``tokens``, ``positions``,
-    ``slots``, ``depth`` (``[B, n]`` each), ``words`` (``[B, n, ceil(n / 64)]``), ``prefix_lens``
-    (``[B]``), and with ``shared``, ``shared_len`` (``[1]``: the shared prompt's length).
-    """
-
-    def __init__(self, batch: int, n: int, shared: bool = False) -> None:
-        self.batch, self.n, self.words_per_node = batch, n, num_words(n)
-        shapes = {
-            "tokens": (batch, n),
-            "positions": (batch, n),
-            "slots": (batch, n),
-            "depth": (batch, n),
-            "words": (batch, n, self.words_per_node),
-            "prefix_lens": (batch,),
-        }
-        if shared:
-            shapes["shared_len"] = (1,)
-        self.shapes = shapes
-        self.offsets: dict[str, int] = {}
-        at = 0
-        for name, shape in shapes.items():
-            self.offsets[name] = at
-            size = 1
-            for s in shape:
-                size *= s
-            at += -(-size // _ALIGN) * _ALIGN
-        self.size = at
-
-    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        """The ``name`` segment of ``flat`` as a contiguous tensor of its shape (a view, no copy)."""
-        shape = self.shapes[name]
-        size = 1
-        for s in shape:
-            size *= s
-        start = self.offsets[name]
-        return flat[start : start + size].view(shape)
-
-
-def pack_trees(trees: Sequence[TokenTree], prefix_lens: Sequence[int], layout: InputLayout,
-               shared_len: int = 0) -> array.array:  # fmt: skip
-    """The flat input vector (host int64s, ``layout.size`` long) for one step.
-
-    Args:
-        trees: B token trees of at most n nodes each (validated ``TokenTree``: depth-first, root first).
-        prefix_lens: per sequence, its committed KV length (the tree's KV goes to slots
-            ``[prefix_len, prefix_len + n)``).
-        layout: the ``InputLayout`` of the ``[B, n]`` forward.
-        shared_len: the length P of a prompt all sequences share ahead of their cache (a layout
-            made with ``shared=True``, which stores it); 0 without one.
-
-    Returns:
-        ``array.array("q")`` in ``layout`` order. Node i of tree b: token ``tokens[i]``, position
-        ``shared_len + prefix_len + depth(i)``, slot ``prefix_len + i``, ancestor-or-self bits (bit
-        j of word w set iff node ``64 w + j`` is i or one of its ancestors; the same bits as
-        ``TreeMask.from_parents``); padding nodes (i >= tree.n) hang off the root with token 0.
-    """
-    if shared_len and "shared_len" not in layout.offsets:
-        raise ValueError(f"shared_len: expected 0 for a layout without a shared prompt, got {shared_len}")
-    n, width = layout.n, layout.words_per_node
-    out = array.array("q", [0]) * layout.size
-    off = layout.offsets
-    for b, (tree, prefix) in enumerate(zip(trees, prefix_lens)):
-        depth, words = _shape_inputs(tuple(tree.parent_list), n, width)
-        row = b * n
-        out[off["tokens"] + row : off["tokens"] + row + tree.n] = array.array("q", tree.token_list)
-        start = shared_len + prefix
-        out[off["positions"] + row : off["positions"] + row + n] = array.array("q", [start + d for d in depth])
-        out[off["slots"] + row : off["slots"] + row + n] = array.array("q", range(prefix, prefix + n))
-        out[off["depth"] + row : off["depth"] + row + n] = depth
-        start = off["words"] + row * width
-        out[start : start + n * width] = words
-        out[off["prefix_lens"] + b] = prefix
-    if "shared_len" in off:
-        out[off["shared_len"]] = shared_len
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def _shape_inputs(parents: tuple[int, ...], n: int, width: int) -> tuple[array.array, array.array]:
-    """Depths ``[n]`` and ancestor words ``[n * width]`` of a tree padded to n nodes (int64 arrays;
-    callers copy them, never modify). Cached: plain decoding and static trees repeat their shape."""
-    anc = [1] * n  # ancestor-or-self bits as Python ints (bit i = node i)
-    depth = [0] * n
-    m = len(parents)
-    for i in range(1, n):
-        p = parents[i] if i < m else 0  # parents precede children (depth-first); padding under the root
-        anc[i] = anc[p] | (1 << i)
-        depth[i] = depth[p] + 1
-    # Little-endian bytes of each node's bits, read back as int64 words (bit 63 -> the sign bit).
-    nbytes = 8 * width
-    words = array.array("q", struct.unpack(f"<{n * width}q", b"".join(a.to_bytes(nbytes, "little") for a in anc)))
-    return array.array("q", depth), words
-
 
 #: ``compile=`` value of the layer-wise compile: each decoder layer's forward compiled once for all layers
 #: (``hf.compile_layers``) with inductor; ``"layers:BACKEND"`` with another backend (e.g. aot_eager).
@@ -257,12 +157,7 @@ def compile_plan(compile: bool | str) -> tuple[str | None, bool]:
     """``(backend, per_layer)`` of a ``compile=`` option: False -> (None, False); True or ``"layers"``
     -> ("inductor", True): the layer-wise compile; ``"layers:BACKEND"`` -> (BACKEND, True); another
     name, ``"inductor"`` included -> (it, False): the whole fixed-shape body through that backend
-    (``compile_fixed_shapes``).
-
-    Why True is layer-wise (PERF.md v20, H100): at Qwen2.5-Coder-1.5B a second process reaches its
-    first token in ~16 s against 29.7 s for the whole forward, and with inductor's combo kernels
-    (``hf.LAYER_INDUCTOR_OPTIONS``) the 65-node verify costs 2.349 against 2.454 ms on the same machine;
-    at Llama-3-8B shapes plain decoding takes 1.285 against 1.291× the weight-streaming floor."""
+    (``compile_fixed_shapes``). Why True is layer-wise: docs/ENGINE.md, "Compile"."""
     if not isinstance(compile, (bool, str)) or compile == "":
         raise ValueError(f"compile: expected a bool or a torch.compile backend name, got {compile!r}")
     if compile is False:
@@ -311,7 +206,7 @@ def prepare_compile(backend: bool | str) -> str:
     return backend
 
 
-class _Replayed:
+class Replayed:
     """What both fixed-address forwards share: argument checks, the output tensors, eager replay and
     the CUDA-graph capture of ``_body`` (which subclasses define over their fixed input buffers)."""
 
@@ -375,7 +270,7 @@ class _Replayed:
         """The captured region: the model's forward over the fixed inputs (no host sync inside).
 
         Subclasses set ``tokens``, ``positions`` (fixed ``[B, m]`` device tensors), ``state`` (a
-        ``hf.ForwardState`` / ``hf.MaskedState`` over fixed tensors) and ``return_hidden``.
+        ``hf.ForwardState`` / ``attention.MaskedState`` over fixed tensors) and ``return_hidden``.
         """
         out = hf.run_state(self.model, self.tokens, self.positions, self.state,
                            logits_to_keep=self.logits_to_keep, return_hidden=self.return_hidden)
@@ -468,11 +363,11 @@ class _Replayed:
             torch.cuda.current_stream(device).wait_stream(side)
             self.capture_warmup_s = self._clock() - start - self.first_run_s
             graph = torch.cuda.CUDAGraph()
-            _clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
+            clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
             with torch.cuda.graph(graph, stream=side if one_stream else None, capture_error_mode="thread_local"):
                 logits, hidden = self._run()
             torch.cuda.current_stream(device).wait_stream(side)
-            _clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
+            clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
             if list(self.cache.layer_indices) != layers:
                 raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
             self.capture_s = self._clock() - start - self.first_run_s
@@ -486,7 +381,7 @@ class _Replayed:
         return time.perf_counter()
 
 
-def _clear_cublas_workspaces() -> None:
+def clear_cublas_workspaces() -> None:
     """Drop PyTorch's cached cuBLAS workspaces (one per cuBLAS handle and stream).
 
     A GEMM captured in a CUDA graph keeps the address of the workspace that was cached for the
@@ -495,7 +390,7 @@ def _clear_cublas_workspaces() -> None:
     depends on memory it does not own: once the workspace cache is cleared (torch.compile's
     CUDA-graph trees clear it around every recording, e.g. under HF ``generate`` with the static
     cache) and the owning pool is released, replaying the graph reads and writes freed device
-    memory ("unspecified launch failure", issue 13). Clearing right before a capture makes the
+    memory ("unspecified launch failure"). Clearing right before a capture makes the
     capture allocate a fresh workspace inside its own pool, which lives as long as the graph.
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -561,7 +456,7 @@ def prefill_chunks(total: int, width: int, capacity: int) -> list[tuple[int, int
     return chunks
 
 
-class GraphedForward(_Replayed):
+class GraphedForward(Replayed):
     """One ``[B, n]`` tree forward of ``model`` over ``cache`` at fixed addresses (see the module doc).
 
     Args:
@@ -661,137 +556,8 @@ class GraphedForward(_Replayed):
         return self.forward()
 
 
-class DecodeChunk:
-    """``steps`` plain-decoding steps of a ``[B, 1]`` ``GraphedForward`` in one replay: greedy, or
-    sampled from the warped target distribution.
 
-    Plain decoding through ``GraphedForward`` pays a host round trip per token: load the root,
-    replay, pick the token, copy it to the host, bookkeeping (PERF.md v17: greedy chunks of 8 took
-    the 1.5B's token from 3.13 to 2.80 ms on an H100, the 8B's from 7.91 to 7.49; v21: sampling 16
-    sequences of one prompt, the host's part of a step was 3.3 ms against 3.0 on the device). Here
-    the device feeds itself: each step runs the forward's body on its inputs, picks each row's next
-    token from its logits ``[B, 1, V]`` -- greedy: their argmax (the same op as the engine's greedy
-    verdict); ``sampling``: an inverse-CDF draw (``specdec.sampling.sample_inverse_cdf``, what the
-    stochastic verification draws its bonus tokens with) from ``logits_to_probs(logits, sampling)``
-    with the run's uniform of that row and step -- writes it as the next step's input token and as
-    column k of ``tokens``, and moves every sequence's position, cache slot and prefix length one
-    on. With ``forward.capture`` the ``steps`` steps are recorded as ONE CUDA graph (the forward's
-    compiled body, if any, is reused: no second compile); otherwise they run eagerly on the same
-    buffers (what CPU tests check). No host sync inside.
-
-    Args:
-        forward: the ``[B, 1]`` forward (``n == 1``, logits of its one node); its input buffers are
-            the chunk's: a chunk's run leaves them advanced, and the next ``forward.load`` rewrites
-            them.
-        steps: decoding steps per run (>= 1).
-        sampling: None: greedy; a ``specdec.SamplingConfig``: sampled (recorded in the graph: one
-            chunk per configuration).
-
-    Use: ``run(roots, prefix_lens, generator=None)`` -> ``tokens`` ``[B, steps]`` (device int64,
-    overwritten by the next run): row b's continuation of root ``roots[b]`` whose KV goes to slot
-    ``prefix_lens[b]`` (the tokens' KV to the next ``steps - 1`` slots, which must fit in the cache:
-    ``prefix_lens[b] + steps <= capacity``). Sampled runs draw ``B x steps`` float64 uniforms from
-    ``generator`` (any device; None: torch's default one of the forward's device) before the replay,
-    so each token is an independent draw from its row's distribution given the tokens before it. A
-    row with no mass (NaN logits) gives token V (callers raise; the next step reads token V - 1).
-    Every row decodes all ``steps`` steps: callers cut at eos.
-    """
-
-    def __init__(self, forward: "GraphedForward", steps: int, sampling: SamplingConfig | None = None) -> None:
-        if not isinstance(forward, GraphedForward) or forward.n != 1:
-            got = f"GraphedForward of n = {forward.n}" if isinstance(forward, GraphedForward) else type(forward).__name__
-            raise ValueError(f"forward: expected a GraphedForward of n = 1, got {got}")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
-        if sampling is not None and not isinstance(sampling, SamplingConfig):
-            raise ValueError(f"sampling: expected None (greedy) or a specdec.SamplingConfig, got {type(sampling).__name__}")
-        self.forward = forward
-        self.steps = steps
-        self.sampling = sampling
-        self.batch = forward.batch
-        #: ``[B, steps]`` tokens of the last run
-        self.tokens = torch.zeros(forward.batch, steps, dtype=torch.int64, device=forward.device)
-        #: ``[B, steps]`` float64 uniforms of the run (sampling), written before each replay
-        self.uniforms = (None if sampling is None else
-                         torch.zeros(forward.batch, steps, dtype=torch.float64, device=forward.device))  # fmt: skip
-        self._root = torch.tensor([-1])
-        self.graph = None  # torch.cuda.CUDAGraph once captured
-        #: seconds of the capture (eager warm-up of the chunk and its recording); None before it
-        self.capture_s: float | None = None
-        #: runs (graph replays or eager chunks), for tests and accounting
-        self.calls = 0
-
-    def _body(self) -> None:
-        fwd = self.forward
-        for k in range(self.steps):
-            logits, _ = fwd._run()
-            last = logits[:, -1]  # [B, V]
-            if self.sampling is None:
-                nxt = last.argmax(dim=-1)  # [B]
-            else:
-                nxt = sample_inverse_cdf(logits_to_probs(last, self.sampling), self.uniforms[:, k])
-            self.tokens[:, k].copy_(nxt)
-            fwd.tokens[:, 0].copy_(nxt.clamp(max=last.shape[-1] - 1))  # token V (no mass) is the caller's error
-            fwd.positions.add_(1)
-            fwd.slots.add_(1)
-            fwd.prefix_lens.add_(1)
-
-    def _load(self, roots: Sequence[int], prefix_lens: Sequence[int]) -> None:
-        if len(roots) != self.batch:
-            raise ValueError(f"roots: expected {self.batch} root tokens, got {len(roots)}")
-        room = self.forward.cache.capacity
-        if any(int(p) + self.steps > room for p in prefix_lens):
-            raise ValueError(f"prefix_lens: expected prefix_len + steps ({self.steps}) <= the cache capacity {room}, "
-                             f"got {max(int(p) for p in prefix_lens)}")  # fmt: skip
-        trees = [TokenTree(torch.tensor([int(r)]), self._root) for r in roots]
-        self.forward.load(trees, prefix_lens)
-
-    @torch.no_grad()
-    def run(self, roots: Sequence[int], prefix_lens: Sequence[int],
-            generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
-        """``steps`` tokens per sequence after ``roots`` (see the class doc): ``[B, steps]``."""
-        fwd = self.forward
-        self._load(roots, prefix_lens)
-        if self.uniforms is not None:
-            where = generator.device if generator is not None else self.uniforms.device
-            u = torch.rand(self.batch, self.steps, dtype=torch.float64, generator=generator, device=where)
-            self.uniforms.copy_(u, non_blocking=True)
-        if fwd.capture:
-            if self.graph is None:
-                self._capture()
-                self._load(roots, prefix_lens)  # the capture's eager warm-up advanced the inputs
-            self.graph.replay()
-        else:
-            self._body()
-        self.calls += 1
-        return self.tokens
-
-    def _capture(self) -> None:
-        """Run the chunk once eagerly on a side stream (the forward's first run before it, if it has
-        not run: compile, kernel loading, cache buffers; the argmax's and the updates' kernels), then
-        record it. The eager run writes the slots the replay rewrites."""
-        fwd = self.forward
-        device = fwd.device
-        start = fwd._clock()
-        if fwd.first_run_s is None:
-            fwd.forward()  # compiles / captures the [B, 1] forward itself: nothing lazy is left for ours
-            start = fwd._clock()
-        with torch.cuda.device(device):
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                self._body()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            _clear_cublas_workspaces()  # as GraphedForward._capture: the graph's own workspace
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._body()
-            _clear_cublas_workspaces()
-        self.graph = graph
-        self.capture_s = fwd._clock() - start
-
-
-class GraphedMaskedForward(_Replayed):
+class GraphedMaskedForward(Replayed):
     """``hf.masked_forward`` of up to m tokens per sequence at fixed addresses (see the module doc).
 
     Args:
@@ -832,7 +598,7 @@ class GraphedMaskedForward(_Replayed):
         self.slots = self._ints[2 * seg : 3 * seg].view(batch, m)
         self.key_positions = self._ints[3 * seg :].view(batch, cap)
         self.visible = self._mask.view(batch, m, cap)
-        self.state = hf.MaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
+        self.state = MaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
 
     def load(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
              key_positions: torch.Tensor | None = None) -> None:  # fmt: skip

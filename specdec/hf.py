@@ -21,13 +21,14 @@ CUDA-graph capture.
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from specdec.attention import STATE_KWARG, MaskedState, layer_index, masked_attention, on_device, tree_visibility
+from specdec.fused import fuse_projections
 from specdec.kv import KVCache, store
 from treeattn import TreeMask, tree_attention
 from treeattn.cascade import cascade_tree_attention, cascade_tree_attention_op
@@ -53,8 +54,6 @@ __all__ = [
     "max_positions",
 ]
 
-#: The forward keyword that carries a ``ForwardState`` to the attention function.
-STATE_KWARG = "specdec_state"
 _BASES = ("sdpa", "eager")
 _IMPLS = ("auto", "triton", "torch")
 
@@ -138,8 +137,6 @@ def prepare_model(model, name: str = "model", fuse: bool = True) -> str:
     if current in {attention_name(b) for b in _BASES}:
         return current
     if fuse:
-        from specdec.fused import fuse_projections
-
         fuse_projections(model)
     base = current if current in _BASES else ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
     target = attention_name(base)
@@ -206,9 +203,8 @@ class _LayerForward:
 _COMPILED_FORWARDS: dict = {}  # (layer class, backend) -> torch.compile of the class's forward
 
 #: inductor options of the layer-wise compile: ``combo_kernels`` puts independent small kernels of a layer
-#: into one launch (the query's RoPE beside the keys' RoPE and store): on an H100 at Qwen2.5-Coder-1.5B
-#: shapes 12.8 kernels a layer instead of 13.8, the 65-node verify 2.363 against 2.412 ms, the logits
-#: unchanged (specdec/PERF.md v20). Triton code only: inductor's CPU code ignores it.
+#: into one launch (the query's RoPE beside the keys' RoPE and store; docs/ENGINE.md, "Compile"). Triton
+#: code only: inductor's CPU code ignores it.
 LAYER_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
@@ -338,8 +334,8 @@ class ForwardState:
         return LayerState(self, k_buf, v_buf, shared_k, shared_v)
 
     def _on(self, device: torch.device) -> tuple:
-        """The state's tensors on ``device`` (layers of a model split across devices: ``_on_device``)."""
-        return _on_device(self._moved, device, (self.slots, self.positions, self.tree_mask, self.prefix_lens,
+        """The state's tensors on ``device`` (layers of a model split across devices: ``on_device``)."""
+        return on_device(self._moved, device, (self.slots, self.positions, self.tree_mask, self.prefix_lens,
                                                 self.shared_len))  # fmt: skip
 
     def attend(self, module, query, key, value, scaling, sliding_window, softcap,
@@ -354,13 +350,13 @@ class ForwardState:
         slots, positions, tree_mask, prefix_lens, shared_len = self._on(query.device)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         if layer is None:
-            k_buf, v_buf = self.cache.write(_layer_index(module), key, value, slots)
+            k_buf, v_buf = self.cache.write(layer_index(module), key, value, slots)
         else:
             k_buf, v_buf = store(layer.k_buf, layer.v_buf, key, value, slots)
         seq_len = self.cache.capacity if self.kv_len is None else self.kv_len
         if self.shared is not None:
             k_all, v_all = k_buf[:, :, :seq_len], v_buf[:, :, :seq_len]
-            shared_kv = (_shared_buffers(self.shared, _layer_index(module)) if layer is None
+            shared_kv = (_shared_buffers(self.shared, layer_index(module)) if layer is None
                          else (layer.shared_k, layer.shared_v))  # fmt: skip
             # Under torch.compile a device length goes through one opaque op; a host one stays outside the graph.
             opaque = shared_len is not None and torch.compiler.is_compiling()
@@ -377,7 +373,7 @@ class ForwardState:
             else:
                 pos = positions[:, :, None] - positions[:, None, :]
                 visible = (pos >= 0) & ((pos < window) if window is not None else True)
-                out = _masked_attention(query, key, value, visible, scale, softcap)
+                out = masked_attention(query, key, value, visible, scale, softcap)
         else:
             k_all, v_all = k_buf[:, :, :seq_len], v_buf[:, :, :seq_len]
             if window is None and softcap is None and torch.compiler.is_compiling():
@@ -388,26 +384,10 @@ class ForwardState:
                 out = tree_attention(query, k_all, v_all, prefix_lens, tree_mask, scale=scale, impl=self.impl,
                                      check_prefix_lens=False)
             else:
-                visible = _tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window)
-                out = _masked_attention(query, k_all, v_all, visible, scale, softcap)
+                visible = tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window)
+                out = masked_attention(query, k_all, v_all, visible, scale, softcap)
         return out.transpose(1, 2), None
 
-
-def _on_device(moved: dict, device: torch.device, items: tuple) -> tuple:
-    """``items`` (tensors, ``TreeMask``s or None) on ``device``: the items themselves when all are there
-    already, else copies made on first use and kept in ``moved`` (per device) until ``refresh``.
-
-    On one device nothing is copied and ``moved`` is left alone. That matters under torch.compile:
-    dynamo guards on ``moved``'s keys, so filling it during a compiled forward made the next call
-    (without a ``load`` in between, e.g. a CUDA-graph capture's warm-up forwards) trace and compile
-    the whole model again (specdec/PERF.md v19).
-    """
-    where = [None if x is None else (x.words if isinstance(x, TreeMask) else x).device for x in items]
-    if all(d is None or d == device for d in where):
-        return items
-    if device not in moved:
-        moved[device] = tuple(None if x is None else x.to(device) for x in items)
-    return moved[device]
 
 
 def _check_shared(shared, tree_mask, shared_len) -> None:
@@ -449,11 +429,11 @@ def _shared_attention(shared, shared_len, shared_kv, module, query, k_all, v_all
     prompt_len = shared.lengths[0] if shared_len is None else shared.capacity
     if softcap is not None:
         raise ValueError(f"shared: expected no attention-logit soft-capping with a shared prefix, got softcap="
-                         f"{softcap} in layer {_layer_index(module)}")
+                         f"{softcap} in layer {layer_index(module)}")
     if sliding_window is not None and sliding_window < prompt_len + k_all.shape[2]:
         raise ValueError(f"shared: expected no sliding window shorter than the context ({prompt_len} shared + "
                          f"{k_all.shape[2]} per-sequence slots) with a shared prefix, got sliding_window="
-                         f"{sliding_window} in layer {_layer_index(module)}")
+                         f"{sliding_window} in layer {layer_index(module)}")
     k_sh, v_sh = shared_kv
     if torch.compiler.is_compiling():  # traced (only with shared_len): the custom op, no graph break
         return cascade_tree_attention_op(query, k_sh, v_sh, k_all, v_all, suffix_lens, shared_len, tree_mask.words,
@@ -475,95 +455,6 @@ def _shared_attention_outside_graph():
         _SHARED_OUTSIDE_GRAPH = torch.compiler.disable(_shared_attention)
     return _SHARED_OUTSIDE_GRAPH
 
-
-def _tree_visibility(prefix_lens, tree_mask, slots, positions, seq_len, window) -> torch.Tensor:
-    """bool ``[B, n, S]``: the prompt and the node's tree ancestors, within the sliding window."""
-    batch, n = slots.shape
-    device = slots.device
-    s = torch.arange(seq_len, device=device)
-    visible = (s[None, None, :] < prefix_lens[:, None, None]).expand(batch, n, seq_len).clone()
-    visible.scatter_(2, slots[:, None, :].expand(batch, n, n), tree_mask.to_dense().expand(batch, n, n))
-    if window is not None:
-        key_pos = s.expand(batch, seq_len).clone().scatter_(1, slots, positions)
-        visible &= (positions[:, :, None] - key_pos[:, None, :]) < window
-    return visible
-
-
-def _masked_attention(q, k, v, visible, scale, softcap) -> torch.Tensor:
-    """Plain attention with a bool ``[B, m, S]`` mask and optional logit soft-capping (float32 math)."""
-    group = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~visible[:, None], -math.inf)
-    return torch.matmul(scores.softmax(dim=-1), vf).to(q.dtype)
-
-
-@dataclass(frozen=True, eq=False)
-class MaskedState:
-    """Metadata of a forward whose m input tokens attend through an explicit visibility mask.
-
-    The general form of ``ForwardState`` for callers whose queries are not the whole tree written
-    by the same forward, e.g. a draft model expanding one depth of its tree (the new frontier
-    nodes attend to the committed prefix and to ancestors written by earlier forwards). Passed as
-    ``specdec_state=`` like a ``ForwardState``; every attention layer writes the m new keys /
-    values into ``cache`` at ``slots`` and attends with SDPA under ``visible``.
-
-    Attributes:
-        cache: where keys / values are written and read.
-        slots: int64 ``[B, m]``, the cache slot of each input token (``< kv_len``).
-        positions: int64 ``[B, m]``, their position ids.
-        visible: bool ``[B, m, kv_len]``: ``visible[b, i, s]`` iff input token i attends to slot s
-            (its own slot included); attention reads slots ``[0, kv_len)``.
-        key_positions: int64 ``[B, kv_len]``, the position id of the token in each slot; only
-            needed by sliding-window layers (None there raises).
-    """
-
-    cache: KVCache
-    slots: torch.Tensor
-    positions: torch.Tensor
-    visible: torch.Tensor
-    key_positions: torch.Tensor | None = None
-    _moved: dict = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        batch, m = self.slots.shape
-        if self.visible.dtype != torch.bool or self.visible.dim() != 3 or tuple(self.visible.shape[:2]) != (batch, m):
-            raise ValueError(
-                f"visible: expected a bool tensor of shape [{batch}, {m}, kv_len], got {self.visible.dtype} "
-                f"{tuple(self.visible.shape)}"
-            )
-        kv_len = self.visible.shape[2]
-        if kv_len > self.cache.capacity:
-            raise ValueError(f"visible: expected kv_len <= the cache capacity {self.cache.capacity}, got {kv_len}")
-        if self.key_positions is not None and tuple(self.key_positions.shape) != (batch, kv_len):
-            raise ValueError(f"key_positions: expected shape [{batch}, {kv_len}], got {tuple(self.key_positions.shape)}")
-
-    def _on(self, device: torch.device) -> tuple:
-        return _on_device(self._moved, device, (self.slots, self.positions, self.visible, self.key_positions))
-
-    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
-        """Write this layer's new K/V at ``slots`` and attend over ``[0, kv_len)`` under ``visible``."""
-        layer_idx = _layer_index(module)
-        slots, positions, visible, key_positions = self._on(query.device)
-        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        k_buf, v_buf = self.cache.write(layer_idx, key, value, slots)
-        kv_len = visible.shape[2]
-        k_all, v_all = k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
-        if sliding_window is not None and sliding_window < kv_len:
-            if key_positions is None:
-                raise ValueError("key_positions: a sliding-window layer needs the position of every slot, got None")
-            visible = visible & ((positions[:, :, None] - key_positions[:, None, :]) < sliding_window)
-        if softcap is None:
-            out = F.scaled_dot_product_attention(
-                query, k_all, v_all, attn_mask=visible[:, None], scale=scale,
-                enable_gqa=query.shape[1] != k_all.shape[1],
-            )  # fmt: skip
-        else:
-            out = _masked_attention(query, k_all, v_all, visible, scale, softcap)
-        return out.transpose(1, 2), None
 
 
 def input_device(model) -> torch.device:
@@ -825,11 +716,3 @@ def masked_forward(
                         None if key_positions is None else key_positions.to(device))
     return run_state(model, tokens.to(device), state.positions, state, logits_to_keep=logits_to_keep,
                      return_hidden=return_hidden)
-
-
-def _layer_index(module) -> int:
-    """The decoder layer index an attention module writes its K/V under."""
-    layer_idx = getattr(module, "layer_idx", None)
-    if layer_idx is None:
-        raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
-    return layer_idx

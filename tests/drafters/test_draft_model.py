@@ -450,7 +450,7 @@ def _fixed_draws(monkeypatch):
     """Make the sampled proposals' draws a fixed function of the distribution (both loops alike):
     without replacement, the top-k of ``logq`` + one fixed noise vector; i.i.d., inverse-CDF draws at
     fixed quantiles. The generator / uniforms each loop passes are ignored."""
-    from drafters import draft_model as dm
+    from drafters import draft_sampling as dm
 
     def no_replacement(logq, k, _):
         noise = torch.rand(logq.shape[-1], generator=torch.Generator().manual_seed(5)).to(logq.device)
@@ -624,7 +624,7 @@ def test_device_loop_body_never_reads_device_data_on_the_host(proposal, cfg):
 
 
 def test_device_loop_argument_errors():
-    from drafters.draft_model import _DeviceLoop
+    from drafters.draft_model_loop import DeviceLoop as _DeviceLoop
     from specdec.kv import KVCache
 
     draft = _draft()
@@ -741,7 +741,7 @@ def test_cuda_graph_device_loop_samples_as_the_eager_loop(proposal, attention):
                                                            (6, 6, 5, 50, torch.float32), (8, 2, 4, 70, torch.bfloat16)])
 def test_grouped_masked_attention_equals_masked_state(heads, kv_heads, m, kv_len, dtype):
     """The device loop's attention (query heads folded into rows, additive mask) vs ``hf.MaskedState``'s."""
-    from drafters.draft_model import _GroupedMaskedState
+    from drafters.draft_model_loop import GroupedMaskedState as _GroupedMaskedState
     from specdec.hf import MaskedState
     from specdec.kv import KVCache
 

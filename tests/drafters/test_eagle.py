@@ -22,8 +22,8 @@ from drafters.eagle import (
     EagleDrafter,
     EagleHead,
     TargetParts,
-    _Plan,
 )
+from drafters.eagle_expansion import ExpansionPlan as _Plan
 from drafters.medusa import MedusaHeads
 from specdec import SpecDecoder
 from specdec.drafting import DraftContext
@@ -634,7 +634,7 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
     comes back in one copy per step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from drafters import eagle
+    from drafters.eagle_expansion import Expansion
 
     banned_ops = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
                   torch.ops.aten.masked_select.default}  # fmt: skip
@@ -651,7 +651,7 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
 
         return method
 
-    body, bodies = eagle._Expansion._body, []
+    body, bodies = Expansion._body, []
 
     def guarded(self, kv_lens):
         bodies.append(self.plan)
@@ -660,7 +660,7 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
                 m.setattr(torch.Tensor, name, forbidden(name))
             body(self, kv_lens)
 
-    monkeypatch.setattr(eagle._Expansion, "_body", guarded)
+    monkeypatch.setattr(Expansion, "_body", guarded)
     copies = []
     record_cpu = torch.Tensor.cpu
     for spec, options in ((("qwen2", 4, 3, 20, True, (0.8, 5, 0.9), "all"), {}),

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import drafters
-from drafters import draft_model as draft_model_mod
+from drafters import draft_sampling as draft_model_mod
 from drafters.draft_model import DraftModelDrafter
 from drafters.eagle import EagleDrafter, EagleHead
 from drafters.lookup import LookupDrafter

@@ -1,4 +1,4 @@
-"""``specdec.graphs.DecodeChunk`` and ``SpecDecoder(decode_chunk=)``: plain decoding, several steps
+"""``specdec.decode_chunk.DecodeChunk`` and ``SpecDecoder(decode_chunk=)``: plain decoding, several steps
 per replay with the device feeding each step's argmax (greedy) or sampled token to the next.
 
 CPU (CI): the chunk's eager mode (the body a CUDA graph records) against HF greedy ``generate`` in
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from specdec import KVCache, SamplingConfig, SpecDecoder, logits_to_probs
-from specdec.graphs import DecodeChunk, GraphedForward
+from specdec.decode_chunk import DecodeChunk
+from specdec.graphs import GraphedForward
 from tests.specdec.helpers import hf_greedy, prepared_tiny_model, random_prompt
 from tests.specdec.test_verify import _chi2_fails
 

@@ -24,6 +24,7 @@ import specdec.graphs as graphs
 from specdec import SpecDecoder
 from specdec.engine import MIN_CACHE_BUCKET, default_cache_buckets
 from specdec.hf import prepare_model
+from specdec.timing import PhaseTimer
 from tests.specdec.helpers import (OracleDrafter, RandomTreeDrafter, greedy_reference, prepared_tiny_model,
                                     random_prompt, tiny_model)
 
@@ -418,7 +419,7 @@ def test_bucket_and_warmup_argument_errors():
 
 def test_phase_timer_syncs_at_each_phase_end_and_nests():
     syncs = []
-    timer = engine._PhaseTimer(lambda: syncs.append(time.perf_counter()))
+    timer = PhaseTimer(lambda: syncs.append(time.perf_counter()))
     with timer("verify"):
         time.sleep(0.01)
         with timer("forward"):

@@ -1,0 +1,356 @@
+"""The EAGLE drafter's device-side tree growth: one step's expansion, depth by depth, on the device.
+
+``ExpansionPlan`` is the static shape of a step's expansion (frontier width, children per node,
+depth) and re-ranks its record on the host (``ExpansionPlan.tree``). ``expand_depths`` is the loop:
+per depth the LM head, log-softmax (after the target's warping when sampling), per-row top-``w``,
+float64 cumulative scores, a stable sort for the next frontier, its ancestor rows and mask, and one
+head forward. ``Expansion`` runs it over one sequence's head cache at fixed addresses (eagerly, or
+recorded once as a CUDA graph and replayed), with the step's catch-up fused in front when it is
+short (``CatchUp``); the record comes back to the host in one copy.
+
+They reach the head through the drafter (``drafters.eagle.EagleDrafter``), whatever offers the
+methods ``ExpansionHost`` lists.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from specdec.graphs import clear_cublas_workspaces
+from specdec.kv import KVCache
+from specdec.sampling import SamplingConfig, warp_logits
+from specdec.tree import TokenTree
+
+__all__ = ["CatchUp", "Expansion", "ExpansionHost", "ExpansionPlan", "expand_depths"]
+
+
+class ExpansionHost(Protocol):
+    """What an expansion calls on its drafter (``drafters.eagle.EagleDrafter``)."""
+
+    device: torch.device
+    head: Any  # the EagleHead: its ``fc.weight`` (dtype, device) and ``hidden_size``
+    _depth_loop: Any  # ``expand_depths``, or a torch.compile of it
+
+    def _draft_logits(self, feats: torch.Tensor) -> torch.Tensor: ...
+
+    def _token_ids(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+    def _forward(self, cache: KVCache, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
+
+    def _mark(self, phase: str) -> None: ...
+
+    @staticmethod
+    def _catch_up_visible(keep, m, rows: int, kv_len: int, padded: bool, device: torch.device) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ExpansionPlan:
+    """The static shape of one step's expansion: a function of (frontier width, children, depth).
+
+    Depth d = 1 .. ``depth`` draws ``cand[d - 1] = rows[d - 1] * width`` candidates: the top-``width``
+    children of each of the ``rows[d - 1]`` nodes expanded at depth d - 1 (``rows[0] = 1``: the
+    root), in row order. For d < ``depth`` the best ``rows[d] = min(topk, cand[d - 1])`` of them
+    are expanded by one head forward of ``rows[d]`` queries, with expanded indices (and cache slots
+    ``base + index``) ``offsets[d] + q`` in frontier order (``offsets[0] = 0``: the root). ``rows[d]``
+    is ``topk`` unless the vocabulary is smaller than ``topk``: then the former host loop expanded
+    fewer nodes, and so does this plan (no dead rows: every row is a real node).
+
+    The record (int64, ``record_size``): candidate tokens ``[depth, n_max]``, then their cumulative
+    scores ``[depth, n_max]`` (float64 bits), then the candidate picked for each frontier row
+    ``[depth - 1, topk]``; rows hold ``cand[d - 1]`` / ``rows[d]`` valid entries.
+    """
+
+    topk: int
+    width: int
+    depth: int
+    rows: tuple[int, ...]
+    offsets: tuple[int, ...]
+    cand: tuple[int, ...]
+
+    @classmethod
+    @functools.lru_cache(maxsize=256)
+    def make(cls, topk: int, width: int, depth: int) -> "ExpansionPlan":
+        """The plan of these sizes (one object per sizes: ``tree``'s index arrays are computed once)."""
+        rows, offsets, cand = [1], [0], []
+        for d in range(1, depth + 1):
+            cand.append(rows[-1] * width)
+            if d < depth:
+                offsets.append(offsets[-1] + rows[-1])
+                rows.append(min(topk, cand[-1]))
+        return cls(topk, width, depth, tuple(rows), tuple(offsets), tuple(cand))
+
+    @property
+    def expanded(self) -> int:
+        """Expanded nodes (head outputs) per step, the root included."""
+        return self.offsets[-1] + self.rows[-1]
+
+    @property
+    def n_max(self) -> int:
+        return max(self.cand)
+
+    @property
+    def record_size(self) -> int:
+        return 2 * self.depth * self.n_max + (self.depth - 1) * self.topk
+
+    def views(self, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tokens [depth, n_max] int64, scores [depth, n_max] float64, picks [depth - 1, topk] int64)``,
+        views of ``record`` (device or host)."""
+        size = self.depth * self.n_max
+        tok = record[:size].view(self.depth, self.n_max)
+        score = record[size : 2 * size].view(torch.float64).view(self.depth, self.n_max)
+        pick = record[2 * size :].view(self.depth - 1, self.topk)
+        return tok, score, pick
+
+    @functools.cached_property
+    def _index(self) -> dict[str, np.ndarray]:
+        """Fixed index arrays of ``tree`` over the P pool nodes (computed once per plan); ``*_at``:
+        positions in the int64 record. ``tok_at`` / ``score_at`` ``[P]``: each node's token / score
+        (the root's: any entry); ``pick_at`` ``[P]``: the pick of its parent's frontier row (nodes of
+        depth <= 1: any entry), ``parent_base`` ``[P]``: the first node of its parent's depth (depth
+        <= 1: 0, and the root's parent is itself); ``frontier_at`` / ``frontier_base`` /
+        ``frontier_exp``: per real frontier row of depths 1 .. depth - 1, its pick, the first node of
+        its depth and its expanded index; ``first`` ``[depth + 2]``: the first node of each depth;
+        ``anc`` ``[depth, P]``: each node itself at row depth - 1, -1 elsewhere."""
+        size, first = self.depth * self.n_max, np.cumsum([0, 1, *self.cand])
+        tok_at, score_at, pick_at, parent_base = [[0] for _ in range(4)]
+        frontier_at, frontier_base, frontier_exp = [], [], []
+        for d, c in enumerate(self.cand, start=1):
+            tok_at += range((d - 1) * self.n_max, (d - 1) * self.n_max + c)
+            score_at += range(size + (d - 1) * self.n_max, size + (d - 1) * self.n_max + c)
+            row = np.arange(c) // self.width  # the frontier row of depth d - 1 each candidate comes from
+            pick_at += (2 * size + (d - 2) * self.topk + row).tolist() if d >= 2 else [0] * c
+            parent_base += [int(first[d - 1]) if d >= 2 else 0] * c
+            if d < self.depth:
+                frontier_at += range(2 * size + (d - 1) * self.topk, 2 * size + (d - 1) * self.topk + self.rows[d])
+                frontier_base += [int(first[d])] * self.rows[d]
+                frontier_exp += range(self.offsets[d], self.offsets[d] + self.rows[d])
+        anc = np.full((self.depth, int(first[-1])), -1, dtype=np.int64)
+        for d in range(1, self.depth + 1):
+            anc[d - 1, first[d] : first[d + 1]] = np.arange(first[d], first[d + 1])
+        arrays = dict(tok_at=tok_at, score_at=score_at, pick_at=pick_at, parent_base=parent_base,
+                      frontier_at=frontier_at, frontier_base=frontier_base, frontier_exp=frontier_exp)  # fmt: skip
+        return {k: np.array(v, dtype=np.int64) for k, v in arrays.items()} | {"first": first, "anc": anc}
+
+    def tree(self, record: torch.Tensor, root: int, budget: int) -> tuple[TokenTree, list[int]]:
+        """The re-ranked tree from a host copy of the record, and each tree node's expanded index
+        (-1: a node never expanded). Equals ``drafters._build.best_first`` + ``make_tree`` over the
+        former host loop's node pool, vectorized.
+
+        The pool, in creation order: the root, then depth by depth the candidates of each frontier
+        row (rows in frontier order, children in top-``width`` order), ``score`` = the device's
+        float64 cumulative scores. Kept: the first ``budget + 1`` nodes by (score descending,
+        creation index) -- what ``best_first``'s heap pops, as its key (-score, depth, node) orders
+        like (-score, node) here (creation order is by depth) and increases strictly from a node to
+        its first child (log-probs <= 0, float64 sums: score never rises; ties: one level deeper) and
+        to its next sibling (top-k order: score never rises; ties: a later node): so every node's
+        generator is popped before it, the pops come in key order, and the kept set is ancestor-closed.
+        The tree is their depth-first order, children in creation order (= ``best_first``'s pick order
+        among siblings, which ``make_tree`` keeps): a lexicographic sort by each node's ancestors.
+        """
+        ix = self._index
+        rec = record.numpy()
+        scores = rec[ix["score_at"]].view(np.float64)
+        scores[0] = 0.0
+        kept = np.argsort(-scores, kind="stable")[: budget + 1]
+        pick = rec[ix["pick_at"]]
+        pick[: 1 + self.cand[0]] = 0
+        parent = ix["parent_base"] + pick  # the root: itself
+        # anc[k - 1, i]: node i's ancestor-or-self at depth k, -1 beyond its depth (parents sort first)
+        anc, first = ix["anc"].copy(), ix["first"]
+        for d in range(2, self.depth + 1):
+            nodes = slice(first[d], first[d + 1])
+            anc[: d - 1, nodes] = anc[: d - 1, parent[nodes]]
+        order = kept[np.lexsort(anc[::-1, kept])]
+        new = np.full(len(parent), -1, dtype=np.int64)  # a parent not kept would stay -1: TokenTree raises
+        new[order] = np.arange(len(order))
+        parents = new[parent[order]]
+        parents[0] = -1
+        tokens = rec[ix["tok_at"][order]]
+        tokens[0] = root
+        exp = np.full(len(parent), -1, dtype=np.int64)
+        exp[ix["frontier_base"] + rec[ix["frontier_at"]]] = ix["frontier_exp"]
+        exp[0] = 0
+        return TokenTree(torch.from_numpy(tokens), torch.from_numpy(parents)), exp[order].tolist()
+
+
+def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
+                   kv_lens: tuple[int, ...], scalars: torch.Tensor, feat: torch.Tensor, tok: torch.Tensor,
+                   score_out: torch.Tensor, pick_out: torch.Tensor) -> None:  # fmt: skip
+    """Depths 1 .. ``plan.depth`` of an expansion on the device: candidates, the next frontier, its
+    head forward (``Expansion``'s loop; a module function of tensors and fixed-shape inputs so one
+    ``torch.compile`` of it serves every expansion of the same shapes).
+
+    Args:
+        scalars: int64 ``[>= 2]`` on the device: (slot of the root's pair ``base``, the root's position).
+        feat: ``[E, H]``; row 0 holds the root's output feature, rows ``plan.offsets[d] ..`` get
+            the features of the nodes expanded at depth d.
+        tok, score_out, pick_out: the record's views (``ExpansionPlan.views``), written in place.
+        kv_lens: ``kv_lens[d - 1]``: the cache slots ``[0, kv_lens[d - 1])`` the head forward of
+            the nodes picked at depth d attends to (the whole capacity with static shapes).
+    """
+    dev, width, expanded = feat.device, plan.width, plan.expanded
+    base, root_pos = scalars[0], scalars[1]
+    cols = torch.arange(expanded, device=dev)
+    anc = (cols == 0)[None]  # [rows, E]: each frontier row's expanded ancestors-or-self (the root: itself)
+    feats = feat[:1]  # output features of the frontier rows
+    score = torch.zeros(1, dtype=torch.float64, device=dev)  # their cumulative draft log-probabilities
+    for d in range(1, plan.depth + 1):
+        n = plan.cand[d - 1]
+        logits = drafter._draft_logits(feats)  # [rows, V] or, with draft_vocab, [rows, N] over the subset
+        logq = torch.log_softmax(logits if sampling is None else warp_logits(logits, sampling), dim=-1)
+        vals, idx = torch.topk(logq, width, dim=-1)
+        # float64 sums, as the former host loop added Python floats: same scores, same order
+        cand_score = (score[:, None] + vals.double()).reshape(n)
+        cand_tok = drafter._token_ids(idx).reshape(n)
+        tok[d - 1, :n].copy_(cand_tok)
+        score_out[d - 1, :n].copy_(cand_score)
+        if d == plan.depth:
+            break
+        rows, off = plan.rows[d], plan.offsets[d]
+        # the best `rows` candidates; stable: equal scores keep candidate order (the host loop's)
+        pick = torch.sort(cand_score, descending=True, stable=True).indices[:rows]
+        pick_out[d - 1, :rows].copy_(pick)
+        parent = torch.div(pick, width, rounding_mode="floor")  # frontier row of depth d - 1
+        own = off + torch.arange(rows, device=dev)  # expanded indices of the new rows
+        anc = anc[parent] | (cols[None] == own[:, None])
+        rel = torch.arange(kv_lens[d - 1], device=dev) - base  # slot - base: expanded index
+        visible = (rel < 0)[None] | (anc[:, rel.clamp(0, expanded - 1)] & (rel < expanded)[None])
+        positions = (root_pos + d).expand(1, rows)
+        out = drafter._forward(cache, cand_tok[pick], feats[parent], positions, base + own, visible)
+        feat[off : off + rows].copy_(out)
+        feats = feat[off : off + rows]
+        score = cand_score[pick]
+
+
+class Expansion:
+    """One plan's expansion over one sequence's head cache, at fixed addresses.
+
+    Inputs, refilled in place every step (``run``): ``scalars`` = (slot of the root's pair ``base``,
+    the root's position) and ``feat[0]`` = the root's output feature (from the catch-up). Outputs:
+    ``feat [E, H]`` = the output features of the ``E = plan.expanded`` expanded nodes (index e at
+    cache slot ``base + e``) and ``record`` (see ``ExpansionPlan``). ``_body`` -- the whole loop, one head
+    forward per depth after the root -- reads nothing but these buffers, the head's weights and
+    the cache, never syncs with the host and has shapes fixed by (plan, cache capacity) when run
+    over the whole capacity: ``capture=True`` records it once as a CUDA graph and replays it;
+    ``capture=False`` runs the same body eagerly (what CPU tests check).
+    """
+
+    def __init__(self, drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
+                 capture: bool, width: int = 0) -> None:  # fmt: skip
+        dev, w = drafter.device, drafter.head.fc.weight
+        self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
+        self.width = width  # rows of the fused catch-up; 0: not fused
+        # the step's int64 inputs: (base, root_pos, keep, m), then when fused the catch-up's [3, width]
+        # (token ids, positions, slots); the scalars in a tensor of their own, so that the compiled depth
+        # loop sees the same input at every catch-up width (a view into a width-sized block would not)
+        self.scalars = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.catch_ints = torch.zeros(3, width, dtype=torch.int64, device=dev)
+        self.catch_feat = torch.zeros(width, drafter.head.hidden_size, dtype=w.dtype, device=dev)
+        self.feat = torch.zeros(plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
+        self.record = torch.zeros(plan.record_size, dtype=torch.int64, device=dev)
+        self.tok, self.score, self.pick = plan.views(self.record)
+        self.graph = None  # torch.cuda.CUDAGraph once captured
+        #: seconds the capture took (warm-up forwards + recording), None before / without it
+        self.capture_s: float | None = None
+
+    @torch.no_grad()
+    def run(self, base: int, root_pos: int, root_feat: torch.Tensor | None, kv_lens: Sequence[int],
+            catch_up: "CatchUp | None" = None) -> torch.Tensor:  # fmt: skip
+        """Load the step's inputs, expand, return the record on the host (the step's one sync).
+
+        ``kv_lens[d - 1]``: attention reads cache slots ``[0, kv_lens[d - 1])`` at depth d (eager
+        only; a captured graph reads the whole capacity). Unfused: ``root_feat`` is the catch-up's
+        output for the root. Fused: ``catch_up`` holds the catch-up's inputs (padded to
+        ``width`` rows), and the body runs it first (``root_feat`` is None).
+        """
+        if self.width != (catch_up.width if catch_up is not None else 0):
+            raise RuntimeError("catch_up: expected it exactly for a fused expansion, of its width")
+        head = [base, root_pos] + ([catch_up.keep, catch_up.m] if catch_up is not None else [0, 0])
+        stage = torch.tensor(head + (catch_up.ints if catch_up is not None else []), dtype=torch.int64)
+        if self.scalars.is_cuda:
+            stage = stage.pin_memory()
+        self.scalars.copy_(stage[:4], non_blocking=True)
+        if catch_up is not None:
+            self.catch_ints.view(-1).copy_(stage[4:], non_blocking=True)
+            self.catch_feat[: catch_up.m].copy_(catch_up.feats)
+        else:
+            self.feat[0].copy_(root_feat)
+        if self.capture:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        else:
+            self._body(kv_lens)
+        self.drafter._mark("expand")
+        host = self.record.cpu()
+        self.drafter._mark("copy")
+        return host
+
+    def _catch_up_body(self) -> None:
+        """The fused catch-up: ``width`` rows over the whole cache, the root's output to ``feat[0]``."""
+        keep, m = self.scalars[2], self.scalars[3]
+        cap = self.cache.capacity
+        visible = self.drafter._catch_up_visible(keep, m, self.width, cap, padded=True,
+                                                 device=self.feat.device)  # fmt: skip
+        out = self.drafter._forward(self.cache, self.catch_ints[0], self.catch_feat, self.catch_ints[1:2],
+                                    self.catch_ints[2], visible)  # fmt: skip
+        self.feat[:1].copy_(out.index_select(0, (m - 1).view(1)))
+
+    def _body(self, kv_lens: Sequence[int]) -> None:
+        """(Fused: the catch-up, then) depths 1 .. plan.depth on the device (``expand_depths``,
+        compiled with ``compile_head``)."""
+        if self.width:
+            self._catch_up_body()
+        self.drafter._depth_loop(self.drafter, self.cache, self.plan, self.sampling, tuple(kv_lens), self.scalars,
+                                 self.feat, self.tok, self.score, self.pick)  # fmt: skip
+
+    def _capture(self) -> None:
+        """Warm up (current stream, then a side stream), then record ``_body`` over the whole cache.
+
+        The body is idempotent for fixed inputs (it rewrites the same cache slots and outputs), so
+        the warm-up runs change nothing the replay right after the capture does not redo.
+        """
+        dev = self.feat.device
+        kv_lens = [self.cache.capacity] * (self.plan.depth - 1)
+        with torch.cuda.device(dev):
+            torch.cuda.synchronize(dev)
+            start = time.perf_counter()
+            self._body(kv_lens)
+            layers = list(self.cache.layer_indices)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._body(kv_lens)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._body(kv_lens)
+            clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
+            if list(self.cache.layer_indices) != layers:
+                raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
+            torch.cuda.synchronize(dev)
+            self.capture_s = time.perf_counter() - start
+        self.graph = graph
+
+
+@dataclass
+class CatchUp:
+    """A fused catch-up's inputs: ``ints`` = token ids, positions, slots (``3 * width`` host ints,
+    padding rows: token 0, position 0, the scratch slot), ``feats [m, H]`` the real rows' features
+    (device), ``keep`` the committed slots they attend to, ``m`` the real rows."""
+
+    width: int
+    ints: list[int]
+    feats: torch.Tensor
+    keep: int
+    m: int
+
