@@ -546,9 +546,9 @@ class Session:
             if tree_size is not None:
                 drafter = self._recorders[slot] = RecordingDrafter(self._make_drafter(self.drafter, tree_size))
             comp = self.cfg.compile or (tree_size is not None and self.drafter.compile)
-            self._decoders[slot] = SpecDecoder(
-                self.target, drafter, tree_size or 0, attn_impl=self.cfg.attn_impl,
-                static_shapes=True if comp else None, compile=comp, **self._cache_options(tree_size or 0),
+            self._decoders[slot] = SpecDecoder(  # profile: the records' per-step draft / verify / commit times are
+                self.target, drafter, tree_size or 0, attn_impl=self.cfg.attn_impl,  # device time, as before
+                static_shapes=True if comp else None, compile=comp, profile=True, **self._cache_options(tree_size or 0),
             )  # fmt: skip
         return self._decoders[slot]
 
