@@ -268,8 +268,9 @@ class DecodeLoop:
                     self.drafter.update(contexts[b], trees[b], v)
 
     def _chunking(self) -> bool:
-        """Whether plain decoding runs in chunks: ``decode_chunk``, static shapes, no drafting, one process."""
-        return bool(self.decode_chunk) and not self.tree_size and self.static_shapes and self.rank_sync is None
+        """Whether plain decoding runs in chunks: ``decode_chunk``, static shapes, no drafting (a
+        tensor-parallel target too: its ranks check one token fingerprint per chunk)."""
+        return bool(self.decode_chunk) and not self.tree_size and self.static_shapes
 
     def _chunk_for(self, run: Run) -> DecodeChunk | None:
         """The ``DecodeChunk`` for this call's next steps (made on first use), or None: a step at a
@@ -294,6 +295,8 @@ class DecodeLoop:
                 tokens = chunk.run([int(ids[b, n - 1]) for b, n in enumerate(run.lens)], run.cache.lengths,
                                    run.generator)  # fmt: skip
             rows = tokens.tolist()
+            if self.rank_sync is not None:  # every rank drew the same tokens (else all raise)
+                self.rank_sync.check_tokens(rows)
         appended: list[list[int]] = [[] for _ in range(batch)]
         with timer("commit"):
             for b, row in enumerate(rows):

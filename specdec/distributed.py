@@ -214,7 +214,8 @@ class RankSync:
 
     Attributes:
         rank, world_size: this process's rank in the group, and the group's size.
-        steps: steps synchronized in the current ``generate`` call (reported in errors).
+        steps: steps (or plain-decoding chunks) synchronized in the current ``generate`` call.
+        token_checks: plain-decoding chunks checked in the current call (:meth:`check_tokens`).
     """
 
     def __init__(self, group=None, *, src: int = 0, device: torch.device | str | None = None) -> None:
@@ -227,6 +228,7 @@ class RankSync:
             raise ValueError(f"src: expected a group rank in [0, {self.world_size}), got {src!r}")
         self.src = src
         self.steps = 0
+        self.token_checks = 0
 
     @classmethod
     def for_model(cls, model, **kwargs) -> RankSync | None:
@@ -243,7 +245,7 @@ class RankSync:
         ``settings`` (ValueError naming ``input_ids`` on every rank otherwise), then copy ``src``'s
         random generator state(s) to every rank (``generator``, or when None the default CPU
         generator and, with ``device`` on CUDA, that device's default generator)."""
-        self.steps = 0
+        self.steps = self.token_checks = 0
         mine = torch.tensor([fingerprint(list(prompts), settings)], dtype=torch.int64)
         got = self.comm.all_gather(mine)[:, 0].tolist()
         bad = [r for r, f in enumerate(got) if f != got[self.src]]
@@ -271,6 +273,21 @@ class RankSync:
                 f"(sequences {seqs}); every rank of a tensor-parallel target must draft the same trees "
                 f"(a drafter deterministic given the committed tokens, the target's features and the generator)"
             )
+
+    def check_tokens(self, rows: Sequence[Sequence[int]]) -> None:
+        """After a chunk of plain decoding (``SpecDecoder(decode_chunk=k)``): check that every rank
+        drew the same tokens -- one fingerprint all-gathered per chunk, instead of a verdict
+        broadcast per token. The ranks' logits are identical (the LM head gathers them) and so are
+        their random streams (``begin``), so their argmax / draws are too; raises the same
+        ``RuntimeError`` on every rank if not."""
+        self.steps += 1
+        self.token_checks += 1
+        mine = torch.tensor([fingerprint([list(map(int, r)) for r in rows])], dtype=torch.int64)
+        got = self.comm.all_gather(mine)[:, 0].tolist()
+        bad = [r for r, f in enumerate(got) if f != got[self.src]]
+        if bad:
+            raise RuntimeError(f"decode_chunk: ranks {bad} decoded different tokens than rank {self.src} in chunk "
+                               f"{self.token_checks} of this call; the tensor-parallel ranks' logits differ")  # fmt: skip
 
     def verdicts(self, verdicts: Sequence[Verdict | None], trees: Sequence[TokenTree],
                  generator: torch.Generator | None = None, sampling: bool = False,

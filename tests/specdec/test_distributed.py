@@ -156,6 +156,16 @@ def test_check_trees_raises_on_every_mismatch():
             sync.check_trees(trees)
 
 
+def test_check_tokens_raises_on_every_mismatch_and_counts_chunks():
+    same = RankSync(Scripted())
+    same.check_tokens([[1, 2, 3, 4]])
+    same.check_tokens([[5, 6, 7, 8]])
+    assert same.token_checks == 2 and same.comm.calls == ["all_gather", "all_gather"]
+    other = RankSync(Scripted(rank=1, peer=lambda r, t: t + 1))
+    with pytest.raises(RuntimeError, match=r"decode_chunk: ranks \[1\] decoded different tokens than rank 0 in chunk 1"):
+        other.check_tokens([[1, 2, 3, 4]])
+
+
 def test_rank_sync_arguments():
     with pytest.raises(ValueError, match="src"):
         RankSync(Scripted(), src=2)
@@ -260,7 +270,7 @@ def tp_run(tmp_path_factory):
     return ranks, tp_worker.reference(models)
 
 
-@pytest.mark.parametrize("case", [c for c in tp_worker.CASES if "sample" not in c])
+@pytest.mark.parametrize("case", [c for c in tp_worker.CASES if "sample" not in c and "chunk" not in c])
 def test_tp_greedy_equals_single_process(tp_run, case):
     ranks, ref = tp_run
     for res in ranks:
@@ -271,9 +281,22 @@ def test_tp_greedy_equals_single_process(tp_run, case):
             assert got["kv_heads"] == [1] * len(got["kv_heads"])
 
 
-def test_tp_sampling_is_identical_on_both_ranks(tp_run):
+def test_tp_plain_decoding_runs_in_chunks_checked_once_each(tp_run):
+    ranks, ref = tp_run
+    for res in ranks:
+        got = res["cases"]["plain-chunk"]
+        assert "error" not in got, got.get("error")
+        assert got["tokens"] == ref["plain-chunk"]["tokens"] == ref["plain"]["tokens"]
+        assert got["token_checks"] >= 3  # 16 tokens in chunks of 4 (the first token comes from the prefill)
+    sampled = [res["cases"]["plain-chunk-sample"] for res in ranks]
+    assert "error" not in sampled[0] and sampled[0]["tokens"] == sampled[1]["tokens"]
+    assert sampled[0]["token_checks"] >= 3
+
+
+@pytest.mark.parametrize("case", ["model-sample", "plain-chunk-sample"])
+def test_tp_sampling_is_identical_on_both_ranks(tp_run, case):
     ranks, _ = tp_run
-    got = [res["cases"]["model-sample"] for res in ranks]
+    got = [res["cases"][case] for res in ranks]
     for g in got:
         assert "error" not in g, g.get("error")
     assert got[0]["tokens"] == got[1]["tokens"]  # generators seeded 1234 and 1241: rank 0's stream wins

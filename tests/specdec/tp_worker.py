@@ -91,6 +91,11 @@ CASES = {
     "medusa": ("target", lambda t, d: _medusa(t), {"tree_size": 8}, {}),
     "eagle": ("target", lambda t, d: _eagle(t), {"tree_size": 8}, {}),
     "llama-tied-lookup": ("llama_tied", lambda t, d: _lookup(), {"tree_size": 8}, {}),
+    # plain decoding in device chunks of 4 steps: one token fingerprint per chunk instead of a broadcast per token
+    "plain-chunk": ("target", lambda t, d: None, {"static_shapes": True, "max_cache_len": 96, "prefill_width": 8,
+                                                  "decode_chunk": 4}, {}),
+    "plain-chunk-sample": ("target", lambda t, d: None, {"static_shapes": True, "max_cache_len": 96, "prefill_width": 8,
+                                                         "decode_chunk": 4}, {"do_sample": True, "temperature": 1.5}),
     # the generator is seeded per rank on purpose: RankSync.begin copies rank 0's
     "model-sample": ("target", lambda t, d: _draft_model(d), {"tree_size": 8}, {"do_sample": True, "temperature": 1.5}),
 }
@@ -112,7 +117,7 @@ def decode(name: str, models: dict, rank: int = 0) -> dict:
     if cache is not None:
         seen = [int(cache.buffers(i)[0].shape[1]) for i in cache.layer_indices]
     return {"tokens": [out.new_tokens(b).tolist() for b in range(len(PROMPTS))], "kv_heads": seen,
-            "steps": len(out.steps)}
+            "steps": len(out.steps), "token_checks": getattr(dec.rank_sync, "token_checks", 0)}
 
 
 def load(models_dir: Path, tp: bool) -> dict:
