@@ -92,10 +92,17 @@ def pad_problems(problems: Sequence[Any], pool: Sequence[Any], tokenizer: Any, p
 
 def load_eval_problems(cfg: EvalConfig) -> tuple[list[Any], list[Any]]:
     """(problems to evaluate, pool of all problems for few-shot padding)."""
-    from eval.datasets import load_apps, load_problems
+    from eval.datasets import CHAT_DATASETS, load_apps, load_problems
 
     if cfg.dataset == "apps":
         pool = load_apps(cfg.data_path, difficulty=cfg.difficulty, unique=True)
+    elif cfg.dataset in CHAT_DATASETS:  # Spec-Bench (a second turn right after its first), prompt files
+        pool = load_problems(cfg.dataset, cfg.data_path, categories=cfg.categories, turns=cfg.turns)
+        if cfg.problems is not None:  # the first N questions, with their second turns
+            firsts = [p.id for p in pool if p.context is None][: cfg.problems]
+            keep = set(firsts)
+            chosen = [p for p in pool if (p.context.id if p.context is not None else p.id) in keep]
+            return chosen, list(pool)
     else:  # HumanEval, or MBPP (tuning) in HumanEval's shape
         pool = load_problems(cfg.dataset, cfg.data_path, difficulty=cfg.difficulty or None)
     chosen = pool if cfg.problems is None else pool[: cfg.problems]
