@@ -148,6 +148,8 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
     labels: dict[str | None, str] = {}
     drafter_order: dict[str | None, int] = {}
     for r in records:
+        if not (is_timed(r) or is_warmup(r) or is_calibration(r)):  # another side record (a context answer)
+            continue
         key = _row_key(r)
         if key[1] is not None:
             labels[key[1]] = str(r.get("drafter_label") or key[1])
@@ -156,8 +158,6 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
             calibration[str(r.get("run_id"))][str(r["problem_id"])] = r
         elif is_warmup(r):
             warm[key].append(r)
-        elif not is_timed(r):  # another side record (a context answer): no row's call
-            continue
         elif r.get("error"):
             errors[key] += 1
         else:
