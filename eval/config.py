@@ -445,7 +445,8 @@ class EvalConfig:
             if not chat:
                 raise ValueError(f"categories: only Spec-Bench and prompt files have categories, got {cats!r} for "
                                  f"{self.dataset}")  # fmt: skip
-            bad = [c for c in cats if not isinstance(c, str) or (self.dataset == "specbench" and c not in SPECBENCH_CATEGORIES)]
+            known = SPECBENCH_CATEGORIES if self.dataset == "specbench" else None
+            bad = [c for c in cats if not isinstance(c, str) or (known is not None and c not in known)]
             if not cats or bad:
                 raise ValueError(f"categories: expected one or more of {', '.join(SPECBENCH_CATEGORIES)}, got "
                                  f"{list(bad) or 'none'}")  # fmt: skip

@@ -4,7 +4,8 @@ Pipeline (:func:`run_eagle`, ``specdec train-eagle``):
 
 1. **Prompts and answers** (``training.sources``: MBPP by default; a prompt file with ``--prompts``;
    prompts the target writes in the style of seed prompts with ``--seed-prompts FILE
-   --self-prompts N``; every generation resumable after an interruption): exactly ``training.medusa``'s data (``training.distill``; MBPP from ``--data`` /
+   --self-prompts N``; every generation resumable after an interruption): exactly
+   ``training.medusa``'s data (``training.distill``; MBPP from ``--data`` /
    ``$SPECDEC_MBPP`` / ``../shared/data/mbpp/mbpp.jsonl``; never APPS or HumanEval): the target
    answers every prompt itself (greedy by default); the token ids are cached in
    ``OUT/selfdistill.jsonl`` (``--cache`` elsewhere: a ``train-medusa`` run's cache made with the
