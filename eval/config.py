@@ -298,7 +298,8 @@ class EvalConfig:
             parsed on construction. ``()``: none (then ``specdec`` cannot run).
         tree_sizes: node budgets of the ``specdec`` method.
         methods: which methods to run (``eval.methods.METHODS``); ``"hf"`` is added under greedy decoding.
-        problems: how many problems (None: all).
+        problems: how many problems (None: all); Spec-Bench: how many questions (their second turns
+            come along), the categories' first questions taken in turn.
         difficulty: APPS difficulties to keep (None: all).
         data_path: APPS / HumanEval / MBPP / Spec-Bench file (None: the loaders' defaults), or the
             prompt file of ``"prompts"`` (required there).

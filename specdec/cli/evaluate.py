@@ -89,7 +89,8 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
         p.add_argument("dataset", choices=list(DATASETS), help=which)
     else:
         p.add_argument("--dataset", choices=list(DATASETS), default="apps", help=which)
-    p.add_argument("--problems", type=cliargs.int_at_least(0), default=8, help="number of problems (0 = all)")
+    p.add_argument("--problems", type=cliargs.int_at_least(0), default=8,
+                   help="number of problems (0 = all); specbench: questions, the categories' first ones in turn")
     p.add_argument("--difficulty", nargs="+", choices=["introductory", "interview", "competition"],
                    help="APPS difficulties to keep")  # fmt: skip
     p.add_argument("--data", dest="data_path", type=cliargs.existing_path, default=None,

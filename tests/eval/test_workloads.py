@@ -165,6 +165,19 @@ def test_specbench_first_turns_second_turns_and_categories(tmp_path):
         EvalConfig(dataset="specbench", pad_prompt_to=100)
 
 
+def test_a_few_specbench_questions_cover_the_categories_in_turn(tmp_path):
+    from eval.prompts import load_eval_problems
+
+    path = _specbench(tmp_path / "question.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps({"question_id": 82, "category": "writing", "turns": ["Write a toast.", "Shorter."]}) + "\n")
+    cfg = EvalConfig(dataset="specbench", data_path=str(path), problems=3, turns=2)
+    chosen, pool = load_eval_problems(cfg)
+    assert [p.id for p in chosen] == ["81", "81/turn2", "101", "101/turn2", "161"] and len(pool) == 7
+    cfg = EvalConfig(dataset="specbench", data_path=str(path), problems=4, categories=("writing", "translation"))
+    assert [p.id for p in load_eval_problems(cfg)[0]] == ["81", "161", "82"]
+
+
 def test_the_shared_specbench_file_has_480_questions_in_13_categories():
     path = default_specbench_path()
     if not path.is_file():
