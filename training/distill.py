@@ -276,11 +276,13 @@ def distill_cached(target, prompts: Sequence[Sequence[int]], cache: str | os.Pat
         print(f"{desc}: resuming with {len(done)} of {len(prompts)} answers already in {partial}")
     missing = [i for i in range(len(prompts)) if i not in done]
     cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(partial, "w") as f:  # rewritten clean: the meta and what is done (no torn line)
+    tmp = partial.with_name(partial.name + ".tmp")
+    with open(tmp, "w") as f:  # rewritten clean (the meta and what is done, no torn line), atomically
         f.write(json.dumps({"meta": meta}) + "\n")
         for i, ex in sorted(done.items()):
             f.write(json.dumps({"i": i, "ids": list(ex.ids), "prompt_len": ex.prompt_len}) + "\n")
-        f.flush()
+    os.replace(tmp, partial)
+    with open(partial, "a") as f:
 
         def write(rows: list[int], batch: list[Example]) -> None:
             for j, ex in zip(rows, batch):
