@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.datasets import check_dataset
+from eval.datasets import CHAT_DATASETS, SPECBENCH_CATEGORIES, check_dataset
 
 __all__ = [
     "BASELINE_METHODS",
@@ -283,8 +283,11 @@ class EvalConfig:
     """Everything one evaluation run depends on.
 
     Attributes:
-        dataset: ``"apps"``, ``"humaneval"`` or ``"mbpp"`` (``eval.datasets.DATASETS``); MBPP is for
-            tuning (methods, tree sizes) only: report on APPS / HumanEval.
+        dataset: ``"apps"``, ``"humaneval"``, ``"mbpp"``, ``"specbench"`` or ``"prompts"``
+            (``eval.datasets.DATASETS``); MBPP is for tuning (methods, tree sizes) only: report on
+            APPS / HumanEval (code) and Spec-Bench (general text). ``"prompts"``: a user's own prompt
+            file (``data_path``; ``eval.workloads``). Spec-Bench and prompt files have no tests: speed
+            and tau only.
         target: target model (a default name such as ``qwen2.5-coder-1.5b``, a HF id, a local
             directory or a ``.gguf`` file; see ``specdec.models.load_model``).
         draft: draft model, same forms; used by ``hf-assisted`` and handed to the drafter factories
@@ -295,9 +298,16 @@ class EvalConfig:
             parsed on construction. ``()``: none (then ``specdec`` cannot run).
         tree_sizes: node budgets of the ``specdec`` method.
         methods: which methods to run (``eval.methods.METHODS``); ``"hf"`` is added under greedy decoding.
-        problems: how many problems (None: all).
+        problems: how many problems (None: all); Spec-Bench: how many questions (their second turns
+            come along), the categories' first questions taken in turn.
         difficulty: APPS difficulties to keep (None: all).
-        data_path: APPS / HumanEval / MBPP file (None: the loaders' defaults).
+        data_path: APPS / HumanEval / MBPP / Spec-Bench file (None: the loaders' defaults), or the
+            prompt file of ``"prompts"`` (required there).
+        categories: Spec-Bench categories (``eval.datasets.SPECBENCH_CATEGORIES``) or prompt-file
+            categories to keep (None: all).
+        turns: Spec-Bench: 1 = every question's first turn; 2 = also the second turn of the
+            two-turn (MT-bench) questions, asked after the target's own greedy answer to the first
+            (``eval.runner``; records ``"<id>/turn2"``).
         max_new_tokens: new tokens per generation (fewer when eos comes first).
         temperature: 0 = greedy; > 0 samples at this temperature (no top-k / top-p).
         samples: completions per (problem, method, drafter, tree size), made in ONE batched call
@@ -351,6 +361,8 @@ class EvalConfig:
     problems: int | None = 8
     difficulty: tuple[str, ...] | None = None
     data_path: str | None = None
+    categories: tuple[str, ...] | None = None
+    turns: int = 1
     max_new_tokens: int = 128
     temperature: float = 0.0
     samples: int = 1
@@ -372,6 +384,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_dataset(self.dataset)
+        self._check_workload()
         specs = _as_specs(self.drafters)
         object.__setattr__(self, "drafters", specs)
         keys = [s.key for s in specs]
@@ -424,6 +437,29 @@ class EvalConfig:
                 raise ValueError(f"shard: expected (rank, world) with ints 0 <= rank < world, got {s!r}")
             object.__setattr__(self, "shard", (s[0], s[1]))
             self.results_path  # noqa: B018 - raises ValueError naming out for a shard file given as out
+
+    def _check_workload(self) -> None:
+        """``categories``, ``turns``, ``data_path`` and ``pad_prompt_to`` fit the dataset."""
+        chat = self.dataset in CHAT_DATASETS
+        if self.categories is not None:
+            cats = (self.categories,) if isinstance(self.categories, str) else tuple(self.categories)
+            if not chat:
+                raise ValueError(f"categories: only Spec-Bench and prompt files have categories, got {cats!r} for "
+                                 f"{self.dataset}")  # fmt: skip
+            known = SPECBENCH_CATEGORIES if self.dataset == "specbench" else None
+            bad = [c for c in cats if not isinstance(c, str) or (known is not None and c not in known)]
+            if not cats or bad:
+                raise ValueError(f"categories: expected one or more of {', '.join(SPECBENCH_CATEGORIES)}, got "
+                                 f"{list(bad) or 'none'}")  # fmt: skip
+            object.__setattr__(self, "categories", cats)
+        if self.turns not in (1, 2) or isinstance(self.turns, bool):
+            raise ValueError(f"turns: expected 1 or 2, got {self.turns!r}")
+        if self.turns == 2 and self.dataset != "specbench":
+            raise ValueError(f"turns: second turns are Spec-Bench's only, got turns=2 for {self.dataset}")
+        if self.dataset == "prompts" and self.data_path is None:
+            raise ValueError("data_path: the prompts dataset needs a prompt file (--data FILE)")
+        if chat and self.pad_prompt_to is not None:
+            raise ValueError(f"pad_prompt_to: few-shot padding is for the code datasets, got {self.dataset}")
 
     @property
     def sharded(self) -> bool:

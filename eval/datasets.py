@@ -1,4 +1,5 @@
-"""Code-generation prompts for evaluation: APPS (two row formats), HumanEval, and MBPP for tuning.
+"""Prompts for evaluation: APPS (two row formats), HumanEval, MBPP for tuning, and general text
+(Spec-Bench and a user's own prompt files, ``eval.workloads``, re-exported here).
 
 APPS rows come in two formats, detected per row:
 
@@ -24,6 +25,12 @@ else ``$SPECDEC_MBPP``, else ``../shared/data/mbpp/mbpp.jsonl`` beside the proje
 training package reads the same rows) and :func:`load_mbpp_problems` turns each row into a :class:`HumanEvalProblem` (:func:`mbpp_problem`), so that MBPP problems are
 prompted and checked exactly as HumanEval problems are.
 
+Spec-Bench (``"specbench"``) and prompt files (``"prompts"``, JSONL of ``{"prompt": ...}`` or
+``{"messages": [...]}``, or a ``datasets`` directory / parquet / JSON file) are read by
+``eval.workloads`` (:func:`load_specbench`, :func:`load_prompt_file`; the training package reads
+its ``--prompts`` files through the same reader). They have no tests (:data:`TESTED_DATASETS`):
+speed and tau only.
+
 Every problem turns into a chat prompt with :func:`chat_prompt` (the tokenizer's chat template;
 a plain prompt when the tokenizer has none) and into token ids with :func:`prompt_ids`.
 """
@@ -42,9 +49,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from eval.workloads import (
+    CHAT_DATASETS,
+    SPECBENCH_CATEGORIES,
+    ChatProblem,
+    default_specbench_path,
+    load_prompt_file,
+    load_specbench,
+)
+
 __all__ = [
     "APPS_DIFFICULTIES",
+    "CHAT_DATASETS",
     "DATASETS",
+    "SPECBENCH_CATEGORIES",
+    "TESTED_DATASETS",
+    "ChatProblem",
+    "check_tested_dataset",
+    "default_specbench_path",
+    "load_prompt_file",
+    "load_specbench",
     "check_dataset",
     "AppsProblem",
     "HumanEvalProblem",
@@ -65,9 +89,13 @@ __all__ = [
 ]
 
 APPS_DIFFICULTIES = ("introductory", "interview", "competition")
-DATASETS = ("apps", "humaneval", "mbpp")
-"""The datasets :func:`load_problems` knows. ``"mbpp"`` is for tuning only: never report on it."""
-_DATASET_NAMES = {"apps": "APPS", "humaneval": "HumanEval", "mbpp": "MBPP"}
+TESTED_DATASETS = ("apps", "humaneval", "mbpp")
+"""The datasets whose problems have tests (pass@1)."""
+DATASETS = (*TESTED_DATASETS, *CHAT_DATASETS)
+"""The datasets :func:`load_problems` knows. ``"mbpp"`` is for tuning only: never report on it;
+``"specbench"`` and ``"prompts"`` have no tests (speed and tau only)."""
+_DATASET_NAMES = {"apps": "APPS", "humaneval": "HumanEval", "mbpp": "MBPP", "specbench": "Spec-Bench",
+                  "prompts": "a prompt file"}  # fmt: skip
 _APPS_HUB_ID = "codeparrot/apps"
 _ORIGINAL_REQUIRED = ("question", "difficulty")
 _MAPCODER_REQUIRED = ("id", "description", "difficulty", "sample_io", "test_list")
@@ -657,17 +685,42 @@ def check_dataset(dataset: Any) -> str:
     return dataset
 
 
+def check_tested_dataset(dataset: Any, arg: str = "dataset") -> str:
+    """``dataset`` if its problems have tests (:data:`TESTED_DATASETS`), else a ValueError naming
+    ``arg``: Spec-Bench and prompt files have no pass@1."""
+    if dataset in CHAT_DATASETS:
+        raise ValueError(f"{arg}: {dataset} has no tests, so no pass@1 (its runs measure speed and tau only); "
+                         f"pass@1 needs one of {', '.join(TESTED_DATASETS)}")  # fmt: skip
+    if dataset not in TESTED_DATASETS:
+        raise ValueError(f"{arg}: expected one of {', '.join(map(repr, TESTED_DATASETS))}, got {dataset!r}")
+    return dataset
+
+
 def load_problems(
     dataset: str, path: str | os.PathLike[str] | None = None, *, difficulty: str | Iterable[str] | None = None,
-    limit: int | None = None,
-) -> list[AppsProblem] | list[HumanEvalProblem]:  # fmt: skip
+    limit: int | None = None, categories: Iterable[str] | None = None, turns: int = 1,
+) -> list[AppsProblem] | list[HumanEvalProblem] | list[ChatProblem]:  # fmt: skip
     """``dataset`` is one of :data:`DATASETS`; the rest as in :func:`load_apps` /
-    :func:`load_humaneval` / :func:`load_mbpp_problems` (``difficulty`` applies to APPS only).
-    ``"mbpp"`` is for tuning only."""
-    if check_dataset(dataset) == "apps":
+    :func:`load_humaneval` / :func:`load_mbpp_problems` / :func:`load_specbench` /
+    :func:`load_prompt_file` (``difficulty`` applies to APPS only, ``categories`` to Spec-Bench and
+    prompt files, ``turns`` to Spec-Bench). ``"mbpp"`` is for tuning only; ``"prompts"`` needs
+    ``path``."""
+    name = _DATASET_NAMES[check_dataset(dataset)]
+    if difficulty is not None and dataset != "apps":
+        raise ValueError(f"difficulty: {name} has no difficulty levels, got {difficulty!r}")
+    if categories is not None and dataset not in CHAT_DATASETS:
+        raise ValueError(f"categories: only Spec-Bench and prompt files have categories, got {categories!r} for {name}")
+    if turns != 1 and dataset != "specbench":
+        raise ValueError(f"turns: only Spec-Bench has second turns, got turns={turns!r} for {name}")
+    if dataset == "apps":
         return load_apps(path, difficulty=difficulty, limit=limit)
-    if difficulty is not None:
-        raise ValueError(f"difficulty: {_DATASET_NAMES[dataset]} has no difficulty levels, got {difficulty!r}")
+    if dataset == "specbench":
+        return load_specbench(path, categories=categories, turns=turns, limit=limit)
+    if dataset == "prompts":
+        if path is None:
+            raise ValueError("path: the prompts dataset needs a prompt file (--data FILE: JSONL of {\"prompt\": ...} "
+                             "or {\"messages\": [...]}, or a datasets directory / parquet / JSON file)")
+        return load_prompt_file(path, categories=categories, limit=limit)
     if dataset == "humaneval":
         return load_humaneval(path, limit=limit)
     return load_mbpp_problems(path, limit=limit)

@@ -360,7 +360,8 @@ class Session:
         draft: the run's draft model (``hf-assisted``, and drafters without ``draft=``), or None.
         drafter_factory: ``factory(spec, target=, draft=, tokenizer=, tree_size=, device=, dtype=,
             **options)`` -> drafter (default: :func:`build_drafter` with ``spec.name``).
-        max_cache_len: longest prompt + ``max_new_tokens`` (the caches' capacity).
+        max_cache_len: longest prompt + ``max_new_tokens`` (the caches' capacity; the runner sets it
+            once the prompts are known, after any earlier turns are answered).
         min_len: shortest prompt + ``max_new_tokens`` (where the warm-up of a run with several samples
             starts); None: unknown (the warm-up covers every prompt length up to ``max_cache_len``).
         load_model: ``load_model(name)`` -> model, for drafters that name a draft model of their own
@@ -454,6 +455,21 @@ class Session:
         if self.samples > 1:
             return MethodOutput(rows[0], wall, samples=rows)
         return MethodOutput(rows[0], wall, emit_t=clock.t, emit_n=clock.n)
+
+    def answer(self, prompt) -> list[int]:
+        """The target's greedy answer to ``prompt`` (int64 ``[1, L]``): target-only HF ``generate``
+        (default cache), at most ``cfg.max_new_tokens`` tokens, cut after the first eos; untimed.
+        The earlier turn a later prompt quotes (Spec-Bench's second turns, ``eval.runner``)."""
+        import torch
+
+        out = self.target.generate(prompt, max_new_tokens=self.cfg.max_new_tokens, do_sample=False,
+                                   eos_token_id=self.eos or None, pad_token_id=self.pad,
+                                   attention_mask=torch.ones_like(prompt))  # fmt: skip
+        ids = out[0, prompt.shape[1] :].tolist()[: self.cfg.max_new_tokens]
+        for j, tok in enumerate(ids):
+            if tok in self.eos:
+                return ids[: j + 1]
+        return ids
 
     # -- drafters and the engine
 

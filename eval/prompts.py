@@ -90,12 +90,38 @@ def pad_problems(problems: Sequence[Any], pool: Sequence[Any], tokenizer: Any, p
     return out
 
 
+def _first_questions(pool: Sequence[Any], n: int, across_categories: bool) -> list[str]:
+    """Ids of ``n`` questions of ``pool`` (first turns; ``ChatProblem.context`` None): the first ``n``
+    in file order, or with ``across_categories`` the categories' first questions taken in turn (a
+    small Spec-Bench run covers every category picked), in file order."""
+    firsts = [p for p in pool if p.context is None]
+    if not across_categories:
+        return [p.id for p in firsts[:n]]
+    groups: dict[str, list[Any]] = {}
+    for p in firsts:
+        groups.setdefault(p.category, []).append(p)
+    picked: set[str] = set()
+    rank = 0
+    while len(picked) < min(n, len(firsts)):
+        for group in groups.values():
+            if rank < len(group) and len(picked) < n:
+                picked.add(group[rank].id)
+        rank += 1
+    return [p.id for p in firsts if p.id in picked]
+
+
 def load_eval_problems(cfg: EvalConfig) -> tuple[list[Any], list[Any]]:
     """(problems to evaluate, pool of all problems for few-shot padding)."""
-    from eval.datasets import load_apps, load_problems
+    from eval.datasets import CHAT_DATASETS, load_apps, load_problems
 
     if cfg.dataset == "apps":
         pool = load_apps(cfg.data_path, difficulty=cfg.difficulty, unique=True)
+    elif cfg.dataset in CHAT_DATASETS:  # Spec-Bench (a second turn right after its first), prompt files
+        pool = load_problems(cfg.dataset, cfg.data_path, categories=cfg.categories, turns=cfg.turns)
+        if cfg.problems is not None:  # N questions, with their second turns
+            keep = set(_first_questions(pool, cfg.problems, across_categories=cfg.dataset == "specbench"))
+            chosen = [p for p in pool if (p.context.id if p.context is not None else p.id) in keep]
+            return chosen, list(pool)
     else:  # HumanEval, or MBPP (tuning) in HumanEval's shape
         pool = load_problems(cfg.dataset, cfg.data_path, difficulty=cfg.difficulty or None)
     chosen = pool if cfg.problems is None else pool[: cfg.problems]

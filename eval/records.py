@@ -12,7 +12,11 @@ Two kinds of JSON lines share a results file:
   (``EvalConfig.calibrate``): HF static timed again in that process, so that a drafter's rows can be
   compared with the baseline at that process's speed (``eval.report``, ``same_run_speedup``).
 
-Warm-up and calibration records are *side records*: no table row counts them as a timed call.
+* a *context* record (``"kind": "context"``) per earlier turn whose answer a later prompt includes
+  (Spec-Bench's second turns): the target's greedy answer (``token_ids``, ``text``), made once and
+  reused on resume so that every method and rerun sees the same second-turn prompt.
+
+Warm-up, calibration and context records are *side records*: no table row counts them as a timed call.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from typing import Any
 __all__ = [
     "METHOD_ORDER",
     "CALIBRATION",
+    "CONTEXT",
     "WARMUP",
     "EvalResult",
     "compare_tokens",
     "finalize",
     "is_calibration",
+    "is_context",
     "is_timed",
     "is_warmup",
     "load_records",
@@ -52,6 +58,14 @@ WARMUP = "warmup"
 
 #: ``kind`` of a calibration record.
 CALIBRATION = "calibration"
+
+
+#: ``kind`` of a context record (the target's answer to an earlier turn of a conversation).
+CONTEXT = "context"
+
+
+def is_context(rec: Mapping[str, Any]) -> bool:
+    return rec.get("kind") == CONTEXT
 
 
 def is_warmup(rec: Mapping[str, Any]) -> bool:

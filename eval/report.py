@@ -19,7 +19,8 @@ baselines (no drafter, no tree size) are shared by every drafter's rows:
 * ``gc_ms``: mean milliseconds per timed call spent in Python garbage collection (records' ``gc_s``;
   None for records made before it was kept), ``gc_full``: full collections per call;
 * ``speedup_vs_<base>``: tokens/s over the base method's tokens/s, both on the problems the two
-  have in common (bases: ``hf``, ``hf-static``, ``hf-assisted``); ``steady_speedup_vs_hf_static``:
+  have in common (bases: ``hf``, ``hf-static``, ``hf-assisted``, ``specdec-plain``: the engine
+  without a drafter, what speculation itself adds); ``steady_speedup_vs_hf_static``:
   the same over the problems where neither call was a first call or a stall;
   ``same_run_speedup_vs_hf_static``: the same ratio with HF static's time on each problem scaled to
   the speed of the process that ran the row's call, measured by that process's calibration records
@@ -58,7 +59,11 @@ __all__ = [
     "COLUMNS",
     "DEFINITIONS",
     "SPEEDUP_BASES",
+    "OVERALL",
     "agreement_summary",
+    "category_rows",
+    "dataset_note",
+    "format_category_table",
     "format_table",
     "plot",
     "summarize",
@@ -66,7 +71,7 @@ __all__ = [
     "write_summary",
 ]
 
-SPEEDUP_BASES = ("hf", "hf-static", "hf-assisted")
+SPEEDUP_BASES = ("hf", "hf-static", "hf-assisted", "specdec-plain")
 
 #: Every summary row's fields, in CSV column order (the summary JSON also has ``stall_problems`` and,
 #: when recorded, ``draft_phase_ms``).
@@ -143,6 +148,8 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
     labels: dict[str | None, str] = {}
     drafter_order: dict[str | None, int] = {}
     for r in records:
+        if not (is_timed(r) or is_warmup(r) or is_calibration(r)):  # another side record (a context answer)
+            continue
         key = _row_key(r)
         if key[1] is not None:
             labels[key[1]] = str(r.get("drafter_label") or key[1])
@@ -347,7 +354,8 @@ _TABLE = (  # (header, field, format)
     ("steady tok/s", "steady_tokens_per_s", ".1f"), ("vs hf", "speedup_vs_hf", "x"),
     ("vs hf-static", "speedup_vs_hf_static", "x"), ("steady vs hf-static", "steady_speedup_vs_hf_static", "x"),
     ("vs hf-static same process", "same_run_speedup_vs_hf_static", "x"),
-    ("vs assisted", "speedup_vs_hf_assisted", "x"), ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
+    ("vs assisted", "speedup_vs_hf_assisted", "x"), ("vs specdec-plain", "speedup_vs_specdec_plain", "x"),
+    ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
     ("first call s", "first_call_s", ".2f"), ("itl p50 ms", "itl_p50_ms", ".2f"), ("itl p90 ms", "itl_p90_ms", ".2f"),
     ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("gc ms/call", "gc_ms", ".2f"),
     ("same as hf", "match_rate", "%"),
@@ -388,6 +396,55 @@ def _cell(row: Mapping[str, Any], field: str, spec: str) -> str:
     if diff is None:
         return "-"
     return f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
+#: The per-category table's columns (``format_category_table``).
+_CATEGORY_TABLE = (
+    ("category", "category", "s"), ("method", "method", "s"), ("drafter", "drafter", "s"), ("t", "tree_size", "d"),
+    ("problems", "problems", "d"), ("tau", "tau", ".2f"), ("tok/s", "tokens_per_s", ".1f"),
+    ("vs specdec-plain", "speedup_vs_specdec_plain", "x"), ("vs hf-static", "speedup_vs_hf_static", "x"),
+    ("stalls", "stalls", "d"), ("errors", "errors", "d"),
+)  # fmt: skip
+#: The category of the rows over every record (``category_rows``).
+OVERALL = "overall"
+
+
+def category_rows(records: Iterable[Mapping[str, Any]], field: str = "difficulty",
+                  stall_ratio: float = STALL_RATIO) -> list[dict[str, Any]]:  # fmt: skip
+    """:func:`summarize` per category of the timed records (their ``field``: a Spec-Bench category
+    or a prompt file's ``category``, kept as ``difficulty``), in the records' order, then over all
+    records (category :data:`OVERALL`, warm-ups included); each row gets a ``category`` field.
+    Speedups are pooled within each category (its tokens over its time)."""
+    records = list(records)
+    timed = [r for r in records if is_timed(r)]
+    cats = list(dict.fromkeys(str(r[field]) for r in timed if r.get(field) is not None))
+    out = []
+    for cat in cats:
+        rows = summarize([r for r in timed if str(r.get(field)) == cat], stall_ratio=stall_ratio)
+        out += [{**row, "category": cat} for row in rows]
+    out += [{**row, "category": OVERALL} for row in summarize(records, stall_ratio=stall_ratio)]
+    return out
+
+
+def format_category_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A Markdown table of :func:`category_rows`: per category and row, tau, tokens/s, the speedups
+    over ``specdec-plain`` and HF static, stalls (columns without a value in any row left out)."""
+    cols = [c for c in _CATEGORY_TABLE
+            if c[1] in ("category", "method", "tree_size") or any(r.get(c[1]) not in (None,) for r in rows)]  # fmt: skip
+    head = "| " + " | ".join(name for name, _, _ in cols) + " |"
+    rule = "| " + " | ".join("---" for _ in cols) + " |"
+    body = ["| " + " | ".join(_cell(r, f, spec) for _, f, spec in cols) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
+
+
+def dataset_note(dataset: str | None) -> str | None:
+    """What a table of ``dataset`` leaves out: pass@1 for the datasets without tests, else None."""
+    from eval.datasets import CHAT_DATASETS
+
+    if dataset in CHAT_DATASETS:
+        name = "Spec-Bench" if dataset == "specbench" else "a prompt file"
+        return f"pass@1: none -- {name} has no tests (speed, tau and stalls only)"
+    return None
 
 
 def agreement_summary(records: Iterable[Mapping[str, Any]], strict: bool = False) -> str:
@@ -438,11 +495,17 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -
     return path
 
 
-def write_summary(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> Path:
-    """``{"config": ..., "definitions": DEFINITIONS, "rows": [...]}`` as JSON."""
+def write_summary(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], config: Mapping[str, Any] | None = None,
+                  categories: Sequence[Mapping[str, Any]] | None = None, note: str | None = None) -> Path:  # fmt: skip
+    """``{"config": ..., "definitions": DEFINITIONS, "rows": [...]}`` as JSON, with
+    ``"categories"`` (:func:`category_rows`) and ``"note"`` (:func:`dataset_note`) when given."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"config": dict(config or {}), "definitions": DEFINITIONS, "rows": list(rows)}
+    if categories is not None:
+        doc["categories"] = list(categories)
+    if note is not None:
+        doc["note"] = note
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return path
 

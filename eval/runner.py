@@ -47,10 +47,12 @@ from eval.methods import METHODS, Method, MethodOutput, Session, _torch_dtype
 from eval.prompts import load_eval_problems, pad_problems
 from eval.records import (
     CALIBRATION,
+    CONTEXT,
     WARMUP,
     EvalResult,
     compare_tokens,
     finalize,
+    is_context,
     is_timed,
     load_records,
     record_key,
@@ -298,6 +300,38 @@ def _calibrate(session: Session, problems: Sequence[Any], prompts: Sequence[Sequ
         result.warmups.append(rec)
 
 
+def _answer_earlier_turns(session: Session, problems: Sequence[Any], side: Sequence[Mapping[str, Any]],
+                          out_path: Path, common: Mapping[str, Any]) -> list[Any]:  # fmt: skip
+    """The problems whose prompt follows the target's own answer to an earlier turn (Spec-Bench's
+    second turns, ``ChatProblem.context``) with that answer filled in: the target's greedy answer
+    (``Session.answer``, at most ``max_new_tokens``, untimed), written once per earlier turn as a
+    ``"kind": "context"`` side record and reused from ``side`` (this configuration's side records)
+    on resume, so every method and every rerun sees the same second-turn prompt."""
+    import torch
+
+    from eval.datasets import prompt_ids
+
+    known = {str(r["problem_id"]): str(r["text"]) for r in side if is_context(r)}
+    pending = [p for p in problems if getattr(p, "needs_answer", False)]
+    todo = list(dict.fromkeys(p.context.id for p in pending if p.context.id not in known))
+    contexts = {p.context.id: p.context for p in pending}
+    bar = _tqdm(total=len(todo), desc="answers to earlier turns", unit="answer",
+                disable=not session.cfg.progress or not todo, file=sys.stderr)  # fmt: skip
+    try:
+        with open(out_path, "a", encoding="utf-8") as sink:
+            for cid in todo:
+                ids = prompt_ids(contexts[cid], session.tokenizer)
+                tokens = session.answer(torch.tensor([ids], dtype=torch.int64, device=session.device))
+                text = session.tokenizer.decode(tokens, skip_special_tokens=True)
+                write_record(sink, dict(common, kind=CONTEXT, problem_id=cid, prompt_len=len(ids), token_ids=tokens,
+                                        text=text))  # fmt: skip
+                known[cid] = text
+                bar.update(1)
+    finally:
+        bar.close()
+    return [p.with_answer(known[p.context.id]) if getattr(p, "needs_answer", False) else p for p in problems]
+
+
 def run_eval(
     cfg: EvalConfig,
     *,
@@ -377,21 +411,23 @@ def run_eval(
     methods = _select_methods(cfg, extra_methods, draft is not None)
     if cfg.pad_prompt_to:
         problems = pad_problems(problems, pool, tokenizer, cfg.pad_prompt_to)
-    prompts = [prompt_ids(p, tokenizer) for p in problems]
-    max_cache_len = max(len(p) for p in prompts) + cfg.max_new_tokens
-    min_len = min(len(p) for p in prompts) + cfg.max_new_tokens
-    session = Session(cfg, target, tokenizer, draft, drafter_factory, max_cache_len=max_cache_len, min_len=min_len)
-    if any(m.needs_drafter for m in methods):
-        session.load_heads()  # a bad heads= directory fails here, before the first problem
-    strict = cfg.greedy and dtype_name == "fp32"
-    result = EvalResult(records=list(previous), warmups=list(prev_warmups), strict=strict,
-                        model_shape=_model_shape(target))  # fmt: skip
+    session = Session(cfg, target, tokenizer, draft, drafter_factory)  # cache sizes set once the prompts are known
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # one per run_eval call
     common = {
         "config_key": key, "run_id": run_id, "dataset": cfg.dataset, "target": cfg.target, "draft": cfg.draft,
         "dtype": dtype_name, "device": device, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "seed": cfg.seed, "pad_prompt_to": cfg.pad_prompt_to, "attn_impl": cfg.attn_impl, "compile": cfg.compile,
     }  # fmt: skip
+    if any(getattr(p, "needs_answer", False) for p in problems):
+        problems = _answer_earlier_turns(session, problems, prev_warmups, out_path, common)
+    prompts = [prompt_ids(p, tokenizer) for p in problems]
+    session.max_cache_len = max(len(p) for p in prompts) + cfg.max_new_tokens
+    session.min_len = min(len(p) for p in prompts) + cfg.max_new_tokens
+    if any(m.needs_drafter for m in methods):
+        session.load_heads()  # a bad heads= directory fails here, before the first problem
+    strict = cfg.greedy and dtype_name == "fp32"
+    result = EvalResult(records=list(previous), warmups=list(prev_warmups), strict=strict,
+                        model_shape=_model_shape(target))  # fmt: skip
     items = work_items(problems, methods, cfg.drafters, cfg.tree_sizes, dict(cfg.method_problems), indices)
     warmed: dict[tuple[str, str | None, int | None], dict[str, Any]] = {}
     references: dict[str, dict[str, Any] | None] = {}
@@ -438,6 +474,8 @@ def run_eval(
                 rec = dict(common, problem_id=pid, problem_index=indices[p_index],
                            difficulty=getattr(problem, "difficulty", None),
                            method=method.name, tree_size=t, prompt_len=len(ids), **dfields)  # fmt: skip
+                if hasattr(problem, "turn"):  # Spec-Bench / prompt files: which user turn of the question
+                    rec["turn"] = problem.turn
                 if first_call is not None:
                     rec.update(first_call=True, load_s=first_call["load_s"], prep_s=first_call["prep_s"])
                 try:

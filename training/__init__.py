@@ -6,7 +6,10 @@
 * ``training.medusa``    -- the Medusa heads' loop and its held-out acceptance table
   (``specdec train-medusa``);
 * ``training.eagle``     -- the EAGLE head's unrolled loop (``specdec train-eagle``);
-* ``training.exercises`` -- programming exercises the target writes itself, more varied prompts.
+* ``training.exercises`` -- prompts the target writes itself: programming exercises from MBPP tasks,
+  and general prompts in the style of a few seed prompts;
+* ``training.sources``   -- where the training prompts come from: MBPP (the default), a user's prompt
+  file (``eval.datasets.load_prompt_file``), prompts written from seeds.
 
 Nothing below this package imports it; the command line (``specdec.cli.train``) parses the
 flags into ``MedusaRun`` / ``EagleRun`` and calls ``run_medusa`` / ``run_eagle``.

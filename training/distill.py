@@ -7,7 +7,10 @@
 * **Answers**: the frozen target's own answers (:func:`self_distill`, batched HF ``generate``),
   cached as JSONL keyed by the settings that made them (:func:`save_examples`,
   :func:`load_examples`), so a rerun -- or the other loop, with the same settings -- skips the
-  generation.
+  generation. :func:`distill_cached` also writes every finished batch to ``CACHE.partial`` as it
+  goes: an interrupted generation resumes from what it wrote. Prompts from a user's file or
+  written by the target come through ``training.sources`` (chat conversations:
+  :func:`encode_messages`).
 * **Batches and features**: right-padded batches (:func:`padded_batch`) and the target's final
   hidden states, the LM head's input (:func:`target_hidden_states`).
 * **Schedule**: linear warm-up then cosine decay (:func:`warmup_cosine`).
@@ -16,10 +19,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +39,10 @@ __all__ = [
     "LoadedTarget",
     "check_run_fields",
     "PROMPT_STYLES",
+    "distill_cached",
+    "encode_messages",
     "encode_prompt",
+    "prompts_digest",
     "load_examples",
     "load_target",
     "mbpp_prompt",
@@ -125,6 +132,35 @@ def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
+def encode_messages(tokenizer, messages: Sequence[dict[str, str]], chat: bool = True) -> list[int]:
+    """Token ids of a chat conversation whose last message is the user turn to answer: through the
+    chat template (generation prompt added) when it has one and ``chat``; else plain
+    ``Role: content`` paragraphs ending in ``Assistant:`` (one user message alone: its text, as
+    :func:`encode_prompt` writes it)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)  # fmt: skip
+        return list(out["input_ids"])
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        return list(tokenizer(messages[0]["content"])["input_ids"])
+    body = "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+    return list(tokenizer(f"{body}\n\nAssistant:")["input_ids"])
+
+
+def prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
+    """A short hash of token-id prompts (a cache's key when the prompts are not MBPP's alone)."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps(list(p), separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def _generate(target, ids: torch.Tensor, mask: torch.Tensor, config) -> torch.Tensor:
+    """One batch of ``target.generate`` (a function of its own so that tests can interrupt it)."""
+    return target.generate(ids, attention_mask=mask, generation_config=config)
+
+
 @torch.no_grad()
 def self_distill(
     target,
@@ -136,13 +172,17 @@ def self_distill(
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
+    on_batch: Callable[[list[int], list[Example]], None] | None = None,
+    desc: str = "self-distill",
 ) -> list[Example]:
     """The target's own answers to ``prompts`` (batched HF ``generate``, left padding).
 
     Greedy for ``temperature == 0`` (default), else sampling at that temperature. Each answer is
     cut after its first eos. Batches are formed from the prompts sorted by length (less padding);
     a batch that runs out of device memory is retried at half the size (with a warning), down to
-    one prompt. Returns one :class:`Example` per prompt, in the given order.
+    one prompt. Returns one :class:`Example` per prompt, in the given order. ``on_batch(indices,
+    examples)`` is called after every batch with the prompts' indices and their examples (what
+    :func:`distill_cached` writes as it goes); ``desc`` labels the progress bar.
     """
     from transformers import GenerationConfig
 
@@ -155,7 +195,7 @@ def self_distill(
     torch.manual_seed(seed)
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     out: list[Example | None] = [None] * len(prompts)
-    bar = tqdm(total=len(prompts), desc="self-distill", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
     start = 0
     while start < len(prompts):
         rows = order[start : start + batch_size]
@@ -167,7 +207,7 @@ def self_distill(
             ids[b, width - len(p) :] = torch.tensor(p)
             mask[b, width - len(p) :] = 1
         try:
-            gen = target.generate(ids.to(device), attention_mask=mask.to(device), generation_config=config)
+            gen = _generate(target, ids.to(device), mask.to(device), config)
         except torch.OutOfMemoryError:
             if len(rows) == 1:
                 raise
@@ -185,8 +225,77 @@ def self_distill(
                     answer = answer[: j + 1]
                     break
             out[rows[b]] = Example(tuple(p) + tuple(answer), len(p))
+        if on_batch is not None:
+            on_batch(list(rows), [out[i] for i in rows])
     bar.close()
     return out
+
+
+def _read_partial(path: Path, meta: dict[str, Any], total: int) -> dict[int, Example]:
+    """The examples an interrupted :func:`distill_cached` wrote to ``path`` (``{prompt index:
+    example}``), {} when absent or made with other settings; a torn last line is ignored."""
+    if not path.is_file():
+        return {}
+    done: dict[int, Example] = {}
+    with open(path) as f:
+        try:
+            head = json.loads(f.readline() or "{}")
+        except json.JSONDecodeError:
+            return {}
+        if head.get("meta") != meta:
+            return {}
+        for line in f:
+            try:
+                r = json.loads(line)
+                i, ex = int(r["i"]), Example(tuple(r["ids"]), int(r["prompt_len"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                break  # a line torn by the interruption: everything after it is regenerated
+            if 0 <= i < total:
+                done[i] = ex
+    return done
+
+
+def distill_cached(target, prompts: Sequence[Sequence[int]], cache: str | os.PathLike[str], meta: dict[str, Any], *,
+                   max_new_tokens: int, batch_size: int, eos_token_id=None, pad_token_id: int = 0,
+                   temperature: float = 0.0, seed: int = 0, progress: bool = True,
+                   desc: str = "self-distill") -> list[Example]:  # fmt: skip
+    """:func:`self_distill` with a cache: the examples of ``cache`` when it was made with ``meta``;
+    else the target answers the prompts, every finished batch appended to ``CACHE.partial`` (first
+    line ``{"meta": ...}``, then ``{"i", "ids", "prompt_len"}`` per prompt) so that an interrupted
+    run resumes from what it wrote (a torn last line is dropped), and at the end the whole cache is
+    written atomically (:func:`save_examples`) and the partial file removed. A resumed sampled
+    generation draws other samples for the rest than an uninterrupted one would (greedy: the same)."""
+    cache = Path(cache)
+    examples = load_examples(cache, meta)
+    if examples is not None and len(examples) == len(prompts):
+        print(f"{desc}: {len(examples)} cached answers from {cache}")
+        return examples
+    partial = cache.with_name(cache.name + ".partial")
+    done = _read_partial(partial, meta, len(prompts))
+    if done:
+        print(f"{desc}: resuming with {len(done)} of {len(prompts)} answers already in {partial}")
+    missing = [i for i in range(len(prompts)) if i not in done]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial.with_name(partial.name + ".tmp")
+    with open(tmp, "w") as f:  # rewritten clean (the meta and what is done, no torn line), atomically
+        f.write(json.dumps({"meta": meta}) + "\n")
+        for i, ex in sorted(done.items()):
+            f.write(json.dumps({"i": i, "ids": list(ex.ids), "prompt_len": ex.prompt_len}) + "\n")
+    os.replace(tmp, partial)
+    with open(partial, "a") as f:
+
+        def write(rows: list[int], batch: list[Example]) -> None:
+            for j, ex in zip(rows, batch):
+                f.write(json.dumps({"i": missing[j], "ids": list(ex.ids), "prompt_len": ex.prompt_len}) + "\n")
+            f.flush()
+
+        new = self_distill(target, [prompts[i] for i in missing], max_new_tokens, batch_size, eos_token_id,
+                           pad_token_id, temperature, seed + len(done), progress, on_batch=write, desc=desc)  # fmt: skip
+    done.update(zip(missing, new))
+    examples = [done[i] for i in range(len(prompts))]
+    save_examples(examples, cache, meta)
+    partial.unlink()
+    return examples
 
 
 def save_examples(examples: Sequence[Example], path: str | os.PathLike[str], meta: dict[str, Any]) -> None:

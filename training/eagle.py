@@ -2,7 +2,10 @@
 
 Pipeline (:func:`run_eagle`, ``specdec train-eagle``):
 
-1. **Prompts and answers**: exactly ``training.medusa``'s data (``training.distill``; MBPP from ``--data`` /
+1. **Prompts and answers** (``training.sources``: MBPP by default; a prompt file with ``--prompts``;
+   prompts the target writes in the style of seed prompts with ``--seed-prompts FILE
+   --self-prompts N``; every generation resumable after an interruption): exactly
+   ``training.medusa``'s data (``training.distill``; MBPP from ``--data`` /
    ``$SPECDEC_MBPP`` / ``../shared/data/mbpp/mbpp.jsonl``; never APPS or HumanEval): the target
    answers every prompt itself (greedy by default); the token ids are cached in
    ``OUT/selfdistill.jsonl`` (``--cache`` elsewhere: a ``train-medusa`` run's cache made with the
@@ -66,22 +69,22 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drafters.eagle import EagleHead, TargetParts, rank_tokens
-from eval.datasets import load_mbpp
 from training.distill import (
     PROMPT_STYLES,
     Example,
     check_run_fields,
+    distill_cached,
     encode_prompt,
     load_examples,
     load_target,
     padded_batch,
     save_examples,
     self_distill,
-    styled_prompts,
     target_hidden_states,
     warmup_cosine,
 )
 from training.exercises import exercise_prompt, exercise_request, humaneval_names, select_exercises
+from training.sources import check_source_fields, read_sources, training_prompts
 
 __all__ = [
     "EagleRun",
@@ -472,8 +475,16 @@ class EagleRun:
         steps: optimizer steps (0: no training, the untrained head is saved).
         lr, batch_size, unroll, max_positions, train_vocab, reg_weight, ce_weight, seed:
             :class:`EagleTrainConfig`'s.
-        num_prompts: use only the first N MBPP problems (None: all).
-        heldout: the last N problems are held out for the accuracy report.
+        num_prompts: use only the first N MBPP problems, and the first N prompts of ``prompts``
+            (None: all).
+        heldout: the last N problems are held out for the accuracy report (MBPP's when MBPP is
+            used, else the last N prompts; ``training.sources``); None: 48, at most a fifth.
+        prompts: a prompt file to train on (``training.sources``: JSONL of ``{"prompt": ...}`` or
+            ``{"messages": [...]}``, or a ``datasets`` directory / parquet / JSON file); with it
+            MBPP is used only when ``data`` is given.
+        seed_prompts, self_prompts: the target first writes ``self_prompts`` new prompts in the
+            style of the seed prompts (a prompt file) and answers them too (sampled at
+            ``self_prompt_temperature``); MBPP then only with ``data``.
         max_new_tokens, gen_batch_size, temperature: the self-distillation's answer length,
             prompts per ``generate`` batch, sampling temperature (0 = greedy).
         answers_per_prompt: answers per training prompt: the first at ``temperature``, each further
@@ -502,7 +513,11 @@ class EagleRun:
     reg_weight: float = EagleTrainConfig.reg_weight
     ce_weight: float = EagleTrainConfig.ce_weight
     num_prompts: int | None = None
-    heldout: int = 48
+    heldout: int | None = None
+    prompts: str | None = None
+    seed_prompts: str | None = None
+    self_prompts: int = 0
+    self_prompt_temperature: float = 0.8
     max_new_tokens: int = 192
     gen_batch_size: int = 120
     temperature: float = 0.0
@@ -520,7 +535,8 @@ class EagleRun:
 
     def __post_init__(self) -> None:
         check_run_fields(self, ("batch_size", "unroll", "max_positions", "max_new_tokens", "gen_batch_size",
-                                "answers_per_prompt"), ("steps", "heldout", "exercises"))  # fmt: skip
+                                "answers_per_prompt"), ("steps", "exercises"))  # fmt: skip
+        check_source_fields(self)
         styles = self.prompt_styles
         if (not isinstance(styles, tuple) or not styles or len(set(styles)) != len(styles)
                 or any(s not in PROMPT_STYLES for s in styles)):  # fmt: skip
@@ -563,15 +579,12 @@ def _save_stubs(stubs: Sequence[str], report, path: Path) -> None:
 
 
 def run_eagle(run: EagleRun) -> None:
-    """Self-distill the target on MBPP and train an EAGLE head; save it in ``run.out`` and print the
-    data, the loss, the held-out accuracy per depth before and after, and the time of each part."""
+    """Self-distill the target on its training prompts (MBPP by default; a prompt file; prompts it
+    writes itself: ``training.sources``) and train an EAGLE head; save it in ``run.out`` and print
+    the data, the loss, the held-out accuracy per depth before and after, and the time of each part."""
     clock = {"start": time.perf_counter()}
     progress = run.progress
-    rows = load_mbpp(run.data)
-    if run.num_prompts is not None:
-        rows = rows[: run.num_prompts]
-    if not 0 <= run.heldout < len(rows):
-        raise ValueError(f"--heldout: expected 0 <= heldout < the {len(rows)} problems used, got {run.heldout}")
+    sources = read_sources(run)  # a bad prompt row fails here, before any model loads
     cfg = EagleTrainConfig(steps=max(run.steps, 1), lr=run.lr, batch_size=run.batch_size, unroll=run.unroll,
                            max_positions=run.max_positions, reg_weight=run.reg_weight, ce_weight=run.ce_weight,
                            seed=run.seed, train_vocab=run.train_vocab)  # fmt: skip
@@ -582,40 +595,38 @@ def run_eagle(run: EagleRun) -> None:
     tok, target, device, dtype, eos, pad = (loaded.tokenizer, loaded.model, loaded.device, loaded.dtype, loaded.eos,
                                             loaded.pad)  # fmt: skip
     clock["load"] = time.perf_counter()
-    styled = styled_prompts(rows, run.prompt_styles)
-    prompts = [encode_prompt(tok, text, chat=run.chat) for _, text in styled]
-    held = [i >= len(rows) - run.heldout for i, _ in styled]  # the last `heldout` problems, in every style
-
-    # the same cache key as train-medusa: its answers serve both
-    meta = {"target": str(run.target), "dtype": str(dtype), "max_new_tokens": run.max_new_tokens,
-            "temperature": run.temperature, "chat": run.chat, "prompts": len(prompts), "seed": run.seed}  # fmt: skip
-    if list(run.prompt_styles) != ["mbpp"]:  # only when set: caches made before the option stay valid
-        meta["styles"] = list(run.prompt_styles)
     cache = Path(run.cache) if run.cache else out / "selfdistill.jsonl"
-    examples = load_examples(cache, meta)
-    if examples is None:
-        examples = self_distill(target, prompts, run.max_new_tokens, run.gen_batch_size, eos, pad, run.temperature,
-                                run.seed, progress)  # fmt: skip
-        save_examples(examples, cache, meta)
-    else:
-        print(f"self-distillation data: {len(examples)} cached answers from {cache}")
+    # the same cache key as train-medusa: its answers serve both
+    base = {"target": str(run.target), "dtype": str(dtype), "max_new_tokens": run.max_new_tokens,
+            "temperature": run.temperature, "chat": run.chat, "seed": run.seed}  # fmt: skip
+    styles = run.prompt_styles if sources.rows else ()
+    data = training_prompts(sources, run, loaded, base, cache, out, styles)
+    print(data.line)
+    prompts, held = data.ids, data.held
+    meta = {**base, "prompts": len(prompts)}
+    if list(styles) not in (["mbpp"], []):  # only when set: caches made before the option stay valid
+        meta["styles"] = list(run.prompt_styles)
+    meta.update(data.key)
+    gen = dict(max_new_tokens=run.max_new_tokens, batch_size=run.gen_batch_size, eos_token_id=eos, pad_token_id=pad,
+               progress=progress)  # fmt: skip
+    examples = distill_cached(target, prompts, cache, meta, temperature=run.temperature, seed=run.seed, **gen)
     train = [e for e, h in zip(examples, held) if not h]
     heldout = [e for e, h in zip(examples, held) if h]
     train_prompts = [p for p, h in zip(prompts, held) if not h]
     for k in range(1, run.answers_per_prompt):  # extra sampled answers to the training prompts, cached per pass
         extra_meta = {**meta, "prompts": len(train_prompts), "temperature": run.sample_temperature, "seed": run.seed + k}
         extra_cache = cache.with_name(f"{cache.stem}.sampled{k}{cache.suffix}")
-        extra = load_examples(extra_cache, extra_meta)
-        if extra is None:
-            extra = self_distill(target, train_prompts, run.max_new_tokens, run.gen_batch_size, eos, pad,
-                                 run.sample_temperature, run.seed + k, progress)  # fmt: skip
-            save_examples(extra, extra_cache, extra_meta)
-        train = train + extra
-    split = len(rows) - run.heldout
-    exercises = _exercise_examples(target, tok, rows[:split], run, meta, cache, eos, pad) if run.exercises else []
-    print(f"training sequences: {len(train) + len(exercises)} ({split} problems x {len(run.prompt_styles)} prompt "
-          f"styles ({', '.join(run.prompt_styles)}) x {run.answers_per_prompt} answers, fewer where a style needs a "
-          f"signature; {len(exercises)} answers to self-written exercises), held out: {len(heldout)}")
+        train = train + distill_cached(target, train_prompts, extra_cache, extra_meta, temperature=run.sample_temperature,
+                                       seed=run.seed + k, desc=f"sampled answers {k}", **gen)  # fmt: skip
+    split = data.split
+    exercises = _exercise_examples(target, tok, data.rows[:split], run, meta, cache, eos, pad) if run.exercises else []
+    parts = [f"{split} problems x {len(styles)} prompt styles ({', '.join(styles)})"] if sources.rows else []
+    general = sum(not h for h in held[data.mbpp_prompts :])  # training prompts of the file / written by the target
+    if general:
+        parts.append(f"{general} prompts")
+    print(f"training sequences: {len(train) + len(exercises)} ({' + '.join(parts)} x {run.answers_per_prompt} answers, "
+          f"fewer where a style needs a signature; {len(exercises)} answers to self-written exercises), held out: "
+          f"{len(heldout)}")  # fmt: skip
     train = train + exercises
     clock["data"] = time.perf_counter()
 
@@ -633,11 +644,14 @@ def run_eagle(run: EagleRun) -> None:
     print(f"answer tokens: {total}, distinct {seen} of {head.config.vocab_size}; the most frequent N cover "
           + (", ".join(f"{c:.1%} (N = {n})" for n, c in cover.items()) or "all"))  # fmt: skip
     head.save(out, target=str(run.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": run.answers_per_prompt,
-                                                   "prompt_styles": list(run.prompt_styles), "exercises": run.exercises},
+                                                   "prompt_styles": list(styles), "exercises": run.exercises,
+                                                   "prompts": run.prompts, "seed_prompts": run.seed_prompts,
+                                                   "self_prompts": run.self_prompts},
               train_examples=len(train),
               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
               final_loss=losses[-1] if losses else None,
-              notes="self-distilled on MBPP; held-out top-1 per unrolled depth, all earlier features real")  # fmt: skip
+              notes=f"self-distilled on the target's answers to {data.line.removeprefix('training prompts: ')}; "
+                    "held-out top-1 per unrolled depth, all earlier features real")  # fmt: skip
     if losses:
         print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} ({len(losses)} steps)")
     for s, (b, a) in enumerate(zip(before, after), start=1):

@@ -1,4 +1,11 @@
-"""Programming exercises written by the target itself: more, and more varied, training prompts.
+"""Prompts written by the target itself: more, and more varied, training prompts.
+
+Two kinds: programming *exercises* in HumanEval's form, each from an MBPP task (below), and general
+*prompts in the style of a few seed prompts* (:func:`prompt_request`, :func:`select_prompts`;
+``specdec train-eagle|train-medusa --seed-prompts FILE --self-prompts N``), so that a user with
+twenty example requests can train a drafter on many more of the same kind.
+
+Exercises.
 
 The self-distillation data of ``train-eagle`` come from MBPP's 974 one-sentence tasks. Answers to
 a HumanEval-style prompt echo a typed signature and a several-sentence docstring that MBPP's
@@ -20,13 +27,15 @@ how many were dropped and why.
 from __future__ import annotations
 
 import ast
+import random
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ExerciseReport", "exercise_prompt", "exercise_request", "humaneval_names", "parse_exercise",
-           "select_exercises"]  # fmt: skip
+__all__ = ["ExerciseReport", "PromptReport", "exercise_prompt", "exercise_request", "humaneval_names",
+           "parse_exercise", "parse_prompt", "prompt_request", "seed_choices", "select_exercises",
+           "select_prompts"]  # fmt: skip
 
 _REQUEST = (
     "Here is a programming task:\n\n{text}\n\n"
@@ -145,3 +154,112 @@ def select_exercises(answers: Iterable[str], exclude: Sequence[str] | frozenset[
             seen.add(stub)
             kept.append(stub)
     return kept, ExerciseReport(written, len(kept), unparsed, duplicate, excluded, exclude is not None)
+
+
+# ----------------------------------------------------------------------------------------------
+# prompts in the style of seed prompts
+
+_PROMPT_REQUEST = (
+    "Here are examples of requests that users send to an AI assistant:\n\n{examples}\n\n"
+    "Write one new request of the same kind on a different topic: not a copy or a paraphrase of the "
+    "examples, and as self-contained as they are (include any text or data it refers to). Reply with "
+    "the new request only: no introduction, no answer to it."
+)
+#: Seed prompts shown per writing request (fewer when a category has fewer).
+SEEDS_PER_REQUEST = 3
+_LABEL = re.compile(r"^\s*(?:\*\*)?(?:new\s+)?(?:user\s+)?request(?:\s*\d+)?\s*:(?:\*\*)?\s*", re.I)
+
+
+def prompt_request(seeds: Sequence[str]) -> str:
+    """The user message asking the target for a new request in the style of ``seeds``."""
+    texts = [str(t).strip() for t in seeds]
+    if not texts or not all(texts):
+        raise ValueError(f"seeds: expected one or more non-empty seed prompts, got {len(texts)} with "
+                         f"{sum(not t for t in texts)} empty")  # fmt: skip
+    examples = "\n\n".join(f"Request {i}:\n{t}" for i, t in enumerate(texts, 1))
+    return _PROMPT_REQUEST.format(examples=examples)
+
+
+def seed_choices(categories: Sequence[str], n: int, seed: int = 0,
+                 per_request: int = SEEDS_PER_REQUEST) -> list[tuple[str, list[int]]]:  # fmt: skip
+    """For each of ``n`` writing requests, ``(category, seed indices)``: the categories of the seeds
+    (``categories[i]`` is seed i's) taken in turn, and up to ``per_request`` seeds of that category
+    drawn without replacement (``random.Random`` seeded per request)."""
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        groups.setdefault(c, []).append(i)
+    if not groups:
+        raise ValueError("seeds: expected at least one seed prompt, got none")
+    names = list(groups)
+    out = []
+    for r in range(n):
+        cat = names[r % len(names)]
+        pool = groups[cat]
+        pick = random.Random(seed * 1_000_003 + r).sample(pool, min(per_request, len(pool)))
+        out.append((cat, pick))
+    return out
+
+
+def parse_prompt(answer: str) -> str | None:
+    """The request in the target's ``answer``: stripped of a leading ``Request:`` label and of
+    surrounding quotes; None when nothing is left."""
+    text = _LABEL.sub("", answer.strip(), count=1).strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        text = text[1:-1].strip()
+    return text or None
+
+
+@dataclass(frozen=True)
+class PromptReport:
+    """What :func:`select_prompts` kept and dropped.
+
+    Attributes:
+        written: answers read.
+        kept: distinct prompts kept.
+        empty: answers without a request.
+        unfinished: answers cut at the token limit (no end of turn: possibly an incomplete request).
+        duplicate: prompts equal to a kept one.
+        copied: prompts equal to a seed prompt.
+    """
+
+    written: int
+    kept: int
+    empty: int
+    unfinished: int
+    duplicate: int
+    copied: int
+
+    def line(self) -> str:
+        return (f"self-written prompts: {self.kept} kept of {self.written} written ({self.empty} empty, {self.unfinished} "
+                f"cut at the token limit, {self.duplicate} duplicates, {self.copied} copies of a seed)")  # fmt: skip
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def select_prompts(answers: Iterable[tuple[str, bool]], seeds: Sequence[str]) -> tuple[list[int], list[str], PromptReport]:
+    """``(indices kept, prompts kept, report)`` of ``(answer, finished)`` pairs: the distinct
+    requests (:func:`parse_prompt`) of finished answers that copy no seed (whitespace and case
+    ignored)."""
+    seen = {_norm(s) for s in seeds}
+    copies = set(seen)
+    kept_at: list[int] = []
+    kept: list[str] = []
+    written = empty = unfinished = duplicate = copied = 0
+    for i, (answer, finished) in enumerate(answers):
+        written += 1
+        text = parse_prompt(answer)
+        if text is None:
+            empty += 1
+        elif not finished:
+            unfinished += 1
+        elif _norm(text) in copies:
+            copied += 1
+        elif _norm(text) in seen:
+            duplicate += 1
+        else:
+            seen.add(_norm(text))
+            kept_at.append(i)
+            kept.append(text)
+    return kept_at, kept, PromptReport(written, len(kept), empty, unfinished, duplicate, copied)

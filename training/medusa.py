@@ -3,12 +3,14 @@
 Pipeline (:func:`run_medusa`, ``specdec train-medusa``; the data plumbing it shares with the EAGLE
 loop is in ``training.distill``):
 
-1. **Prompts**: MBPP problems (``mbpp.jsonl``: ``text`` + ``test_list``) from ``--data``, else
+1. **Prompts** (``training.sources``; a prompt file with ``--prompts``, prompts the target writes
+   in the style of seed prompts with ``--seed-prompts FILE --self-prompts N``): by default MBPP problems (``mbpp.jsonl``: ``text`` + ``test_list``) from ``--data``, else
    ``$SPECDEC_MBPP``, else ``../shared/data/mbpp/mbpp.jsonl`` beside the project root. MBPP is
    training data only (APPS stays the evaluation set); it is read in place, never copied.
    The last ``--heldout`` problems are held out for evaluation.
 2. **Self-distillation data**: the target answers every prompt (greedy by default, batched HF
-   ``generate``); the token ids are cached in ``OUT/selfdistill.jsonl`` so a rerun skips this.
+   ``generate``); the token ids are cached in ``OUT/selfdistill.jsonl`` so a rerun skips this, and
+   written batch by batch to ``OUT/selfdistill.jsonl.partial`` so an interrupted run resumes.
    Training on the target's own outputs teaches the heads what the target will say, which is
    what they must guess at decoding time (Medusa's self-distillation).
 3. **Training**: the target is frozen; its final hidden states ``h_j`` (the LM head's input) are
@@ -34,20 +36,16 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drafters.medusa import MedusaHeads
-from eval.datasets import load_mbpp
 from training.distill import (
     Example,
     check_run_fields,
-    encode_prompt,
-    load_examples,
+    distill_cached,
     load_target,
-    mbpp_prompt,
     padded_batch,
-    save_examples,
-    self_distill,
     target_hidden_states,
     warmup_cosine,
 )
+from training.sources import check_source_fields, read_sources, training_prompts
 
 __all__ = [
     "MedusaRun",
@@ -219,8 +217,12 @@ class MedusaRun:
         data: MBPP jsonl (None: ``eval.datasets.default_mbpp_path``).
         num_heads, num_layers: heads, residual blocks per head.
         steps, lr, batch_size, max_positions, seed: :class:`TrainConfig`'s.
-        num_prompts: use only the first N MBPP problems (None: all).
-        heldout: the last N problems are held out for the accuracy report.
+        num_prompts: use only the first N MBPP problems, and the first N prompts of ``prompts``
+            (None: all).
+        heldout: the last N problems are held out for the accuracy report (MBPP's when MBPP is
+            used, else the last N prompts; ``training.sources``); None: 48, at most a fifth.
+        prompts, seed_prompts, self_prompts, self_prompt_temperature: other training prompts, as
+            in ``training.eagle.EagleRun`` (``training.sources``).
         max_new_tokens, gen_batch_size, temperature: the self-distillation's answer length,
             prompts per ``generate`` batch, sampling temperature (0 = greedy).
         chat: prompts through the chat template (False: plain prompts).
@@ -240,7 +242,11 @@ class MedusaRun:
     batch_size: int = 8
     max_positions: int = 2048
     num_prompts: int | None = None
-    heldout: int = 48
+    heldout: int | None = None
+    prompts: str | None = None
+    seed_prompts: str | None = None
+    self_prompts: int = 0
+    self_prompt_temperature: float = 0.8
     max_new_tokens: int = 256
     gen_batch_size: int = 16
     temperature: float = 0.0
@@ -253,38 +259,32 @@ class MedusaRun:
 
     def __post_init__(self) -> None:
         check_run_fields(self, ("num_heads", "num_layers", "batch_size", "max_positions", "max_new_tokens",
-                                "gen_batch_size", "table_ranks"), ("steps", "heldout"))  # fmt: skip
+                                "gen_batch_size", "table_ranks"), ("steps",))  # fmt: skip
+        check_source_fields(self)
 
 
 def run_medusa(run: MedusaRun) -> None:
-    """Self-distill the target on MBPP and train Medusa heads; save them in ``run.out`` and print
+    """Self-distill the target on its training prompts (MBPP by default; a prompt file; prompts it
+    writes itself: ``training.sources``) and train Medusa heads; save them in ``run.out`` and print
     the loss and each head's held-out accuracy before and after."""
     progress = run.progress
-    rows = load_mbpp(run.data)
-    if run.num_prompts is not None:
-        rows = rows[: run.num_prompts]
-    if not 0 <= run.heldout < len(rows):
-        raise ValueError(f"--heldout: expected 0 <= heldout < the {len(rows)} problems used, got {run.heldout}")
+    sources = read_sources(run)  # a bad prompt row fails here, before any model loads
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
 
     loaded = load_target(run.target, run.device, run.dtype, progress)
-    tok, target, device, dtype, eos, pad = (loaded.tokenizer, loaded.model, loaded.device, loaded.dtype, loaded.eos,
-                                            loaded.pad)  # fmt: skip
-    prompts = [encode_prompt(tok, mbpp_prompt(r), chat=run.chat) for r in rows]
-
-    meta = {"target": str(run.target), "dtype": str(dtype), "max_new_tokens": run.max_new_tokens,
-            "temperature": run.temperature, "chat": run.chat, "prompts": len(prompts), "seed": run.seed}  # fmt: skip
+    target, device, dtype = loaded.model, loaded.device, loaded.dtype
     cache = out / "selfdistill.jsonl"
-    examples = load_examples(cache, meta)
-    if examples is None:
-        examples = self_distill(target, prompts, run.max_new_tokens, run.gen_batch_size, eos, pad, run.temperature,
-                                run.seed, progress)  # fmt: skip
-        save_examples(examples, cache, meta)
-    else:
-        print(f"self-distillation data: {len(examples)} cached answers from {cache}")
-    split = len(examples) - run.heldout
-    train, heldout = examples[:split], examples[split:]
+    base = {"target": str(run.target), "dtype": str(dtype), "max_new_tokens": run.max_new_tokens,
+            "temperature": run.temperature, "chat": run.chat, "seed": run.seed}  # fmt: skip
+    data = training_prompts(sources, run, loaded, base, cache, out)
+    print(data.line)
+    meta = {**base, "prompts": len(data.ids), **data.key}
+    examples = distill_cached(target, data.ids, cache, meta, max_new_tokens=run.max_new_tokens,
+                              batch_size=run.gen_batch_size, eos_token_id=loaded.eos, pad_token_id=loaded.pad,
+                              temperature=run.temperature, seed=run.seed, progress=progress)  # fmt: skip
+    train = [e for e, h in zip(examples, data.held) if not h]
+    heldout = [e for e, h in zip(examples, data.held) if h]
 
     torch.manual_seed(run.seed)
     hidden_size = target.get_output_embeddings().weight.shape[1]

@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("results", metavar="RESULTS", type=cliargs.existing_path, help="results JSONL")
     p.add_argument("--dataset", choices=list(DATASETS), default=None,
-                   help="the dataset to check (None: the one the records name; mbpp: tuning only)")  # fmt: skip
+                   help="the dataset to check (None: the one the records name; mbpp: tuning only; specbench and "
+                   "prompts have no tests and are refused)")  # fmt: skip
     p.add_argument("--data", type=cliargs.existing_path, default=None,
                    help="the APPS / HumanEval / MBPP file the run used (None: the loaders' own)")  # fmt: skip
     add_limit_arguments(p)
@@ -73,12 +74,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _refuse_untested(ns: argparse.Namespace) -> None:
+    """A one-line ValueError when the dataset to check (``--dataset``, else the one the records
+    name) has no tests: Spec-Bench and prompt files (speed and tau only)."""
+    from eval.datasets import CHAT_DATASETS, check_tested_dataset
+    from eval.records import is_timed, load_records
+
+    if ns.dataset is not None:
+        if ns.dataset in CHAT_DATASETS:
+            check_tested_dataset(ns.dataset, "--dataset")
+        return
+    named = {r.get("dataset") for r in load_records(ns.results) if is_timed(r)}
+    untested = sorted(d for d in named if d in CHAT_DATASETS)
+    if untested and len(named) == 1:
+        check_tested_dataset(untested[0], f"RESULTS ({ns.results})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``specdec check RESULTS.jsonl [...]``."""
     from eval import passk
     from eval.execution import Limits
 
     ns = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    _refuse_untested(ns)
     try:
         res = passk.check_file(ns.results, dataset=ns.dataset, data=ns.data, out=ns.out,
                                limits=Limits(timeout_s=ns.timeout), workers=ns.workers,

@@ -1,4 +1,13 @@
-"""``specdec eval apps|humaneval|mbpp`` and ``specdec sweep``: the evaluation's command line.
+"""``specdec eval apps|humaneval|mbpp|specbench|prompts`` and ``specdec sweep``: the evaluation's command line.
+
+``specbench`` (``--dataset specbench``) is Spec-Bench's 480 general-text questions (``--data``
+defaults to ``$SPECDEC_SPECBENCH``, else ``../shared/data/specbench/question.jsonl``): the first turn
+of each through the chat template, ``--turns 2`` adds the second turns after the target's own
+answer, ``--categories`` picks some of its 13 categories. ``prompts`` (``--dataset prompts --data
+FILE``) is a user's own prompt file (JSONL of ``{"prompt": ...}`` or ``{"messages": [...]}``, or a
+``datasets`` directory / parquet / JSON file; ``eval.workloads``). Neither has tests: the table has
+no pass@1 (it says so), ``--check`` refuses them, and a second table gives every category its own
+rows (tau, tokens/s, the speedup over ``specdec-plain`` and HF static, stalls) and an overall one.
 
 ``mbpp`` (``--dataset mbpp``) is the tuning set: pick methods and tree sizes on it, report on APPS /
 HumanEval. Its problems are HumanEval-shaped (``eval.datasets.load_mbpp_problems``); ``--data``
@@ -57,7 +66,7 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
     results file was made on and is not checked against this machine (reports of GPU runs are
     rebuilt anywhere)."""
     from eval.config import DEFAULT_METHODS, DRAFTER_SYNTAX
-    from eval.datasets import DATASETS
+    from eval.datasets import DATASETS, SPECBENCH_CATEGORIES
     from eval.methods import METHODS
 
     p = cliargs.ArgumentParser(
@@ -74,17 +83,27 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
         "model:draft=qwen2.5-coder-0.5b --tree-sizes 32 64 128 256",
         formatter_class=_Formatter,
     )
-    which = "which problems (mbpp: for tuning only, never report on it)"
+    which = ("which problems (mbpp: for tuning only, never report on it; specbench: Spec-Bench's general-text "
+             "questions; prompts: your own prompt file, --data FILE)")
     if not sweep:
         p.add_argument("dataset", choices=list(DATASETS), help=which)
     else:
         p.add_argument("--dataset", choices=list(DATASETS), default="apps", help=which)
-    p.add_argument("--problems", type=cliargs.int_at_least(0), default=8, help="number of problems (0 = all)")
+    p.add_argument("--problems", type=cliargs.int_at_least(0), default=8,
+                   help="number of problems (0 = all); specbench: questions, the categories' first ones in turn")
     p.add_argument("--difficulty", nargs="+", choices=["introductory", "interview", "competition"],
                    help="APPS difficulties to keep")  # fmt: skip
     p.add_argument("--data", dest="data_path", type=cliargs.existing_path, default=None,
-                   help="APPS / HumanEval / MBPP file (default: the loaders' own; MBPP: $SPECDEC_MBPP, else "
-                   "../shared/data/mbpp/mbpp.jsonl, as train-medusa)")  # fmt: skip
+                   help="APPS / HumanEval / MBPP / Spec-Bench file (default: the loaders' own; MBPP: $SPECDEC_MBPP, "
+                   "else ../shared/data/mbpp/mbpp.jsonl, as train-medusa; Spec-Bench: $SPECDEC_SPECBENCH, else "
+                   "../shared/data/specbench/question.jsonl), or the prompt file of --dataset prompts (JSONL of "
+                   "{\"prompt\": ...} or {\"messages\": [...]}, a datasets directory, parquet or JSON)")
+    p.add_argument("--categories", nargs="+", default=None, metavar="CATEGORY",
+                   help="specbench / prompts: keep these categories (Spec-Bench: " + ", ".join(SPECBENCH_CATEGORIES)
+                   + "; a prompt file: its rows' 'category' values); default: all")
+    p.add_argument("--turns", type=int, choices=(1, 2), default=1,
+                   help="specbench: 1 = the first turn of every question; 2 = also the second turns of the two-turn "
+                   "questions, asked after the target's own greedy answer to the first")  # fmt: skip
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="target model: default name, HF id, directory or .gguf")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b",
                    help="draft model for hf-assisted and for drafters without draft= ('' = none)")  # fmt: skip
@@ -237,6 +256,10 @@ def resolve_shard(ns: argparse.Namespace) -> tuple[tuple[int, int] | None, str |
 
 def config_from(ns: argparse.Namespace, dataset: str):
     from eval.config import EvalConfig
+    from eval.datasets import TESTED_DATASETS, check_tested_dataset
+
+    if getattr(ns, "check", False) and dataset not in TESTED_DATASETS:
+        check_tested_dataset(dataset, "--check")
 
     out = ns.out or f"results/{dataset}.jsonl"
     shard, device = resolve_shard(ns)
@@ -252,6 +275,7 @@ def config_from(ns: argparse.Namespace, dataset: str):
             dataset=dataset, target=ns.target, draft=ns.draft or None, drafters=drafter_specs(ns),
             tree_sizes=tuple(ns.tree_sizes), methods=tuple(ns.methods), problems=ns.problems or None,
             difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
+            categories=tuple(ns.categories) if ns.categories else None, turns=ns.turns,
             max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, samples=ns.samples, seed=ns.seed,
             dtype=ns.dtype, device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl,
             compile=ns.compile, warmup=ns.warmup, calibrate=ns.calibrate, gc_freeze=not ns.no_gc_freeze,
@@ -259,7 +283,8 @@ def config_from(ns: argparse.Namespace, dataset: str):
             method_problems=tuple(ns.method_problems), shard=shard,
         )  # fmt: skip
     except ValueError as e:
-        raise flag_error(e, {"samples": "--samples", "shared_prompt": "--no-shared-prompt"}) from None
+        raise flag_error(e, {"samples": "--samples", "shared_prompt": "--no-shared-prompt", "categories": "--categories",
+                             "turns": "--turns", "data_path": "--data", "pad_prompt_to": "--pad-prompt-to"}) from None
 
 
 def _method_limit(text: str) -> tuple[str, int]:
@@ -320,7 +345,7 @@ def _check(cfg, ns: argparse.Namespace, records=None, key: str | None = None, da
 
 
 def main_eval(argv: Sequence[str] | None = None) -> int:
-    """``specdec eval apps|humaneval|mbpp [...]`` (mbpp: tuning only)."""
+    """``specdec eval apps|humaneval|mbpp|specbench|prompts [...]`` (mbpp: tuning only)."""
     from eval import report
 
     ns = parser("specdec eval", sweep=False).parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -328,8 +353,24 @@ def main_eval(argv: Sequence[str] | None = None) -> int:
     result = _run(cfg, ns)
     rows = report.summarize(result.all_records)
     print(report.format_table(rows))
+    print_categories(cfg.dataset, result.all_records)
     print(f"{result.new} new record(s), {result.skipped} already in {cfg.results_path}")
     return verdict(result)
+
+
+def print_categories(dataset: str, records) -> list[dict] | None:
+    """Spec-Bench and prompt files: the no-pass@1 note and the per-category table (a row per
+    category and method row, then the overall rows); the category rows (None for other datasets)."""
+    from eval import report
+    from eval.datasets import CHAT_DATASETS
+
+    if dataset not in CHAT_DATASETS:
+        return None
+    print(report.dataset_note(dataset))
+    rows = report.category_rows(records)
+    print(f"\nper category ({dataset}):")
+    print(report.format_category_table(rows))
+    return rows
 
 
 def _merged_result(cfg, ns: argparse.Namespace):
@@ -412,8 +453,10 @@ def main_sweep(argv: Sequence[str] | None = None) -> int:
         attn_rows = load_records(attn_path)
     rows = report.summarize(result.all_records, attn_rows)
     print(report.format_table(rows))
+    categories = print_categories(cfg.dataset, result.all_records)
     report.write_csv(rows, f"{stem}.csv")
-    report.write_summary(rows, f"{stem}.summary.json", config=cfg.describe())
+    report.write_summary(rows, f"{stem}.summary.json", config=cfg.describe(), categories=categories,
+                         note=report.dataset_note(cfg.dataset))  # fmt: skip
     png = report.plot(rows, f"{stem}.png")
     wrote = [f"{stem}.csv", f"{stem}.summary.json", *([str(png)] if png else []), *([str(attn_path)] if attn_rows else [])]
     print("wrote " + ", ".join(wrote))

@@ -1,5 +1,10 @@
 """``specdec train-medusa`` and ``specdec train-eagle``: flags -> ``training.medusa.MedusaRun`` /
-``training.eagle.EagleRun`` -> ``run_medusa`` / ``run_eagle``."""
+``training.eagle.EagleRun`` -> ``run_medusa`` / ``run_eagle``.
+
+Both train on MBPP by default, on a user's own prompts with ``--prompts FILE`` (JSONL of
+``{"prompt": ...}`` or ``{"messages": [...]}``, or a ``datasets`` directory / parquet / JSON file),
+and on prompts the target writes itself with ``--seed-prompts FILE --self-prompts N``
+(``training.sources``)."""
 
 from __future__ import annotations
 
@@ -18,16 +23,39 @@ def _run_fields(ns: argparse.Namespace) -> dict:
     return kw
 
 
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--prompts``, ``--seed-prompts``, ``--self-prompts``, ``--self-prompt-temperature`` and
+    ``--heldout`` (shared by both commands; ``training.sources``)."""
+    parser.add_argument("--prompts", type=cliargs.existing_path, default=None, metavar="FILE",
+                        help="train on your own prompts: JSONL of {\"prompt\": ...} or {\"messages\": [...]} (a chat: "
+                             "the last user turn is answered, earlier turns are context), or a datasets directory / "
+                             "parquet / JSON file; the target answers them. MBPP is then used only with --data")
+    parser.add_argument("--seed-prompts", type=cliargs.existing_path, default=None, metavar="FILE",
+                        help="a prompt file of a few examples (with an optional 'category' per row): the target writes "
+                             "--self-prompts new prompts in their style (each request shows up to 3 seeds of one "
+                             "category), saved to OUT/self_prompts.jsonl, then answers them. MBPP then only with --data")
+    parser.add_argument("--self-prompts", type=cliargs.int_at_least(0), default=0, metavar="N",
+                        help="how many prompts the target writes from --seed-prompts")
+    parser.add_argument("--self-prompt-temperature", type=cliargs.float_in(0.0, low_open=True), default=0.8,
+                        help="sampling temperature of the prompt writing")
+    parser.add_argument("--heldout", type=cliargs.int_at_least(0), default=None,
+                        help="held out for the accuracy report: the last N MBPP problems (when MBPP is used), else the "
+                             "last N prompts; default 48, at most a fifth of them")
+
+
 def main_medusa(argv: Sequence[str] | None = None) -> int:
-    """``specdec train-medusa``: self-distill the target on MBPP and train Medusa heads."""
+    """``specdec train-medusa``: self-distill the target on its training prompts and train Medusa heads."""
     from training.medusa import MedusaRun, run_medusa
 
     parser = cliargs.ArgumentParser(
         prog="specdec train-medusa",
-        description="Train Medusa heads on the frozen target's own answers to MBPP prompts (self-distillation).",
+        description="Train Medusa heads on the frozen target's own answers (self-distillation) to MBPP prompts, "
+                    "your own prompts (--prompts) or prompts it writes in the style of yours (--seed-prompts).",
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
-    parser.add_argument("--data", type=cliargs.existing_path, default=None, help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp)")
+    parser.add_argument("--data", type=cliargs.existing_path, default=None,
+                        help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp; used by default unless --prompts "
+                             "or --seed-prompts is given, and with them when given)")
     parser.add_argument("--out", type=cliargs.output_dir, required=True, help="output directory (heads, config, self-distillation cache)")
     parser.add_argument("--num-heads", type=cliargs.int_at_least(1), default=4)
     parser.add_argument("--num-layers", type=cliargs.int_at_least(1), default=1, help="residual blocks per head")
@@ -35,8 +63,9 @@ def main_medusa(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=cliargs.float_in(0.0, low_open=True), default=1e-3)
     parser.add_argument("--batch-size", type=cliargs.int_at_least(1), default=8)
     parser.add_argument("--max-positions", type=cliargs.int_at_least(1), default=2048, help="answer positions per step (subsampled)")
-    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None, help="use only the first N MBPP problems")
-    parser.add_argument("--heldout", type=cliargs.int_at_least(0), default=48, help="problems held out for the accuracy report")
+    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None,
+                        help="use only the first N MBPP problems (and the first N prompts of --prompts)")
+    add_source_arguments(parser)
     parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=256, help="answer length of the self-distillation")
     parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=16)
     parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")
@@ -65,7 +94,7 @@ def _styles(text: str) -> tuple[str, ...]:
 
 
 def main_eagle(argv: Sequence[str] | None = None) -> int:
-    """``specdec train-eagle``: self-distill the target on MBPP and train an EAGLE head."""
+    """``specdec train-eagle``: self-distill the target on its training prompts and train an EAGLE head."""
     from training.distill import PROMPT_STYLES
     from training.eagle import EagleRun, EagleTrainConfig, run_eagle
 
@@ -73,11 +102,14 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
     parser = cliargs.ArgumentParser(
         prog="specdec train-eagle",
         description="Train an EAGLE head (fc + one decoder layer on the target's hidden states) on the frozen "
-                    "target's own answers to MBPP prompts (self-distillation). The defaults take about 6 minutes "
+                    "target's own answers (self-distillation) to MBPP prompts, your own prompts (--prompts) or "
+                    "prompts it writes in the style of yours (--seed-prompts). The defaults take about 6 minutes "
                     "on one H100 for Qwen2.5-Coder-1.5B (bf16), data generation included.",
     )  # fmt: skip
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
-    parser.add_argument("--data", type=cliargs.existing_path, default=None, help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp)")
+    parser.add_argument("--data", type=cliargs.existing_path, default=None,
+                        help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp; used by default unless --prompts "
+                             "or --seed-prompts is given, and with them when given)")
     parser.add_argument("--out", type=cliargs.output_dir, required=True, help="output directory (head, config, self-distillation cache)")
     parser.add_argument("--cache", type=cliargs.output_file, default=None,
                         help="self-distillation cache (default OUT/selfdistill.jsonl; a train-medusa cache made with "
@@ -91,8 +123,9 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
                         help="cross-entropy over the N most frequent answer tokens only (default: the whole vocabulary)")
     parser.add_argument("--reg-weight", type=cliargs.float_in(0.0), default=d.reg_weight, help="smooth-L1 feature loss weight")
     parser.add_argument("--ce-weight", type=cliargs.float_in(0.0), default=d.ce_weight, help="cross-entropy weight")
-    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None, help="use only the first N MBPP problems")
-    parser.add_argument("--heldout", type=cliargs.int_at_least(0), default=48, help="problems held out for the accuracy report")
+    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None,
+                        help="use only the first N MBPP problems (and the first N prompts of --prompts)")
+    add_source_arguments(parser)
     parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=192, help="answer length of the self-distillation")
     parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=120)
     parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")

@@ -192,7 +192,7 @@ def test_check_file_errors(tmp_path):
         passk.check_file(path, problems=_problems()[:1], progress=False)
     with pytest.raises(ValueError, match="dataset: no apps records in"):
         passk.check_file(path, dataset="apps", problems=_problems())
-    with pytest.raises(ValueError, match="dataset: expected one of 'apps', 'humaneval', 'mbpp', got 'codecontests'"):
+    with pytest.raises(ValueError, match="dataset: expected one of 'apps', 'humaneval', 'mbpp', 'specbench', 'prompts', got 'codecontests'"):
         passk.check_file(path, dataset="codecontests", problems=_problems())
     with pytest.raises(ValueError, match="dataset: no mbpp records in"):
         passk.check_file(path, dataset="mbpp", problems=_problems())

@@ -156,7 +156,7 @@ def test_bad_arguments(tmp_path):
         D.load_apps(good, difficulty="easy")
     with pytest.raises(ValueError, match=r"limit: expected None or an int >= 0, got -1"):
         D.load_apps(good, limit=-1)
-    with pytest.raises(ValueError, match=r"dataset: expected one of 'apps', 'humaneval', 'mbpp', got 'codecontests'"):
+    with pytest.raises(ValueError, match=r"dataset: expected one of 'apps', 'humaneval', 'mbpp', 'specbench', 'prompts', got 'codecontests'"):
         D.load_problems("codecontests")
     with pytest.raises(ValueError, match=r"json list of rows|expected a JSON list of rows, got dict"):
         (tmp_path / "obj.json").write_text('{"a": 1}')

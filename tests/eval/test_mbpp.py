@@ -145,7 +145,7 @@ def test_config_and_cli_accept_mbpp(tmp_path):
     from specdec.cli import evaluate
 
     assert EvalConfig(dataset="mbpp", out=str(tmp_path / "r.jsonl")).dataset == "mbpp"
-    with pytest.raises(ValueError, match=r"dataset: expected one of 'apps', 'humaneval', 'mbpp', got 'mbpp2'"):
+    with pytest.raises(ValueError, match=r"dataset: expected one of 'apps', 'humaneval', 'mbpp', 'specbench', 'prompts', got 'mbpp2'"):
         EvalConfig(dataset="mbpp2")
     assert evaluate.parser("specdec sweep", sweep=True).parse_args(["--dataset", "mbpp"]).dataset == "mbpp"
     assert evaluate.parser("specdec eval", sweep=False).parse_args(["mbpp"]).dataset == "mbpp"
