@@ -167,8 +167,6 @@ class DrafterSpec:
                 "(or several joined by '+': a merged tree) or module:function"
             )
         self.compile  # noqa: B018 -- validates the compile= option now
-        for key, value in self.options:
-            _check_path_option(key, value, self.key)
 
     @property
     def key(self) -> str:
@@ -218,17 +216,21 @@ def _looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~")) or os.sep in value and os.path.splitext(value)[1] != ""
 
 
-def _check_path_option(key: str, value: Any, spec: str) -> None:
-    """``heads=DIR`` must be an existing folder, and a ``draft=`` that is a path an existing one,
-    before any model loads or downloads (a default model name or a hub id is not checked here)."""
-    name = key.rsplit(".", 1)[-1]
-    if name == "heads":
-        if not isinstance(value, str) or not os.path.isdir(os.path.expanduser(value)):
-            raise ValueError(f"drafters: heads={value!r} in {spec!r} is not an existing folder (train one with "
-                             "specdec train-eagle / train-medusa --out DIR)")  # fmt: skip
-    elif name == DRAFT_OPTION and isinstance(value, str) and _looks_like_path(value):
-        if not os.path.exists(os.path.expanduser(value)):
-            raise ValueError(f"drafters: draft={value!r} in {spec!r}: no such file or folder")
+def check_drafter_paths(specs: Iterable[DrafterSpec], arg: str = "drafters") -> None:
+    """Before a run loads or downloads anything: every ``heads=DIR`` (also ``PART.heads=``) must be
+    an existing folder, and a ``draft=`` that is a path an existing file or folder (a default model
+    name or a hub id is left to the loader). Raises ValueError naming ``arg``. Not part of
+    :class:`DrafterSpec` itself: a report of an old run names heads that may be gone."""
+    for spec in specs:
+        for key, value in spec.options:
+            name = key.rsplit(".", 1)[-1]
+            if name == "heads":
+                if not isinstance(value, str) or not os.path.isdir(os.path.expanduser(value)):
+                    raise ValueError(f"{arg}: heads={value!r} in {spec.key!r} is not an existing folder (train one "
+                                     "with specdec train-eagle / train-medusa --out DIR)")  # fmt: skip
+            elif name == DRAFT_OPTION and isinstance(value, str) and _looks_like_path(value):
+                if not os.path.exists(os.path.expanduser(value)):
+                    raise ValueError(f"{arg}: draft={value!r} in {spec.key!r}: no such file or folder")
 
 
 def parse_drafter_spec(text: str, arg: str = "--drafters") -> DrafterSpec:

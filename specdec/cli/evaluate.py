@@ -270,9 +270,15 @@ def config_from(ns: argparse.Namespace, dataset: str):
             torch.cuda.set_device(device)
     from specdec.cli.check import flag_error
 
+    specs = drafter_specs(ns)
+    if not getattr(ns, "report_only", False) and "specdec" in (ns.methods or ()):  # before any model loads or
+        # downloads (a report, or a run of baselines only, needs no heads)
+        from eval.config import check_drafter_paths
+
+        check_drafter_paths(specs, "--drafters")
     try:
         return EvalConfig(
-            dataset=dataset, target=ns.target, draft=ns.draft or None, drafters=drafter_specs(ns),
+            dataset=dataset, target=ns.target, draft=ns.draft or None, drafters=specs,
             tree_sizes=tuple(ns.tree_sizes), methods=tuple(ns.methods), problems=ns.problems or None,
             difficulty=tuple(ns.difficulty) if ns.difficulty else None, data_path=ns.data_path,
             categories=tuple(ns.categories) if ns.categories else None, turns=ns.turns,
