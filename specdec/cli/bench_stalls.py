@@ -21,8 +21,8 @@ Two modes, one JSON (``--out``) each:
                     reads both).
 
 Stall accounting per method: a call's *steady-state time* is its new tokens x the median
-per-token time of all calls of that method; its ratio is wall / steady-state time (the bar of
-issue 13: no call over 2x after warm-up). Also the slowest single engine step against the median
+per-token time of all calls of that method; its ratio is wall / steady-state time (the stall bar:
+no call over 2x after warm-up). Also the slowest single engine step against the median
 step. Each method's first timed call is reported apart (``first_call_s``) and also counted.
 
     python3 -m specdec.cli bench-stalls --device cuda --dtype bf16 --compile --problems 50 --hf-static \\

@@ -80,12 +80,12 @@ every row of the long ones -- so that a run cut off by a time limit keeps what i
 On CPU the "graph" rows run the same fixed-buffer code without a capture (``captured: false``).
 Timing: CUDA events with a synchronize on CUDA, ``time.perf_counter`` on CPU.
 
-Commands for the H100 (issue 3) are in docs/DEVICE_RUNS.md, "Issue 3 -- engine benchmark":
+Commands for the H100 are in docs/DEVICE_RUNS.md, "The engine benchmark":
 
     python3 -m specdec.cli bench-engine --dtype bf16 --device cuda --problems 4 --max-new-tokens 128 \\
         --data .evaldata/apps_selected150.jsonl --out $OUT/engine.json > $OUT/engine.log 2>&1
 
-Issue 13 (items 4-5, the batch table): one call each, after ``export SPECDEC_HOME=/tmp/specdec-home
+The batch table, the kernel profile and the 8B-shape scale run: one call each, after ``export SPECDEC_HOME=/tmp/specdec-home
 PYTHONUNBUFFERED=1`` (``batch`` and ``profile`` need the staged and converted Qwen2.5-Coder-1.5B,
 ``batch`` Medusa heads trained in the machine's life; ``scale`` needs no model files). Expected on
 an H100: scale 3-5 min per prompt length (two compiles of the 8B forward: engine and HF), batch
