@@ -458,7 +458,12 @@ def fresh_compile_cache(monkeypatch, tmp_path):
     """No compile-cache setting and no compiled code yet in this process: SPECDEC_HOME=tmp_path/home, no
     TORCHINDUCTOR_CACHE_DIR, dynamo reset and an empty layer-wise registry (``hf._COMPILED_FORWARDS`` is
     process-wide). The settings and the registry are restored afterwards; dynamo's cache is not (later
-    calls recompile)."""
+    calls recompile).
+
+    The two torch settings are restored with torch's own ``config.patch``, never ``monkeypatch.setattr``:
+    a torch config module serves its settings through ``__getattr__``, so pytest >= 9 finds no old value
+    in the module's ``__dict__`` and undoes the patch with ``delattr`` -- which hides the setting for the
+    rest of the process (``torch._inductor.config.fx_graph_cache does not exist`` in the next test)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -471,9 +476,9 @@ def fresh_compile_cache(monkeypatch, tmp_path):
         monkeypatch.setenv(var, "x")  # remembers the current state ...
         monkeypatch.delenv(var)  # ... then unsets it
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
-    return tmp_path
+    with inductor_config.patch(fx_graph_cache=inductor_config.fx_graph_cache), \
+            functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache):
+        yield tmp_path
 
 
 def test_compile_cache_directory(monkeypatch, fresh_compile_cache):
@@ -493,7 +498,7 @@ def test_compile_cache_directory(monkeypatch, fresh_compile_cache):
     assert graphs.configure_compile_cache() == str(tmp_path / "other")  # the user's choice wins
     monkeypatch.setattr(graphs, "_compile_cache_dir", None)
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    inductor_config.fx_graph_cache = False  # restored by the fixture
     graphs.configure_compile_cache()
     assert not inductor_config.fx_graph_cache  # the environment decides
 
