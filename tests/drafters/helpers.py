@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import torch
@@ -79,3 +80,16 @@ def random_eagle_head(target, seed: int = 0, std: float = 0.2):
             if p.dim() >= 2:
                 p.normal_(0, std)
     return head.eval()
+
+
+def eagle_train_argv(tmp_path, problems: int, heldout: int, new_tokens: int, *extra: str) -> tuple[list[str], Path]:
+    """train-eagle arguments on a tiny saved target and ``problems`` MBPP-like rows; (argv, out dir)."""
+    target_dir, _ = save_tiny_pair(tmp_path)
+    data = tmp_path / "mbpp.jsonl"
+    rows = [{"text": f"Write a function number {i}.", "test_list": [f"assert f({i}) == {i}"]} for i in range(problems)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "eagle"
+    argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
+            "--heldout", str(heldout), "--max-new-tokens", str(new_tokens), "--unroll", "2", "--device", "cpu",
+            "--no-progress", *extra]  # fmt: skip
+    return argv, out

@@ -207,7 +207,7 @@ def test_sampled_trees_carry_their_proposal_distributions(proposal):
 @pytest.mark.parametrize("proposal", ["no_replacement", "topk"])
 def test_sampled_tokens_follow_the_target_distribution(proposal):
     """Empirical joint of the first two sampled tokens vs the warped target (top_k=3: 9 cells)."""
-    from tests.specdec.test_verify import _chi2_fails
+    from tests.specdec.helpers import chi2_fails
 
     target, prompt = _target(), _prompt(10, 0)
     cfg = SamplingConfig(temperature=2.0, top_k=3)
@@ -231,7 +231,7 @@ def test_sampled_tokens_follow_the_target_distribution(proposal):
         counts[index[tuple(out.new_tokens(0).tolist())]] += 1
         accepted += out.totals()["tokens_accepted"]
     assert accepted > 100
-    assert not _chi2_fails(counts, expected)
+    assert not chi2_fails(counts, expected)
 
 
 @pytest.mark.parametrize("family,compile", [("llama", False), ("qwen2", False), ("qwen2", "aot_eager")])
@@ -324,9 +324,9 @@ _TREES_FILE = __import__("pathlib").Path(__file__).parent / "data" / "draft_mode
 
 def _lossless_pair():
     """The 8-token vocabulary target / draft of tests/drafters/test_lossless.py (topk > vocabulary)."""
-    from tests.drafters.test_lossless import _draft as lossless_draft, _target as lossless_target
+    from tests.drafters.lossless import tiny_draft, tiny_target
 
-    return lossless_target(), lossless_draft()
+    return tiny_target(), tiny_draft()
 
 
 class _Recorder(BaseDrafter):

@@ -86,23 +86,10 @@ def test_a_reduced_training_vocabulary_renormalizes_the_cross_entropy_over_its_t
         EagleTrainConfig(train_vocab=0)
 
 
-def _cli_argv(tmp_path, problems: int, heldout: int, new_tokens: int, *extra: str) -> tuple[list[str], Path]:
-    """train-eagle arguments on a tiny saved target and ``problems`` MBPP-like rows; (argv, out dir)."""
-    from tests.drafters.helpers import save_tiny_pair
-
-    target_dir, _ = save_tiny_pair(tmp_path)
-    data = tmp_path / "mbpp.jsonl"
-    rows = [{"text": f"Write a function number {i}.", "test_list": [f"assert f({i}) == {i}"]} for i in range(problems)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "eagle"
-    argv = ["--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
-            "--heldout", str(heldout), "--max-new-tokens", str(new_tokens), "--unroll", "2", "--device", "cpu",
-            "--no-progress", *extra]  # fmt: skip
-    return argv, out
-
-
 def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path, capsys):
-    argv, out = _cli_argv(tmp_path, 6, 2, 10, "--answers-per-prompt", "3", "--time-budget", "600")
+    from tests.drafters.helpers import eagle_train_argv
+
+    argv, out = eagle_train_argv(tmp_path, 6, 2, 10, "--answers-per-prompt", "3", "--time-budget", "600")
     assert eagle_train.main(argv) == 0
     assert "training sequences: 12 (4 problems x 1 prompt styles (mbpp) x 3 answers" in capsys.readouterr().out
     cfg = json.loads((out / CONFIG_NAME).read_text())
@@ -120,7 +107,9 @@ def test_cli_extra_sampled_answers_grow_the_training_set_and_are_cached(tmp_path
 def test_cli_prompt_styles_phrase_every_problem_in_each_style(tmp_path, capsys):
     """--prompt-styles: every problem once per style (held-out problems too), a cache of its own;
     rows without a function skip the styles that need its signature."""
-    argv, out = _cli_argv(tmp_path, 5, 1, 6, "--prompt-styles", "mbpp,stdin,function")
+    from tests.drafters.helpers import eagle_train_argv
+
+    argv, out = eagle_train_argv(tmp_path, 5, 1, 6, "--prompt-styles", "mbpp,stdin,function")
     assert eagle_train.main(argv) == 0
     assert "training sequences: 8 (4 problems x 3 prompt styles (mbpp, stdin, function) x 1 answers" \
         in capsys.readouterr().out  # the rows have no code: no 'function' prompts
@@ -137,12 +126,14 @@ def test_cli_prompt_styles_phrase_every_problem_in_each_style(tmp_path, capsys):
 def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tmp_path, capsys):
     """train-eagle ranks the vocabulary by the training answers' token counts (held-out answers and
     prompts not counted) and saves it beside the head; the loaded head drafts from that subset."""
+    from tests.drafters.helpers import eagle_train_argv
+
     from drafters import make_drafter
     from drafters.medusa_train import Example, load_examples
     from specdec import SpecDecoder
     from specdec.drafting import DraftContext
     from specdec.models import load_model
-    argv, out = _cli_argv(tmp_path, 5, 1, 16, "--temperature", "1.0")  # sampled answers: many distinct tokens
+    argv, out = eagle_train_argv(tmp_path, 5, 1, 16, "--temperature", "1.0")  # sampled answers: many distinct tokens
     target_dir = Path(argv[1])
     assert eagle_train.main(argv) == 0
     assert "answer tokens:" in capsys.readouterr().out and (out / VOCAB_NAME).is_file()

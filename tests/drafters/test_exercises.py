@@ -68,9 +68,9 @@ def test_cli_exercises_are_written_answered_cached_and_counted(tmp_path, capsys,
     """--exercises N: N writing requests from the training problems; the kept stubs are answered and
     join the training set; a second run reuses the cache. A tiny random target writes no Python, so
     the selection is wrapped to keep a known stub for every written answer."""
-    from tests.drafters.test_eagle_train import _cli_argv
+    from tests.drafters.helpers import eagle_train_argv
 
-    argv, out = _cli_argv(tmp_path, 5, 1, 6, "--exercises", "3")
+    argv, out = eagle_train_argv(tmp_path, 5, 1, 6, "--exercises", "3")
     seen = []
 
     def keep_known(answers, exclude):

@@ -17,8 +17,7 @@ import torch
 
 from specdec import KVCache, SamplingConfig, SpecDecoder, logits_to_probs
 from specdec.graphs import DecodeChunk, GraphedForward
-from tests.specdec.helpers import hf_greedy, prepared_tiny_model, random_prompt
-from tests.specdec.test_verify import _chi2_fails
+from tests.specdec.helpers import chi2_fails, hf_greedy, prepared_tiny_model, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,13 +136,13 @@ def _assert_lossless(model, prompt, samples: list[list[int]], sampling: Sampling
     vocab = model.config.vocab_size
     p1 = _exact(model, prompt.tolist(), sampling)
     first = torch.bincount(torch.tensor([s[0] for s in samples]), minlength=vocab).double()
-    assert not _chi2_fails(*_binned(first, p1))
+    assert not chi2_fails(*_binned(first, p1))
     mode = int(first.argmax())
     after = [s[1] for s in samples if s[0] == mode]
     assert len(after) >= 300  # enough draws to test the conditional
     p2 = _exact(model, prompt.tolist() + [mode], sampling)
     second = torch.bincount(torch.tensor(after), minlength=vocab).double()
-    assert not _chi2_fails(*_binned(second, p2))
+    assert not chi2_fails(*_binned(second, p2))
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=20, top_p=0.9)],
