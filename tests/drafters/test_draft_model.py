@@ -272,10 +272,7 @@ def test_argument_errors():
         DraftModelDrafter(object())
 
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("reference", [dict(static_shapes=False), dict(device_loop=False)],
                          ids=["eager-device-loop", "host-loop-graphed"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -688,7 +685,7 @@ def test_auto_attention_is_the_tree_kernel_on_cuda_where_the_config_allows():
     assert DraftModelDrafter(qwen, depth=2, topk=2).attention == "sdpa"  # built on the CPU
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_chunked_prefill_equals_target_generate():
     """``prefill_width`` on CUDA: the prompt's chunks through a captured fixed-shape forward, then the
     captured loop; fp32 greedy output = the target's, and the prefill forward was captured once."""
@@ -706,7 +703,7 @@ def test_cuda_graph_chunked_prefill_equals_target_generate():
     assert st.prefill is not None and st.prefill.captured
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("attention", ["sdpa", "tree"])
 @pytest.mark.parametrize("proposal", ["no_replacement", "iid", "topk"])
 def test_cuda_graph_device_loop_samples_as_the_eager_loop(proposal, attention):

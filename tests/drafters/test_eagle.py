@@ -729,7 +729,7 @@ def test_cuda_graph_options_and_draft_time_counters():
     assert drafter.draft_s >= drafter.last_draft_s
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", ["qwen2-topk20-wide", "qwen2-inf-frontier", "gemma3-static-topk3"])
 def test_cuda_graph_expansion_equals_eager_and_the_host_loop(name):
     """On CUDA: the captured expansion (replayed every step after the first) draws the trees of the

@@ -375,7 +375,7 @@ def test_bench_engine_medusa_heads_must_be_a_heads_directory(tmp_path, capsys):
         bench.BenchConfig(sections=("batch",), batch_drafters=(), batch_skip_hf=True)
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_bench_engine_new_sections_on_cuda(tiny, medusa_dir, tmp_path):
     """The issue-13 sections on a GPU with tiny models (fp32): captured forwards, a kernel profile that
     sees the tree-attention kernel of every layer, batch rows equal to the B = 1 rows, the scale bars."""

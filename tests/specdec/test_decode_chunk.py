@@ -21,8 +21,6 @@ from tests.specdec.helpers import chi2_fails, hf_greedy, prepared_tiny_model, ra
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def _decoder(model, chunk: int, **kwargs) -> SpecDecoder:
     kwargs.setdefault("max_cache_len", 96)
@@ -246,7 +244,7 @@ def test_decode_chunk_checks_its_arguments():
         chunk.run([3, 4], [0])
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_captured_chunk_equals_one_step_at_a_time(compile):
     """The captured chunk (8 steps, one replay) gives the engine's tokens one step at a time, in fp32,
@@ -273,7 +271,7 @@ def test_cuda_captured_chunk_equals_one_step_at_a_time(compile):
     assert c.graph is not None and c.calls == 1 + 5
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_captured_sampled_chunk_draws_from_the_target(compile):
     """The captured sampled chunk (one replay of 2 steps) over a shared prompt, fp32, a CUDA
@@ -293,7 +291,7 @@ def test_cuda_captured_sampled_chunk_draws_from_the_target(compile):
     assert c.graph is not None and c.calls == 6
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_warmup_with_sampling_captures_every_sampled_chunk():
     """On CUDA the warm-up with ``sampling`` captures the sampled chunks of both prompt buckets; the
     sampled calls that follow capture nothing (session 20's one stall of 164 HumanEval calls: the

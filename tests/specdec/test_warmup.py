@@ -29,8 +29,6 @@ from tests.specdec.helpers import (OracleDrafter, RandomTreeDrafter, greedy_refe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 BUCKETS = (48, 96, 192)  # the tiny models have 256 positions
 TREE = 8
 NEW = 20
@@ -543,7 +541,7 @@ def test_inductor_compile_fills_and_reuses_the_persistent_cache(fresh_compile_ca
 # ---------------------------------------------------------------------------- CUDA graphs (GPU only)
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled"])
 def test_cuda_graph_warmup_then_prompts_within_the_buckets_capture_nothing(monkeypatch, compile):
     model = tiny_model("qwen2").to("cuda")

@@ -195,7 +195,7 @@ def test_shared_len_errors_name_the_argument():
             cascade_tree_attention(**base, shared_len=bad)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,t,cap", [(4, 20, 1000), (16, 64, 4100)])
 def test_cuda_graph_capture_serves_every_live_length(dtype, n, t, cap):
