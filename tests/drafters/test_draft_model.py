@@ -204,6 +204,7 @@ def test_sampled_trees_carry_their_proposal_distributions(proposal):
             assert len(set(toks)) == len(toks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposal", ["no_replacement", "topk"])
 def test_sampled_tokens_follow_the_target_distribution(proposal):
     """Empirical joint of the first two sampled tokens vs the warped target (top_k=3: 9 cells)."""
@@ -425,7 +426,8 @@ def _recorded_trees() -> dict:
 
 
 @pytest.mark.parametrize("name", list(_TREE_CASES))
-@pytest.mark.parametrize("device_loop,attention", [(True, "sdpa"), (True, "tree"), (False, "sdpa")])
+@pytest.mark.parametrize("device_loop,attention", [(True, "sdpa"), pytest.param(True, "tree", marks=pytest.mark.slow),
+                                                    (False, "sdpa")])
 def test_device_loop_proposes_the_recorded_trees(name, device_loop, attention):
     """Exactly the trees of the host-driven drafter (commit c74be21), step by step, with either
     attention of the device loop; the host loop (``device_loop=False``, kept for the sampled
@@ -468,7 +470,7 @@ _PREFILL_CASES = ["qwen2-greedy-40-4-4-static", "qwen2-greedy-batch", "qwen2-top
 
 
 @pytest.mark.parametrize("name", _PREFILL_CASES)
-@pytest.mark.parametrize("width", [4, 256])
+@pytest.mark.parametrize("width", [4, pytest.param(256, marks=pytest.mark.slow)])
 def test_chunked_prefill_proposes_the_recorded_trees(name, width):
     """``prefill_width``: the prompt's KV written in fixed-shape chunks, the root as the loop's
     catch-up; the same trees as the eager prefill (recorded), and the chunks counted as forwards."""
@@ -548,6 +550,7 @@ class _SameTrees(BaseDrafter):
         self.b.update(ctx, tb, Verdict(tuple(path), verdict.bonus_token))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposal", ["no_replacement", "iid"])
 @pytest.mark.parametrize("kind,kwargs,tree_size,cfg", [
     ("qwen2", dict(depth=3, topk=3), 20, dict(temperature=1.3, top_p=0.9)),

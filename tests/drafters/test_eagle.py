@@ -606,7 +606,7 @@ def test_device_expansion_equals_the_host_loop_reference(seed):
     assert got == want, spec
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", True])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param(True, marks=pytest.mark.slow)])  # True: inductor
 def test_a_compiled_depth_loop_draws_the_same_trees(backend):
     """``compile_head``: the depth loop through ``torch.compile`` (``aot_eager``: dynamo's trace and
     the functionalized graph; True: inductor's generated code) draws the uncompiled drafter's trees,

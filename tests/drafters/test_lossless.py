@@ -8,6 +8,7 @@ test with a fixed seed; cells with an expected count under 5 are pooled. The bro
 the end show that the test separates lossless from lossy sampling by a wide margin.
 
 Every name in ``drafters.DRAFTERS`` must have a case here (``test_every_drafter_is_covered``).
+The sampling tests take minutes of CPU: marked ``slow``, they run with ``pytest -m slow`` (CI runs both).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def _check(drafter, samples: int, cfg: SamplingConfig, batch: int, prompts=(PROM
 _ALL = [(name, case) for name, cases in CASES.items() for case in cases]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,case", _ALL, ids=[c for _, c in _ALL])
 def test_first_two_tokens_follow_the_target(name, case):
     """Issue 12's table: 10,000 samples per drafter / proposal kind, batch rows of one prompt."""
@@ -144,6 +146,7 @@ def test_first_two_tokens_follow_the_target(name, case):
     assert min(pvals) > ALPHA, pvals
 
 
+@pytest.mark.slow
 def test_batch_one_draft_model_default():
     """The default proposal kind one sequence at a time (the issue's batch-1 row)."""
     pvals = _check(DraftModelDrafter(tiny_draft(), tree_size=6), 10_000, SamplingConfig(TEMPERATURE), batch=1)
@@ -160,6 +163,7 @@ _MIXED_PROMPTS = 3
 FAMILY_ALPHA = ALPHA / (len(_ALL) * len(_WARPS) * _MIXED_PROMPTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,case", _ALL, ids=[c for _, c in _ALL])
 @pytest.mark.parametrize("cfg", _WARPS, ids=["top_k=4", "top_p=0.8"])
 def test_with_top_k_and_top_p_and_mixed_batches(name, case, cfg):
@@ -183,6 +187,7 @@ def _greedy_first_gumbel(logq, k, generator):
 _REAL_GUMBEL = draft_model_mod._gumbel_top_k
 
 
+@pytest.mark.slow
 def test_value_dependent_pruning_is_detected(monkeypatch):
     monkeypatch.setattr(draft_model_mod, "_gumbel_top_k", _greedy_first_gumbel)
     drafter = DraftModelDrafter(tiny_draft(), tree_size=6, sampling_proposal="no_replacement")
@@ -190,6 +195,7 @@ def test_value_dependent_pruning_is_detected(monkeypatch):
     assert max(pvals) < 1e-6, pvals
 
 
+@pytest.mark.slow
 def test_mislabelled_proposal_is_detected(monkeypatch):
     """Top-k children declared as no-replacement draws: the verifier's rule no longer matches."""
     drafter = DraftModelDrafter(tiny_draft(), tree_size=6, sampling_proposal="no_replacement")
@@ -220,6 +226,7 @@ def test_allot_keeps_the_best_slots_known_before_drawing():
     assert draft_model_mod._allot([0.0, 0.0], [[-1.0], [-1.0]], 0) == [0, 0]
 
 
+@pytest.mark.slow
 def test_value_dependent_pruning_is_detected_under_top_p_in_mixed_batches(monkeypatch):
     """The family's threshold keeps its power: the broken variant fails it on every prompt."""
     monkeypatch.setattr(draft_model_mod, "_gumbel_top_k", _greedy_first_gumbel)

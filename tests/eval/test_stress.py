@@ -159,6 +159,7 @@ def test_check_output_finds_what_is_wrong():
 # ---------------------------------------------------------------------------- runs (CPU)
 
 
+@pytest.mark.slow
 def test_counts_add_up_and_the_json_is_written(tmp_path):
     result, lines = _run(tmp_path, calls=40, seed=0)
     s = result.summary
@@ -262,6 +263,7 @@ def test_an_altered_hf_row_is_a_mismatch(monkeypatch):
     assert result.ok and result.summary["rows_compared"] == sum(r["batch"] for r in result.calls)
 
 
+@pytest.mark.slow
 def test_compiled_engines(monkeypatch):
     """compile on: the engines' fixed-shape forwards through torch.compile (aot_eager here: the
     tracing inductor starts from, without its code generation)."""

@@ -260,6 +260,7 @@ def tp_run(tmp_path_factory):
     return ranks, tp_worker.reference(models)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in tp_worker.CASES if "sample" not in c])
 def test_tp_greedy_equals_single_process(tp_run, case):
     ranks, ref = tp_run
@@ -271,6 +272,7 @@ def test_tp_greedy_equals_single_process(tp_run, case):
             assert got["kv_heads"] == [1] * len(got["kv_heads"])
 
 
+@pytest.mark.slow
 def test_tp_sampling_is_identical_on_both_ranks(tp_run):
     ranks, _ = tp_run
     got = [res["cases"]["model-sample"] for res in ranks]
@@ -280,6 +282,7 @@ def test_tp_sampling_is_identical_on_both_ranks(tp_run):
     assert all(len(t) == tp_worker.NEW_TOKENS for t in got[0]["tokens"])
 
 
+@pytest.mark.slow
 def test_tp_ranks_fail_together(tp_run):
     ranks, _ = tp_run
     for res in ranks:

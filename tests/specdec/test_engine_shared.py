@@ -238,6 +238,7 @@ def test_sampling_draws_the_same_tokens_as_the_copy_layout(kind, shared_calls):
         assert shared.totals()["tokens_accepted"] > 20  # drafts were exercised
 
 
+@pytest.mark.slow
 def test_shared_samples_follow_the_target_and_are_independent(shared_calls):
     """Each of the n sequences of one call on the shared layout: the joint of its first two tokens
     is the target's (chi-square, as ``tests/drafters/test_lossless.py``, in its setting ``tests/drafters/lossless.py``); pairs of sequences of one

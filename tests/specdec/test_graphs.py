@@ -428,6 +428,7 @@ def _post_grad_recorder():
     return Record(), graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", ["inductor", True])
 def test_inductor_forward_writes_the_cache_in_place(compile):
     """compile="inductor" (the whole forward; C++ code on the CPU): after inductor's post-grad passes every layer stores

@@ -44,6 +44,7 @@ def test_bad_counts_raise_and_wrap_reads_the_generation_config():
         target.generation_config.num_return_sequences = 1
 
 
+@pytest.mark.slow
 def test_sampled_sequences_of_one_prompt_are_independent_samples_of_the_target():
     """Pairs (row 2i, row 2i + 1) of one call share a prompt: their first tokens' joint must be
     p x p (each a target sample, the two independent), with a draft model proposing trees."""

@@ -110,6 +110,7 @@ _KINDS = {"topk": ("topk",) * BATCH, "iid": ("iid",) * BATCH, "no_replacement": 
           "mixed": ("topk", "iid", "no_replacement", "iid")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", _CFGS, ids=["t0.7-top_p0.8", "t1.3-top_k3", "t1"])
 @pytest.mark.parametrize("kinds", list(_KINDS), ids=list(_KINDS))
 def test_batch_lossless_on_random_shapes(kinds, cfg):

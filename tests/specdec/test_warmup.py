@@ -154,7 +154,7 @@ def test_release_drops_kept_state(built):
 # ---------------------------------------------------------------------------- warmup
 
 
-@pytest.mark.parametrize("compile", [False, "aot_eager"])
+@pytest.mark.parametrize("compile", [False, pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_warmup_builds_every_forward_and_generate_builds_none(built, compile):
     dec = _decoder(compile)
     n = TREE + 1

@@ -126,6 +126,7 @@ def _signature(launch):
     return name, grid, tuple(sig(a) for a in args), {key: sig(val) for key, val in kwargs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused,splits", [(True, 1), (True, 3), (False, 3)])
 def test_one_recorded_launch_serves_every_live_length(launches, fused, splits):
     """Record the launches of one call, then -- like a CUDA-graph replay -- change only the device
