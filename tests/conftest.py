@@ -5,7 +5,8 @@
 - ``@pytest.mark.cuda``: skipped without a CUDA device.
 - ``@pytest.mark.slow`` (minutes of CPU: many-sample chi-square checks, training runs, real models):
   left out of a plain ``pytest -q``; ``pytest -q -m slow`` runs exactly them (CI runs both). Any
-  ``-m`` expression replaces that default, and a test named by its node id always runs.
+  ``-m`` expression replaces that default (``-m "slow or not slow"``: everything), and a test named
+  by its node id always runs.
 - ``one_thread``: the fixture most modules use (``pytestmark = pytest.mark.usefixtures("one_thread")``).
 """
 
