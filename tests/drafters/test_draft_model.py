@@ -204,10 +204,11 @@ def test_sampled_trees_carry_their_proposal_distributions(proposal):
             assert len(set(toks)) == len(toks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposal", ["no_replacement", "topk"])
 def test_sampled_tokens_follow_the_target_distribution(proposal):
     """Empirical joint of the first two sampled tokens vs the warped target (top_k=3: 9 cells)."""
-    from tests.specdec.test_verify import _chi2_fails
+    from tests.specdec.helpers import chi2_fails
 
     target, prompt = _target(), _prompt(10, 0)
     cfg = SamplingConfig(temperature=2.0, top_k=3)
@@ -231,7 +232,7 @@ def test_sampled_tokens_follow_the_target_distribution(proposal):
         counts[index[tuple(out.new_tokens(0).tolist())]] += 1
         accepted += out.totals()["tokens_accepted"]
     assert accepted > 100
-    assert not _chi2_fails(counts, expected)
+    assert not chi2_fails(counts, expected)
 
 
 @pytest.mark.parametrize("family,compile", [("llama", False), ("qwen2", False), ("qwen2", "aot_eager")])
@@ -272,10 +273,7 @@ def test_argument_errors():
         DraftModelDrafter(object())
 
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("reference", [dict(static_shapes=False), dict(device_loop=False)],
                          ids=["eager-device-loop", "host-loop-graphed"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -324,9 +322,9 @@ _TREES_FILE = __import__("pathlib").Path(__file__).parent / "data" / "draft_mode
 
 def _lossless_pair():
     """The 8-token vocabulary target / draft of tests/drafters/test_lossless.py (topk > vocabulary)."""
-    from tests.drafters.test_lossless import _draft as lossless_draft, _target as lossless_target
+    from tests.drafters.lossless import tiny_draft, tiny_target
 
-    return lossless_target(), lossless_draft()
+    return tiny_target(), tiny_draft()
 
 
 class _Recorder(BaseDrafter):
@@ -428,7 +426,8 @@ def _recorded_trees() -> dict:
 
 
 @pytest.mark.parametrize("name", list(_TREE_CASES))
-@pytest.mark.parametrize("device_loop,attention", [(True, "sdpa"), (True, "tree"), (False, "sdpa")])
+@pytest.mark.parametrize("device_loop,attention", [(True, "sdpa"), pytest.param(True, "tree", marks=pytest.mark.slow),
+                                                    (False, "sdpa")])
 def test_device_loop_proposes_the_recorded_trees(name, device_loop, attention):
     """Exactly the trees of the host-driven drafter (commit c74be21), step by step, with either
     attention of the device loop; the host loop (``device_loop=False``, kept for the sampled
@@ -471,7 +470,7 @@ _PREFILL_CASES = ["qwen2-greedy-40-4-4-static", "qwen2-greedy-batch", "qwen2-top
 
 
 @pytest.mark.parametrize("name", _PREFILL_CASES)
-@pytest.mark.parametrize("width", [4, 256])
+@pytest.mark.parametrize("width", [4, pytest.param(256, marks=pytest.mark.slow)])
 def test_chunked_prefill_proposes_the_recorded_trees(name, width):
     """``prefill_width``: the prompt's KV written in fixed-shape chunks, the root as the loop's
     catch-up; the same trees as the eager prefill (recorded), and the chunks counted as forwards."""
@@ -551,6 +550,7 @@ class _SameTrees(BaseDrafter):
         self.b.update(ctx, tb, Verdict(tuple(path), verdict.bonus_token))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposal", ["no_replacement", "iid"])
 @pytest.mark.parametrize("kind,kwargs,tree_size,cfg", [
     ("qwen2", dict(depth=3, topk=3), 20, dict(temperature=1.3, top_p=0.9)),
@@ -688,7 +688,7 @@ def test_auto_attention_is_the_tree_kernel_on_cuda_where_the_config_allows():
     assert DraftModelDrafter(qwen, depth=2, topk=2).attention == "sdpa"  # built on the CPU
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_chunked_prefill_equals_target_generate():
     """``prefill_width`` on CUDA: the prompt's chunks through a captured fixed-shape forward, then the
     captured loop; fp32 greedy output = the target's, and the prefill forward was captured once."""
@@ -706,7 +706,7 @@ def test_cuda_graph_chunked_prefill_equals_target_generate():
     assert st.prefill is not None and st.prefill.captured
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("attention", ["sdpa", "tree"])
 @pytest.mark.parametrize("proposal", ["no_replacement", "iid", "topk"])
 def test_cuda_graph_device_loop_samples_as_the_eager_loop(proposal, attention):

@@ -606,7 +606,7 @@ def test_device_expansion_equals_the_host_loop_reference(seed):
     assert got == want, spec
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", True])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param(True, marks=pytest.mark.slow)])  # True: inductor
 def test_a_compiled_depth_loop_draws_the_same_trees(backend):
     """``compile_head``: the depth loop through ``torch.compile`` (``aot_eager``: dynamo's trace and
     the functionalized graph; True: inductor's generated code) draws the uncompiled drafter's trees,
@@ -729,7 +729,7 @@ def test_cuda_graph_options_and_draft_time_counters():
     assert drafter.draft_s >= drafter.last_draft_s
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", ["qwen2-topk20-wide", "qwen2-inf-frontier", "gemma3-static-topk3"])
 def test_cuda_graph_expansion_equals_eager_and_the_host_loop(name):
     """On CUDA: the captured expansion (replayed every step after the first) draws the trees of the

@@ -8,6 +8,7 @@ test with a fixed seed; cells with an expected count under 5 are pooled. The bro
 the end show that the test separates lossless from lossy sampling by a wide margin.
 
 Every name in ``drafters.DRAFTERS`` must have a case here (``test_every_drafter_is_covered``).
+The sampling tests take minutes of CPU: marked ``slow``, they run with ``pytest -m slow`` (CI runs both).
 """
 
 from __future__ import annotations
@@ -27,44 +28,15 @@ from drafters.lookup import LookupDrafter
 from drafters.medusa import MedusaDrafter, MedusaHeads
 from drafters.merge import MergedDrafter
 from specdec import SpecDecoder
-from specdec.sampling import SamplingConfig, logits_to_probs
+from specdec.sampling import SamplingConfig
+from tests.drafters.lossless import (ALPHA, PROMPT, SEED, TEMPERATURE, VOCAB, chi2_pvalue, exact_joint, tiny_draft,
+                                     tiny_target)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 8
-TEMPERATURE = 0.9
-PROMPT = [1, 5, 2, 7]
 #: Prompt lookup needs n-grams to match: every token occurs, and runs of 0 (the target's greedy
 #: continuation of PROMPT) make many proposals likely under the target.
 LOOKUP_PROMPT = [1, 5, 2, 7, 0, 0, 0, 3, 4, 6, 0, 0, 1, 5, 2, 7, 0]
-ALPHA = 0.01  # the bar: consistent with the target at p > 0.01
-#: The sampling seed of every case. With seed 0 the iid row came out at p = 0.008 -- the 1-in-100
-#: false alarm a 1 % test has; at 30,000 samples (seed 1) that row gives p = 0.39.
-SEED = 1
-
-
-@functools.lru_cache(maxsize=None)
-def _tiny(layers: int, seed: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)
-    return model
-
-
-def _target():
-    return _tiny(2, 3)
-
-
-def _draft():
-    return _tiny(1, 103)
-
-
 @functools.lru_cache(maxsize=None)
 def _medusa_heads() -> MedusaHeads:
     torch.manual_seed(0)
@@ -78,7 +50,7 @@ def _medusa_heads() -> MedusaHeads:
 @functools.lru_cache(maxsize=None)
 def _eagle_head() -> EagleHead:
     torch.manual_seed(0)
-    head = EagleHead(_target())
+    head = EagleHead(tiny_target())
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() >= 2:
@@ -89,7 +61,7 @@ def _eagle_head() -> EagleHead:
 @functools.lru_cache(maxsize=None)
 def _eagle_head_ranked() -> EagleHead:
     """``_eagle_head`` with token frequencies: 0 (the greedy continuation of PROMPT) first, 4 and 6 last."""
-    head = EagleHead(_target())
+    head = EagleHead(tiny_target())
     head.load_state_dict(_eagle_head().state_dict())
     head.set_token_counts(torch.tensor([9, 5, 3, 7, 1, 8, 1, 6]))
     return head
@@ -98,18 +70,18 @@ def _eagle_head_ranked() -> EagleHead:
 #: drafter name -> {case id: factory}; every proposal kind each drafter offers under sampling.
 CASES = {
     "model": {f"model-{kind}": functools.partial(lambda kind: DraftModelDrafter(
-        _draft(), tree_size=6, sampling_proposal=kind), kind) for kind in draft_model_mod.SAMPLING_PROPOSALS},
-    "medusa": {"medusa": lambda: MedusaDrafter(_target(), _medusa_heads())},
+        tiny_draft(), tree_size=6, sampling_proposal=kind), kind) for kind in draft_model_mod.SAMPLING_PROPOSALS},
+    "medusa": {"medusa": lambda: MedusaDrafter(tiny_target(), _medusa_heads())},
     "lookup": {"lookup": lambda: LookupDrafter(max_ngram=2, max_depth=4)},
     # deterministic top-k children only (EAGLE-2); the head reads the target's hidden states
-    "eagle": {"eagle": lambda: EagleDrafter(_target(), _eagle_head(), depth=3, topk=3),
+    "eagle": {"eagle": lambda: EagleDrafter(tiny_target(), _eagle_head(), depth=3, topk=3),
               # the reduced draft vocabulary: drafts among 5 of the 8 tokens (warped over the subset)
-              "eagle-vocab5": lambda: EagleDrafter(_target(), _eagle_head_ranked(), depth=3, topk=3, draft_vocab=5)},
+              "eagle-vocab5": lambda: EagleDrafter(tiny_target(), _eagle_head_ranked(), depth=3, topk=3, draft_vocab=5)},
     # merged trees (drafters.merge): prompt lookup's chains first (at most 3 nodes), then the other part's
     "merge": {"lookup+eagle": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
-                                                     EagleDrafter(_target(), _eagle_head(), depth=3, topk=3)], caps=[3, None]),
+                                                     EagleDrafter(tiny_target(), _eagle_head(), depth=3, topk=3)], caps=[3, None]),
               "lookup+model": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
-                                                     DraftModelDrafter(_draft(), sampling_proposal="topk")], caps=[3, None])},
+                                                     DraftModelDrafter(tiny_draft(), sampling_proposal="topk")], caps=[3, None])},
 }
 #: Cases whose drafts come (partly) from prompt lookup: they sample after LOOKUP_PROMPT, where n-grams match.
 _LOOKUP_CASES = ("lookup", "merge")
@@ -121,37 +93,6 @@ def test_every_drafter_is_covered():
 
 
 # --------------------------------------------------------------------------- the statistics
-
-
-@torch.no_grad()
-def exact_joint(target, prompt: list[int], cfg: SamplingConfig) -> torch.Tensor:
-    """float64 ``[V, V]``: the target's probability of emitting (x, y) as its first two tokens."""
-    p1 = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], cfg).double()
-    nxt = torch.tensor([prompt + [x] for x in range(VOCAB)])
-    p2 = logits_to_probs(target(nxt).logits[:, -1], cfg).double()  # [V, V]: row x = p(. | x)
-    return p1[:, None] * p2
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Pearson's chi-square goodness-of-fit p-value; cells expecting < ``min_expected`` are pooled.
-
-    An observation in a cell of probability 0 gives p = 0.
-    """
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    n = float(counts.sum())
-    if bool(((probs == 0) & (counts > 0)).any()):
-        return 0.0
-    exp = probs / probs.sum() * n
-    big = exp >= min_expected
-    obs_cells, exp_cells = counts[big].tolist(), exp[big].tolist()
-    rest_obs, rest_exp = float(counts[~big].sum()), float(exp[~big].sum())
-    if rest_exp > 0:
-        obs_cells.append(rest_obs)
-        exp_cells.append(rest_exp)
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs_cells, exp_cells))
-    df = len(exp_cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def test_chi2_pvalue_against_known_values():
@@ -184,7 +125,7 @@ def sample_joint(decoder: SpecDecoder, prompts: list[list[int]], samples: int, c
 
 
 def _check(drafter, samples: int, cfg: SamplingConfig, batch: int, prompts=(PROMPT,)) -> list[float]:
-    target = _target()
+    target = tiny_target()
     dec = SpecDecoder(target, drafter, tree_size=6, attn_impl="torch")
     counts, accepted = sample_joint(dec, list(prompts), samples, cfg, batch)
     assert accepted >= max(50, samples // 40), f"only {accepted} draft tokens accepted: the drafts were barely exercised"
@@ -196,6 +137,7 @@ def _check(drafter, samples: int, cfg: SamplingConfig, batch: int, prompts=(PROM
 _ALL = [(name, case) for name, cases in CASES.items() for case in cases]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,case", _ALL, ids=[c for _, c in _ALL])
 def test_first_two_tokens_follow_the_target(name, case):
     """Issue 12's table: 10,000 samples per drafter / proposal kind, batch rows of one prompt."""
@@ -204,9 +146,10 @@ def test_first_two_tokens_follow_the_target(name, case):
     assert min(pvals) > ALPHA, pvals
 
 
+@pytest.mark.slow
 def test_batch_one_draft_model_default():
     """The default proposal kind one sequence at a time (the issue's batch-1 row)."""
-    pvals = _check(DraftModelDrafter(_draft(), tree_size=6), 10_000, SamplingConfig(TEMPERATURE), batch=1)
+    pvals = _check(DraftModelDrafter(tiny_draft(), tree_size=6), 10_000, SamplingConfig(TEMPERATURE), batch=1)
     assert min(pvals) > ALPHA, pvals
 
 
@@ -220,6 +163,7 @@ _MIXED_PROMPTS = 3
 FAMILY_ALPHA = ALPHA / (len(_ALL) * len(_WARPS) * _MIXED_PROMPTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,case", _ALL, ids=[c for _, c in _ALL])
 @pytest.mark.parametrize("cfg", _WARPS, ids=["top_k=4", "top_p=0.8"])
 def test_with_top_k_and_top_p_and_mixed_batches(name, case, cfg):
@@ -243,16 +187,18 @@ def _greedy_first_gumbel(logq, k, generator):
 _REAL_GUMBEL = draft_model_mod._gumbel_top_k
 
 
+@pytest.mark.slow
 def test_value_dependent_pruning_is_detected(monkeypatch):
     monkeypatch.setattr(draft_model_mod, "_gumbel_top_k", _greedy_first_gumbel)
-    drafter = DraftModelDrafter(_draft(), tree_size=6, sampling_proposal="no_replacement")
+    drafter = DraftModelDrafter(tiny_draft(), tree_size=6, sampling_proposal="no_replacement")
     pvals = _check(drafter, 3_000, SamplingConfig(TEMPERATURE), batch=100)
     assert max(pvals) < 1e-6, pvals
 
 
+@pytest.mark.slow
 def test_mislabelled_proposal_is_detected(monkeypatch):
     """Top-k children declared as no-replacement draws: the verifier's rule no longer matches."""
-    drafter = DraftModelDrafter(_draft(), tree_size=6, sampling_proposal="no_replacement")
+    drafter = DraftModelDrafter(tiny_draft(), tree_size=6, sampling_proposal="no_replacement")
     monkeypatch.setattr(draft_model_mod, "_gumbel_top_k", lambda logq, k, gen: torch.topk(logq, k, dim=-1).indices)
     pvals = _check(drafter, 3_000, SamplingConfig(TEMPERATURE), batch=100)
     assert max(pvals) < 1e-6, pvals
@@ -261,7 +207,7 @@ def test_mislabelled_proposal_is_detected(monkeypatch):
 def test_sampled_trees_stay_within_the_budget():
     from specdec.drafting import DraftContext
 
-    drafter = DraftModelDrafter(_draft(), depth=3, topk=3, sampling_proposal="iid")
+    drafter = DraftModelDrafter(tiny_draft(), depth=3, topk=3, sampling_proposal="iid")
     gen = torch.Generator().manual_seed(0)
     for budget, prompt in itertools.product((1, 2, 5, 6, 13), (PROMPT, [7])):
         drafter.reset([torch.tensor(prompt)])
@@ -280,10 +226,11 @@ def test_allot_keeps_the_best_slots_known_before_drawing():
     assert draft_model_mod._allot([0.0, 0.0], [[-1.0], [-1.0]], 0) == [0, 0]
 
 
+@pytest.mark.slow
 def test_value_dependent_pruning_is_detected_under_top_p_in_mixed_batches(monkeypatch):
     """The family's threshold keeps its power: the broken variant fails it on every prompt."""
     monkeypatch.setattr(draft_model_mod, "_gumbel_top_k", _greedy_first_gumbel)
-    drafter = DraftModelDrafter(_draft(), tree_size=6, sampling_proposal="no_replacement")
+    drafter = DraftModelDrafter(tiny_draft(), tree_size=6, sampling_proposal="no_replacement")
     prompts = (PROMPT, [3, 0, 0, 6, 4, 3, 0, 0, 6], [7])
     pvals = _check(drafter, 3_000, _WARPS[1], batch=60, prompts=prompts)
     assert max(pvals) < FAMILY_ALPHA / 100, pvals

@@ -1,9 +1,10 @@
-"""Shared fixtures for the specdec tests: tiny random-weight models and test drafters."""
+"""Shared fixtures for the specdec tests: tiny random-weight models, test drafters and a chi-square check."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import torch
 
@@ -214,3 +215,17 @@ def token_paths(tree: TokenTree) -> set[tuple[int, ...]]:
             j = par[j]
         out.add(tuple(reversed(path)))
     return out
+
+
+def chi2_fails(counts: torch.Tensor, expected_probs: torch.Tensor, alpha_z: float = 3.719) -> bool:
+    """True if the counts are implausible under ``expected_probs`` (one-sided z = 3.719: alpha = 1e-4)."""
+    n = counts.sum()
+    exp = expected_probs.flatten().double() * n
+    obs = counts.flatten().double()
+    if bool(((exp == 0) & (obs > 0)).any()):
+        return True
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
+    return stat > crit

@@ -22,6 +22,7 @@ def tiny(tmp_path_factory):
     return target, draft, apps_rows(root / "apps.jsonl", 3)
 
 
+@pytest.mark.slow
 def test_bench_engine_cli_writes_well_formed_json(tiny, tmp_path, capsys):
     target, draft, data = tiny
     out = tmp_path / "engine.json"
@@ -105,6 +106,7 @@ def test_bench_engine_step_rows_decode_one_token_per_forward(tiny, tmp_path):
     assert rows["engine-graph-step"]["identical"] == 2 and rows["engine-graph"]["new_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_bench_engine_compiled_spec_mode(tiny, tmp_path):
     """(c) in the opt-in 'compiled' mode: target and draft forwards through inductor (CPU here)."""
     target, draft, data = tiny
@@ -136,6 +138,7 @@ def _tiny_argv(tiny, out, *extra):
             "--no-progress", "--reps", "2", "--out", str(out), *extra]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bench_engine_batch_section(tiny, medusa_dir, tmp_path, capsys):
     out = tmp_path / "batch.json"
     argv = _tiny_argv(tiny, out, "--sections", "batch", "--problems", "3", "--max-new-tokens", "6",
@@ -195,6 +198,7 @@ def test_bench_engine_profile_section(tiny, tmp_path, capsys):
     assert len(row["top"]) == 4 and row["top"][0]["ms"] >= row["top"][-1]["ms"]
 
 
+@pytest.mark.slow
 def test_bench_engine_scale_section(tmp_path, capsys):
     out = tmp_path / "scale.json"
     argv = ["bench-engine", "--sections", "scale", "--device", "cpu", "--attn-impl", "torch", "--scale-config", "tiny",
@@ -264,6 +268,7 @@ def test_floor_arithmetic_by_hand():
     assert bw["gbs"] > 0 and bw["bytes"] == 1 << 20 and bw["reps"] == 2
 
 
+@pytest.mark.slow
 def test_bench_engine_scale_whole_forward_compile_row(tmp_path):
     """``--scale-parts engine-inductor``: plain decoding with the whole forward compiled as one
     (``compile="inductor"``, the A/B of the layer-wise ``compile=True``), a row like the others."""
@@ -375,7 +380,7 @@ def test_bench_engine_medusa_heads_must_be_a_heads_directory(tmp_path, capsys):
         bench.BenchConfig(sections=("batch",), batch_drafters=(), batch_skip_hf=True)
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_bench_engine_new_sections_on_cuda(tiny, medusa_dir, tmp_path):
     """The issue-13 sections on a GPU with tiny models (fp32): captured forwards, a kernel profile that
     sees the tree-attention kernel of every layer, batch rows equal to the B = 1 rows, the scale bars."""

@@ -18,12 +18,9 @@ import torch
 from specdec import KVCache, SamplingConfig, SpecDecoder, logits_to_probs
 from specdec.decode_chunk import DecodeChunk
 from specdec.graphs import GraphedForward
-from tests.specdec.helpers import hf_greedy, prepared_tiny_model, random_prompt
-from tests.specdec.test_verify import _chi2_fails
+from tests.specdec.helpers import chi2_fails, hf_greedy, prepared_tiny_model, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _decoder(model, chunk: int, **kwargs) -> SpecDecoder:
@@ -138,13 +135,13 @@ def _assert_lossless(model, prompt, samples: list[list[int]], sampling: Sampling
     vocab = model.config.vocab_size
     p1 = _exact(model, prompt.tolist(), sampling)
     first = torch.bincount(torch.tensor([s[0] for s in samples]), minlength=vocab).double()
-    assert not _chi2_fails(*_binned(first, p1))
+    assert not chi2_fails(*_binned(first, p1))
     mode = int(first.argmax())
     after = [s[1] for s in samples if s[0] == mode]
     assert len(after) >= 300  # enough draws to test the conditional
     p2 = _exact(model, prompt.tolist() + [mode], sampling)
     second = torch.bincount(torch.tensor(after), minlength=vocab).double()
-    assert not _chi2_fails(*_binned(second, p2))
+    assert not chi2_fails(*_binned(second, p2))
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=20, top_p=0.9)],
@@ -248,7 +245,7 @@ def test_decode_chunk_checks_its_arguments():
         chunk.run([3, 4], [0])
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_captured_chunk_equals_one_step_at_a_time(compile):
     """The captured chunk (8 steps, one replay) gives the engine's tokens one step at a time, in fp32,
@@ -275,7 +272,7 @@ def test_cuda_captured_chunk_equals_one_step_at_a_time(compile):
     assert c.graph is not None and c.calls == 1 + 5
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_captured_sampled_chunk_draws_from_the_target(compile):
     """The captured sampled chunk (one replay of 2 steps) over a shared prompt, fp32, a CUDA
@@ -295,7 +292,7 @@ def test_cuda_captured_sampled_chunk_draws_from_the_target(compile):
     assert c.graph is not None and c.calls == 6
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_warmup_with_sampling_captures_every_sampled_chunk():
     """On CUDA the warm-up with ``sampling`` captures the sampled chunks of both prompt buckets; the
     sampled calls that follow capture nothing (session 20's one stall of 164 HumanEval calls: the

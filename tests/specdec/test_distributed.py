@@ -270,6 +270,7 @@ def tp_run(tmp_path_factory):
     return ranks, tp_worker.reference(models)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in tp_worker.CASES if "sample" not in c and "chunk" not in c])
 def test_tp_greedy_equals_single_process(tp_run, case):
     ranks, ref = tp_run
@@ -281,6 +282,7 @@ def test_tp_greedy_equals_single_process(tp_run, case):
             assert got["kv_heads"] == [1] * len(got["kv_heads"])
 
 
+@pytest.mark.slow
 def test_tp_plain_decoding_runs_in_chunks_checked_once_each(tp_run):
     ranks, ref = tp_run
     for res in ranks:
@@ -293,6 +295,7 @@ def test_tp_plain_decoding_runs_in_chunks_checked_once_each(tp_run):
     assert sampled[0]["token_checks"] >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["model-sample", "plain-chunk-sample"])
 def test_tp_sampling_is_identical_on_both_ranks(tp_run, case):
     ranks, _ = tp_run
@@ -303,6 +306,7 @@ def test_tp_sampling_is_identical_on_both_ranks(tp_run, case):
     assert all(len(t) == tp_worker.NEW_TOKENS for t in got[0]["tokens"])
 
 
+@pytest.mark.slow
 def test_tp_ranks_fail_together(tp_run):
     ranks, _ = tp_run
     for res in ranks:

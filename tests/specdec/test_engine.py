@@ -207,7 +207,7 @@ class _IidFixedDrafter(BaseDrafter):
 def test_sampled_tokens_follow_the_target_distribution(proposal="iid"):
     """Empirical joint of the first two sampled tokens vs the warped target (top_k=3: 9 cells)."""
     from specdec.sampling import SamplingConfig, logits_to_probs
-    from tests.specdec.test_verify import _chi2_fails
+    from tests.specdec.helpers import chi2_fails
 
     model, prompt, cfg = _model("llama"), _prompt(10, 0), SamplingConfig(temperature=2.0, top_k=3)
     with torch.no_grad():
@@ -229,7 +229,7 @@ def test_sampled_tokens_follow_the_target_distribution(proposal="iid"):
     for _ in range(1000):
         new = dec.generate(prompt, 2, do_sample=True, temperature=2.0, top_k=3, generator=gen).new_tokens(0)
         counts[index[tuple(new.tolist())]] += 1
-    assert not _chi2_fails(counts, expected)
+    assert not chi2_fails(counts, expected)
 
 
 def test_wrap_generate_is_drop_in():

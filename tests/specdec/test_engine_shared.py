@@ -26,7 +26,7 @@ from specdec import SpecDecoder, TokenTree, hf
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec.graphs import GraphedForward
 from specdec.sampling import SamplingConfig, logits_to_probs
-from tests.drafters import test_lossless as lossless
+from tests.drafters import lossless
 from tests.specdec.helpers import OracleDrafter, greedy_reference, perturbed_copy, prepared_tiny_model, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -238,13 +238,14 @@ def test_sampling_draws_the_same_tokens_as_the_copy_layout(kind, shared_calls):
         assert shared.totals()["tokens_accepted"] > 20  # drafts were exercised
 
 
+@pytest.mark.slow
 def test_shared_samples_follow_the_target_and_are_independent(shared_calls):
     """Each of the n sequences of one call on the shared layout: the joint of its first two tokens
-    is the target's (chi-square, as ``tests/drafters/test_lossless.py``); pairs of sequences of one
+    is the target's (chi-square, as ``tests/drafters/test_lossless.py``, in its setting ``tests/drafters/lossless.py``); pairs of sequences of one
     call: the joint of their first tokens is p x p (independence)."""
-    target, cfg = lossless._target(), SamplingConfig(lossless.TEMPERATURE)
+    target, cfg = lossless.tiny_target(), SamplingConfig(lossless.TEMPERATURE)
     vocab = lossless.VOCAB
-    dec = SpecDecoder(target, DraftModelDrafter(lossless._draft(), tree_size=6), tree_size=6, attn_impl="torch",
+    dec = SpecDecoder(target, DraftModelDrafter(lossless.tiny_draft(), tree_size=6), tree_size=6, attn_impl="torch",
                       static_shapes=False)  # fmt: skip
     gen = torch.Generator().manual_seed(lossless.SEED)
     joint, pairs = torch.zeros(vocab, vocab), torch.zeros(vocab, vocab)

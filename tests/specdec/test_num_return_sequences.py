@@ -12,7 +12,7 @@ from drafters.draft_model import DraftModelDrafter
 from drafters.lookup import LookupDrafter
 from specdec import SpecDecoder
 from specdec.sampling import SamplingConfig, logits_to_probs
-from tests.drafters.test_lossless import PROMPT, VOCAB, _draft, _target, chi2_pvalue
+from tests.drafters.lossless import PROMPT, VOCAB, chi2_pvalue, tiny_draft, tiny_target
 from tests.specdec.helpers import hf_greedy, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,13 +44,14 @@ def test_bad_counts_raise_and_wrap_reads_the_generation_config():
         target.generation_config.num_return_sequences = 1
 
 
+@pytest.mark.slow
 def test_sampled_sequences_of_one_prompt_are_independent_samples_of_the_target():
     """Pairs (row 2i, row 2i + 1) of one call share a prompt: their first tokens' joint must be
     p x p (each a target sample, the two independent), with a draft model proposing trees."""
-    target, cfg = _target(), SamplingConfig(0.9)
+    target, cfg = tiny_target(), SamplingConfig(0.9)
     with torch.no_grad():
         p1 = logits_to_probs(target(torch.tensor([PROMPT])).logits[0, -1], cfg).double()
-    dec = SpecDecoder(target, DraftModelDrafter(_draft(), tree_size=6), tree_size=6, attn_impl="torch")
+    dec = SpecDecoder(target, DraftModelDrafter(tiny_draft(), tree_size=6), tree_size=6, attn_impl="torch")
     gen = torch.Generator().manual_seed(3)
     counts = torch.zeros(VOCAB, VOCAB)
     accepted = 0

@@ -24,8 +24,6 @@ from tests.specdec.helpers import VOCAB, OracleDrafter, greedy_reference, prepar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 W = 8
 TREE = 6
 NEW = 12
@@ -344,7 +342,7 @@ def test_prefill_width_argument_errors():
 # ---------------------------------------------------------------------------- CUDA graphs (GPU only)
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_cuda_graph_prefill_equals_hf_and_captures_once(monkeypatch):
     model = tiny_model("qwen2").to("cuda")
     prepare_model(model)

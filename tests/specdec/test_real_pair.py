@@ -26,6 +26,7 @@ def pair():
     return tok, target, draft
 
 
+@pytest.mark.slow  # the real 1.5B / 0.5B pair: about a minute on 2 cores
 def test_real_pair_greedy_equals_target(pair):
     from tests.specdec.helpers import DraftModelDrafter
 

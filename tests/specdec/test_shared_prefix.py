@@ -326,6 +326,7 @@ def test_prefill_shared_rejects_a_batch():
 
 
 
+@pytest.mark.slow
 def test_shared_layout_under_torch_compile():
     """Under torch.compile the cascade runs outside the graph (``torch.compiler.disable``): same logits."""
     from specdec.hf import run_state

@@ -30,8 +30,6 @@ from specdec.engine import GenerationOutput, StepStats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 ROOT = Path(__file__).resolve().parents[2]
 #: Small and fast on a 2-core CPU: every drafter, graphs on / off, greedy and sampling, HF calls.
 SMALL = dict(batch_sizes=(1, 4), prompt_lens=(1, 120), new_tokens=(1, 12), tree_sizes=(4, 12),
@@ -164,6 +162,7 @@ def test_check_output_finds_what_is_wrong():
 # ---------------------------------------------------------------------------- runs (CPU)
 
 
+@pytest.mark.slow
 def test_counts_add_up_and_the_json_is_written(tmp_path):
     result, lines = _run(tmp_path, calls=40, seed=0)
     s = result.summary
@@ -267,6 +266,7 @@ def test_an_altered_hf_row_is_a_mismatch(monkeypatch):
     assert result.ok and result.summary["rows_compared"] == sum(r["batch"] for r in result.calls)
 
 
+@pytest.mark.slow
 def test_compiled_engines(monkeypatch):
     """compile on: the engines' fixed-shape forwards through torch.compile (aot_eager here: the
     tracing inductor starts from, without its code generation)."""
@@ -440,7 +440,7 @@ def test_the_cuda_plan_has_issue_13s_pattern():
     assert any(p.kind == "spec" and reused_across_static(p) for p in plans)
 
 
-@cuda_only
+@pytest.mark.cuda
 def test_short_stress_on_cuda(tmp_path):
     """~20 calls on tiny models with CUDA graphs, HF static-cache generate interleaved: no crash and
     every greedy row equal to its prompt decoded alone."""

@@ -10,14 +10,13 @@ residual update) fails the same check, so the check has the power to catch such 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import specdec.verify as verify_mod
 from specdec import TokenTree, Verdict, verify_greedy, verify_stochastic
 from specdec.verify import greedy_verdict
+from tests.specdec.helpers import chi2_fails
 from treeattn.layout import random_tree_parents
 
 V = 5
@@ -76,20 +75,6 @@ def _joint_counts(dists, draw_kind, label, samples, seed=0):
     return counts
 
 
-def _chi2_fails(counts: torch.Tensor, expected_probs: torch.Tensor, alpha_z: float = 3.719) -> bool:
-    """True if the counts are implausible under ``expected_probs`` (one-sided z = 3.719: alpha = 1e-4)."""
-    n = counts.sum()
-    exp = expected_probs.flatten().double() * n
-    obs = counts.flatten().double()
-    if bool(((exp == 0) & (obs > 0)).any()):
-        return True
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
-    return stat > crit
-
-
 def _target_joint(dists):
     p1, p2 = dists[0], dists[1]
     return p1[:, None] * p2
@@ -101,7 +86,7 @@ SAMPLES = 4000
 @pytest.mark.parametrize("kind", ["iid", "no_replacement", "topk"])
 def test_stochastic_lossless(dists, kind):
     counts = _joint_counts(dists, kind, kind, SAMPLES)
-    assert not _chi2_fails(counts, _target_joint(dists))
+    assert not chi2_fails(counts, _target_joint(dists))
 
 
 @pytest.mark.parametrize(
@@ -110,7 +95,7 @@ def test_stochastic_lossless(dists, kind):
 )
 def test_mislabelled_proposal_is_detected(dists, draw_kind, label):
     counts = _joint_counts(dists, draw_kind, label, SAMPLES // 3)
-    assert _chi2_fails(counts, _target_joint(dists))
+    assert chi2_fails(counts, _target_joint(dists))
 
 
 @pytest.mark.parametrize("kind", ["iid", "topk"])
@@ -120,7 +105,7 @@ def test_missing_residual_update_is_detected(dists, kind, monkeypatch):
     monkeypatch.setattr(verify_mod, "_zero_children", lambda rows, flat: None)
     monkeypatch.setattr(verify_mod, "_topk_remaining", lambda remaining, g: remaining)
     counts = _joint_counts(dists, kind, kind, SAMPLES // 3)
-    assert _chi2_fails(counts, _target_joint(dists))
+    assert chi2_fails(counts, _target_joint(dists))
 
 
 @pytest.mark.parametrize("kind", ["iid", "no_replacement", "topk"])
@@ -148,7 +133,7 @@ def test_sample_from_residual_when_no_children(dists):
         v = verify_stochastic(tree, p1[None], gen)
         assert v.path == (0,)
         counts[v.bonus_token] += 1
-    assert not _chi2_fails(counts, p1)
+    assert not chi2_fails(counts, p1)
 
 
 def test_greedy_follows_argmax_path():

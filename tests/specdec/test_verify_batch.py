@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec
 from specdec import SamplingConfig, TokenTree, logits_to_probs, verify_stochastic, verify_stochastic_batch
-from tests.specdec.test_verify import _chi2_fails
+from tests.specdec.helpers import chi2_fails
 
 V = 5
 MAX_KIDS = 4
@@ -110,18 +110,19 @@ _KINDS = {"topk": ("topk",) * BATCH, "iid": ("iid",) * BATCH, "no_replacement": 
           "mixed": ("topk", "iid", "no_replacement", "iid")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", _CFGS, ids=["t0.7-top_p0.8", "t1.3-top_k3", "t1"])
 @pytest.mark.parametrize("kinds", list(_KINDS), ids=list(_KINDS))
 def test_batch_lossless_on_random_shapes(kinds, cfg):
     counts, want = _joint(_KINDS[kinds], cfg)
     assert int(counts.sum()) == SAMPLES
-    assert not _chi2_fails(counts, want)
+    assert not chi2_fails(counts, want)
 
 
 @pytest.mark.parametrize("draw,label", [("no_replacement", "iid"), ("topk", "no_replacement")])
 def test_batch_mislabelled_proposal_is_detected(draw, label):
     counts, want = _joint((draw,) * BATCH, SamplingConfig(1.0), label=label)
-    assert _chi2_fails(counts, want)
+    assert chi2_fails(counts, want)
 
 
 # --------------------------------------------------------------------------- device-to-host copies
@@ -272,7 +273,7 @@ def test_inverse_cdf_draws_each_row_from_its_distribution(block, monkeypatch):
     tail[0, 5:] = 0.0  # the top of u lands on the last token with mass, not in an empty last block
     assert sampling_mod.sample_inverse_cdf(tail, top).tolist() == [4, 6, 6, 7]
     for r in range(3):
-        assert not _chi2_fails(counts[r], rows[r] / rows[r].sum())
+        assert not chi2_fails(counts[r], rows[r] / rows[r].sum())
 
 
 # --------------------------------------------------------------------------- the verdict's exact law
@@ -320,7 +321,7 @@ def test_verdicts_follow_the_exact_law_of_the_rule(kind):
     """Stronger than the two-token joints: the whole verdict (accepted path, bonus) of one fixed
     21-node tree (duplicate siblings, a top-k-warped target favouring the drafted tokens so that
     deep paths are common) against its exact distribution, enumerated from the rule."""
-    from tests.drafters.test_lossless import chi2_pvalue
+    from tests.drafters.lossless import chi2_pvalue
 
     vocab = 8
     toks = [7, 0, 0, 0, 1, 6, 1, 6, 2, 1, 0, 0, 1, 4, 0, 0, 0, 1, 1, 6, 2]

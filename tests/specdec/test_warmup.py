@@ -30,8 +30,6 @@ from tests.specdec.helpers import (OracleDrafter, RandomTreeDrafter, greedy_refe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 BUCKETS = (48, 96, 192)  # the tiny models have 256 positions
 TREE = 8
 NEW = 20
@@ -157,7 +155,7 @@ def test_release_drops_kept_state(built):
 # ---------------------------------------------------------------------------- warmup
 
 
-@pytest.mark.parametrize("compile", [False, "aot_eager"])
+@pytest.mark.parametrize("compile", [False, pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_warmup_builds_every_forward_and_generate_builds_none(built, compile):
     dec = _decoder(compile)
     n = TREE + 1
@@ -459,7 +457,12 @@ def fresh_compile_cache(monkeypatch, tmp_path):
     """No compile-cache setting and no compiled code yet in this process: SPECDEC_HOME=tmp_path/home, no
     TORCHINDUCTOR_CACHE_DIR, dynamo reset and an empty layer-wise registry (``hf._COMPILED_FORWARDS`` is
     process-wide). The settings and the registry are restored afterwards; dynamo's cache is not (later
-    calls recompile)."""
+    calls recompile).
+
+    The two torch settings are restored with torch's own ``config.patch``, never ``monkeypatch.setattr``:
+    a torch config module serves its settings through ``__getattr__``, so pytest >= 9 finds no old value
+    in the module's ``__dict__`` and undoes the patch with ``delattr`` -- which hides the setting for the
+    rest of the process (``torch._inductor.config.fx_graph_cache does not exist`` in the next test)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -472,9 +475,9 @@ def fresh_compile_cache(monkeypatch, tmp_path):
         monkeypatch.setenv(var, "x")  # remembers the current state ...
         monkeypatch.delenv(var)  # ... then unsets it
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache)
-    return tmp_path
+    with inductor_config.patch(fx_graph_cache=inductor_config.fx_graph_cache), \
+            functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache):
+        yield tmp_path
 
 
 def test_compile_cache_directory(monkeypatch, fresh_compile_cache):
@@ -494,7 +497,7 @@ def test_compile_cache_directory(monkeypatch, fresh_compile_cache):
     assert graphs.configure_compile_cache() == str(tmp_path / "other")  # the user's choice wins
     monkeypatch.setattr(graphs, "_compile_cache_dir", None)
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    inductor_config.fx_graph_cache = False  # restored by the fixture
     graphs.configure_compile_cache()
     assert not inductor_config.fx_graph_cache  # the environment decides
 
@@ -539,7 +542,7 @@ def test_inductor_compile_fills_and_reuses_the_persistent_cache(fresh_compile_ca
 # ---------------------------------------------------------------------------- CUDA graphs (GPU only)
 
 
-@cuda_only
+@pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled"])
 def test_cuda_graph_warmup_then_prompts_within_the_buckets_capture_nothing(monkeypatch, compile):
     model = tiny_model("qwen2").to("cuda")

@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.treeattn.helpers import DEV, cascade_inputs, rel_error
 from treeattn import KernelConfig, TreeMask, tree_attention
 from treeattn.cascade import (
     CascadeConfig,
@@ -20,40 +21,6 @@ from treeattn.cascade import (
 )
 from treeattn.cascade_reference import cascade_tree_attention_ref, unshared_layout
 from treeattn.layout import random_tree_parents
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _tree(kind: str, t: int, g: torch.Generator) -> torch.Tensor:
-    if kind == "chain":
-        return torch.arange(-1, t - 1)
-    if kind == "star":
-        return torch.tensor([-1] + [0] * (t - 1))
-    return random_tree_parents(t, max_depth=8, generator=g)
-
-
-def _inputs(n, hq, hkv, t, d, prefix, suffix, dtype=torch.float32, kind="random", seed=0, extra=3,
-            shared_tree=False):
-    """Fresh random inputs: shared prefix of ``prefix`` keys, per-sequence caches of S = max(suffix)
-    + t + extra slots (the unused tail filled with noise too)."""
-    g = torch.Generator().manual_seed(seed)
-    suffix_lens = torch.tensor(suffix, dtype=torch.int32)
-    assert len(suffix) == n
-    seq_len = int(suffix_lens.max()) + t + extra
-    q = torch.randn(n, hq, t, d, generator=g)
-    ks = torch.randn(hkv, prefix, d, generator=g)
-    vs = torch.randn(hkv, prefix, d, generator=g)
-    k = torch.randn(n, hkv, seq_len, d, generator=g)
-    v = torch.randn(n, hkv, seq_len, d, generator=g)
-    parents = _tree(kind, t, g).unsqueeze(0) if shared_tree else torch.stack([_tree(kind, t, g) for _ in range(n)])
-    mask = TreeMask.from_parents(parents)
-    to = lambda x: x.to(DEV, dtype)  # noqa: E731
-    return to(q), to(ks), to(vs), to(k), to(v), suffix_lens.to(DEV), mask.to(DEV)
-
-
-def _rel(x, ref):
-    return ((x.double() - ref).norm() / ref.norm()).item()
-
 
 CASES = [
     # n, Hq, Hkv, t, D, P, suffix lens
@@ -70,12 +37,12 @@ CASES = [
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("n,hq,hkv,t,d,prefix,suffix", CASES)
 def test_cascade_matches_float64_reference(n, hq, hkv, t, d, prefix, suffix, fused):
-    q, ks, vs, k, v, sl, mask = _inputs(n, hq, hkv, t, d, prefix, suffix, seed=t + d)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(n, hq, hkv, t, d, prefix, suffix, seed=t + d)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", config=CascadeConfig(fused=fused))
     assert out.shape == q.shape and out.dtype == torch.float32
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < 1e-5
+    assert rel_error(out, ref) < 1e-5
 
 
 def test_sixty_four_sequences():
@@ -83,30 +50,30 @@ def test_sixty_four_sequences():
     blocks, each spanning many sequences); level 2 runs 64 sequences."""
     g = torch.Generator().manual_seed(1)
     suffix = torch.randint(0, 41, (64,), generator=g).tolist()
-    q, ks, vs, k, v, sl, mask = _inputs(64, 2, 1, 3, 16, 50, suffix, seed=2)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(64, 2, 1, 3, 16, 50, suffix, seed=2)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton")
-    assert _rel(out, ref) < 1e-5
+    assert rel_error(out, ref) < 1e-5
 
 
 def test_long_suffix_splits_level_two():
     """A 3000-token suffix: level 2 splits it over several programs (merged with level 1's state)."""
-    q, ks, vs, k, v, sl, mask = _inputs(2, 2, 1, 8, 16, 100, [3000, 20], seed=4)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(2, 2, 1, 8, 16, 100, [3000, 20], seed=4)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton")
-    assert _rel(out, ref) < 1e-5
+    assert rel_error(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("prefix_splits_,suffix_splits", [(1, 1), (2, 3), (5, 1), (3, 2)])
 def test_two_level_split_states_merge(prefix_splits_, suffix_splits):
     """Not fused, explicit split counts: 1..5 prefix states and 1..3 suffix states per row."""
-    q, ks, vs, k, v, sl, mask = _inputs(3, 8, 2, 12, 32, 150, [40, 0, 77], seed=prefix_splits_)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(3, 8, 2, 12, 32, 150, [40, 0, 77], seed=prefix_splits_)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask)
     cfg = CascadeConfig(prefix=KernelConfig(block_m=32, block_n=16, num_splits=prefix_splits_),
                         suffix=KernelConfig(block_m=32, block_n=16, num_splits=suffix_splits, gather=False),
                         fused=False)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", config=cfg)
-    assert _rel(out, ref) < 1e-5
+    assert rel_error(out, ref) < 1e-5
 
 
 FUSED_CASES = [
@@ -124,30 +91,30 @@ FUSED_CASES = [
 def test_fused_row_blocks_across_sequences_and_splits(n, hq, hkv, t, block_m, block_n, splits, prefix, suffix, kind):
     """The fused kernel with explicit tiles / splits: row blocks holding one to five sequences
     (each attended with its own suffix and tree), the last split's prefix range shortened."""
-    q, ks, vs, k, v, sl, mask = _inputs(n, hq, hkv, t, 16, prefix, suffix, kind=kind, seed=splits + t)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(n, hq, hkv, t, 16, prefix, suffix, kind=kind, seed=splits + t)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask)
     cfg = CascadeConfig(prefix=KernelConfig(block_m=block_m, block_n=block_n, num_splits=splits))
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", config=cfg)
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < 1e-5
+    assert rel_error(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,hq,hkv,t,prefix,suffix", [(3, 8, 1, 45, 100, [3, 60, 0]), (2, 4, 4, 17, 64, [64, 5])])
 def test_low_precision_within_twice_torch_error(dtype, n, hq, hkv, t, prefix, suffix):
-    q, ks, vs, k, v, sl, mask = _inputs(n, hq, hkv, t, 64, prefix, suffix, dtype, seed=7)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(n, hq, hkv, t, 64, prefix, suffix, dtype, seed=7)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton")
     assert out.dtype == dtype
     # The plain-PyTorch low-precision error: the same math in the input dtype.
-    torch_err = _rel(cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, compute_dtype=dtype), ref)
-    assert _rel(out, ref) <= 2 * torch_err + 1e-4
+    torch_err = rel_error(cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, compute_dtype=dtype), ref)
+    assert rel_error(out, ref) <= 2 * torch_err + 1e-4
 
 
 @pytest.mark.parametrize("kind,fused", [("random", True), ("star", True), ("chain", True), ("random", False)])
 def test_equals_unshared_kernel_on_the_copied_layout(kind, fused):
     """The same numbers as today's kernel with the prefix copied in front of every sequence."""
-    q, ks, vs, k, v, sl, mask = _inputs(3, 8, 2, 40, 32, 90, [0, 33, 130], kind=kind, seed=11)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(3, 8, 2, 40, 32, 90, [0, 33, 130], kind=kind, seed=11)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", config=CascadeConfig(fused=fused))
     kf, vf, pl = unshared_layout(ks, vs, k, v, sl)
     want = tree_attention(q, kf, vf, pl, mask, impl="triton")
@@ -157,7 +124,7 @@ def test_equals_unshared_kernel_on_the_copied_layout(kind, fused):
 def test_moving_the_prefix_boundary_does_not_change_the_output():
     """Metamorphic: the last m prefix tokens moved into every sequence's own suffix (same keys,
     now unshared) attend identically."""
-    q, ks, vs, k, v, sl, mask = _inputs(2, 4, 2, 10, 16, 70, [12, 0], seed=5)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(2, 4, 2, 10, 16, 70, [12, 0], seed=5)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton")
     m = 23
     k2 = torch.cat([ks[:, 70 - m :].unsqueeze(0).expand(2, -1, -1, -1), k], dim=2)
@@ -168,7 +135,7 @@ def test_moving_the_prefix_boundary_does_not_change_the_output():
 
 def test_star_leaf_ignores_its_siblings():
     """Changing node 5's K/V in sequence 1 changes node 5 of sequence 1 only."""
-    q, ks, vs, k, v, sl, mask = _inputs(2, 4, 1, 10, 16, 30, [7, 3], kind="star", seed=6)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(2, 4, 1, 10, 16, 30, [7, 3], kind="star", seed=6)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton")
     k2, v2 = k.clone(), v.clone()
     k2[1, :, 3 + 5] += 3.0
@@ -195,17 +162,17 @@ def test_shared_tree_4d_prefix_and_views_of_bigger_caches():
     sl = torch.tensor([100, 0, 41], device=DEV)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, shared, impl="triton")
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, shared)
-    assert _rel(out, ref) < 1e-5
-    assert _rel(cascade_tree_attention(q, ks, vs, k, v, sl, shared, impl="torch"), ref) < 1e-5
+    assert rel_error(out, ref) < 1e-5
+    assert rel_error(cascade_tree_attention(q, ks, vs, k, v, sl, shared, impl="torch"), ref) < 1e-5
 
 
 def test_torch_impl_two_sdpa_calls_merged_by_lse():
-    q, ks, vs, k, v, sl, mask = _inputs(3, 6, 2, 19, 32, 45, [0, 8, 30], seed=9)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(3, 6, 2, 19, 32, 45, [0, 8, 30], seed=9)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask)
-    assert _rel(cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="torch"), ref) < 1e-5
+    assert rel_error(cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="torch"), ref) < 1e-5
     empty = ks[:, :0]
     ref0 = cascade_tree_attention_ref(q, empty, empty, k, v, sl, mask)
-    assert _rel(cascade_tree_attention(q, empty, empty, k, v, sl, mask, impl="torch"), ref0) < 1e-5
+    assert rel_error(cascade_tree_attention(q, empty, empty, k, v, sl, mask, impl="torch"), ref0) < 1e-5
 
 
 # ---- level 1's launch plan (host arithmetic) -----------------------------------------------------
@@ -267,7 +234,7 @@ def test_prefix_config_at_the_h100_shapes():
 
 
 def test_errors_name_the_argument():
-    q, ks, vs, k, v, sl, mask = _inputs(2, 4, 2, 5, 16, 10, [3, 4])
+    q, ks, vs, k, v, sl, mask = cascade_inputs(2, 4, 2, 5, 16, 10, [3, 4])
     cases = [
         (dict(q=q[0]), r"q: expected 4 dims, got shape \(4, 5, 16\)"),
         (dict(k_shared=ks[0]), r"k_shared: expected shape \[Hkv, P, D\] or \[1, Hkv, P, D\], got \(10, 16\)"),

@@ -8,12 +8,12 @@ CPU: the kernels run through Triton's interpreter (tests/conftest.py sets TRITON
 import pytest
 import torch
 
+from tests.treeattn.helpers import DEV, cascade_inputs, rel_error
 import treeattn.cascade_kernels as cascade_kernels
 import treeattn.kernels as tree_kernels
 from treeattn import KernelConfig
 from treeattn.cascade import CascadeConfig, cascade_tree_attention
 from treeattn.cascade_reference import cascade_tree_attention_ref
-from tests.treeattn.test_cascade import DEV, _inputs, _rel
 
 
 def _len(p: int) -> torch.Tensor:
@@ -39,15 +39,15 @@ def test_device_length_matches_float64_reference(n, hq, hkv, t, d, cap, live, su
                                                  fused):
     """Capacities and live lengths that divide no block size, P from 0 to C, 1..8 sequences, trees of
     1..70 nodes, suffixes 0..200; the slots past P hold noise that must not be read."""
-    q, ks, vs, k, v, sl, mask = _inputs(n, hq, hkv, t, d, cap, suffix, seed=cap + live + t)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(n, hq, hkv, t, d, cap, suffix, seed=cap + live + t)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, shared_len=live)
     cfg = CascadeConfig(prefix=KernelConfig(block_m=block_m, block_n=block_n, num_splits=splits),
                         suffix=None if fused else KernelConfig(block_m=32, block_n=16, num_splits=2, gather=False),
                         fused=fused)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", shared_len=_len(live), config=cfg)
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < 1e-5
-    assert _rel(cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="torch", shared_len=_len(live)), ref) < 1e-5
+    assert rel_error(out, ref) < 1e-5
+    assert rel_error(cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="torch", shared_len=_len(live)), ref) < 1e-5
 
 
 def test_random_shapes_against_the_reference():
@@ -62,25 +62,25 @@ def test_random_shapes_against_the_reference():
         live = draw(0, cap)
         hkv, group = draw(1, 2), draw(1, 3)
         suffix = [draw(0, 200) for _ in range(n)]
-        q, ks, vs, k, v, sl, mask = _inputs(n, hkv * group, hkv, t, 16, cap, suffix, seed=100 + i)
+        q, ks, vs, k, v, sl, mask = cascade_inputs(n, hkv * group, hkv, t, 16, cap, suffix, seed=100 + i)
         ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, shared_len=live)
         out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", shared_len=_len(live))
-        assert _rel(out, ref) < 1e-5, (n, t, cap, live, hkv, group, suffix)
+        assert rel_error(out, ref) < 1e-5, (n, t, cap, live, hkv, group, suffix)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_within_twice_torch_error(dtype):
-    q, ks, vs, k, v, sl, mask = _inputs(3, 8, 2, 45, 64, 150, [3, 60, 0], dtype, seed=7)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(3, 8, 2, 45, 64, 150, [3, 60, 0], dtype, seed=7)
     ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, shared_len=101)
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", shared_len=_len(101))
     assert out.dtype == dtype
-    torch_err = _rel(cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, compute_dtype=dtype, shared_len=101), ref)
-    assert _rel(out, ref) <= 2 * torch_err + 1e-4
+    torch_err = rel_error(cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, compute_dtype=dtype, shared_len=101), ref)
+    assert rel_error(out, ref) <= 2 * torch_err + 1e-4
 
 
 def test_equals_the_shape_api_on_the_live_slice():
     """The buffer with a device length equals the exact prefix (its first P slots) passed by shape."""
-    q, ks, vs, k, v, sl, mask = _inputs(3, 4, 2, 12, 16, 90, [4, 0, 50], seed=3)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(3, 4, 2, 12, 16, 90, [4, 0, 50], seed=3)
     cfg = CascadeConfig(prefix=KernelConfig(block_m=32, block_n=16, num_splits=3))
     out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", shared_len=_len(58), config=cfg)
     want = cascade_tree_attention(q, ks[:, :58], vs[:, :58], k, v, sl, mask, impl="triton", config=cfg)
@@ -126,13 +126,14 @@ def _signature(launch):
     return name, grid, tuple(sig(a) for a in args), {key: sig(val) for key, val in kwargs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused,splits", [(True, 1), (True, 3), (False, 3)])
 def test_one_recorded_launch_serves_every_live_length(launches, fused, splits):
     """Record the launches of one call, then -- like a CUDA-graph replay -- change only the device
     length (and the data) and re-run exactly those launches: right for every P in [0, C], including
     P = 0 and the Ps that leave some splits empty."""
     cap = 37
-    q, ks, vs, k, v, sl, mask = _inputs(3, 4, 2, 9, 16, cap, [0, 6, 41], seed=5)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(3, 4, 2, 9, 16, cap, [0, 6, 41], seed=5)
     shared_len = _len(cap)
     cfg = CascadeConfig(prefix=KernelConfig(block_m=32, block_n=16, num_splits=splits),
                         suffix=None if fused else KernelConfig(block_m=32, block_n=16, num_splits=2, gather=False),
@@ -150,12 +151,12 @@ def test_one_recorded_launch_serves_every_live_length(launches, fused, splits):
         for name, grid, args, kwargs in recorded:
             getattr(cascade_kernels if name.startswith("cascade") else tree_kernels, name).kernel[grid](*args, **kwargs)
         ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, shared_len=live)
-        assert _rel(out, ref) < 1e-5, live
+        assert rel_error(out, ref) < 1e-5, live
 
 
 def test_the_launch_does_not_depend_on_the_live_length(launches):
     """Two calls with different P over the same buffers make launches equal in every argument."""
-    q, ks, vs, k, v, sl, mask = _inputs(2, 4, 2, 7, 16, 75, [3, 20], seed=9)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(2, 4, 2, 7, 16, 75, [3, 20], seed=9)
     cfg = CascadeConfig(prefix=KernelConfig(block_m=32, block_n=16, num_splits=3))
     calls = []
     for live in (1, 74):
@@ -169,15 +170,15 @@ def test_the_launch_does_not_depend_on_the_live_length(launches):
 
 def test_out_of_range_lengths_are_clamped_without_checks():
     """Unchecked (inside a graph), a length past C reads no key past C and a negative one none at all."""
-    q, ks, vs, k, v, sl, mask = _inputs(2, 4, 2, 6, 16, 40, [5, 0], seed=4)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(2, 4, 2, 6, 16, 40, [5, 0], seed=4)
     for bad, live in ((41, 40), (1000, 40), (-3, 0)):
         out = cascade_tree_attention(q, ks, vs, k, v, sl, mask, impl="triton", shared_len=_len(bad),
                                      check_suffix_lens=False)
-        assert _rel(out, cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, shared_len=live)) < 1e-5
+        assert rel_error(out, cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, shared_len=live)) < 1e-5
 
 
 def test_shared_len_errors_name_the_argument():
-    q, ks, vs, k, v, sl, mask = _inputs(2, 4, 2, 5, 16, 10, [3, 4])
+    q, ks, vs, k, v, sl, mask = cascade_inputs(2, 4, 2, 5, 16, 10, [3, 4])
     base = dict(q=q, k_shared=ks, v_shared=vs, k=k, v=v, suffix_lens=sl, tree_mask=mask)
     cases = [
         (3, r"shared_len: expected None or an int32/int64 tensor of shape \[1\], got int"),
@@ -195,14 +196,14 @@ def test_shared_len_errors_name_the_argument():
             cascade_tree_attention(**base, shared_len=bad)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,t,cap", [(4, 20, 1000), (16, 64, 4100)])
 def test_cuda_graph_capture_serves_every_live_length(dtype, n, t, cap):
     """A real CUDA-graph capture of the op (default plan, chosen for C), replayed for several P."""
     g = torch.Generator().manual_seed(n)
     suffix = torch.randint(0, 200, (n,), generator=g).tolist()
-    q, ks, vs, k, v, sl, mask = _inputs(n, 8, 2, t, 64, cap, suffix, dtype, seed=n + t)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(n, 8, 2, t, 64, cap, suffix, dtype, seed=n + t)
     shared_len = _len(cap)
     cascade_tree_attention(q, ks, vs, k, v, sl, mask, shared_len=shared_len)  # compiles outside the capture
     torch.cuda.synchronize()
@@ -214,7 +215,7 @@ def test_cuda_graph_capture_serves_every_live_length(dtype, n, t, cap):
         graph.replay()
         torch.cuda.synchronize()
         ref = cascade_tree_attention_ref(q, ks, vs, k, v, sl, mask, shared_len=live)
-        assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2), live
+        assert rel_error(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2), live
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -224,7 +225,7 @@ def test_custom_op_equals_the_function_in_the_heads_inner_layout(impl):
     and a schema / fake that pass opcheck."""
     from treeattn.cascade import cascade_tree_attention_op
 
-    q, ks, vs, k, v, sl, mask = _inputs(3, 6, 2, 21, 16, 40, [0, 17, 9], seed=11)
+    q, ks, vs, k, v, sl, mask = cascade_inputs(3, 6, 2, 21, 16, 40, [0, 17, 9], seed=11)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # HF's layout: a non-contiguous view
     args = (q, ks, vs, k, v, sl, _len(29), mask.words, mask.depth, 0.25, impl)
     got = cascade_tree_attention_op(*args)

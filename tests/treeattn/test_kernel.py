@@ -90,9 +90,9 @@ GATHER_CASES = [
     (70, 6, 2, 32, 32, 3, [0, 90]),  # GQA 3: blocks of 32 rows split nodes between blocks
     (150, 4, 1, 64, 64, 2, [150, 0]),  # GQA 4: 16 nodes per block
     (150, 4, 1, 128, 128, 1, [33, 5]),
-    (300, 4, 4, 64, 64, 1, [0, 200]),  # two windows
-    (300, 4, 1, 128, 32, 3, [260, 0]),
-    (300, 4, 4, 128, 16, 2, [7, 0]),
+    pytest.param(300, 4, 4, 64, 64, 1, [0, 200], marks=pytest.mark.slow),  # two windows
+    pytest.param(300, 4, 1, 128, 32, 3, [260, 0], marks=pytest.mark.slow),
+    pytest.param(300, 4, 4, 128, 16, 2, [7, 0], marks=pytest.mark.slow),
 ]
 
 
@@ -243,7 +243,7 @@ def test_partials_in_input_dtype(dtype, gather, splits):
 V8_CASES = [
     # batch 2, Hq, Hkv, n, block_m, block_n, prefix lens, tree
     (8, 2, 45, 32, 32, [100, 37], "random"),  # GQA 4, tails 4 and 5, blocks split nothing evenly
-    (4, 1, 300, 128, 64, [64, 128], "chain"),  # no tail; a chain gathers every earlier position
+    pytest.param(4, 1, 300, 128, 64, [64, 128], "chain", marks=pytest.mark.slow),  # no tail; a chain gathers every earlier position
     (4, 1, 130, 64, 64, [0, 77], "star"),  # prefix 0: that sequence's prompt splits are all empty
 ]
 V8_MODES = [(g, s) for g in (True, False) for s in (1, 2, 3)]
