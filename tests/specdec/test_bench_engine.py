@@ -403,7 +403,7 @@ def test_bench_engine_new_sections_on_cuda(tiny, medusa_dir, tmp_path):
     assert row["captured_ms"] > 0 and row["uncaptured_ms"] > 0 and row["unit"] == "gpu kernels"
     assert row["source"] in ("graph replay", "uncaptured forward")
     assert row["categories"]["attention"]["kernels"] >= 2  # the tree-attention kernel in each of the 2 layers
-    assert row["categories"]["gemm"]["kernels"] >= 2 * 7
+    assert row["categories"]["gemm"]["kernels"] >= 2 * 4  # a layer: q/k/v and gate/up fused (specdec.fused), o, down
     assert 0 < row["kernel_ms"] and res["profile"]["bandwidth"]["measured_gbs"] > 0
     sc = res["scale"]
     assert all("error" not in r and r["captured"] for r in sc["decode"] + sc["verify"])
