@@ -305,7 +305,7 @@ def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family, refer
     assert graphed._states[0].loops == loops  # the captures serve later generate calls
 
 
-# --------------------------------------------------------------------------- recorded trees (issue 14)
+# --------------------------------------------------------------------------- recorded trees
 #
 # Trees proposed by the host-driven drafter of commit c74be21 (one host sync per depth, Python-built
 # masks), recorded on seeded tiny configs by ``_tree_cases`` and stored in

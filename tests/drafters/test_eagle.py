@@ -373,7 +373,7 @@ def test_train_eagle_cli_on_a_tiny_model(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------------
-# the device-side expansion (issue 14) draws exactly the trees of the former per-depth host loop
+# the device-side expansion draws exactly the trees of the former per-depth host loop
 
 #: Trees of the former implementation (one host sync per depth), recorded before the expansion
 #: moved to the device: ``python -c "from tests.drafters.test_eagle import record_trees; record_trees()"``

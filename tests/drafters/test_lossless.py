@@ -1,6 +1,6 @@
 """Every drafter samples exactly from the target, end to end through ``SpecDecoder.generate``.
 
-The setting of issue 12: a tiny Llama target (2 layers) and draft (1 layer), hidden 32, vocabulary
+The setting of the losslessness check: a tiny Llama target (2 layers) and draft (1 layer), hidden 32, vocabulary
 8, LM heads scaled x6 so the distributions are far from flat, temperature 0.9. For each drafter
 and proposal kind it offers, the joint distribution of the first two sampled tokens is compared
 with the target's exact one (plain forwards, same temperature / top-k / top-p) by a chi-square
@@ -140,7 +140,7 @@ _ALL = [(name, case) for name, cases in CASES.items() for case in cases]
 @pytest.mark.slow
 @pytest.mark.parametrize("name,case", _ALL, ids=[c for _, c in _ALL])
 def test_first_two_tokens_follow_the_target(name, case):
-    """Issue 12's table: 10,000 samples per drafter / proposal kind, batch rows of one prompt."""
+    """The losslessness table: 10,000 samples per drafter / proposal kind, batch rows of one prompt."""
     prompt = LOOKUP_PROMPT if name in _LOOKUP_CASES else PROMPT
     pvals = _check(CASES[name][case](), 10_000, SamplingConfig(TEMPERATURE), batch=100, prompts=(prompt,))
     assert min(pvals) > ALPHA, pvals
@@ -179,7 +179,7 @@ def test_with_top_k_and_top_p_and_mixed_batches(name, case, cfg):
 
 def _greedy_first_gumbel(logq, k, generator):
     """Draws without replacement, then reordered by draft probability: the kept prefix now
-    depends on the drawn values -- the class of bug of issue 12 (value-dependent pruning)."""
+    depends on the drawn values -- the class of bug the losslessness check was built for (value-dependent pruning)."""
     idx = _REAL_GUMBEL(logq, k, generator)
     return idx.gather(1, logq.gather(1, idx).argsort(dim=1, descending=True, stable=True))
 

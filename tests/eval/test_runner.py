@@ -230,7 +230,7 @@ def test_sweep_cli_and_report_only(pair, tmp_path, capsys):
 
 
 def test_baselines_and_speculative_methods_in_two_runs_share_one_report(pair, loaded, tmp_path, capsys):
-    """The device plan for issue 6: baselines first (the Medusa heads need not exist yet), the
+    """The device plan of the APPS sweep: baselines first (the Medusa heads need not exist yet), the
     speculative method later into the same file with the same settings; one report pairs them."""
     from drafters.medusa import MedusaHeads
 

@@ -121,7 +121,7 @@ def test_bench_engine_compiled_spec_mode(tiny, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 13: batch, profile and scale sections
+# the batch, profile and scale sections
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +382,7 @@ def test_bench_engine_medusa_heads_must_be_a_heads_directory(tmp_path, capsys):
 
 @pytest.mark.cuda
 def test_bench_engine_new_sections_on_cuda(tiny, medusa_dir, tmp_path):
-    """The issue-13 sections on a GPU with tiny models (fp32): captured forwards, a kernel profile that
+    """The batch, profile and scale sections on a GPU with tiny models (fp32): captured forwards, a kernel profile that
     sees the tree-attention kernel of every layer, batch rows equal to the B = 1 rows, the scale bars."""
     target, _, data = tiny
     out = tmp_path / "cuda.json"

@@ -295,7 +295,7 @@ def test_cuda_captured_sampled_chunk_draws_from_the_target(compile):
 @pytest.mark.cuda
 def test_cuda_warmup_with_sampling_captures_every_sampled_chunk():
     """On CUDA the warm-up with ``sampling`` captures the sampled chunks of both prompt buckets; the
-    sampled calls that follow capture nothing (session 20's one stall of 164 HumanEval calls: the
+    sampled calls that follow capture nothing (the one stall of 164 HumanEval calls of the 2026-11-27 run `e993e6d`: the
     first prompt of the smaller bucket captured its sampled chunk mid-run)."""
     from tests.specdec.helpers import tiny_model
     from specdec.hf import prepare_model

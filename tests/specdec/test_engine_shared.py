@@ -1,4 +1,4 @@
-"""``generate(num_return_sequences=n)`` of one prompt on the shared layout (issue 17).
+"""``generate(num_return_sequences=n)`` of one prompt on the shared layout.
 
 The prompt's KV (but its last token's) is written once into a batch-1 cache, the n sequences' own
 cache holds only what follows it, and every tree forward attends through the cascade attention --

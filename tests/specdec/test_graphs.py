@@ -679,9 +679,9 @@ def test_cuda_graph_of_the_inductor_compiled_forward_equals_eager(compile):
 def test_cuda_capture_of_a_compiled_forward_compiles_once(monkeypatch, one_stream):
     """The capture's forwards (first run, warm-up, recording; with ``$SPECDEC_CAPTURE_ONE_STREAM=1``,
     PERF.md v9's candidate, all on one side stream) compile the body once: as many dynamo graphs as one
-    eager-replay (uncaptured) call of the same forward. Session 11 measured 2 with one stream; the
+    eager-replay (uncaptured) call of the same forward. The 2026-11-24 run measured 2 with one stream; the
     second was the state's per-device dict, filled by the first call (fixed in v19, CPU-tested by
-    ``test_compiled_forward_called_again_without_a_load_compiles_once``; passed on an H100 in session 19)."""
+    ``test_compiled_forward_called_again_without_a_load_compiles_once``; passed on an H100 on 2026-11-27)."""
     from specdec.graphs import ONE_STREAM_ENV
 
     monkeypatch.setenv(ONE_STREAM_ENV, one_stream)
@@ -794,7 +794,7 @@ def _qwen_like(layers: int, vocab: int, dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("grow", [False, True], ids=["same-capacity", "cache-grows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_graph_batch_sequence_around_hf_static_generate(grow, graphs, dtype):
-    """Issue 13's crash sequence (Medusa drafter, CUDA graphs, one process): batch 2 x 8 tokens,
+    """The crash sequence of 2026-11-23 (Medusa drafter, CUDA graphs, one process): batch 2 x 8 tokens,
     batch 4 x 128 tokens, the target's own HF generate with the static cache on those 4 prompts
     (left-padded), batch 4 more prompts -- no CUDA error, and every row equal to the same prompt
     decoded alone by a fresh decoder (fp32; bf16 runs the sequence only: batched and solo
@@ -836,7 +836,7 @@ def test_cuda_graph_batch_sequence_around_hf_static_generate(grow, graphs, dtype
 
 @pytest.mark.cuda
 def test_cuda_graph_replay_after_cublas_workspaces_are_cleared():
-    """The cause of issue 13's crash without HF in the way: a graph captured after another one
+    """The cause of that crash without HF in the way: a graph captured after another one
     whose capture had allocated the cuBLAS workspace, the first graph destroyed, the workspace
     cache cleared (as torch.compile's CUDA-graph trees do) and the memory released -- replaying the
     second graph must not touch freed memory, and must still equal an eager forward."""

@@ -1,4 +1,4 @@
-"""``specdec.cli.stress``: the randomized stress harness of issue 13 and its entry point ``scripts/device/stress.py``.
+"""``specdec.cli.stress``: the randomized stress harness and its entry point ``scripts/device/stress.py``.
 
 CPU: the harness on tiny models with a handful of calls -- counts add up, the JSON is written, an
 engine that alters one row is reported as a mismatch, an exception as a crash (and the run goes
