@@ -156,40 +156,33 @@ def _namespace_module() -> dict:
     return module.__dict__
 
 
-def is_plain(value, depth: int = 0, classes: frozenset = frozenset()) -> bool:
+def _data_of(value, accept, depth: int = 0) -> bool:
     """Whether ``value`` is made of exactly the builtin data types (no subclasses: nothing whose
-    comparison the program chose), or of instances of ``classes`` (the dataset's own, trusted)
-    holding such data, at most 200 levels deep."""
+    comparison a program chose) and of objects whose class ``accept`` takes (their ``__dict__``
+    holding such data in turn), at most 200 levels deep."""
     if depth > 200:
         return False
     kind = type(value)
     if kind in _PLAIN_SCALARS:
         return True
     if kind in (list, tuple, set, frozenset):
-        return all(is_plain(v, depth + 1, classes) for v in value)
+        return all(_data_of(v, accept, depth + 1) for v in value)
     if kind is dict:
-        return all(is_plain(k, depth + 1, classes) and is_plain(v, depth + 1, classes) for k, v in value.items())
-    if kind in classes:
-        state = getattr(value, "__dict__", None)
-        return type(state) is dict and is_plain(state, depth + 1, classes)
-    return False
-
-
-def _own_classes(value, depth: int = 0) -> bool:
-    """Whether every non-plain object in ``value`` is an instance of a class defined in the
-    program's namespace (sent by reference; the judge accepts only the dataset's ones)."""
-    if depth > 200:
-        return False
-    kind = type(value)
-    if kind in _PLAIN_SCALARS:
-        return True
-    if kind in (list, tuple, set, frozenset):
-        return all(_own_classes(v, depth + 1) for v in value)
-    if kind is dict:
-        return all(_own_classes(k, depth + 1) and _own_classes(v, depth + 1) for k, v in value.items())
+        return all(_data_of(k, accept, depth + 1) and _data_of(v, accept, depth + 1) for k, v in value.items())
     state = getattr(value, "__dict__", None)
-    return (getattr(kind, "__module__", None) == SANDBOX_MODULE and type(state) is dict
-            and _own_classes(state, depth + 1))  # fmt: skip
+    return accept(kind) and type(state) is dict and _data_of(state, accept, depth + 1)
+
+
+def is_plain(value, classes: frozenset = frozenset()) -> bool:
+    """Whether ``value`` is plain data: builtin types only, or instances of ``classes`` (the
+    dataset's own, trusted) holding plain data."""
+    return _data_of(value, lambda kind: kind in classes)
+
+
+def _own_classes(value) -> bool:
+    """Whether every object in ``value`` that is not builtin data is an instance of a class defined
+    in the program's namespace (sent by reference; the judge accepts only the dataset's ones)."""
+    return _data_of(value, lambda kind: getattr(kind, "__module__", None) == SANDBOX_MODULE)
 
 
 class PlainUnpickler(pickle.Unpickler):
@@ -221,7 +214,7 @@ def loads_plain(data: bytes, classes: dict | None = None):
         value = PlainUnpickler(io.BytesIO(data), classes).load()
     except Exception as e:
         raise ValueError(f"not a plain-data message ({type(e).__name__}: {e})") from None
-    if not is_plain(value, classes=frozenset((classes or {}).values())):
+    if not is_plain(value, frozenset((classes or {}).values())):
         raise ValueError(f"not a plain-data message (a {type(value).__name__})")
     return value
 

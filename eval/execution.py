@@ -453,9 +453,11 @@ def _run_humaneval(iso: Isolation, problem: HumanEvalProblem, solution: str, lim
                 os.close(fd)
             req_r = req_w = rep_r = rep_w = -1
             in_time = procs[1].wait(limits.timeout_s + 2 * _START_S)
+            raw = sandbox.read_fd(result, 1 << 16)
+            if in_time and b"exited before" in raw:  # the program is on its way out: let it finish dying, so
+                procs[0].wait(_START_S)  # its own exit status (a CPU-limit signal) is the one read, not our kill
             program_rc = procs[0].finish()
             procs[1].finish()
-            raw = sandbox.read_fd(result, 1 << 16)
             stderr = _text(sandbox.read_fd(err_program, 1 << 20))[-_STDERR_TAIL:]
             judged = _text(sandbox.read_fd(err_judge, 1 << 20)).strip()
             if judged:
