@@ -26,10 +26,10 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from specdec.dtypes import parse_dtype
 
 __all__ = ["attention_inputs", "prompt_lengths", "sweep_attention", "time_tree", "trees_by_size", "write_rows"]
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def trees_by_size(records: Iterable[Mapping[str, Any]], max_trees: int) -> dict[int, list[list[int]]]:
@@ -155,7 +155,7 @@ def sweep_attention(
     if not trees or not lengths:
         print("attention timing: skipped (no recorded trees)", file=sys.stderr)
         return None
-    torch_dtype = getattr(torch, _DTYPES[dtype])
+    torch_dtype = parse_dtype(dtype, arg="dtype")
     timer = timer or _graph_timer
     rows = []
     for t, samples in trees.items():

@@ -319,9 +319,9 @@ class EmissionClock:
 
 
 def _torch_dtype(name: str):
-    import torch
+    from specdec.dtypes import parse_dtype
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return parse_dtype(name)
 
 
 def _clean_generation_config(model: Any, eos: list[int], pad: int, bos: int | None) -> None:

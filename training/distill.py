@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.datasets import AppsProblem, HumanEvalProblem, mbpp_signature
+from specdec.dtypes import DTYPE_NAMES, parse_dtype
 
 __all__ = [
     "DTYPES",
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 #: ``--dtype`` names of the target's dtype.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = DTYPE_NAMES
 
 
 @dataclass(frozen=True)
@@ -395,7 +396,7 @@ def load_target(name: str, device: str | None = None, dtype: str | None = None, 
     from specdec import models
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = DTYPES[dtype or ("bf16" if dev.type == "cuda" else "fp32")]
+    torch_dtype = parse_dtype(dtype, dev)
     tok = models.load_tokenizer(name, progress=progress)
     target = models.load_model(name, dtype=torch_dtype, device=dev, progress=progress)
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from specdec.cli import args as cliargs
+from specdec.dtypes import DTYPE_NAMES, parse_dtype
 
 _START = time.time()  # fallback process start when /proc is not there
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 STALL_RATIO = 2.0
 
 
@@ -109,7 +109,7 @@ def _load(ns, log: Callable[[str], None], times: dict[str, float] | None = None)
 
     from specdec import models
 
-    dtype = getattr(torch, _DTYPES[ns.dtype or ("bf16" if ns.device.startswith("cuda") else "fp32")])
+    dtype = parse_dtype(ns.dtype, ns.device, "--dtype")
     t0 = time.perf_counter()
     # the parts of a load apart (the first token's breakdown): the device's context, then the model's code,
     # which transformers imports lazily inside from_pretrained (with a default model's one-time fetch and
@@ -260,7 +260,7 @@ def build_parser():
     p.add_argument("--problems", type=cliargs.int_at_least(1), default=50)
     p.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=128)
     p.add_argument("--device", type=cliargs.device, default="cuda")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", type=cliargs.output_file, default=None, help="write the result as JSON here")
     return p

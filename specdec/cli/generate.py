@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from specdec.cli import args as cliargs
+from specdec.dtypes import DTYPE_NAMES, parse_dtype
 
 __all__ = ["GenerateResult", "build_parser", "main", "run_generate"]
 
@@ -42,7 +43,6 @@ CPU_CHAIN = 5
 _BASELINE_WARMUP_TOKENS = 8
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -183,9 +183,7 @@ def run_generate(
         raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or ("bf16" if dev.type == "cuda" else "fp32")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype: expected one of {tuple(_DTYPES)}, got {dtype!r}")
-    torch_dtype = getattr(torch, _DTYPES[dtype])
+    torch_dtype = parse_dtype(dtype)
     if dev.type != "cuda" and drafter == "model" and tree_size is None:  # measured on a 2-core CPU: CPU_CHAIN
         tree_size, depth, topk = CPU_CHAIN, depth or CPU_CHAIN, topk or 1
     if tree_size is None:
@@ -293,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="nucleus sampling mass in (0, 1] (default 1 = off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--stream", action="store_true", help="print tokens as each step accepts them")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                         help="wrap the prompt in the tokenizer's chat template (default: when it has one)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+from specdec.dtypes import DTYPE_NAMES
 
 SECTIONS = ("plain", "verify", "spec", "batch", "profile", "scale")
 DEFAULT_SECTIONS = ("plain", "verify", "spec")  # batch, profile and scale are opt-in
@@ -19,7 +20,7 @@ SPEC_MODES = ("eager", "graph", "compiled")  # compiled: the graphed forwards co
 BATCH_DRAFTERS = ("medusa", "lookup")
 PROFILE_MODES = ("graph", "compiled")
 SCALE_PARTS = ("engine-graph", "engine-compiled", "engine-inductor", "engine-compiled-step", "hf-static", "verify")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = DTYPE_NAMES
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 #: ``scale`` section models: config fields of transformers' ``model_type`` (default ``"llama"``);

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.cli.bench.common import Timer
-from specdec.cli.bench.config import DTYPES, BenchConfig
+from specdec.cli.bench.config import BenchConfig
+from specdec.dtypes import parse_dtype
 
 
 @dataclass
@@ -47,7 +48,7 @@ def device_dtype(cfg: BenchConfig):
     import torch
 
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return device, getattr(torch, DTYPES[cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")])
+    return device, parse_dtype(cfg.dtype, device)
 
 
 def load_setup(cfg: BenchConfig, log: Callable[[str], None]) -> Setup:

@@ -6,6 +6,7 @@ import math
 import random
 from dataclasses import dataclass
 from typing import Any
+from specdec.dtypes import DTYPE_NAMES
 
 __all__ = ["DTYPES", "KINDS", "MODEL_SOURCES", "PAD", "REFERENCES", "STRESS_DRAFTERS", "CallPlan", "StressConfig",
            "make_prompt", "plan_calls"]  # fmt: skip
@@ -15,7 +16,7 @@ STRESS_DRAFTERS = ("model", "medusa", "lookup", "none")
 #: What a call runs: the engine, or the target's HF generate with the default / static cache.
 KINDS = ("spec", "hf", "hf-static")
 MODEL_SOURCES = ("tiny", "pretrained")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = DTYPE_NAMES
 TINY_FAMILIES = ("qwen2", "llama")
 #: Reference decoders: ``SpecDecoder(target, None)`` with the device's defaults, or eager dynamic shapes.
 REFERENCES = ("default", "eager")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.cli.stress.config import DTYPES, PAD, StressConfig
+from specdec.cli.stress.config import PAD, StressConfig
+from specdec.dtypes import parse_dtype
 
 __all__ = ["StressModels", "build_tiny_models", "load_models"]
 
@@ -92,7 +93,7 @@ def load_models(cfg: StressConfig) -> StressModels:
     """The models of ``cfg``: tiny ones built from configs, or pretrained ones loaded."""
     import torch
 
-    dtype = getattr(torch, DTYPES[cfg.dtype])
+    dtype = parse_dtype(cfg.dtype)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {cfg.device!r} requested but no CUDA device is available")
