@@ -42,7 +42,7 @@ __all__ = [
 #: The method whose greedy output every other method is compared with (target-only, default cache).
 REFERENCE = "hf"
 BASELINE_METHODS = ("hf", "hf-static", "hf-assisted", "hf-lookup")
-DEFAULT_METHODS = ("specdec", *BASELINE_METHODS)
+DEFAULT_METHODS = ("specdec", "specdec-plain", *BASELINE_METHODS)
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 PROMPT_LOOKUP_TOKENS = 10
 #: Trees kept per (problem, drafter, tree size) record for the attention-only timing (parents arrays).
