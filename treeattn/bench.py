@@ -1,7 +1,9 @@
 """Tree-attention benchmark: the Triton kernel against eager, SDPA and FlexAttention baselines.
 
-    python -m treeattn.bench [--L 1024 4000 16000] [--t 32 64 128 256] [--out bench.json]
-    python -m treeattn.bench --cascade [--L 1024 4000 16000] [--n 4 16 64] [--t 16 64]  (shared prompt)
+    specdec bench-attn [--L 1024 4000 16000] [--t 32 64 128 256] [--out bench.json]
+    specdec bench-attn --cascade [--L 1024 4000 16000] [--n 4 16 64] [--t 16 64]  (shared prompt)
+
+(the flags are parsed by ``specdec.cli.bench_attn``; this module holds the measurements.)
 
 On a GPU it measures the copy bandwidth and the bf16 matmul peak in the same run, times every
 (L, t) cell and every method the same way (median of CUDA-graph replays over rotating input sets
@@ -13,10 +15,8 @@ small correctness demo of the kernel through Triton's interpreter and times the 
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-from pathlib import Path
 import sys
 from dataclasses import asdict, dataclass, replace
 
@@ -28,9 +28,10 @@ from treeattn.ops import KernelConfig, pick_config, tree_attention
 from treeattn.reference import dense_tree_mask, flex_tree_mask_mod, tree_attention_ref
 from treeattn.timing import markdown_row, markdown_table, measure_ceilings, time_rotating_graph, write_rows
 
-__all__ = ["BenchShape", "make_inputs", "main", "sweep_configs"]
+__all__ = ["DTYPES", "BenchShape", "make_inputs", "run_cpu_demo", "run_gpu", "sweep_configs"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The ``--dtype`` names of the benchmark (treeattn sits below the library's own dtype parser)."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def _num_input_sets(shape: BenchShape, dtype: torch.dtype) -> int:
 
 
 def run_gpu(args) -> list[dict]:
-    dtype = _DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     peak, bw = measure_ceilings("cuda")
     print(f"measured: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s "
           f"({torch.cuda.get_device_name()})")
@@ -262,63 +263,3 @@ def run_cpu_demo(args) -> list[dict]:
         print(" ".join(f"{key}={val:.3g}" if isinstance(val, float) else f"{key}={val}" for key, val in row.items()))
     print("no CUDA device: correctness demo only (set TRITON_INTERPRET=1 to also run the kernel on CPU)")
     return rows
-
-
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        val = 0
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return val
-
-
-def main(argv: list[str] | None = None, parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> int:
-    """``specdec bench-attn``; ``parser_class`` lets the ``specdec`` front-end format errors its way."""
-    p = parser_class(prog="specdec bench-attn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--L", type=_positive_int, nargs="+", default=[1024, 4000, 16000], help="prompt lengths")
-    p.add_argument("--t", type=_positive_int, nargs="+", default=None,
-                   help="tree sizes (nodes); default 32 64 128 256 (--cascade: 16 64)")
-    p.add_argument("--heads", type=_positive_int, default=32)
-    p.add_argument("--kv-heads", type=_positive_int, default=8)
-    p.add_argument("--head-dim", type=_positive_int, default=128)
-    p.add_argument("--batch", type=_positive_int, default=1)
-    p.add_argument("--max-depth", type=_positive_int, default=8, help="depth limit of the random trees")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--sweep", action="store_true", help="also try a grid of kernel configs, keep the best per cell")
-    p.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
-                   help="baselines to time (default: all; none: the kernel only)")
-    p.add_argument("--skip-baselines", action="store_const", const=[], dest="baselines",
-                   help="time the kernel only (same as --baselines with no names)")
-    p.add_argument("--cascade", action="store_true",
-                   help="shared-prefix mode (treeattn.bench_cascade): n sequences share a prompt of each --L tokens")
-    p.add_argument("--n", type=_positive_int, nargs="+", default=[4, 16, 64], help="--cascade: sequences per prompt")
-    p.add_argument("--suffix-max", type=int, default=256,
-                   help="--cascade: sequences' own tokens after the prompt, spread evenly over [0, this]")
-    p.add_argument("--cascade-baselines", nargs="*", choices=("unshared", "sdpa_lse"), default=["unshared", "sdpa_lse"],
-                   help="--cascade: baselines to time (default both)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the rows as JSON here")
-    args = p.parse_args(argv)
-    if args.heads % args.kv_heads:
-        p.error(f"argument --heads: expected a multiple of --kv-heads = {args.kv_heads}, got {args.heads}")
-    if args.out:  # fail now, not after the sweep
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a"):
-            pass
-    if args.t is None:
-        args.t = [16, 64] if args.cascade else [32, 64, 128, 256]
-    if args.cascade:
-        from treeattn.bench_cascade import run_cascade_cpu_demo, run_cascade_gpu
-
-        rows = run_cascade_gpu(args) if torch.cuda.is_available() else run_cascade_cpu_demo(args)
-    else:
-        rows = run_gpu(args) if torch.cuda.is_available() else run_cpu_demo(args)
-    if args.out:
-        write_rows(args, rows)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,9 +14,9 @@ from specdec.cli import args as cliargs
 
 
 def _bench_attn(argv: list[str]) -> int:
-    from treeattn import bench
+    from specdec.cli import bench_attn
 
-    return bench.main(argv, parser_class=cliargs.ArgumentParser)
+    return bench_attn.main(argv)
 
 
 def _models(argv: list[str]) -> int:

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from specdec.cli import bench_attn
 from treeattn import bench
 from treeattn.reference import tree_attention_ref
 
@@ -42,7 +43,7 @@ def test_roofline_counts_visible_pairs_and_bytes_once():
 
 def test_cli_cpu_demo_writes_rows(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--baselines", "sdpa", "--out", str(out)]) == 0
+    assert bench_attn.main(["--baselines", "sdpa", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["args"]["baselines"] == ["sdpa"]
     assert [(r["L"], r["t"]) for r in data["rows"]] == [(100, 32), (300, 64)]
@@ -52,6 +53,6 @@ def test_cli_cpu_demo_writes_rows(tmp_path, capsys):
 
 def test_cli_rejects_an_unknown_baseline(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--baselines", "cudnn"])
+        bench_attn.main(["--baselines", "cudnn"])
     assert "invalid choice: 'cudnn'" in capsys.readouterr().err
-    assert bench.main(["--skip-baselines", "--L", "64"]) == 0  # the CPU demo ignores the cells
+    assert bench_attn.main(["--skip-baselines", "--L", "64"]) == 0  # the CPU demo ignores the cells

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from specdec.cli import bench_attn
 from treeattn import bench, bench_cascade
 from treeattn.cascade import sdpa_lse_cascade, suffix_bias
 from treeattn.cascade_reference import cascade_tree_attention_ref
@@ -64,7 +65,7 @@ def test_device_len_inputs_pad_the_prefix_to_a_power_of_two():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CLI runs the full benchmark")
 def test_cli_cascade_cpu_demo_writes_rows(tmp_path, capsys):
     out = tmp_path / "cascade.json"
-    assert bench.main(["--cascade", "--out", str(out)]) == 0
+    assert bench_attn.main(["--cascade", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["args"]["cascade"] and data["meta"]["args"]["t"] == [16, 64]
     (row,) = data["rows"]
