@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.cli import bench_attn
-from treeattn import bench, bench_cascade
+from treeattn import bench_cascade
 from treeattn.cascade import sdpa_lse_cascade, suffix_bias
 from treeattn.cascade_reference import cascade_tree_attention_ref
 
