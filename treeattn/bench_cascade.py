@@ -1,4 +1,4 @@
-"""Shared-prefix ("cascade") tree attention benchmark: ``python -m treeattn.bench --cascade``.
+"""Shared-prefix ("cascade") tree attention benchmark: ``specdec bench-attn --cascade``.
 
 n sequences share a prompt of P tokens, each has its own suffix (its generated tokens; lengths
 spread evenly over ``[0, --suffix-max]``) and its own random tree of t nodes. Per (P, n, t) cell,
