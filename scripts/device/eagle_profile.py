@@ -1,0 +1,152 @@
+"""Where an EAGLE step's time goes at real shapes, with random weights (no staging needed).
+
+Builds a random target of ``--config`` shapes (``specdec.cli.bench.scale.build_scale_model``, e.g.
+Qwen2.5-Coder-1.5B's) and a random EAGLE head on it, then decodes ``--prompts`` random prompts with
+``SpecDecoder(profile=True)`` and ``EagleDrafter(profile=True)`` (each phase ends in a device sync:
+the phase times are device time, and the step is slower than unprofiled) and prints per-step medians:
+the engine's draft / forward / verify / commit and the drafter's catch_up / expand / copy / host_tree /
+update. Plain decoding of the same target runs first for the forward's cost alone. ``--trace FILE``
+writes a ``torch.profiler`` table of one unprofiled call (kernels and host ops). Random heads accept
+almost nothing: this measures what a step costs, not how many tokens it yields.
+
+    python3 scripts/device/eagle_profile.py --config qwen2.5-1.5b --tree-size 64 --compile \\
+        --out $OUT/eagle_profile.json --trace $OUT/eagle_trace.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repo's packages
+
+import torch  # noqa: E402
+
+
+def _median_ms(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(1e3 * statistics.median(values), 4) if values else None
+
+
+def main(argv=None) -> int:
+    from drafters.eagle import DRAFT_PHASES, EagleDrafter, EagleHead
+    from specdec import SpecDecoder
+    from specdec.cli.bench.config import SCALE_CONFIGS
+    from specdec.cli.bench.scale import build_scale_model
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(SCALE_CONFIGS), default="qwen2.5-1.5b")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
+    p.add_argument("--tree-size", type=int, default=64)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--draft-vocab", type=int, default=32768, help="0: the whole vocabulary")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True) and compile_head=True")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", required=True, help="JSON of the medians")
+    p.add_argument("--trace", help="write a torch.profiler table of one unprofiled call here")
+    ns = p.parse_args(argv)
+    device = torch.device(ns.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cap = ns.prompt_len + ns.new + ns.tree_size + 64
+    target = build_scale_model(ns.config, device, dtype, max_positions=cap, layers=ns.layers)
+    vocab = int(target.config.vocab_size)
+    torch.manual_seed(0)
+    head = EagleHead(target)
+    with torch.no_grad():
+        for q in head.parameters():
+            if q.dim() >= 2:
+                q.normal_(0.0, 0.02)
+    head = head.to(device=device, dtype=dtype).eval()
+    if ns.draft_vocab:
+        head.set_token_counts(torch.randint(0, 1000, (vocab,)))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, vocab, (ns.prompt_len,), generator=g) for _ in range(ns.prompts)]
+    res: dict = {"config": ns.config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "tree_size": ns.tree_size, "depth": ns.depth, "topk": ns.topk, "draft_vocab": ns.draft_vocab,
+                 "compile": ns.compile}  # fmt: skip
+
+    plain = SpecDecoder(target, None, 0, compile=ns.compile)
+    plain.generate(prompts[0], 16)
+    sync()
+    t = time.perf_counter()
+    out = plain.generate(prompts[0], ns.new)
+    sync()
+    res["plain_ms_per_token"] = round(1e3 * (time.perf_counter() - t) / max(1, len(out.new_tokens())), 4)
+    plain.release()
+
+    def build(profile: bool):
+        drafter = EagleDrafter(target, head, ns.tree_size, depth=ns.depth, topk=ns.topk, profile=profile,
+                               draft_vocab=ns.draft_vocab or None, compile_head=ns.compile)  # fmt: skip
+        return drafter, SpecDecoder(target, drafter, ns.tree_size, compile=ns.compile, profile=profile)
+
+    drafter, dec = build(True)
+    phases: dict[str, list[float]] = {k: [] for k in (*DRAFT_PHASES, "update")}
+    propose, update = drafter.propose, drafter.update
+
+    def recording_propose(ctx):
+        tree = propose(ctx)
+        for k, v in (drafter.last_phase_s or {}).items():
+            phases.setdefault(k, []).append(v)
+        return tree
+
+    def recording_update(ctx, tree, verdict):
+        update(ctx, tree, verdict)
+        if drafter.last_phase_s and "update" in drafter.last_phase_s:
+            phases["update"].append(drafter.last_phase_s["update"])
+
+    dec.generate(prompts[0], 16)  # first-call costs (compile, capture)
+    drafter.propose, drafter.update = recording_propose, recording_update
+    for v in phases.values():
+        v.clear()
+    steps = []
+    t = time.perf_counter()
+    new = 0
+    for prompt in prompts:
+        out = dec.generate(prompt, ns.new)
+        steps += out.steps
+        new += len(out.new_tokens())
+    sync()
+    res["profiled_ms_per_token"] = round(1e3 * (time.perf_counter() - t) / max(1, new), 4)
+    res["engine_ms"] = {k: _median_ms(getattr(s, f"{k}_s") for s in steps) for k in ("draft", "forward", "verify", "commit")}
+    res["drafter_ms"] = {k: _median_ms(v) for k, v in phases.items()}
+    res["steps"] = len(steps)
+    res["mean_accepted"] = round(sum(sum(s.tokens_accepted) for s in steps) / max(1, len(steps)), 3)
+
+    drafter, dec = build(False)  # unprofiled: the real step
+    dec.generate(prompts[0], 16)
+    sync()
+    t = time.perf_counter()
+    new, n_steps = 0, 0
+    for prompt in prompts:
+        out = dec.generate(prompt, ns.new)
+        new += len(out.new_tokens())
+        n_steps += len(out.steps)
+    sync()
+    res["unprofiled_ms_per_step"] = round(1e3 * (time.perf_counter() - t) / max(1, n_steps), 4)
+    if ns.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            dec.generate(prompts[0], 32)
+            sync()
+        tables = [prof.key_averages().table(sort_by=key, row_limit=30) for key in
+                  (("self_cuda_time_total",) if device.type == "cuda" else ()) + ("cpu_time_total",)]  # fmt: skip
+        Path(ns.trace).write_text("\n\n".join(tables))
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
