@@ -40,6 +40,7 @@ unless ``unsafe=True``; every :class:`Verdict` records its :attr:`~Verdict.isola
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import os
@@ -55,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from eval import sandbox
-from eval._sandbox_child import MAX_FRAME_BYTES, arg_candidates, loads_plain
+from eval._sandbox_child import MAX_FRAME_BYTES, _short, arg_candidates, loads_plain
 from eval.compare import FLOAT_TOLERANCE, outputs_match, values_match
 from eval.datasets import AppsProblem, HumanEvalProblem
 from eval.sandbox import Isolation, IsolationUnavailable
@@ -285,11 +286,12 @@ def _spec(mode: str, limits: Limits, iso: Isolation, root: str, **fields: Any) -
     }  # fmt: skip
 
 
-def _site_dirs() -> list[str]:
+@functools.cache
+def _site_dirs() -> tuple[str, ...]:
     """This interpreter's site-packages, which the runner (started with ``-S``) puts on its path."""
     import site
 
-    return [d for d in site.getsitepackages() if os.path.isdir(d)]
+    return tuple(d for d in site.getsitepackages() if os.path.isdir(d))
 
 
 def _launch(iso: Isolation, spec: dict[str, Any], limits: Limits, *, fds: Sequence[int] = (), stdin: int | None = None,
@@ -364,11 +366,6 @@ def _run_stdin_test(iso: Isolation, code: str, header: str, stdin_text: str, exp
     if expected is None or outputs_match(stdout, expected):
         return _Run("pass", "", stdout, stderr)
     return _Run("fail", f"wrong answer: expected {_short(expected, 80)}, got {_short(stdout, 80)}", stdout, stderr)
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _judge_answers(message: Any, test: dict[str, Any]) -> _Run:
@@ -503,10 +500,10 @@ def run_program(source: str, stdin: str = "", *, limits: Limits | None = None, u
     start = time.monotonic()
     run = _run_stdin_test(iso, source, "", stdin, None, limits)
     status = {"pass": "ok"}.get(run.outcome, run.outcome)
-    return RunResult(status, run.stdout, run.stderr, time.monotonic() - start, run.detail, iso.label)
+    return RunResult(status, run.stdout, run.stderr, time.monotonic() - start, run.detail, iso.tool)
 
 
-def _tests_verdict(problem_id: str, difficulty: str, runs: Sequence[_Run], n_tests: int, limits: Limits, seconds: float,
+def _tests_verdict(problem_id: str, difficulty: str, runs: Sequence[_Run], n_tests: int, seconds: float,
                    iso: Isolation) -> Verdict:  # fmt: skip
     status, detail, stderr = "pass", "", ""
     for i, run in enumerate(runs):
@@ -518,7 +515,7 @@ def _tests_verdict(problem_id: str, difficulty: str, runs: Sequence[_Run], n_tes
     return Verdict(problem_id=problem_id, difficulty=difficulty, passed=status == "pass", status=status,
                    seconds=round(seconds, 4), tests_total=n_tests, tests_run=len(runs),
                    tests_passed=sum(r.outcome == "pass" for r in runs), detail=detail, stderr=stderr,
-                   isolation=iso.label)  # fmt: skip
+                   isolation=iso.tool)  # fmt: skip
 
 
 def check_humaneval(problem: HumanEvalProblem, completion: str, limits: Limits | None = None, *,
@@ -532,7 +529,7 @@ def check_humaneval(problem: HumanEvalProblem, completion: str, limits: Limits |
     iso = _isolation(unsafe)
     start = time.monotonic()
     run = _run_humaneval(iso, problem, humaneval_solution(problem, completion), limits)
-    return _tests_verdict(problem.id, problem.difficulty, [run], 1, limits, time.monotonic() - start, iso)
+    return _tests_verdict(problem.id, problem.difficulty, [run], 1, time.monotonic() - start, iso)
 
 
 def _stdin_text(value: Any) -> str:
@@ -572,14 +569,14 @@ def check_apps(problem: AppsProblem, completion: str, limits: Limits | None = No
     tests = _apps_tests(problem, limits)
     if not tests:
         return Verdict(problem.id, problem.difficulty, False, "error", 0.0, detail="the problem has no tests",
-                       isolation=iso.label)  # fmt: skip
+                       isolation=iso.tool)  # fmt: skip
     if problem.call_based and not problem.fn_name:
         return Verdict(problem.id, problem.difficulty, False, "error", 0.0, len(tests),
-                       detail="call-based problem without a function name", isolation=iso.label)  # fmt: skip
+                       detail="call-based problem without a function name", isolation=iso.tool)  # fmt: skip
     code = apps_program(problem, completion)
     if not code.strip():
         return Verdict(problem.id, problem.difficulty, False, "error", 0.0, len(tests), detail="no code in the completion",
-                       isolation=iso.label)  # fmt: skip
+                       isolation=iso.tool)  # fmt: skip
     start = time.monotonic()
     runs: list[_Run] = []
     for test in tests:
@@ -590,7 +587,7 @@ def check_apps(problem: AppsProblem, completion: str, limits: Limits | None = No
         runs.append(run)
         if run.outcome != "pass" and limits.stop_on_failure:
             break
-    return _tests_verdict(problem.id, problem.difficulty, runs, len(tests), limits, time.monotonic() - start, iso)
+    return _tests_verdict(problem.id, problem.difficulty, runs, len(tests), time.monotonic() - start, iso)
 
 
 def check(problem: AppsProblem | HumanEvalProblem, completion: str, limits: Limits | None = None, *,

@@ -24,6 +24,7 @@ Python-level guards of the runner, and every verdict records ``isolation = "none
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import shutil
@@ -78,17 +79,13 @@ class Isolation:
     bwrap: str | None
     process_limit: str
 
-    @property
-    def label(self) -> str:
-        """What the verdicts record: ``"bubblewrap"`` or ``"none"``."""
-        return self.tool
-
 
 _PROBED: dict[str, str | None] = {}
 _PROBE_LOCK = threading.Lock()
 
 
-def _python_roots() -> list[str]:
+@functools.cache
+def _python_roots() -> tuple[str, ...]:
     """The directories the interpreter needs (installation, venv), outermost first, no nesting."""
     roots = set()
     for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
@@ -102,7 +99,7 @@ def _python_roots() -> list[str]:
         if r == "/" or any(r == k or r.startswith(k.rstrip("/") + "/") for k in kept):
             continue
         kept.append(r)
-    return kept
+    return tuple(kept)
 
 
 def _system_binds() -> list[str]:
@@ -144,8 +141,10 @@ def _probe(bwrap: str) -> str | None:
     return None
 
 
+@functools.cache
 def _cgroup_root() -> Path | None:
-    """A writable pids cgroup directory for per-run cgroups (cgroup v1's pids hierarchy), or None."""
+    """A writable pids cgroup directory for per-run cgroups (cgroup v1's pids hierarchy), or None
+    (probed once per process)."""
     base = _CGROUP_V1_PIDS / "specdec-sandbox"
     try:
         if not (_CGROUP_V1_PIDS / "cgroup.procs").exists():
