@@ -43,6 +43,40 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                              "last N prompts; default 48, at most a fifth of them")
 
 
+def _add_inputs(parser: argparse.ArgumentParser, trained: str) -> None:
+    """``--target``, ``--data`` and ``--out`` (``trained``: what the output folder holds)."""
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
+    parser.add_argument("--data", type=cliargs.existing_path, default=None,
+                        help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp; used by default unless --prompts "
+                             "or --seed-prompts is given, and with them when given)")
+    parser.add_argument("--out", type=cliargs.output_dir, required=True,
+                        help=f"output directory ({trained}, config, self-distillation cache)")
+
+
+def _add_distillation(parser: argparse.ArgumentParser, *, max_new_tokens: int, gen_batch_size: int) -> None:
+    """The self-distillation's flags: the prompts (``--num-prompts``, :func:`add_source_arguments`) and
+    how the target answers them (``--max-new-tokens``, ``--gen-batch-size``, ``--temperature``)."""
+    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None,
+                        help="use only the first N MBPP problems (and the first N prompts of --prompts)")
+    add_source_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=max_new_tokens,
+                        help="answer length of the self-distillation")
+    parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=gen_batch_size)
+    parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")
+
+
+def _add_runtime(parser: argparse.ArgumentParser, trains: str) -> None:
+    """``--no-chat``, ``--device``, ``--dtype``, ``--seed``, ``--no-progress`` (``trains``: what trains in fp32)."""
+    from specdec.dtypes import DTYPE_NAMES
+
+    parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
+    parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                        help=f"target dtype (default bf16 on cuda, fp32 on cpu); {trains} in fp32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+
+
 def main_medusa(argv: Sequence[str] | None = None) -> int:
     """``specdec train-medusa``: self-distill the target on its training prompts and train Medusa heads."""
     from training.medusa import MedusaRun, run_medusa
@@ -52,31 +86,17 @@ def main_medusa(argv: Sequence[str] | None = None) -> int:
         description="Train Medusa heads on the frozen target's own answers (self-distillation) to MBPP prompts, "
                     "your own prompts (--prompts) or prompts it writes in the style of yours (--seed-prompts).",
     )
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
-    parser.add_argument("--data", type=cliargs.existing_path, default=None,
-                        help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp; used by default unless --prompts "
-                             "or --seed-prompts is given, and with them when given)")
-    parser.add_argument("--out", type=cliargs.output_dir, required=True, help="output directory (heads, config, self-distillation cache)")
+    _add_inputs(parser, "heads")
     parser.add_argument("--num-heads", type=cliargs.int_at_least(1), default=4)
     parser.add_argument("--num-layers", type=cliargs.int_at_least(1), default=1, help="residual blocks per head")
     parser.add_argument("--steps", type=cliargs.int_at_least(0), default=1000)
     parser.add_argument("--lr", type=cliargs.float_in(0.0, low_open=True), default=1e-3)
     parser.add_argument("--batch-size", type=cliargs.int_at_least(1), default=8)
     parser.add_argument("--max-positions", type=cliargs.int_at_least(1), default=2048, help="answer positions per step (subsampled)")
-    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None,
-                        help="use only the first N MBPP problems (and the first N prompts of --prompts)")
-    add_source_arguments(parser)
-    parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=256, help="answer length of the self-distillation")
-    parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=16)
-    parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")
-    parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
-    parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                        help="target dtype (default bf16 on cuda, fp32 on cpu); heads train in fp32")
+    _add_distillation(parser, max_new_tokens=256, gen_batch_size=16)
+    _add_runtime(parser, "heads train")
     parser.add_argument("--table-ranks", type=cliargs.int_at_least(1), default=16,
                         help="ranks of the held-out acceptance table saved with the heads (tree building)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
     ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     run_medusa(MedusaRun(**_run_fields(ns)))
     return 0
@@ -106,11 +126,7 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
                     "prompts it writes in the style of yours (--seed-prompts). The defaults take about 6 minutes "
                     "on one H100 for Qwen2.5-Coder-1.5B (bf16), data generation included.",
     )  # fmt: skip
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="default model name, HF id or local dir")
-    parser.add_argument("--data", type=cliargs.existing_path, default=None,
-                        help="MBPP jsonl (default $SPECDEC_MBPP or ../shared/data/mbpp; used by default unless --prompts "
-                             "or --seed-prompts is given, and with them when given)")
-    parser.add_argument("--out", type=cliargs.output_dir, required=True, help="output directory (head, config, self-distillation cache)")
+    _add_inputs(parser, "head")
     parser.add_argument("--cache", type=cliargs.output_file, default=None,
                         help="self-distillation cache (default OUT/selfdistill.jsonl; a train-medusa cache made with "
                              "the same settings is reused)")  # fmt: skip
@@ -123,12 +139,7 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
                         help="cross-entropy over the N most frequent answer tokens only (default: the whole vocabulary)")
     parser.add_argument("--reg-weight", type=cliargs.float_in(0.0), default=d.reg_weight, help="smooth-L1 feature loss weight")
     parser.add_argument("--ce-weight", type=cliargs.float_in(0.0), default=d.ce_weight, help="cross-entropy weight")
-    parser.add_argument("--num-prompts", type=cliargs.int_at_least(1), default=None,
-                        help="use only the first N MBPP problems (and the first N prompts of --prompts)")
-    add_source_arguments(parser)
-    parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=192, help="answer length of the self-distillation")
-    parser.add_argument("--gen-batch-size", type=cliargs.int_at_least(1), default=120)
-    parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="self-distillation sampling (0 = greedy)")
+    _add_distillation(parser, max_new_tokens=192, gen_batch_size=120)
     parser.add_argument("--answers-per-prompt", type=cliargs.int_at_least(1), default=1,
                         help="answers per training prompt: the first as --temperature says, each further one sampled at "
                              "--sample-temperature (more, more varied data; held-out problems keep one answer)")
@@ -145,12 +156,7 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
                              "sequences (training.exercises; default 0)")
     parser.add_argument("--exercise-temperature", type=cliargs.float_in(0.0, low_open=True), default=0.8,
                         help="sampling temperature of the exercise writing")
-    parser.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
-    parser.add_argument("--device", type=cliargs.device, default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                        help="target dtype (default bf16 on cuda, fp32 on cpu); the head trains in fp32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
+    _add_runtime(parser, "the head trains")
     ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     run_eagle(EagleRun(**_run_fields(ns)))
     return 0
