@@ -26,7 +26,6 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from specdec.dtypes import parse_dtype
 
 __all__ = ["attention_inputs", "prompt_lengths", "sweep_attention", "time_tree", "trees_by_size", "write_rows"]
 
@@ -155,6 +154,8 @@ def sweep_attention(
     if not trees or not lengths:
         print("attention timing: skipped (no recorded trees)", file=sys.stderr)
         return None
+    from specdec.dtypes import parse_dtype  # here: importing this module stays free of torch
+
     torch_dtype = parse_dtype(dtype, arg="dtype")
     timer = timer or _graph_timer
     rows = []
