@@ -199,7 +199,6 @@ class Spawned:
 
     proc: subprocess.Popen
     cgroup: Path | None
-    start: float
     workdir: str | None = None
 
     def wait(self, timeout: float) -> bool:
@@ -319,7 +318,7 @@ def spawn(iso: Isolation, argv: Sequence[str], *, fds: Sequence[int] = (), stdin
         if cgroup is not None:
             _empty_cgroup(cgroup)
         raise
-    return Spawned(proc, cgroup, time.monotonic(), workdir if iso.tool != "bubblewrap" else None)
+    return Spawned(proc, cgroup, workdir if iso.tool != "bubblewrap" else None)
 
 
 @contextlib.contextmanager
