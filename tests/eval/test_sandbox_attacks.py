@@ -292,32 +292,26 @@ def test_forged_passes_are_not_passes(forgery, no_leftovers):
 def test_a_forged_call_answer_is_judged_on_its_value(no_leftovers):
     problem = AppsProblem(id="c1", difficulty="introductory", question="Add.", fn_name="add", source="apps",
                           tests=(IOExample([1, 2], 3), IOExample([5, 5], 10)))  # fmt: skip
-    forge = UNGUARD + textwrap.dedent("""
-        import pickle, struct
-        data = pickle.dumps({"answers": [{"value": 999, "args": "(1, 2)"}]})
-        for fd in range(3, 64):
+    send_and_leave = textwrap.dedent("""
+        import struct
+        for fd in range(3, 64):  # the answer frame on every descriptor, then out before any test runs
             try:
                 posix.write(fd, struct.pack("<Q", len(data)) + data)
             except OSError:
                 pass
         posix._exit(0)
     """)
+    forge = UNGUARD + 'import pickle\ndata = pickle.dumps({"answers": [{"value": 999, "args": "(1, 2)"}]})\n' + send_and_leave
     code = "def add(a, b):\n    return a + b\n\nexec(" + repr(forge) + ")\n"
     v = E.check(problem, code, LIMITS)
     assert v.status == "fail" and "999" in v.detail
     evil = UNGUARD + textwrap.dedent("""
-        import pickle, struct
+        import pickle
         class Boom:
             def __reduce__(self):
                 return (posix.system, ("echo owned",))
         data = pickle.dumps({"answers": [{"value": Boom(), "args": "()"}]})
-        for fd in range(3, 64):
-            try:
-                posix.write(fd, struct.pack("<Q", len(data)) + data)
-            except OSError:
-                pass
-        posix._exit(0)
-    """)
+    """) + send_and_leave
     v = E.check(problem, "def add(a, b):\n    return a + b\n\nexec(" + repr(evil) + ")\n", LIMITS)
     assert v.status == "error" and "not plain data" in v.detail
 
