@@ -16,15 +16,15 @@ import torch
 
 from drafters import draft_sampling
 from drafters.draft_sampling import SAMPLING_PROPOSALS
+from drafters.selection import best_k
 from specdec import hf
-from specdec.attention import MaskedState
+from specdec.attention import MaskedState, TreeState
 from specdec.graphs import Replayed, compile_fixed_shapes
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from treeattn.layout import pack_bits
-from treeattn.ops import tree_attention_op
 
-__all__ = ["ATTENTIONS", "DeviceLoop", "GroupedMaskedState", "TreeState"]
+__all__ = ["ATTENTIONS", "DeviceLoop", "GroupedMaskedState"]
 
 #: How the device loop's draft forwards attend: SDPA under a dense mask over the whole cache, or treeattn's kernel.
 ATTENTIONS = ("sdpa", "tree")
@@ -71,52 +71,6 @@ class GroupedMaskedState(MaskedState):
             query.reshape(batch, kv_heads, group * m, dim), k_buf[:, :, :kv_len], v_buf[:, :, :kv_len],
             attn_mask=bias, scale=scale)  # fmt: skip
         return out.reshape(batch, heads, m, dim).transpose(1, 2), None
-
-
-class TreeState:
-    """Attention of one fixed-shape draft forward through treeattn's tree kernel (``attention="tree"``).
-
-    The draft's cache is laid out as the kernel expects: the committed prefix at ``[0, prefix_lens)``
-    and then ``n`` "tree" slots, each query seeing the prefix and the tree slots its mask words set.
-    The prefix length is a device tensor, so the kernel reads only the committed part of the cache
-    (split over many blocks) where SDPA under a dense mask (``GroupedMaskedState``) reads the whole
-    capacity in two thread blocks. Two uses:
-
-    - a level of the tree: the prefix is the committed tokens and the root (``base + 1``), the tree
-      the ``n = E - 1`` expanded nodes after it, and the forward runs ALL of them as queries (each
-      with its ancestors-or-self as words): rows of earlier levels recompute what they wrote before
-      (same tokens, positions, ancestors and shapes: the same values), rows of later levels write
-      slots their own level overwrites. A forward of E - 1 rows costs what one of K rows does
-      (the draft's GEMMs stream weights at either size), and the queries need no placement;
-    - the catch-up chain: ``n`` = the chain width, causal words; the chain starts at
-      ``prefix_lens``, padding rows after it write the next (expanded) slots, which the levels overwrite.
-
-    Attributes: cache; slots ``[1, n]`` (where this forward's keys / values go); prefix_lens int64
-    ``[1]``; words int64 ``[1, n, ceil(n / 64)]``; depth int64 ``[1, n]`` (``TreeMask.depth``, not
-    read by the kernel). All updated in place by the loop. Sliding-window and soft-capped layers
-    are refused (``attention="sdpa"`` handles them).
-    """
-
-    def __init__(self, cache: KVCache, slots, prefix_lens, words, depth) -> None:
-        self.cache, self.slots, self.prefix_lens, self.words, self.depth = cache, slots, prefix_lens, words, depth
-
-    def clear(self) -> None:
-        """Nothing is cached between forwards (the loop updates the tensors in place)."""
-
-    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
-        """Write this layer's keys / values at ``slots`` and attend. query ``[1, Hq, n, D]``; returns
-        ``([1, n, Hq, D], None)`` as transformers' attention functions do."""
-        if softcap is not None or (sliding_window is not None and sliding_window < self.cache.capacity):
-            raise ValueError("attention: 'tree' has no sliding-window or soft-capped layers (the draft model has "
-                             "them); use attention='sdpa'")  # fmt: skip
-        layer_idx = getattr(module, "layer_idx", None)
-        if layer_idx is None:
-            raise ValueError(f"module: {type(module).__name__} has no layer_idx; cannot address its KV cache")
-        k_buf, v_buf = self.cache.write(layer_idx, key, value, self.slots)
-        dim = query.shape[-1]
-        scale = dim**-0.5 if scaling is None else float(scaling)
-        out = tree_attention_op(query, k_buf, v_buf, self.prefix_lens, self.words, self.depth, scale, "auto")
-        return out.transpose(1, 2), None
 
 
 @functools.lru_cache(maxsize=None)
@@ -414,7 +368,7 @@ class DeviceLoop(Replayed):
             if cand.numel() < k:  # level 1 with w < K (vocabulary smaller than K): dead candidates
                 cand = torch.cat([cand, cand.new_full((k - cand.numel(),), -math.inf)])
                 ctok = torch.cat([ctok, ctok.new_zeros(k - ctok.numel())])
-            order = torch.sort(cand, descending=True, stable=True).indices[:k]  # [K]: the next frontier
+            order = best_k(cand, k)  # [K]: the next frontier (stable: ties to the earlier candidate)
             sels.append(order)
             n_kept = kept.sum()
             left = left - n_kept

@@ -92,12 +92,15 @@ import torch
 import torch.nn.functional as F
 
 from drafters._build import expanded_path, root_only
+from drafters.draft_model import pick_attention
+from drafters.draft_model_loop import ATTENTIONS
 from drafters.eagle_expansion import CatchUp, Expansion, ExpansionPlan, expand_depths
 from drafters.eagle_head import (ATTENTION_NAME, CONFIG_NAME, VOCAB_NAME, WEIGHTS_NAME, EagleConfig, EagleHead,
                                  TargetParts, rank_tokens)
 from specdec import hf
-from specdec.attention import MaskedState
+from specdec.attention import MaskedState, TreeState
 from specdec.drafting import BaseDrafter, DraftContext
+from specdec.fused import fuse_projections
 from specdec.graphs import compile_fixed_shapes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig
@@ -186,6 +189,11 @@ class EagleDrafter(BaseDrafter):
             answer copies from its prompt can be drafted. Default True.
         profile: synchronize the device at the phase boundaries of every ``propose`` / ``update``
             and keep their seconds in ``last_phase_s`` (keys ``DRAFT_PHASES`` + ``"update"``).
+        attention: how each depth's head forward attends: ``"sdpa"`` (its picked nodes as queries under
+            an explicit mask over the head's cache), ``"tree"`` (all expanded nodes as queries through
+            treeattn's kernel, which reads the committed pairs once, split over many blocks; needs
+            ``static_shapes``; ``expand_depths``) or ``"auto"`` (default): ``"tree"`` with static shapes
+            on a CUDA device unless the target's layers are soft-capped or windowed, else ``"sdpa"``.
         compile_head: run the expansion's depth loop (every head forward after the root's, the LM
             head, top-k and frontier selection) through ``torch.compile`` (True: inductor; or a
             backend name) before its capture: fewer, fused kernels per depth. Compiled once per
@@ -203,7 +211,7 @@ class EagleDrafter(BaseDrafter):
     def __init__(self, target, head: EagleHead, tree_size: int | None = None, depth: int = 6, topk: int = 8, *,
                  static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | None = None,
                  profile: bool = False, compile_head: bool | str = False,
-                 prompt_vocab: bool = True) -> None:  # fmt: skip
+                 prompt_vocab: bool = True, attention: str = "auto") -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -220,6 +228,8 @@ class EagleDrafter(BaseDrafter):
             raise ValueError(f"profile: expected True or False, got {profile!r}")
         if not isinstance(prompt_vocab, bool):
             raise ValueError(f"prompt_vocab: expected True or False, got {prompt_vocab!r}")
+        if attention != "auto" and attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected 'auto' or one of {ATTENTIONS}, got {attention!r}")
         if not isinstance(compile_head, (bool, str)) or compile_head == "":
             raise ValueError(f"compile_head: expected a bool or a torch.compile backend name, got {compile_head!r}")
         if draft_vocab is not None:
@@ -240,6 +250,9 @@ class EagleDrafter(BaseDrafter):
         if cuda_graphs and static_shapes is False:
             raise ValueError("cuda_graphs: True needs static_shapes, got static_shapes=False")
         self.head = head.to(self.device).eval()
+        # q / k / v and gate / up as one GEMM each in the head's forwards (in place, no extra memory; the
+        # head's state dict is unchanged): at a few rows each GEMM only streams its weights
+        fuse_projections(self.head)
         self.vocab_size = hf.vocab_size(target)
         self.draft_vocab = draft_vocab
         #: the subset's token ids (int64 ``[N]``, ascending) and LM-head rows (``[N, H]``, bias ``[N]``)
@@ -273,6 +286,11 @@ class EagleDrafter(BaseDrafter):
         self.cuda_graphs = bool(cuda_graphs)
         if compile_head and not self.static_shapes:
             raise ValueError("compile_head: needs static_shapes, got static_shapes=False")
+        if attention == "tree" and not self.static_shapes:
+            raise ValueError("attention: 'tree' needs static_shapes, got static_shapes=False")
+        #: how each depth's head forward attends ("auto" resolved): "tree" on CUDA with static shapes
+        #: unless the target's layers are soft-capped or windowed (``drafters.draft_model.pick_attention``)
+        self.attention = "sdpa" if not self.static_shapes else pick_attention(attention, target, self.device)
         #: the depth loop (``expand_depths``) as run by every expansion: compiled with ``compile_head``
         self._depth_loop = compile_fixed_shapes(expand_depths, compile_head) if compile_head else expand_depths
         self.static_width = max(topk, 2)
@@ -575,3 +593,16 @@ class EagleDrafter(BaseDrafter):
         """
         state = MaskedState(cache, slots[None], positions, visible[None])
         return self.head(self.parts, ids[None], feats[None], positions, state)[0]
+
+    def _tree_forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                      state: TreeState) -> torch.Tensor:  # fmt: skip
+        """One head forward of the tree rows of ``attention="tree"`` (``expand_depths``' ``tree``).
+
+        Args:
+            ids: int64 ``[1, n]``, the rows' tokens; feats: ``[n, H]``, their input features;
+            positions: int64 ``[1, n]``; state: where their keys / values go and what each row sees.
+
+        Returns:
+            ``[n, H]`` output features.
+        """
+        return self.head(self.parts, ids, feats[None], positions, state)[0]

@@ -23,10 +23,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from drafters.selection import best_k
+from specdec.attention import TreeState
 from specdec.graphs import clear_cublas_workspaces
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, warp_logits
 from specdec.tree import TokenTree
+from treeattn.layout import pack_bits
 
 __all__ = ["CatchUp", "Expansion", "ExpansionHost", "ExpansionPlan", "expand_depths"]
 
@@ -36,6 +39,7 @@ class ExpansionHost(Protocol):
 
     device: torch.device
     head: Any  # the EagleHead: its ``fc.weight`` (dtype, device) and ``hidden_size``
+    attention: str  # "tree": each depth's forward through the tree kernel (``expand_depths``' ``tree``)
     _depth_loop: Any  # ``expand_depths``, or a torch.compile of it
 
     def _draft_logits(self, feats: torch.Tensor) -> torch.Tensor: ...
@@ -44,6 +48,9 @@ class ExpansionHost(Protocol):
 
     def _forward(self, cache: KVCache, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor: ...  # fmt: skip
+
+    def _tree_forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                      state: TreeState) -> torch.Tensor: ...  # fmt: skip
 
     def _mark(self, phase: str) -> None: ...
 
@@ -91,6 +98,11 @@ class ExpansionPlan:
     def expanded(self) -> int:
         """Expanded nodes (head outputs) per step, the root included."""
         return self.offsets[-1] + self.rows[-1]
+
+    @property
+    def row_depths(self) -> list[int]:
+        """The depth of expanded nodes 1 .. E - 1 (the tree rows of ``attention="tree"``)."""
+        return [d for d in range(1, self.depth) for _ in range(self.rows[d])]
 
     @property
     def n_max(self) -> int:
@@ -183,7 +195,8 @@ class ExpansionPlan:
 
 def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
                    kv_lens: tuple[int, ...], scalars: torch.Tensor, feat: torch.Tensor, tok: torch.Tensor,
-                   score_out: torch.Tensor, pick_out: torch.Tensor) -> None:  # fmt: skip
+                   score_out: torch.Tensor, pick_out: torch.Tensor,
+                   tree: "tuple[torch.Tensor, ...] | None" = None) -> None:  # fmt: skip
     """Depths 1 .. ``plan.depth`` of an expansion on the device: candidates, the next frontier, its
     head forward (``Expansion``'s loop; a module function of tensors and fixed-shape inputs so one
     ``torch.compile`` of it serves every expansion of the same shapes).
@@ -195,6 +208,15 @@ def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, s
         tok, score_out, pick_out: the record's views (``ExpansionPlan.views``), written in place.
         kv_lens: ``kv_lens[d - 1]``: the cache slots ``[0, kv_lens[d - 1])`` the head forward of
             the nodes picked at depth d attends to (the whole capacity with static shapes).
+        tree: None: each depth's forward runs its picked nodes as queries under an explicit mask
+            over ``kv_lens`` slots (``MaskedState``). Else ``attention="tree"``'s buffers (``Expansion``):
+            ``(ids [1, E - 1], inputs [E - 1, H], positions [1, E - 1], slots [1, E - 1], prefix [1],
+            words [1, E - 1, nw], depths [1, E - 1])``: each depth's forward runs ALL expanded nodes
+            after the root through the tree kernel (``specdec.attention.TreeState``): the committed
+            pairs and the root form the prefix, row j is expanded node j + 1 with its ancestors-or-self
+            as words. Rows of earlier depths recompute the keys / values they wrote (same inputs, same
+            values); rows of later depths write the slots their own depth overwrites; the depth keeps
+            its own rows' outputs. At a few dozen rows the head's GEMMs still only stream weights.
     """
     dev, width, expanded = feat.device, plan.width, plan.expanded
     base, root_pos = scalars[0], scalars[1]
@@ -202,6 +224,12 @@ def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, s
     anc = (cols == 0)[None]  # [rows, E]: each frontier row's expanded ancestors-or-self (the root: itself)
     feats = feat[:1]  # output features of the frontier rows
     score = torch.zeros(1, dtype=torch.float64, device=dev)  # their cumulative draft log-probabilities
+    if tree is not None:
+        ids, inputs, tree_pos, tree_slots, prefix, words, depths = tree
+        prefix.copy_((base + 1).view(1))
+        tree_slots[0].copy_(base + cols[1:])
+        tree_pos[0].copy_(root_pos + depths[0])
+        state = TreeState(cache, tree_slots, prefix, words, depths)
     for d in range(1, plan.depth + 1):
         n = plan.cand[d - 1]
         logits = drafter._draft_logits(feats)  # [rows, V] or, with draft_vocab, [rows, N] over the subset
@@ -216,15 +244,22 @@ def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, s
             break
         rows, off = plan.rows[d], plan.offsets[d]
         # the best `rows` candidates; stable: equal scores keep candidate order (the host loop's)
-        pick = torch.sort(cand_score, descending=True, stable=True).indices[:rows]
+        pick = best_k(cand_score, rows)
         pick_out[d - 1, :rows].copy_(pick)
         parent = torch.div(pick, width, rounding_mode="floor")  # frontier row of depth d - 1
         own = off + torch.arange(rows, device=dev)  # expanded indices of the new rows
         anc = anc[parent] | (cols[None] == own[:, None])
-        rel = torch.arange(kv_lens[d - 1], device=dev) - base  # slot - base: expanded index
-        visible = (rel < 0)[None] | (anc[:, rel.clamp(0, expanded - 1)] & (rel < expanded)[None])
-        positions = (root_pos + d).expand(1, rows)
-        out = drafter._forward(cache, cand_tok[pick], feats[parent], positions, base + own, visible)
+        if tree is None:
+            rel = torch.arange(kv_lens[d - 1], device=dev) - base  # slot - base: expanded index
+            visible = (rel < 0)[None] | (anc[:, rel.clamp(0, expanded - 1)] & (rel < expanded)[None])
+            positions = (root_pos + d).expand(1, rows)
+            out = drafter._forward(cache, cand_tok[pick], feats[parent], positions, base + own, visible)
+        else:  # this depth's rows of the tree: tokens, input features, ancestors-or-self (the root dropped)
+            lo = off - 1
+            ids[0, lo : lo + rows].copy_(cand_tok[pick])
+            inputs[lo : lo + rows].copy_(feats[parent])
+            words[0, lo : lo + rows].copy_(pack_bits(anc[:, 1:]))
+            out = drafter._tree_forward(ids, inputs, tree_pos, state)[lo : lo + rows]
         feat[off : off + rows].copy_(out)
         feats = feat[off : off + rows]
         score = cand_score[pick]
@@ -257,6 +292,15 @@ class Expansion:
         self.feat = torch.zeros(plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.record = torch.zeros(plan.record_size, dtype=torch.int64, device=dev)
         self.tok, self.score, self.pick = plan.views(self.record)
+        #: ``attention="tree"``: the tree rows' buffers (``expand_depths``' ``tree``); None otherwise
+        self.tree: tuple[torch.Tensor, ...] | None = None
+        if drafter.attention == "tree" and plan.depth > 1:
+            n, i64 = plan.expanded - 1, dict(dtype=torch.int64, device=dev)
+            depths = torch.tensor([plan.row_depths], **i64)
+            words = pack_bits(torch.eye(n, dtype=torch.bool, device=dev))[None]
+            inputs = torch.zeros(n, drafter.head.hidden_size, dtype=w.dtype, device=dev)
+            self.tree = (torch.zeros(1, n, **i64), inputs, torch.zeros(1, n, **i64), torch.zeros(1, n, **i64),
+                         torch.zeros(1, **i64), words, depths)  # fmt: skip
         self.graph = None  # torch.cuda.CUDAGraph once captured
         #: seconds the capture took (warm-up forwards + recording), None before / without it
         self.capture_s: float | None = None
@@ -310,7 +354,7 @@ class Expansion:
         if self.width:
             self._catch_up_body()
         self.drafter._depth_loop(self.drafter, self.cache, self.plan, self.sampling, tuple(kv_lens), self.scalars,
-                                 self.feat, self.tok, self.score, self.pick)  # fmt: skip
+                                 self.feat, self.tok, self.score, self.pick, self.tree)  # fmt: skip
 
     def _capture(self) -> None:
         """Warm up (current stream, then a side stream), then record ``_body`` over the whole cache.

@@ -269,7 +269,8 @@ class EagleHead(nn.Module):
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
+        # copies: a drafter fuses the head's projections, whose weights are then views of one tensor
+        state = {k: v.detach().float().cpu().clone() for k, v in self.state_dict().items()}
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
         doc = {**asdict(self.config), "head": "eagle-1: fc(2H -> H) + 1 decoder layer, no final norm; the target's "
                "embedding, rotary embedding and LM head are used frozen and not stored", **meta}  # fmt: skip

@@ -5,7 +5,9 @@ the model call; transformers forwards it untouched to every attention call, wher
 registered by ``specdec.hf.prepare_model`` (or a drafter head's) hands the call to
 ``state.attend(module, query, key, value, scaling, sliding_window, softcap)``. ``specdec.hf.ForwardState``
 is the tree-verification state; ``MaskedState`` here is the general one: m tokens attending through
-an explicit visibility mask (a drafter's per-depth forward). The helpers are shared by both.
+an explicit visibility mask (a drafter's per-depth forward); ``TreeState`` is a drafter's forward
+whose queries are a whole tree after a committed prefix, through treeattn's kernel. The helpers are
+shared by them.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch.nn.functional as F
 
 from specdec.kv import KVCache
 from treeattn import TreeMask
+from treeattn.ops import tree_attention_op
 
-__all__ = ["STATE_KWARG", "MaskedState", "layer_index", "masked_attention", "on_device", "tree_visibility"]
+__all__ = ["STATE_KWARG", "MaskedState", "TreeState", "layer_index", "masked_attention", "on_device", "tree_visibility"]
 
 #: The forward keyword that carries a ``ForwardState`` / ``MaskedState`` to the attention function.
 STATE_KWARG = "specdec_state"
@@ -137,4 +140,48 @@ class MaskedState:
             )  # fmt: skip
         else:
             out = masked_attention(query, k_all, v_all, visible, scale, softcap)
+        return out.transpose(1, 2), None
+
+
+class TreeState:
+    """Attention of one fixed-shape drafter forward through treeattn's tree kernel (``attention="tree"``
+    of the draft model's device loop and of the EAGLE head's expansion).
+
+    The drafter's cache is laid out as the kernel expects: the committed prefix at ``[0, prefix_lens)``
+    and then ``n`` "tree" slots, each query seeing the prefix and the tree slots its mask words set.
+    The prefix length is a device tensor, so the kernel reads only the committed part of the cache
+    (split over many blocks) where SDPA under a dense mask (``GroupedMaskedState``) reads the whole
+    capacity in two thread blocks. Two uses:
+
+    - a level of the tree: the prefix is the committed tokens and the root (``base + 1``), the tree
+      the ``n = E - 1`` expanded nodes after it, and the forward runs ALL of them as queries (each
+      with its ancestors-or-self as words): rows of earlier levels recompute what they wrote before
+      (same tokens, positions, ancestors and shapes: the same values), rows of later levels write
+      slots their own level overwrites. A forward of E - 1 rows costs what one of K rows does
+      (the draft's GEMMs stream weights at either size), and the queries need no placement;
+    - the catch-up chain: ``n`` = the chain width, causal words; the chain starts at
+      ``prefix_lens``, padding rows after it write the next (expanded) slots, which the levels overwrite.
+
+    Attributes: cache; slots ``[1, n]`` (where this forward's keys / values go); prefix_lens int64
+    ``[1]``; words int64 ``[1, n, ceil(n / 64)]``; depth int64 ``[1, n]`` (``TreeMask.depth``, not
+    read by the kernel). All updated in place by the loop. Sliding-window and soft-capped layers
+    are refused (``attention="sdpa"`` handles them).
+    """
+
+    def __init__(self, cache: KVCache, slots, prefix_lens, words, depth) -> None:
+        self.cache, self.slots, self.prefix_lens, self.words, self.depth = cache, slots, prefix_lens, words, depth
+
+    def clear(self) -> None:
+        """Nothing is cached between forwards (the loop updates the tensors in place)."""
+
+    def attend(self, module, query, key, value, scaling, sliding_window, softcap) -> tuple[torch.Tensor, None]:
+        """Write this layer's keys / values at ``slots`` and attend. query ``[1, Hq, n, D]``; returns
+        ``([1, n, Hq, D], None)`` as transformers' attention functions do."""
+        if softcap is not None or (sliding_window is not None and sliding_window < self.cache.capacity):
+            raise ValueError("attention: 'tree' has no sliding-window or soft-capped layers (the model has them); "
+                             "use attention='sdpa'")  # fmt: skip
+        k_buf, v_buf = self.cache.write(layer_index(module), key, value, self.slots)
+        dim = query.shape[-1]
+        scale = dim**-0.5 if scaling is None else float(scaling)
+        out = tree_attention_op(query, k_buf, v_buf, self.prefix_lens, self.words, self.depth, scale, "auto")
         return out.transpose(1, 2), None

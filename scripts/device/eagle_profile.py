@@ -32,6 +32,45 @@ def _median_ms(values) -> float | None:
     return round(1e3 * statistics.median(values), 4) if values else None
 
 
+def expansion_kernels(drafter, path: Path, replays: int = 50) -> dict:
+    """Replay the drafter's last captured expansion graph ``replays`` times: its device time per replay
+    (CUDA events) and, under ``torch.profiler``, the kernels one replay launches (written to ``path``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    exps = [e for st in drafter._states.values() for e in st.expansions.values() if e.graph is not None]
+    if not exps:
+        return {}
+    exp = min(exps, key=lambda e: e.width)  # the steady steps: the narrowest fused catch-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        exp.graph.replay()
+    start.record()
+    for _ in range(replays):
+        exp.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    per_replay_ms = start.elapsed_time(end) / replays
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            exp.graph.replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(ev.name, []).append(ev.device_time_total if hasattr(ev, "device_time_total")
+                                                   else ev.cuda_time_total)  # fmt: skip
+    rows = sorted(((sum(v) / replays, len(v) / replays, k) for k, v in kernels.items()), reverse=True)
+    launches = sum(r[1] for r in rows)
+    lines = [f"expansion graph: width {exp.width}, plan {exp.plan.topk}x{exp.plan.width}x{exp.plan.depth}, "
+             f"{per_replay_ms * 1e3:.1f} us a replay (events), {launches:.0f} kernels a replay",
+             f"{'us/replay':>10} {'launches':>9}  kernel"]
+    lines += [f"{us:10.2f} {n:9.1f}  {name[:150]}" for us, n, name in rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return {"replay_us": round(per_replay_ms * 1e3, 2), "kernels_per_replay": round(launches, 1),
+            "kernel_us_sum": round(sum(r[0] for r in rows), 2)}
+
+
 def main(argv=None) -> int:
     from drafters.eagle import DRAFT_PHASES, EagleDrafter, EagleHead
     from specdec import SpecDecoder
@@ -48,10 +87,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--attention", default="auto", help="EagleDrafter(attention=...): auto, sdpa or tree")
     p.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True) and compile_head=True")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, help="JSON of the medians")
     p.add_argument("--trace", help="write a torch.profiler table of one unprofiled call here")
+    p.add_argument("--expansion-kernels", help="write the kernels of one replay of the expansion's CUDA graph here "
+                   "(name, launches and device µs per replay) and add its device time to --out")
     ns = p.parse_args(argv)
     device = torch.device(ns.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -72,7 +114,7 @@ def main(argv=None) -> int:
     prompts = [torch.randint(10, vocab, (ns.prompt_len,), generator=g) for _ in range(ns.prompts)]
     res: dict = {"config": ns.config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "tree_size": ns.tree_size, "depth": ns.depth, "topk": ns.topk, "draft_vocab": ns.draft_vocab,
-                 "compile": ns.compile}  # fmt: skip
+                 "compile": ns.compile, "attention": ns.attention}  # fmt: skip
 
     plain = SpecDecoder(target, None, 0, compile=ns.compile)
     plain.generate(prompts[0], 16)
@@ -84,8 +126,9 @@ def main(argv=None) -> int:
     plain.release()
 
     def build(profile: bool):
+        attention = {} if ns.attention == "auto" else {"attention": ns.attention}
         drafter = EagleDrafter(target, head, ns.tree_size, depth=ns.depth, topk=ns.topk, profile=profile,
-                               draft_vocab=ns.draft_vocab or None, compile_head=ns.compile)  # fmt: skip
+                               draft_vocab=ns.draft_vocab or None, compile_head=ns.compile, **attention)  # fmt: skip
         return drafter, SpecDecoder(target, drafter, ns.tree_size, compile=ns.compile, profile=profile)
 
     drafter, dec = build(True)
@@ -142,6 +185,8 @@ def main(argv=None) -> int:
         tables = [prof.key_averages().table(sort_by=key, row_limit=30) for key in
                   (("self_cuda_time_total",) if device.type == "cuda" else ()) + ("cpu_time_total",)]  # fmt: skip
         Path(ns.trace).write_text("\n\n".join(tables))
+    if ns.expansion_kernels and device.type == "cuda":
+        res["expansion"] = expansion_kernels(drafter, Path(ns.expansion_kernels))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))

@@ -622,6 +622,29 @@ def test_a_compiled_depth_loop_draws_the_same_trees(backend):
         EagleDrafter(_target("qwen2"), _random_head("qwen2"), compile_head=1)
 
 
+@pytest.mark.parametrize("spec", [("qwen2", 4, 3, 12, True, None, "all"), ("qwen2", 6, 8, 40, True, (0.8, 20, 1.0), "all"),
+                                  ("llama", 5, 4, 25, True, None, "all"), ("gemma3", 3, 4, 16, True, (0.7, 3, 1.0), "last"),
+                                  ("qwen2", 2, 170, 180, True, (1.0, 2, 1.0), "last"), ("mistral", 4, 8, 5, True, None, "all")])
+def test_tree_attention_depths_draw_the_masked_depths_trees(spec):
+    """``attention="tree"`` (every depth's forward over all expanded nodes through the tree kernel's
+    torch path) draws the trees, forwards and expanded-node bookkeeping of ``"sdpa"`` (the picked
+    nodes under an explicit mask), greedy and warped, a frontier wider than the vocabulary included."""
+    seed = sum(map(ord, repr(spec)))
+    tree = _run_case(spec, seed, attention="tree")
+    assert tree == _run_case(spec, seed, attention="sdpa")
+    assert tree == _run_case(spec, seed, make=_HostLoopDrafter)
+
+
+def test_attention_option_errors_and_auto():
+    target, head = _target("qwen2"), _random_head("qwen2")
+    with pytest.raises(ValueError, match="attention: expected 'auto' or one of"):
+        EagleDrafter(target, head, attention="flash")
+    with pytest.raises(ValueError, match="attention: 'tree' needs static_shapes"):
+        EagleDrafter(target, head, attention="tree", static_shapes=False)
+    assert EagleDrafter(target, head, static_shapes=True).attention == "sdpa"  # auto on a CPU
+    assert EagleDrafter(target, head, static_shapes=True, attention="tree").attention == "tree"
+
+
 def test_device_expansion_equals_the_host_loop_when_the_vocabulary_is_narrower_than_the_frontier():
     spec = ("qwen2", 3, 170, 180, False, (1.0, 2, 1.0), "last")  # w = V = 160 < topk: 160 rows at depth 1
     assert _run_case(spec, 5, steps=2) == _run_case(spec, 5, steps=2, make=_HostLoopDrafter)
