@@ -14,6 +14,7 @@ import torch
 from drafters import make_drafter
 from drafters._build import NodePool, best_first, make_tree
 from drafters.eagle import (
+    AUTO_DRAFT_VOCAB,
     CONFIG_NAME,
     DRAFT_PHASES,
     FUSED_CATCH_UP,
@@ -22,6 +23,7 @@ from drafters.eagle import (
     EagleDrafter,
     EagleHead,
     TargetParts,
+    auto_draft_vocab,
 )
 from drafters.eagle_expansion import ExpansionPlan as _Plan
 from drafters.medusa import MedusaHeads
@@ -890,8 +892,17 @@ def test_token_frequencies_round_trip_and_draft_vocab_errors(tmp_path):
                                          rf"got {VOCAB + 1}"):  # fmt: skip
         EagleDrafter(target, _ranked_head(), draft_vocab=VOCAB + 1)
     for bad in (0, True, 2.0, "8"):
-        with pytest.raises(ValueError, match=r"draft_vocab: expected None or an int >= 1, got"):
+        with pytest.raises(ValueError, match=r"draft_vocab: expected 'auto', None or an int >= 1, got"):
             EagleDrafter(target, _ranked_head(), draft_vocab=bad)
+    # "auto" (the default): the whole vocabulary for a small one or a head without frequencies, else
+    # AUTO_DRAFT_VOCAB of the ranked tokens
+    assert EagleDrafter(target, _ranked_head()).draft_vocab is None
+    assert EagleDrafter(target, _random_head()).draft_vocab is None
+    big = _ranked_head()
+    big.token_ids, big.token_counts = torch.arange(AUTO_DRAFT_VOCAB + 7), torch.ones(AUTO_DRAFT_VOCAB + 7)
+    assert auto_draft_vocab(big) == AUTO_DRAFT_VOCAB
+    big.token_ids = big.token_ids[:AUTO_DRAFT_VOCAB]
+    assert auto_draft_vocab(big) is None
     with pytest.raises(ValueError, match=r"profile: expected True or False, got 'yes'"):
         EagleDrafter(target, _ranked_head(), profile="yes")
     with pytest.raises(ValueError, match=rf"counts: expected {VOCAB} counts >= 0"):
