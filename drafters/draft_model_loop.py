@@ -16,7 +16,7 @@ import torch
 
 from drafters import draft_sampling
 from drafters.draft_sampling import SAMPLING_PROPOSALS
-from drafters.selection import best_k
+from drafters.selection import best_k, row_topk
 from specdec import hf
 from specdec.attention import MaskedState, TreeState
 from specdec.graphs import Replayed, compile_fixed_shapes
@@ -312,12 +312,12 @@ class DeviceLoop(Replayed):
         """Level d's children of R rows: ``(token ids [R, w], values [R, w] float32, kept [R, w])``."""
         w = self.width
         if self.proposal == "topk":
-            vals, idx = torch.topk(logq, w, dim=-1)
+            vals, idx = row_topk(logq, w)
             return idx, vals, live[:, None].expand(idx.shape)
         rows = logq.shape[0]
         self.probs[self._rows(d)].copy_(logq.exp())
         # How many draws each row keeps: the host's _allot (the ``cap`` best slots known before drawing).
-        ranked = torch.topk(logq, w, dim=-1).values
+        ranked = row_topk(logq, w)[0]
         slot = torch.where(live[:, None] & (ranked > -math.inf), score[:, None] + ranked.double(), -math.inf).flatten()
         after = self.depth - d  # levels that may follow this one
         cap = left - torch.clamp(torch.div(left * after, after + 1, rounding_mode="floor"),

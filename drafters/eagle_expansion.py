@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from drafters.selection import best_k
+from drafters.selection import best_k, row_topk
 from specdec.attention import TreeState
 from specdec.graphs import clear_cublas_workspaces
 from specdec.kv import KVCache
@@ -234,7 +234,7 @@ def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, s
         n = plan.cand[d - 1]
         logits = drafter._draft_logits(feats)  # [rows, V] or, with draft_vocab, [rows, N] over the subset
         logq = torch.log_softmax(logits if sampling is None else warp_logits(logits, sampling), dim=-1)
-        vals, idx = torch.topk(logq, width, dim=-1)
+        vals, idx = row_topk(logq, width)
         # float64 sums, as the former host loop added Python floats: same scores, same order
         cand_score = (score[:, None] + vals.double()).reshape(n)
         cand_tok = drafter._token_ids(idx).reshape(n)
