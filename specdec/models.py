@@ -724,7 +724,8 @@ def load_model(
         dtype: parameter dtype, e.g. ``torch.float32`` (default) or ``torch.bfloat16``.
         device: where to put the model, e.g. ``"cpu"`` (default) or ``"cuda"``. A GPU device is
             handed to ``from_pretrained`` as ``device_map`` (unless ``kwargs`` has one), so the
-            weights are read straight onto it instead of into host memory first.
+            weights are read straight onto it instead of into host memory first (transformers
+            needs ``accelerate`` for any ``device_map``: why it is a dependency).
         home: cache root for default names.
         progress: show tqdm bars while fetching/converting a default model (and writing its copy).
         dtype_copy: for a default model loaded in ``torch.bfloat16`` / ``torch.float16``: read the

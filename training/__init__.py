@@ -9,7 +9,8 @@
 * ``training.exercises`` -- prompts the target writes itself: programming exercises from MBPP tasks,
   and general prompts in the style of a few seed prompts;
 * ``training.sources``   -- where the training prompts come from: MBPP (the default), a user's prompt
-  file (``eval.datasets.load_prompt_file``), prompts written from seeds.
+  file (``eval.datasets.load_prompt_file``), prompts written from seeds, the general mix (MBPP plus
+  prompts written from the built-in seeds in ``training/data/``).
 
 Nothing below this package imports it; the command line (``specdec.cli.train``) parses the
 flags into ``MedusaRun`` / ``EagleRun`` and calls ``run_medusa`` / ``run_eagle``.

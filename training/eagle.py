@@ -84,7 +84,7 @@ from training.distill import (
     warmup_cosine,
 )
 from training.exercises import exercise_prompt, exercise_request, humaneval_names, select_exercises
-from training.sources import check_source_fields, read_sources, training_prompts
+from training.sources import check_source_fields, read_sources, source_record, training_prompts
 
 __all__ = [
     "EagleRun",
@@ -485,6 +485,8 @@ class EagleRun:
         seed_prompts, self_prompts: the target first writes ``self_prompts`` new prompts in the
             style of the seed prompts (a prompt file) and answers them too (sampled at
             ``self_prompt_temperature``); MBPP then only with ``data``.
+        mix, mix_per_kind: ``"general"``: MBPP plus ``mix_per_kind`` prompts per kind written from
+            the built-in general seeds (``training.sources``; None: its default).
         max_new_tokens, gen_batch_size, temperature: the self-distillation's answer length,
             prompts per ``generate`` batch, sampling temperature (0 = greedy).
         answers_per_prompt: answers per training prompt: the first at ``temperature``, each further
@@ -518,6 +520,8 @@ class EagleRun:
     seed_prompts: str | None = None
     self_prompts: int = 0
     self_prompt_temperature: float = 0.8
+    mix: str | None = None
+    mix_per_kind: int | None = None
     max_new_tokens: int = 192
     gen_batch_size: int = 120
     temperature: float = 0.0
@@ -645,8 +649,7 @@ def run_eagle(run: EagleRun) -> None:
           + (", ".join(f"{c:.1%} (N = {n})" for n, c in cover.items()) or "all"))  # fmt: skip
     head.save(out, target=str(run.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": run.answers_per_prompt,
                                                    "prompt_styles": list(styles), "exercises": run.exercises,
-                                                   "prompts": run.prompts, "seed_prompts": run.seed_prompts,
-                                                   "self_prompts": run.self_prompts},
+                                                   **source_record(run, data)},
               train_examples=len(train),
               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
               final_loss=losses[-1] if losses else None,

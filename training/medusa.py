@@ -45,7 +45,7 @@ from training.distill import (
     target_hidden_states,
     warmup_cosine,
 )
-from training.sources import check_source_fields, read_sources, training_prompts
+from training.sources import check_source_fields, read_sources, source_record, training_prompts
 
 __all__ = [
     "MedusaRun",
@@ -221,8 +221,8 @@ class MedusaRun:
             (None: all).
         heldout: the last N problems are held out for the accuracy report (MBPP's when MBPP is
             used, else the last N prompts; ``training.sources``); None: 48, at most a fifth.
-        prompts, seed_prompts, self_prompts, self_prompt_temperature: other training prompts, as
-            in ``training.eagle.EagleRun`` (``training.sources``).
+        prompts, seed_prompts, self_prompts, self_prompt_temperature, mix, mix_per_kind: other
+            training prompts, as in ``training.eagle.EagleRun`` (``training.sources``).
         max_new_tokens, gen_batch_size, temperature: the self-distillation's answer length,
             prompts per ``generate`` batch, sampling temperature (0 = greedy).
         chat: prompts through the chat template (False: plain prompts).
@@ -247,6 +247,8 @@ class MedusaRun:
     seed_prompts: str | None = None
     self_prompts: int = 0
     self_prompt_temperature: float = 0.8
+    mix: str | None = None
+    mix_per_kind: int | None = None
     max_new_tokens: int = 256
     gen_batch_size: int = 16
     temperature: float = 0.0
@@ -296,8 +298,8 @@ def run_medusa(run: MedusaRun) -> None:
     rates = rank_rates(target, heads, heldout, ranks=run.table_ranks) if heldout else []
     after = [row[0] for row in rates]
     # The measured table: MedusaDrafter builds its per-budget trees from it (drafters.trees.build_choices).
-    heads.save(out, target=str(run.target), train=asdict(cfg), train_examples=len(train),
-               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
+    heads.save(out, target=str(run.target), train={**asdict(cfg), **source_record(run, data)},
+               train_examples=len(train), heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
                heldout_rank_rates=rates, final_loss=losses[-1] if losses else None)  # fmt: skip
     print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} ({len(losses)} steps)")
     if heldout:

@@ -3,7 +3,8 @@
 
 Both train on MBPP by default, on a user's own prompts with ``--prompts FILE`` (JSONL of
 ``{"prompt": ...}`` or ``{"messages": [...]}``, or a ``datasets`` directory / parquet / JSON file),
-and on prompts the target writes itself with ``--seed-prompts FILE --self-prompts N``
+on prompts the target writes itself with ``--seed-prompts FILE --self-prompts N``, and on MBPP plus
+general prompts written from built-in seeds of every Spec-Bench kind with ``--mix general``
 (``training.sources``)."""
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def _run_fields(ns: argparse.Namespace) -> dict:
 
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--prompts``, ``--seed-prompts``, ``--self-prompts``, ``--self-prompt-temperature`` and
-    ``--heldout`` (shared by both commands; ``training.sources``)."""
+    """``--prompts``, ``--seed-prompts``, ``--self-prompts``, ``--self-prompt-temperature``, ``--mix``,
+    ``--mix-per-kind`` and ``--heldout`` (shared by both commands; ``training.sources``)."""
+    from training.sources import DEFAULT_PER_KIND, MIXES
+
     parser.add_argument("--prompts", type=cliargs.existing_path, default=None, metavar="FILE",
                         help="train on your own prompts: JSONL of {\"prompt\": ...} or {\"messages\": [...]} (a chat: "
                              "the last user turn is answered, earlier turns are context), or a datasets directory / "
@@ -38,6 +41,13 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many prompts the target writes from --seed-prompts")
     parser.add_argument("--self-prompt-temperature", type=cliargs.float_in(0.0, low_open=True), default=0.8,
                         help="sampling temperature of the prompt writing")
+    parser.add_argument("--mix", choices=MIXES, default=None,
+                        help="a built-in training mix: general = MBPP plus prompts the target writes (as with "
+                             "--seed-prompts) from the package's own seed prompts of each Spec-Bench kind of task "
+                             "(writing, roleplay, reasoning, math, coding, extraction, stem, humanities, translation, "
+                             "summarization, qa, math_reasoning, rag), so the drafter serves chat as well as code")
+    parser.add_argument("--mix-per-kind", type=cliargs.int_at_least(1), default=None, metavar="N",
+                        help=f"writing requests per kind of --mix (default {DEFAULT_PER_KIND})")
     parser.add_argument("--heldout", type=cliargs.int_at_least(0), default=None,
                         help="held out for the accuracy report: the last N MBPP problems (when MBPP is used), else the "
                              "last N prompts; default 48, at most a fifth of them")
@@ -84,7 +94,8 @@ def main_medusa(argv: Sequence[str] | None = None) -> int:
     parser = cliargs.ArgumentParser(
         prog="specdec train-medusa",
         description="Train Medusa heads on the frozen target's own answers (self-distillation) to MBPP prompts, "
-                    "your own prompts (--prompts) or prompts it writes in the style of yours (--seed-prompts).",
+                    "your own prompts (--prompts), prompts it writes in the style of yours (--seed-prompts) or "
+                    "MBPP plus general prompts it writes from built-in seeds (--mix general).",
     )
     _add_inputs(parser, "heads")
     parser.add_argument("--num-heads", type=cliargs.int_at_least(1), default=4)
@@ -123,7 +134,8 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
         prog="specdec train-eagle",
         description="Train an EAGLE head (fc + one decoder layer on the target's hidden states) on the frozen "
                     "target's own answers (self-distillation) to MBPP prompts, your own prompts (--prompts) or "
-                    "prompts it writes in the style of yours (--seed-prompts). The defaults take about 6 minutes "
+                    "prompts it writes in the style of yours (--seed-prompts) or MBPP plus general prompts it "
+                    "writes from built-in seeds (--mix general). The defaults take about 6 minutes "
                     "on one H100 for Qwen2.5-Coder-1.5B (bf16), data generation included.",
     )  # fmt: skip
     _add_inputs(parser, "head")

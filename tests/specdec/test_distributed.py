@@ -5,13 +5,15 @@ launches 2 ranks with ``torch.distributed.run`` (gloo, CPU): tiny Qwen2 / Llama 
 transformers' TP plan must decode exactly as the unsharded models in this process (greedy, fp32),
 for plain decoding, prompt lookup, a draft model, Medusa and EAGLE heads; a sampling run must give
 the same tokens on both ranks although their generators were seeded differently; a drafter whose
-trees differ by rank, and prompts that differ by rank, must raise on every rank.
+trees differ by rank, and prompts that differ by rank, must raise on every rank. A shorter 2-rank
+run checks a run's end: decoder released, barrier, process group destroyed, exit 0, no error line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +237,41 @@ def _gloo_available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
+def _torchrun(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run`` on 2 local ranks running tests/specdec/tp_worker.py with ``args``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tests.specdec.tp_worker", *args]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+#: What no line of a clean 2-rank run may say (a traceback, an error, torch's warning of a group
+#: left undestroyed, a rank killed by a signal).
+_TROUBLE = re.compile(r"traceback|error|exception|not been destroyed|destroy_process_group|signal", re.I)
+
+
+@pytest.mark.slow  # ~10 s on an idle 2-core machine: two interpreters importing torch and transformers
+def test_a_distributed_run_ends_cleanly(tmp_path):
+    """2 gloo ranks decode on a sharded target, then end as a device run does (release, barrier,
+    destroy the group): both exit 0 with the group gone, the same tokens, and no error line."""
+    if not _gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+    from tests.drafters.helpers import save_tiny_pair
+
+    models, out = tmp_path / "models", tmp_path / "out"
+    out.mkdir()
+    save_tiny_pair(models)
+    proc = _torchrun([str(models), str(out), "teardown"], timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    assert not [line for line in log.splitlines() if _TROUBLE.search(line)], log[-6000:]
+    ranks = [json.loads((out / f"teardown{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["rank_sync"] and not r["initialized"] for r in ranks)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] and len(ranks[0]["tokens"]) == tp_worker.NEW_TOKENS
+
+
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     """Save the tiny models, run tests/specdec/tp_worker.py on 2 gloo ranks, decode the references."""
@@ -258,11 +295,7 @@ def tp_run(tmp_path_factory):
             if p.dim() >= 2:
                 p.normal_(0, 0.2)
     llama.save_pretrained(models / "llama_tied")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tests.specdec.tp_worker", str(models), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = _torchrun([str(models), str(out)], timeout=240)
     log = (proc.stdout + proc.stderr)[-6000:]
     if proc.returncode != 0 or not all((out / f"rank{r}.json").exists() for r in (0, 1)):
         pytest.fail(f"the 2-rank worker failed (exit {proc.returncode}):\n{log}")

@@ -249,7 +249,6 @@ def test_wrap_generate_is_drop_in():
 
 
 def test_device_map_auto_model(tmp_path):
-    pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
     _model("llama").save_pretrained(tmp_path)

@@ -339,6 +339,24 @@ def test_dtype_copy_written_once_and_bitwise_the_cast(tmp_path, monkeypatch, dty
     assert copy.stat().st_mtime_ns == stamp and _same_bits(again, ref)
 
 
+def test_a_device_load_goes_through_device_map_which_needs_accelerate(tmp_path, monkeypatch):
+    """Why ``accelerate`` is a dependency although specdec imports none of it: ``load_model`` hands a
+    non-CPU device to ``from_pretrained`` as ``device_map`` (the weights read straight onto it), and
+    transformers refuses any ``device_map`` without accelerate (as it does ``gguf_file=``, the default
+    models' conversion). The meta device stands in for a GPU."""
+    import accelerate  # noqa: F401 - a declared dependency: installed, never skipped
+    import transformers.integrations.accelerate as hf_accelerate
+
+    out = _fake_converted(tmp_path)
+    model = models.load_model(out, device="meta", progress=False)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    monkeypatch.setattr(hf_accelerate, "is_accelerate_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device_map.*requires `accelerate`"):
+        models.load_model(out, device="meta", progress=False)
+    cpu = models.load_model(out, device="cpu", progress=False)  # no device_map on the CPU: no accelerate either
+    assert {p.device.type for p in cpu.parameters()} == {"cpu"}
+
+
 def test_dtype_copy_is_what_loads(tmp_path, monkeypatch):
     """The load reads model.bfloat16.safetensors (not the float32 file): a copy whose values were
     changed behind its stamp's back loads as changed."""

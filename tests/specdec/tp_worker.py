@@ -5,6 +5,7 @@ MODELS OUT``: loads ``MODELS/target`` (and ``MODELS/llama_tied``) with transform
 CPU device mesh (gloo), ``MODELS/draft`` replicated, decodes every case of ``CASES`` and writes
 ``OUT/rank{r}.json``: per case the new tokens per sequence, the KV heads this rank's cache holds, or
 the error it raised. ``reference(models)`` decodes the same cases in this process without TP.
+``... MODELS OUT teardown`` instead runs :func:`teardown`: one decode, then the run's clean end.
 """
 
 from __future__ import annotations
@@ -172,5 +173,26 @@ def main(models_dir: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def teardown(models_dir: str, out_dir: str) -> None:
+    """A distributed run's end, in the order scripts/device/multigpu.py keeps: decode on the sharded
+    target, release the decoder, a barrier, destroy the process group; then write
+    ``OUT/teardown{r}.json`` (the new tokens, and whether a process group is still initialized)."""
+    import torch.distributed as dist
+
+    from specdec.distributed import load_tensor_parallel
+    from specdec.engine import SpecDecoder
+
+    target = load_tensor_parallel(Path(models_dir) / "target")
+    rank = dist.get_rank()
+    dec = SpecDecoder(target, _lookup(), tree_size=8, attn_impl="torch")  # (not Triton's CPU interpreter: seconds)
+    tokens = dec.generate(torch.tensor(PROMPTS[0]), NEW_TOKENS).new_tokens().tolist()
+    synced = dec.rank_sync is not None
+    dec.release()
+    dist.barrier()
+    dist.destroy_process_group()
+    res = {"rank": rank, "tokens": tokens, "rank_sync": synced, "initialized": dist.is_initialized()}
+    Path(out_dir, f"teardown{rank}.json").write_text(json.dumps(res))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (teardown if sys.argv[3:] == ["teardown"] else main)(sys.argv[1], sys.argv[2])
