@@ -294,6 +294,14 @@ class Expansion:
         self.tok, self.score, self.pick = plan.views(self.record)
         #: ``attention="tree"``: the tree rows' buffers (``expand_depths``' ``tree``); None otherwise
         self.tree: tuple[torch.Tensor, ...] | None = None
+        #: ``attention="tree"`` and a catch-up of at most E + 1 rows: its forward through the tree kernel
+        #: (``_catch_up_body``): (slots [1, width], prefix [1], causal words, row ids [1, width]); else None
+        self.catch_tree: tuple[torch.Tensor, ...] | None = None
+        if drafter.attention == "tree" and 0 < width <= plan.expanded + 1:
+            i64 = dict(dtype=torch.int64, device=dev)
+            causal = pack_bits(torch.ones(width, width, dtype=torch.bool, device=dev).tril())[None]
+            self.catch_tree = (torch.zeros(1, width, **i64), torch.zeros(1, **i64), causal,
+                               torch.arange(width, **i64)[None])  # fmt: skip
         if drafter.attention == "tree" and plan.depth > 1:
             n, i64 = plan.expanded - 1, dict(dtype=torch.int64, device=dev)
             depths = torch.tensor([plan.row_depths], **i64)
@@ -339,13 +347,26 @@ class Expansion:
         return host
 
     def _catch_up_body(self) -> None:
-        """The fused catch-up: ``width`` rows over the whole cache, the root's output to ``feat[0]``."""
+        """The fused catch-up: ``width`` rows, the root's output to ``feat[0]``.
+
+        Through the tree kernel (``catch_tree``): the committed slots ``[0, keep)`` are the prefix,
+        row j writes slot ``keep + j`` and sees rows 0 .. j; the padding rows after the root write
+        slots ``base + 1 ..`` (at most E - 1 of them: expanded slots, which every depth's forward
+        writes before anything reads them). Otherwise under an explicit mask over the whole cache,
+        the padding rows writing and reading the scratch slot only.
+        """
         keep, m = self.scalars[2], self.scalars[3]
-        cap = self.cache.capacity
-        visible = self.drafter._catch_up_visible(keep, m, self.width, cap, padded=True,
-                                                 device=self.feat.device)  # fmt: skip
-        out = self.drafter._forward(self.cache, self.catch_ints[0], self.catch_feat, self.catch_ints[1:2],
-                                    self.catch_ints[2], visible)  # fmt: skip
+        if self.catch_tree is not None:
+            slots, prefix, words, rows = self.catch_tree
+            slots.copy_(keep + rows)
+            prefix.copy_(keep.view(1))
+            state = TreeState(self.cache, slots, prefix, words, rows)
+            out = self.drafter._tree_forward(self.catch_ints[0][None], self.catch_feat, self.catch_ints[1:2], state)
+        else:
+            visible = self.drafter._catch_up_visible(keep, m, self.width, self.cache.capacity, padded=True,
+                                                     device=self.feat.device)  # fmt: skip
+            out = self.drafter._forward(self.cache, self.catch_ints[0], self.catch_feat, self.catch_ints[1:2],
+                                        self.catch_ints[2], visible)  # fmt: skip
         self.feat[:1].copy_(out.index_select(0, (m - 1).view(1)))
 
     def _body(self, kv_lens: Sequence[int]) -> None:

@@ -189,12 +189,14 @@ def test_incremental_catch_up_equals_drafting_from_scratch():
         n_tok += len(path)
 
 
-def test_long_accepted_paths_catch_up_fused_at_wider_widths_like_a_fresh_drafter():
+@pytest.mark.parametrize("attention", ["sdpa", "tree"])
+def test_long_accepted_paths_catch_up_fused_at_wider_widths_like_a_fresh_drafter(attention):
     """Accepting the deepest path every step (m = depth + 1 pairs to catch up, over ``static_width``):
     the fused catch-up pads to the next power-of-two multiple (one expansion per width), and every
-    tree equals a fresh drafter's (dynamic shapes, no fusion) given all the target's features."""
+    tree equals a fresh drafter's (dynamic shapes, no fusion) given all the target's features; with
+    ``attention="tree"`` the catch-up's padding rows write expanded slots, which the depths rewrite."""
     target, head = _target(), _random_head()
-    drafter = EagleDrafter(target, head, depth=6, topk=2, static_shapes=True)
+    drafter = EagleDrafter(target, head, depth=6, topk=2, static_shapes=True, attention=attention)
     fresh = EagleDrafter(target, head, depth=6, topk=2, static_shapes=False)
     tokens = _prompt(7, 11)
     drafter.reset([tokens])
@@ -212,6 +214,8 @@ def test_long_accepted_paths_catch_up_fused_at_wider_widths_like_a_fresh_drafter
         seen = len(tokens) - 1
         tokens = torch.cat([tokens, tree.tokens[list(path[1:])], torch.tensor([9])])
         widths |= {key[2] for st in drafter._states.values() for key in st.expansions}
+        if attention == "tree":
+            assert all(e.catch_tree is not None for st in drafter._states.values() for e in st.expansions.values())
     assert widths == {8}  # 7 pairs (the prompt's 6, then a 6-deep path + the bonus) in 2 * 4 rows
     assert [drafter._fused_width(m) for m in (1, 2, 3, 5, 33, 64, 65, FUSED_CATCH_UP, FUSED_CATCH_UP + 1)] \
         == [2, 2, 4, 8, 64, 64, 128, FUSED_CATCH_UP, 0]
