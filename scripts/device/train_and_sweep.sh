@@ -4,7 +4,7 @@
 # 1.5B target (and for `model` the 0.5B draft) staged and converted (scripts/device/setup_models.sh)
 # and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
 # and the logs / summaries to $OUT.
-#   bash scripts/device/train_and_sweep.sh setup | tests | distill | train | medusa | apps | humaneval | cascade
+#   bash scripts/device/train_and_sweep.sh setup | tests | profile | distill | train | medusa | apps | humaneval | cascade
 # (steps run in the given order: `setup train medusa` converts the models, then trains one head after the other;
 # two trainings side by side ran out of GPU memory in the 2026-11-24 run `d7af2d9`)
 # The full sweep is the same apps / humaneval steps with every drafter and baseline, e.g.
@@ -61,9 +61,14 @@ tag=${TAG:-$([ "${TEMP:-0}" = 0 ] && echo eagle || echo "eagle-t${TEMP}")}
 for s in "$@"; do
   echo "== $s $(date +%T)" >> "$out/steps.log"
   case $s in
-    tests)  # the CUDA paths of the EAGLE drafter: device-side draft loops, graph replay, all-token features
+    tests)  # the CUDA paths of the drafters: device-side draft loops, graph replay, Triton top-k, all-token features
       timeout 280 python3 -m pytest -q -p no:cacheprovider tests/drafters/test_eagle.py tests/drafters/test_draft_model.py \
-        tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -k "cuda" > "$out/pytest_cuda.txt" 2>&1 ;;
+        tests/drafters/test_selection.py tests/specdec/test_hidden_states.py tests/specdec/test_prefill.py -m cuda \
+        > "$out/pytest_cuda.txt" 2>&1 ;;
+    profile)  # where an EAGLE step goes at the 1.5B's shapes (random weights) and the expansion graph's kernels
+      timeout 200 python3 scripts/device/eagle_profile.py --config qwen2.5-1.5b --tree-size 64 --depth 6 --topk 8 \
+        --compile --prompts 2 --out "$out/eagle_profile.json" --expansion-kernels "$out/expansion_kernels.txt" \
+        > "$out/eagle_profile.log" 2>&1 ;;
     distill)  # the self-distillation data only (cached in /tmp/eagle; a carried .evaldata/selfdistill*.jsonl of
               # the same settings is reused -- train-eagle checks its settings -- and the cache comes back in $OUT)
       [ "${FRESH:-0}" = 1 ] && mkdir -p "$head" || restore_eagle_data
