@@ -29,7 +29,8 @@ the accepted path with c children, one trial of ranks 1..c and a hit at the rank
 counts by ``memory``, so the estimate follows the last ~``1 / (1 - memory)`` steps. The expected
 tokens of a tree of n nodes is 1 (the bonus token) plus the sum of its nodes' path probabilities
 (the product of ``p`` over a node's ranks from the root) over the best n-node tree -- the n largest
-path products, no deeper than the deepest tree the drafter returned in this call.
+path products, no deeper than the deepest tree and no wider than the widest node the drafter
+returned in this call (a drafter of chains is never credited with siblings it does not propose).
 
 **Coming back to drafting**: after ``probe_every`` plain steps in a row, one step drafts at the best
 positive budget (``why`` ``"probe"``), refreshing the acceptance estimate; a drafter that does not pay
@@ -180,6 +181,8 @@ class RankAcceptance:
         self.trials: list[float] = []  # index k - 1: decayed count of nodes with >= k children on accepted paths
         #: the deepest tree seen (0: none yet, then trees of any depth are assumed)
         self.depth = 0
+        #: the most children of a node seen (0: none yet, then any number is assumed)
+        self.width = 0
 
     def observe(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
         """One step's drafted trees with their accepted paths (node indices from the root, 0 first)."""
@@ -191,6 +194,7 @@ class RankAcceptance:
             for i, p in enumerate(tree.parent_list[1:], start=1):
                 depth[i] = depth[p] + 1
             self.depth = max(self.depth, max(depth))
+            self.width = max(self.width, max(len(kids) for kids in children))
             for j, node in enumerate(path):
                 kids = children[node]
                 if not kids:
@@ -218,10 +222,10 @@ class RankAcceptance:
 
     def expected_tokens(self, budget: int) -> float:
         """Expected tokens one sequence emits in a step with ``budget`` draft nodes: 1 + the n largest
-        path products of the best tree (depth at most ``depth``, when known)."""
+        path products of the best tree (depth at most ``depth``, children at most ``width``, when known)."""
         if budget <= 0:
             return 1.0
-        q = sorted(self.rates(budget), reverse=True)
+        q = sorted(self.rates(min(budget, self.width or budget)), reverse=True)
         deepest = self.depth or budget
         total, count = 0.0, 0
         # (-value, order, depth, parent's value, rank index): pop a node, push its first child and next sibling

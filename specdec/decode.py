@@ -19,7 +19,7 @@ import torch
 
 from specdec import hf
 from specdec.decode_chunk import DecodeChunk
-from specdec.drafting import HIDDEN_LAST, DraftContext, propose_all
+from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, propose_all
 from specdec.kv import KVCache
 from specdec.outputs import StepStats
 from specdec.sampling import SamplingConfig, logits_to_probs
