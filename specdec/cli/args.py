@@ -64,15 +64,17 @@ def run(prog: str, handler: Callable[[list[str]], int | None], argv: Sequence[st
 
 def tree_size(low: int) -> Callable[[str], int | str]:
     """argparse type: ``auto`` (the per-step budget, ``SpecDecoder(tree_size="auto")``) or an int >= ``low``."""
-    number = int_at_least(low)
 
     def parse(text: str) -> int | str:
         if text == "auto":
             return text
         try:
-            return number(text)
-        except argparse.ArgumentTypeError:
+            val = int(text)
+        except ValueError:
             raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= {low}, got {text!r}") from None
+        if val < low:
+            raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= {low}, got {val}")
+        return val
 
     parse.__name__ = f"'auto' or int >= {low}"
     return parse
