@@ -20,7 +20,8 @@ cost barely depends on n), else another count's scaled per sequence; the first d
 call is not counted (it catches the drafter up on the prompt). A ``CostTable`` replaces all of this
 with fixed numbers (tests, or costs measured elsewhere).
 
-**Acceptance** (``RankAcceptance``, one per call). Sequoia's positional model: the child of sibling
+**Acceptance** (``RankAcceptance``, kept by the decoder: a call starts from the previous one's
+estimate, which its own steps soon replace). Sequoia's positional model: the child of sibling
 rank k (1 = the drafter's first) of a node on the accepted path is accepted with a probability
 ``p_k`` that depends on the rank only. Every drafted tree and its verdict count, for each node of
 the accepted path with c children, one trial of ranks 1..c and a hit at the rank taken (if any);
@@ -32,9 +33,12 @@ tokens of a tree of n nodes is 1 (the bonus token) plus the sum of its nodes' pa
 path products, no deeper than the deepest tree and no wider than the widest node the drafter
 returned in this call (a drafter of chains is never credited with siblings it does not propose).
 
-**Coming back to drafting**: after ``probe_every`` plain steps in a row, one step drafts at the best
-positive budget (``why`` ``"probe"``), refreshing the acceptance estimate; a drafter that does not pay
-costs one drafted step in ``probe_every``.
+**Coming back to drafting**: after enough plain steps in a row, one step drafts at the best positive
+budget (``why`` ``"probe"``), refreshing the acceptance estimate. Enough: at least ``probe_every``,
+and so many that the probe's expected loss against plain decoding (its seconds minus those of as many
+tokens decoded plainly) is at most ``probe_share`` of the plain steps' time -- a drafter that does not
+pay costs about ``probe_share`` (2 %) of the time, one that nearly pays is probed every
+``probe_every`` steps.
 """
 
 from __future__ import annotations
@@ -123,7 +127,10 @@ class BudgetConfig:
         budgets: the candidate budgets, increasing, 0 first, the largest = the decoder's
             ``max_tree_size``; each is a fixed-shape forward the warm-up builds. None (default):
             ``budget_ladder(max_tree_size)``.
-        probe_every: after this many plain steps in a row, one step drafts (>= 1).
+        probe_every: the fewest plain steps in a row before one step drafts to refresh the acceptance
+            estimate (>= 1).
+        probe_share: in (0, 1]: a probe waits until its expected loss against plain decoding is at
+            most this share of the plain steps' time since the last drafted step.
         memory: in (0, 1]: the acceptance counts are multiplied by it before each drafted step's.
         prior_accept: in (0, 1): the prior probability that the first child is accepted (rank k:
             ``prior_accept * (1 - prior_accept) ** (k - 1)``).
@@ -133,6 +140,7 @@ class BudgetConfig:
 
     budgets: tuple[int, ...] | None = None
     probe_every: int = 16
+    probe_share: float = 0.02
     memory: float = 0.9
     prior_accept: float = 0.5
     prior_weight: float = 2.0
@@ -146,6 +154,9 @@ class BudgetConfig:
                              f"positive budget, got {b!r}")  # fmt: skip
         if not isinstance(self.probe_every, int) or isinstance(self.probe_every, bool) or self.probe_every < 1:
             raise ValueError(f"probe_every: expected an int >= 1, got {self.probe_every!r}")
+        if (isinstance(self.probe_share, bool) or not isinstance(self.probe_share, (int, float))
+                or not 0 < self.probe_share <= 1):  # fmt: skip
+            raise ValueError(f"probe_share: expected a number in (0, 1], got {self.probe_share!r}")
         if isinstance(self.memory, bool) or not isinstance(self.memory, (int, float)) or not 0 < self.memory <= 1:
             raise ValueError(f"memory: expected a number in (0, 1], got {self.memory!r}")
         if (isinstance(self.prior_accept, bool) or not isinstance(self.prior_accept, (int, float))
@@ -329,8 +340,8 @@ class BudgetDecision:
         tokens: per candidate, the expected tokens of the step for the whole batch.
         seconds: per candidate, the expected seconds of the step (drafting + the target's side), or
             None where unknown.
-        why: ``"rate"`` (the most tokens per second), ``"probe"`` (drafting after ``probe_every``
-            plain steps) or ``"measuring"`` (its cost was unknown).
+        why: ``"rate"`` (the most tokens per second), ``"probe"`` (drafting after enough plain steps,
+            see ``BudgetConfig.probe_every`` / ``probe_share``) or ``"measuring"`` (its cost was unknown).
     """
 
     budget: int
@@ -388,9 +399,7 @@ class BudgetPolicy:
         self._drafted = False  # whether this call drafted yet (its first drafting is not timed)
 
     def begin(self) -> None:
-        """A new ``generate`` call: fresh acceptance statistics and stats (the costs stay)."""
-        c = self.config
-        self.acceptance = RankAcceptance(c.prior_accept, c.prior_weight, c.memory)
+        """A new ``generate`` call: fresh stats (the costs and the acceptance estimate stay)."""
         self._histogram, self._last, self._plain, self._drafted = {}, None, 0, False
 
     def decide(self, batch: int, capacity: int, active: int) -> BudgetDecision:
@@ -406,10 +415,20 @@ class BudgetPolicy:
             budget, why = unknown[0], "measuring"
         else:
             budget, why = best_budget(self.budgets, tokens, seconds), "rate"
-            if budget == 0 and self._plain >= self.config.probe_every:
-                budget, why = best_budget(self.budgets[1:], tokens[1:], seconds[1:]), "probe"
+            if budget == 0:
+                probe = best_budget(self.budgets[1:], tokens[1:], seconds[1:])
+                if self._plain >= self._probe_wait(tokens, seconds, self.budgets.index(probe)):
+                    budget, why = probe, "probe"
         self._last = BudgetDecision(budget, self.budgets, tokens, tuple(seconds), why)
         return self._last
+
+    def _probe_wait(self, tokens: Sequence[float], seconds: Sequence[float], i: int) -> int:
+        """Plain steps before a probe at candidate ``i`` (index 0: plain decoding): ``probe_every``, or
+        more while its expected loss exceeds ``probe_share`` of their time."""
+        if seconds[0] <= 0:
+            return self.config.probe_every
+        loss = seconds[i] - tokens[i] / tokens[0] * seconds[0]  # vs decoding as many tokens plainly
+        return max(self.config.probe_every, math.ceil(loss / (self.config.probe_share * seconds[0])))
 
     def observe_trees(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
         """One drafted step's trees and accepted paths (``RankAcceptance.observe``)."""

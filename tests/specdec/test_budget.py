@@ -121,21 +121,33 @@ def _policy(forward, draft, **kw) -> BudgetPolicy:
     return BudgetPolicy(config, config.candidates(16))
 
 
-def test_policy_plain_when_drafting_cannot_pay_and_probes():
-    # drafting costs 3 forwards: nothing the prior or any acceptance could repay at these budgets
-    policy = _policy({0: 1.0, 4: 1.1, 8: 1.2, 16: 1.3}, {4: 3.0, 8: 3.0, 16: 3.0}, probe_every=4)
+def _run_policy(policy: BudgetPolicy, steps: int) -> list[int]:
+    """``steps`` decisions at batch 1, every drafted tree rejected at once; the budgets picked."""
     policy.begin()
     picked = []
-    for _ in range(12):
+    for _ in range(steps):
         decision = policy.decide(1, 1024, 1)
         picked.append(decision.budget)
-        steps = [specdec.StepStats((0,), (0,), (1,), 0.0, 1.0, 0.0)]
         if decision.budget:
             policy.observe_trees([_chain(0)])
-        policy.observe_steps(decision.budget, 1, 1024, 1, steps)
+        policy.observe_steps(decision.budget, 1, 1024, 1, [specdec.StepStats((0,), (0,), (1,), 0.0, 1.0, 0.0)])
+    return picked
+
+
+def test_policy_plain_when_drafting_cannot_pay_and_probes():
+    # drafting costs 3 forwards: nothing the prior or any acceptance could repay at these budgets
+    forward, draft = {0: 1.0, 4: 1.1, 8: 1.2, 16: 1.3}, {4: 3.0, 8: 3.0, 16: 3.0}
+    policy = _policy(forward, draft, probe_every=4, probe_share=1.0)  # probes as often as probe_every allows
+    picked = _run_policy(policy, 12)
     assert picked[:4] == [0, 0, 0, 0] and picked[4] > 0 and picked[5:9] == [0, 0, 0, 0] and picked[9] > 0
     assert policy.stats().histogram[0] == 10 and sum(policy.stats().histogram.values()) == 12
-    assert "probe" not in policy.stats().reason and "budget 0 (rate)" in policy.stats().reason
+    assert "budget 0 (rate)" in policy.stats().reason
+    # the default share: a probe loses ~3 plain steps' time, so it waits ~150 plain steps (2 % of them)
+    # once the estimate knows the drafts are rejected (the first, on the prior's estimate, sooner)
+    picked = _run_policy(_policy(forward, draft, probe_every=4), 400)
+    probes = [i for i, n in enumerate(picked) if n]
+    assert 2 <= len(probes) <= 3 and probes[0] >= 16 and all(b - a >= 100 for a, b in zip(probes, probes[1:]))
+    assert sum(forward[n] + draft.get(n, 0) for n in picked) < 1.03 * 400
 
 
 def test_policy_follows_acceptance():
@@ -146,8 +158,9 @@ def test_policy_follows_acceptance():
     high = policy.decide(1, 1024, 1)
     assert high.budget == 16 and high.why == "rate"
     assert high.tokens[-1] > 10 and high.seconds == pytest.approx((1.0, 1.6, 1.7, 1.9))
-    policy.begin()  # a new call: the prior again
-    for _ in range(10):
+    policy.begin()  # a new call keeps the estimate, which its own steps soon replace
+    assert policy.decide(1, 1024, 1).budget == 16
+    for _ in range(40):
         policy.observe_trees([_chain(1, 16)])  # one token accepted, then a rejection
     low = policy.decide(1, 1024, 1)
     assert low.budget < 16
@@ -314,7 +327,7 @@ def test_features_arrive_once_when_steps_skip_the_drafter():
 
 def _costed(forward, draft, refs, static=False):
     drafter = _Counting(refs, seed=6)
-    budget = BudgetConfig(budgets=(0, 4, 16), probe_every=5, costs=CostTable(forward, draft))
+    budget = BudgetConfig(budgets=(0, 4, 16), probe_every=5, probe_share=1.0, costs=CostTable(forward, draft))
     dec = SpecDecoder(prepared_tiny_model(), drafter, "auto", max_tree_size=16, budget=budget, static_shapes=static,
                       attn_impl="torch", cache_buckets=(96,) if static else None)  # fmt: skip
     return dec, drafter
