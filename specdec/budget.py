@@ -392,6 +392,7 @@ class BudgetPolicy:
         self.budgets = budgets
         #: the step costs, kept across calls
         self.costs = StepCosts(config.costs)
+        #: the acceptance estimate, kept across calls
         self.acceptance = RankAcceptance(config.prior_accept, config.prior_weight, config.memory)
         self._histogram: dict[int, int] = {}
         self._last: BudgetDecision | None = None
