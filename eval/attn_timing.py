@@ -32,11 +32,12 @@ __all__ = ["attention_inputs", "prompt_lengths", "sweep_attention", "time_tree",
 
 
 def trees_by_size(records: Iterable[Mapping[str, Any]], max_trees: int) -> dict[int, list[list[int]]]:
-    """Up to ``max_trees`` sampled trees (parents lists) per tree size, from successful records."""
+    """Up to ``max_trees`` sampled trees (parents lists) per tree size, from successful records (those of
+    ``tree_size`` ``"auto"`` left out: their trees have no one size)."""
     out: dict[int, list[list[int]]] = {}
     for rec in records:
         t = rec.get("tree_size")
-        if t is None or rec.get("error") or not rec.get("tree_samples"):
+        if t is None or isinstance(t, str) or rec.get("error") or not rec.get("tree_samples"):
             continue
         have = out.setdefault(int(t), [])
         for parents in rec["tree_samples"]:

@@ -298,7 +298,9 @@ class EvalConfig:
             :class:`DrafterSpec` or its text ``[LABEL=]NAME[:KEY=VALUE,...]`` (``DRAFTER_SYNTAX``),
             e.g. ``("lookup", "medusa:heads=DIR", "model:draft=qwen2.5-coder-0.5b")``; strings are
             parsed on construction. ``()``: none (then ``specdec`` cannot run).
-        tree_sizes: node budgets of the ``specdec`` method.
+        tree_sizes: node budgets of the ``specdec`` method: ints >= 1, or ``"auto"`` (every step's
+            budget chosen from measured costs up to ``specdec.budget.DEFAULT_MAX_TREE_SIZE``:
+            ``SpecDecoder(tree_size="auto")``; its records carry ``budget_steps`` and ``budget_reason``).
         methods: which methods to run (``eval.methods.METHODS``); ``"hf"`` is added under greedy decoding.
         problems: how many problems (None: all); Spec-Bench: how many questions (their second turns
             come along), the categories' first questions taken in turn.
@@ -358,7 +360,7 @@ class EvalConfig:
     target: str = "qwen2.5-coder-1.5b"
     draft: str | None = "qwen2.5-coder-0.5b"
     drafters: tuple[DrafterSpec, ...] = field(default=("model",))  # type: ignore[assignment]
-    tree_sizes: tuple[int, ...] = (64,)
+    tree_sizes: tuple[int | str, ...] = (64,)
     methods: tuple[str, ...] = DEFAULT_METHODS
     problems: int | None = 8
     difficulty: tuple[str, ...] | None = None
@@ -397,8 +399,9 @@ class EvalConfig:
         dup = sorted({x for x in labels if labels.count(x) > 1})
         if dup:
             raise ValueError(f"drafters: two drafters labelled {', '.join(map(repr, dup))}; give distinct LABEL=...")
-        if not self.tree_sizes or any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in self.tree_sizes):
-            raise ValueError(f"tree_sizes: expected one or more ints >= 1, got {self.tree_sizes!r}")
+        if not self.tree_sizes or any(t != "auto" and (not isinstance(t, int) or isinstance(t, bool) or t < 1)
+                                      for t in self.tree_sizes):  # fmt: skip
+            raise ValueError(f"tree_sizes: expected one or more ints >= 1 or 'auto', got {self.tree_sizes!r}")
         if not self.methods:
             raise ValueError("methods: expected at least one method, got none")
         limits = tuple((str(m), n) for m, n in dict(self.method_problems).items())

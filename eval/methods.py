@@ -122,8 +122,8 @@ def build_drafter(name: str, **kwargs: Any) -> Any:
     """A drafter by name: ``drafters.make_drafter(name, ...)``, or ``"module:function"`` for any factory.
 
     ``kwargs`` offered (each factory receives those its signature names, or all with ``**kwargs``):
-    ``target``, ``draft`` (also as ``draft_model``), ``tokenizer``, ``tree_size``, ``device``, ``dtype``,
-    and the drafter's own options.
+    ``target``, ``draft`` (also as ``draft_model``), ``tokenizer``, ``tree_size`` (the drafter's cap:
+    the run's tree size, None for ``"auto"``), ``device``, ``dtype``, and the drafter's own options.
     """
     if "draft" in kwargs:
         kwargs.setdefault("draft_model", kwargs["draft"])
@@ -181,6 +181,9 @@ class MethodOutput:
             in ``num_return_sequences`` order; None for a single completion.
         shared_prompt: engine methods with ``samples``: whether the call kept its prompt's KV once
             for the n sequences (``GenerationOutput.shared_prompt``); None otherwise.
+        budget: the engine at ``tree_size`` ``"auto"``: (steps per budget with the budgets as strings,
+            the last decision's line: ``GenerationOutput.budget``); None otherwise. ``steps`` then
+            also has ``budget``, each step's.
     """
 
     token_ids: list[int]
@@ -192,6 +195,7 @@ class MethodOutput:
     emit_n: list[int] | None = None
     samples: list[list[int]] | None = None
     shared_prompt: bool | None = None
+    budget: tuple[dict[str, int], str] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -506,18 +510,19 @@ class Session:
                 raise ValueError(f"drafters: the heads of {spec.key!r} could not be loaded: {e}") from e
         return self._heads[spec.key]
 
-    def _make_drafter(self, spec: DrafterSpec, tree_size: int) -> Any:
+    def _make_drafter(self, spec: DrafterSpec, tree_size: int | str) -> Any:
         options = spec.drafter_options()
         heads = self._heads_of(spec)
         if heads is not None:
             options["heads"] = heads
-        kw = dict(target=self.target, draft=self._draft_for(spec), tokenizer=self.tokenizer, tree_size=tree_size,
+        cap = None if tree_size == "auto" else tree_size  # auto: the engine's budget of each step is the cap
+        kw = dict(target=self.target, draft=self._draft_for(spec), tokenizer=self.tokenizer, tree_size=cap,
                   device=self.device, dtype=self.target.dtype)  # fmt: skip
         if self.drafter_factory is not None:
             return self.drafter_factory(spec, **kw, **options)
         return build_drafter(spec.name, **kw, **options)
 
-    def _slot(self, tree_size: int | None) -> tuple[str | None, int | None]:
+    def _slot(self, tree_size: int | str | None) -> tuple[str | None, int | str | None]:
         if tree_size is None:
             return (None, None)
         if self.drafter is None:
@@ -549,12 +554,14 @@ class Session:
         obstacle = hf.shared_prefix_obstacle(self.target, top + rows)
         return {"cache_buckets": (rows, top), "shared_prefix": obstacle is None}
 
-    def decoder(self, tree_size: int | None):
-        """The engine for the current drafter at ``tree_size`` (None: no drafter), built on first use.
+    def decoder(self, tree_size: int | str | None):
+        """The engine for the current drafter at ``tree_size`` (None: no drafter; ``"auto"``: the
+        per-step budget up to ``DEFAULT_MAX_TREE_SIZE`` nodes), built on first use.
 
         Its caches: see :meth:`_cache_options` (with ``samples`` > 1, the shared prompt's small row
         cache and ``shared_prefix=True``, also with static shapes on CUDA)."""
         from specdec import SpecDecoder
+        from specdec.budget import DEFAULT_MAX_TREE_SIZE
 
         slot = self._slot(tree_size)
         if slot not in self._decoders:
@@ -562,9 +569,10 @@ class Session:
             if tree_size is not None:
                 drafter = self._recorders[slot] = RecordingDrafter(self._make_drafter(self.drafter, tree_size))
             comp = self.cfg.compile or (tree_size is not None and self.drafter.compile)
+            nodes = DEFAULT_MAX_TREE_SIZE if tree_size == "auto" else tree_size or 0  # the largest tree of a step
             self._decoders[slot] = SpecDecoder(  # profile: the records' per-step draft / verify / commit times are
                 self.target, drafter, tree_size or 0, attn_impl=self.cfg.attn_impl,  # device time, as before
-                static_shapes=True if comp else None, compile=comp, profile=True, **self._cache_options(tree_size or 0),
+                static_shapes=True if comp else None, compile=comp, profile=True, **self._cache_options(nodes),
             )  # fmt: skip
         return self._decoders[slot]
 
@@ -634,6 +642,10 @@ class Session:
         }
         if self.samples > 1:
             steps["active"] = active
+        budget = None
+        if out.budget is not None:  # tree_size "auto": each step's budget, the call's histogram and last decision
+            steps["budget"] = [s.budget for s in out.steps]
+            budget = ({str(n): k for n, k in out.budget.histogram.items()}, out.budget.reason)
         trees = None
         rec = self._recorders.get(self._slot(tree_size))
         if rec is not None:
@@ -658,5 +670,5 @@ class Session:
         rows = [self._finish(out.new_tokens(b).tolist()) for b in range(self.samples)]
         if self.samples > 1:
             return MethodOutput(rows[0], wall, steps, trees, out.prefill_s, samples=rows,
-                                shared_prompt=bool(getattr(out, "shared_prompt", False)))  # fmt: skip
-        return MethodOutput(rows[0], wall, steps, trees, out.prefill_s, emit_t=clock.t, emit_n=clock.n)
+                                shared_prompt=bool(getattr(out, "shared_prompt", False)), budget=budget)  # fmt: skip
+        return MethodOutput(rows[0], wall, steps, trees, out.prefill_s, emit_t=clock.t, emit_n=clock.n, budget=budget)

@@ -280,4 +280,5 @@ def row_sort_key(key: tuple, drafter_order: Mapping[str | None, int] | None = No
     method, drafter, t = key
     rank = METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
     d = -1 if drafter is None else (drafter_order or {}).get(drafter, 0)
-    return (method.startswith("specdec") and method != "specdec-plain", rank, method, d, -1 if t is None else t)
+    size = (-1, 0) if t is None else (1, 0) if isinstance(t, str) else (0, t)  # "auto" after the fixed sizes
+    return (method.startswith("specdec") and method != "specdec-plain", rank, method, d, size)

@@ -343,11 +343,13 @@ def _fmt(val: Any, spec: str) -> str:
         return f"{val:.2f}x"
     if spec == "%":
         return f"{val:.0%}"
+    if spec == "t":  # a tree size: an int or "auto"
+        return str(val)
     return format(val, spec)
 
 
 _TABLE = (  # (header, field, format)
-    ("method", "method", "s"), ("drafter", "drafter", "s"), ("t", "tree_size", "d"), ("problems", "problems", "d"),
+    ("method", "method", "s"), ("drafter", "drafter", "s"), ("t", "tree_size", "t"), ("problems", "problems", "d"),
     ("n", "samples", "d"),
     ("tau", "tau", ".2f"), ("acc/step", "accepted_per_step", ".2f"), ("depth", "mean_depth", ".1f"),
     ("verify ms/step", "verify_ms", ".2f"), ("draft ms/step", "draft_ms", ".2f"), ("tok/s", "tokens_per_s", ".1f"),
@@ -400,7 +402,7 @@ def _cell(row: Mapping[str, Any], field: str, spec: str) -> str:
 
 #: The per-category table's columns (``format_category_table``).
 _CATEGORY_TABLE = (
-    ("category", "category", "s"), ("method", "method", "s"), ("drafter", "drafter", "s"), ("t", "tree_size", "d"),
+    ("category", "category", "s"), ("method", "method", "s"), ("drafter", "drafter", "s"), ("t", "tree_size", "t"),
     ("problems", "problems", "d"), ("tau", "tau", ".2f"), ("tok/s", "tokens_per_s", ".1f"),
     ("vs specdec-plain", "speedup_vs_specdec_plain", "x"), ("vs hf-static", "speedup_vs_hf_static", "x"),
     ("stalls", "stalls", "d"), ("errors", "errors", "d"),
@@ -531,9 +533,10 @@ def _speedup_field(rows: Sequence[Mapping[str, Any]]) -> tuple[str | None, str]:
 
 
 def plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path | None:
-    """τ and × HF static against tree size as a PNG (two panels, one line per drafter). Without
-    matplotlib, or without any tree-size rows, prints why and returns None."""
-    tree_rows = sorted((r for r in rows if r.get("tree_size") is not None and r.get("problems")),
+    """τ and × HF static against tree size as a PNG (two panels, one line per drafter; rows of
+    ``tree_size`` ``"auto"`` have no place on that axis). Without matplotlib, or without any
+    tree-size rows, prints why and returns None."""
+    tree_rows = sorted((r for r in rows if isinstance(r.get("tree_size"), int) and r.get("problems")),
                        key=lambda r: r["tree_size"])  # fmt: skip
     if not tree_rows:
         print("plot: skipped (no rows with a tree size)", file=sys.stderr)

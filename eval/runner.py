@@ -67,7 +67,7 @@ _NO_DRAFT_MODEL = ("lookup", "medusa", "eagle")
 
 
 def work_items(problems: Sequence[Any], methods: Sequence[Method], drafters: Sequence[DrafterSpec],
-               tree_sizes: Sequence[int], method_problems: Mapping[str, int] | None = None,
+               tree_sizes: Sequence[int | str], method_problems: Mapping[str, int] | None = None,
                indices: Sequence[int] | None = None,
                ) -> list[tuple[int, Any, Method, DrafterSpec | None, int | None]]:  # fmt: skip
     """(problem index, problem, method, drafter, tree size) in run order: per problem, each method
@@ -168,6 +168,8 @@ def _result_fields(res: MethodOutput, tokenizer: Any) -> dict[str, Any]:
         fields["prefill_s"] = res.prefill_s
     if res.shared_prompt is not None:
         fields["shared_prompt"] = res.shared_prompt
+    if res.budget is not None:
+        fields["budget_steps"], fields["budget_reason"] = res.budget
     if res.emit_t is not None and res.emit_n is not None:
         fields.update(emit_t=list(res.emit_t), emit_n=list(res.emit_n))
     return fields

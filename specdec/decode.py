@@ -19,7 +19,7 @@ import torch
 
 from specdec import hf
 from specdec.decode_chunk import DecodeChunk
-from specdec.drafting import HIDDEN_LAST, DraftContext, propose_all
+from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, propose_all
 from specdec.kv import KVCache
 from specdec.outputs import StepStats
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -97,18 +97,21 @@ def _stream(run: Run, appended: list[list[int]]) -> None:
 
 class DecodeLoop:
     """The decode loop of ``SpecDecoder`` (a base class of it): reads the decoder's ``drafter``,
-    ``tree_size``, ``target``, ``vocab_size``, ``static_shapes``, ``attn_impl``, ``decode_chunk``,
-    ``rank_sync`` and hidden-state mode, and gets its forwards through ``_graphed`` / ``_chunk``."""
+    ``target``, ``vocab_size``, ``static_shapes``, ``attn_impl``, ``decode_chunk``, ``rank_sync``,
+    ``budget`` (the budget policy, or None) and hidden-state mode, and gets its forwards through
+    ``_graphed`` / ``_chunk``. Every step runs at a node budget the caller passes: the decoder's
+    ``tree_size``, or the policy's choice."""
 
-    def _step(self, run: Run) -> StepStats:
-        """One step over the batch: draft -> tree forward -> verify -> accept and commit -> drafter update."""
+    def _step(self, run: Run, budget: int) -> StepStats:
+        """One step over the batch at ``budget`` draft nodes per sequence (0: no drafter call):
+        draft -> tree forward -> verify -> accept and commit -> drafter update."""
         timer = self._phase_timer()
         with timer("draft"):
-            trees, contexts = self._draft(run)
+            trees, contexts = self._draft(run, budget)
         with timer("verify"):
             if self.rank_sync is not None:  # every rank drafted the same trees (else all raise)
                 self.rank_sync.check_trees(trees)
-            forward = self._tree_forward(run.cache, trees, run.shared)
+            forward = self._tree_forward(run.cache, trees, budget, run.shared)
             with timer("forward"):
                 logits, node_hidden = forward()
             verdicts = self._verify(run, trees, logits)
@@ -116,11 +119,14 @@ class DecodeLoop:
                 verdicts = self.rank_sync.verdicts(verdicts, trees, run.generator, run.sampling is not None,
                                                    self.device)  # fmt: skip
         with timer("commit"):
-            new_tokens, paths = self._accept(run, trees, verdicts, node_hidden)
+            new_tokens, paths = self._accept(run, trees, verdicts, node_hidden, contexts)
             run.cache.commit(paths)  # nodes already in place (a first-child chain) are not copied
         _stream(run, new_tokens)
         with timer("draft"):
             self._update_drafter(contexts, trees, verdicts)
+        if self.budget is not None and budget:
+            self.budget.observe_trees([(trees[b], v.path) for b, v in enumerate(verdicts)
+                                       if v is not None and contexts[b] is not None])  # fmt: skip
         return StepStats(
             nodes_proposed=tuple(t.n - 1 for t in trees),
             tokens_accepted=tuple(0 if v is None else v.num_accepted for v in verdicts),
@@ -129,20 +135,22 @@ class DecodeLoop:
             verify_s=timer.seconds["verify"],
             commit_s=timer.seconds["commit"],
             forward_s=timer.seconds["forward"],
+            budget=budget,
         )
 
-    def _draft(self, run: Run) -> tuple[list[TokenTree], list[DraftContext | None]]:
-        """Per sequence, the drafter's tree (root-only when finished or without a drafter) and the
-        context it was asked with (None when it was not asked)."""
+    def _draft(self, run: Run, budget: int) -> tuple[list[TokenTree], list[DraftContext | None]]:
+        """Per sequence, the drafter's tree of at most ``budget`` nodes besides the root (root-only
+        when finished, without a drafter or at budget 0) and the context it was asked with (None
+        when it was not asked)."""
         trees: list[TokenTree] = []
         contexts: list[DraftContext | None] = []
         for b, n in enumerate(run.lens):
-            if run.done[b] or self.drafter is None or self.tree_size == 0:
+            if run.done[b] or self.drafter is None or budget == 0:
                 trees.append(TokenTree(run.seqs[b, n - 1 : n].clone(), _ROOT_PARENTS))
                 contexts.append(None)
             else:
                 trees.append(None)  # type: ignore[arg-type] -- the drafter's, below
-                contexts.append(DraftContext(run.seqs[b, :n], self.tree_size, b, run.sampling, run.generator,
+                contexts.append(DraftContext(run.seqs[b, :n], budget, b, run.sampling, run.generator,
                                              run.hidden[b]))  # fmt: skip
         asked = [ctx for ctx in contexts if ctx is not None]
         ids = run.seqs.numpy()  # a view, for reading host ints
@@ -171,19 +179,21 @@ class DecodeLoop:
                                  f"got {tree.draft_probs.shape[1]}")  # fmt: skip
         return tree
 
-    def _tree_forward(self, cache: KVCache, trees: list[TokenTree], shared: KVCache | None = None) -> _Forward:
-        """The target's forward over the B trees as a call, its inputs prepared on the host.
+    def _tree_forward(self, cache: KVCache, trees: list[TokenTree], budget: int,
+                      shared: KVCache | None = None) -> _Forward:  # fmt: skip
+        """The target's forward over the B trees (each of at most ``budget`` nodes besides the root)
+        as a call, its inputs prepared on the host.
 
         The call returns ``(logits [B, n, V], hidden [B, n, H] or None)``; node i of tree b is row
-        ``[b, i]`` (rows past a tree's size are padding). n is ``tree_size + 1`` with static shapes
-        (the fixed-shape forward of this batch size and cache, made on first use), else the
-        largest tree's size. Node i's KV goes to slot ``cache.lengths[b] + i``. ``shared``: the
+        ``[b, i]`` (rows past a tree's size are padding). n is ``budget + 1`` with static shapes
+        (the fixed-shape forward of this batch size, cache and budget, made on first use), else
+        the largest tree's size. Node i's KV goes to slot ``cache.lengths[b] + i``. ``shared``: the
         prompt all B sequences share, ``shared.lengths[0]`` tokens: ``cache`` then holds what follows
         it, and positions are offset by its length (static shapes: the fixed-shape forward over both
         caches, ``GraphedForward(shared=)``; dynamic: ``hf.tree_forward(shared=)``).
         """
         batch = len(trees)
-        n = self.tree_size + 1 if self.static_shapes else max(t.n for t in trees)
+        n = budget + 1 if self.static_shapes else max(t.n for t in trees)
         cache.check_room(n)
         if self.static_shapes:
             graphed = self._graphed(cache, batch, n, shared)
@@ -224,13 +234,16 @@ class DecodeLoop:
         return [None if run.done[b] else greedy_verdict(t, best[b]) for b, t in enumerate(trees)]
 
     def _accept(self, run: Run, trees: list[TokenTree], verdicts: list[Verdict | None],
-                node_hidden: torch.Tensor | None) -> tuple[list[list[int]], list[tuple[int, ...] | None]]:  # fmt: skip
+                node_hidden: torch.Tensor | None,
+                contexts: list[DraftContext | None]) -> tuple[list[list[int]], list[tuple[int, ...] | None]]:  # fmt: skip
         """Append each verdict's tokens (cut at eos and max_new_tokens) to ``run``.
 
         With ``node_hidden`` (``[B, n, H]``, the forward's final hidden states), sets each
         sequence's next ``run.hidden`` to copies of its committed nodes' rows (the next forward
         overwrites ``node_hidden``): ``"all"``: ``[k, H]`` of the kept path's k nodes, whose last
-        row predicted the last appended token (the next root); ``"last"``: that last row only.
+        row predicted the last appended token (the next root), after the rows the drafter was not
+        shown yet (a step at budget 0 asks no drafter: ``contexts[b]`` None); ``"last"``: that last
+        row only.
 
         Returns:
             Per sequence, the tokens appended, and the tree nodes whose KV the cache keeps: the
@@ -251,12 +264,15 @@ class DecodeLoop:
             paths.append(kept)
             if node_hidden is not None:  # copies: the next forward overwrites node_hidden
                 last = kept[-1]
+                unseen = run.hidden[b] if contexts[b] is None and self._hidden_mode == HIDDEN_ALL else None
                 if self._hidden_mode == HIDDEN_LAST:
                     run.hidden[b] = node_hidden[b, last : last + 1].clone()
                 elif last == len(kept) - 1:  # nodes 0 .. last (a first-child chain): a slice
                     run.hidden[b] = node_hidden[b, : last + 1].clone()
                 else:
                     run.hidden[b] = node_hidden[b, list(kept)]  # advanced indexing copies
+                if unseen is not None:
+                    run.hidden[b] = torch.cat([unseen, run.hidden[b]])
         return appended, paths
 
     def _update_drafter(self, contexts: list[DraftContext | None], trees: list[TokenTree],
@@ -267,16 +283,18 @@ class DecodeLoop:
                 if contexts[b] is not None:
                     self.drafter.update(contexts[b], trees[b], v)
 
-    def _chunking(self) -> bool:
-        """Whether plain decoding runs in chunks: ``decode_chunk``, static shapes, no drafting (a
-        tensor-parallel target too: its ranks check one token fingerprint per chunk)."""
-        return bool(self.decode_chunk) and not self.tree_size and self.static_shapes
+    def _chunking(self, budget: int) -> bool:
+        """Whether steps at ``budget`` run in chunks: ``decode_chunk``, static shapes, no drafting
+        (budget 0), no drafter reading hidden states (a chunk keeps none; a tensor-parallel target
+        too: its ranks check one token fingerprint per chunk)."""
+        return bool(self.decode_chunk) and not budget and self.static_shapes and not self._wants_hidden
 
-    def _chunk_for(self, run: Run) -> DecodeChunk | None:
-        """The ``DecodeChunk`` for this call's next steps (made on first use), or None: a step at a
-        time (see ``decode_chunk``: not plain decoding with static shapes, or an unfinished
-        sequence has fewer than ``decode_chunk`` tokens to go)."""
-        if not self._chunking():
+    def _chunk_for(self, run: Run, budget: int) -> DecodeChunk | None:
+        """The ``DecodeChunk`` for this call's next steps at ``budget`` (made on first use), or None:
+        a step at a time (see ``decode_chunk``: not plain decoding with static shapes, a drafter
+        reading hidden states, or an unfinished sequence has fewer than ``decode_chunk`` tokens to
+        go)."""
+        if not self._chunking(budget):
             return None
         left = min(len(run.prompts[b]) + run.max_new_tokens - run.lens[b] for b in range(len(run.lens)) if not run.done[b])
         if left < self.decode_chunk:
@@ -311,4 +329,4 @@ class DecodeLoop:
         zeros = (0,) * batch
         return [StepStats(nodes_proposed=zeros, tokens_accepted=zeros,
                           tokens_emitted=tuple(int(j < len(new)) for new in appended), draft_s=0.0, verify_s=share["verify"],
-                          commit_s=share["commit"], forward_s=share["forward"]) for j in range(k)]  # fmt: skip
+                          commit_s=share["commit"], forward_s=share["forward"], budget=0) for j in range(k)]  # fmt: skip

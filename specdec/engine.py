@@ -3,7 +3,7 @@
 Per call: prefill the prompts (``specdec.prefill``), then per step draft -> one tree forward ->
 verify -> accept and commit (``specdec.decode``) until every sequence ends. ``drafter=None`` (or
 ``tree_size=0``) is plain autoregressive decoding through the same path: the baseline that matches
-``model.generate``. The decoder keeps its KV caches and fixed-shape forwards per (batch size,
+``model.generate``; ``tree_size="auto"`` picks every step's node budget (``specdec.budget``). The decoder keeps its KV caches and fixed-shape forwards per (batch size,
 capacity) (``specdec.capacity``) and builds them ahead with ``warmup`` (``specdec.warmup``). The
 results are ``specdec.outputs``. docs/ENGINE.md tells the design: shapes, buckets, the chunked
 prefill, the shared prompt, decode chunks and what each costs.
@@ -18,6 +18,7 @@ from types import MappingProxyType
 import torch
 
 from specdec import hf
+from specdec.budget import AUTO, DEFAULT_MAX_TREE_SIZE, BudgetConfig, BudgetPolicy
 from specdec.capacity import MIN_CACHE_BUCKET, CacheCapacity, checked_buckets, default_cache_buckets
 from specdec.decode import DecodeLoop, Run
 from specdec.distributed import RankSync
@@ -59,7 +60,16 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
             is routed through specdec's function (``hf.prepare_model``), which leaves its ordinary
             forward / generate unchanged.
         drafter: a ``specdec.drafting.Drafter``, or None for plain decoding.
-        tree_size: node budget per step besides the root (0 = plain decoding).
+        tree_size: node budget per step besides the root (0 = plain decoding), or ``"auto"``: each
+            step picks its budget from ``budget``'s candidates (0, 4, 8, ... ``max_tree_size``: each a
+            fixed-shape forward the warm-up builds and times) as the one of the most expected tokens
+            per second from measured costs and the call's acceptance so far (``specdec.budget``;
+            ``GenerationOutput.budget`` tells what it chose). Budget 0 is plain decoding without a
+            drafter call. Needs a single-process target (no ``rank_sync``).
+        max_tree_size: with ``tree_size="auto"``, the largest budget (default
+            ``specdec.budget.DEFAULT_MAX_TREE_SIZE`` = 64); the caches are sized for it. None otherwise.
+        budget: with ``tree_size="auto"``, a ``specdec.budget.BudgetConfig`` (candidate budgets,
+            probing, the acceptance prior, fixed costs); None: the defaults. None otherwise.
         max_cache_len: one fixed KV capacity per sequence, chosen up front and reused across calls
             (a request that does not fit raises); None: ``cache_buckets`` with static shapes, else a
             cache of exactly prompt + max_new_tokens + tree_size slots per call.
@@ -103,7 +113,8 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
             ValueError. False: each row holds its own copy of the prompt's KV. None (default): the
             shared layout where True would give it, the copy layout where True would raise. Calls
             with several prompts always use the copy layout.
-        decode_chunk: plain decoding (no drafter, or ``tree_size=0``) with static shapes runs
+        decode_chunk: plain decoding (no drafter, ``tree_size=0``, or a step at budget 0 with
+            ``tree_size="auto"`` and a drafter that reads no hidden states) with static shapes runs
             this many steps per ``specdec.decode_chunk.DecodeChunk`` (default ``DEFAULT_DECODE_CHUNK`` =
             8): one replay and one device-to-host copy per chunk instead of a host round trip per
             token, while every unfinished sequence has at least that many tokens to go. Greedy: the
@@ -129,8 +140,10 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         self,
         target,
         drafter: Drafter | None = None,
-        tree_size: int = 64,
+        tree_size: int | str = 64,
         *,
+        max_tree_size: int | None = None,
+        budget: BudgetConfig | None = None,
         max_cache_len: int | None = None,
         cache_buckets: Sequence[int] | None = None,
         static_shapes: bool | None = None,
@@ -144,8 +157,21 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         profile: bool = False,
     ) -> None:
         hf.prepare_model(target, "target")
-        if not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0:
-            raise ValueError(f"tree_size: expected an int >= 0, got {tree_size!r}")
+        auto = isinstance(tree_size, str) and tree_size == AUTO
+        if not auto and (not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0):
+            raise ValueError(f"tree_size: expected an int >= 0 or {AUTO!r}, got {tree_size!r}")
+        if not auto and max_tree_size is not None:
+            raise ValueError(f"max_tree_size: expected None unless tree_size is {AUTO!r}, got {max_tree_size!r}")
+        if not auto and budget is not None:
+            raise ValueError(f"budget: expected None unless tree_size is {AUTO!r}, got {budget!r}")
+        if budget is not None and not isinstance(budget, BudgetConfig):
+            raise ValueError(f"budget: expected None or a specdec.budget.BudgetConfig, got {type(budget).__name__}")
+        if auto:
+            budget = budget or BudgetConfig()
+            max_tree_size = DEFAULT_MAX_TREE_SIZE if max_tree_size is None else max_tree_size
+            if not isinstance(max_tree_size, int) or isinstance(max_tree_size, bool) or max_tree_size < 1:
+                raise ValueError(f"max_tree_size: expected None or an int >= 1, got {max_tree_size!r}")
+            budgets = budget.candidates(max_tree_size)  # ValueError for a bad max_tree_size / budgets
         if attn_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"attn_impl: expected 'auto', 'triton' or 'torch', got {attn_impl!r}")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 2):
@@ -173,7 +199,14 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
                 )
         self.target = target
         self.drafter = drafter
-        self.tree_size = tree_size if drafter is not None else 0
+        #: the node budget per step, or with ``tree_size="auto"`` the largest one (0 without a drafter)
+        self.tree_size: int = (max_tree_size if auto else tree_size) if drafter is not None else 0
+        #: picks each step's budget (``tree_size="auto"`` with a drafter), else None: always ``tree_size``
+        self.budget: BudgetPolicy | None = None
+        if auto and drafter is not None:
+            self.budget = BudgetPolicy(budget, budgets)
+        #: the budgets steps may run at: each a fixed-shape forward ``[B, budget + 1]`` with static shapes
+        self.tree_budgets: tuple[int, ...] = (self.tree_size,) if self.budget is None else self.budget.budgets
         # Drafters that read the target's hidden states (Medusa, EAGLE heads) get them in DraftContext.hidden:
         # None, HIDDEN_LAST (the one that predicted the root) or HIDDEN_ALL (every committed token's, once).
         request = hidden_states_request(drafter)
@@ -210,6 +243,9 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
             raise ValueError(f"rank_sync: expected None or a specdec.distributed.RankSync, got {type(rank_sync).__name__}")
         #: keeps the ranks of a tensor-parallel target in lockstep (None: a single-process target)
         self.rank_sync: RankSync | None = rank_sync if rank_sync is not None else RankSync.for_model(target)
+        if self.budget is not None and self.rank_sync is not None:  # each rank would time and choose its own
+            raise ValueError(f"tree_size: {AUTO!r} needs a single-process target, got a tensor-parallel one "
+                             f"(rank_sync); pass an int")  # fmt: skip
         if shared_prefix is not None and not isinstance(shared_prefix, bool):
             raise ValueError(f"shared_prefix: expected None, True or False, got {shared_prefix!r}")
         obstacle = hf.shared_prefix_obstacle(target, 0)  # what rules it out whatever the context
@@ -476,15 +512,24 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         if self.drafter is not None:
             self.drafter.reset([p.clone() for p in prompts])
         steps: list[StepStats] = []
+        policy = self.budget
+        if policy is not None:
+            policy.begin()
         while not all(run.done):
-            chunk = self._chunk_for(run)
-            steps.extend([self._step(run)] if chunk is None else self._chunk_steps(run, chunk))
+            active = batch - sum(run.done)
+            budget = self.tree_size if policy is None else policy.decide(batch, cache.capacity, active).budget
+            chunk = self._chunk_for(run, budget)
+            done = [self._step(run, budget)] if chunk is None else self._chunk_steps(run, chunk)
+            if policy is not None:
+                policy.observe_steps(budget, batch, cache.capacity, active, done)
+            steps.extend(done)
 
         out = torch.full((batch, max(run.lens)), pad_token_id, dtype=torch.int64)
         for b, n in enumerate(run.lens):
             out[b, :n] = seqs[b, :n]
         return GenerationOutput(out, tuple(run.lens), tuple(len(p) for p in prompts), steps, timer.seconds["prefill"],
-                                shared_prompt=shared_caps is not None)  # fmt: skip
+                                shared_prompt=shared_caps is not None,
+                                budget=None if policy is None else policy.stats())  # fmt: skip
 
 
     def _phase_timer(self) -> PhaseTimer:
@@ -500,7 +545,7 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
 class SpeculativeModel:
     """A model whose ``generate`` is speculative; every other attribute is the wrapped model's."""
 
-    def __init__(self, model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) -> None:
+    def __init__(self, model, drafter: Drafter | None, tree_size: int | str = AUTO, **decoder_kwargs) -> None:
         self.decoder = SpecDecoder(model, drafter, tree_size, **decoder_kwargs)
         self.model = model
 
@@ -558,10 +603,12 @@ class SpeculativeModel:
         return out if return_output else out.sequences
 
 
-def wrap(model, drafter: Drafter | None, tree_size: int = 64, **decoder_kwargs) -> SpeculativeModel:
+def wrap(model, drafter: Drafter | None, tree_size: int | str = AUTO, **decoder_kwargs) -> SpeculativeModel:
     """``specdec.wrap(model, drafter).generate(input_ids, max_new_tokens=...)`` decodes speculatively.
 
-    ``decoder_kwargs`` go to ``SpecDecoder`` (``max_cache_len``, ``cache_buckets``, ``static_shapes``,
+    ``tree_size``: ``"auto"`` (default: each step's budget from measured costs, see ``SpecDecoder``)
+    or a fixed node budget per step. ``decoder_kwargs`` go to ``SpecDecoder`` (``max_tree_size``,
+    ``budget``, ``max_cache_len``, ``cache_buckets``, ``static_shapes``,
     ``attn_impl``, ``cuda_graphs``, ``compile``, ``prefill_width``, ``rank_sync``, ``shared_prefix``,
     ``decode_chunk``, ``profile``).
     """

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.budget import BudgetStats
+
 __all__ = ["GenerationOutput", "StepStats", "WarmupEntry", "WarmupReport"]
 
 
@@ -25,6 +27,8 @@ class StepStats:
             cuts) and the KV commit. The ``on_tokens`` callback is in no phase.
         forward_s: the part of ``verify_s`` from handing the inputs to the device to the forward's
             end: the target forward itself.
+        budget: the step's node budget per sequence: the decoder's ``tree_size``, or with
+            ``tree_size="auto"`` the one chosen for the step (0: plain decoding, no drafter call).
 
     Timing: by default (``SpecDecoder(profile=False)``) the phases are host wall time, with no
     device synchronize: device work still queued when a phase ends is counted in the phase where
@@ -45,6 +49,7 @@ class StepStats:
     verify_s: float
     commit_s: float
     forward_s: float = 0.0
+    budget: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,9 @@ class GenerationOutput:
         shared_prompt: whether the call decoded on the shared layout (``num_return_sequences`` > 1 of
             one prompt whose KV was kept once for all its sequences, see ``SpecDecoder``'s
             ``shared_prefix``); False: every sequence held its own copy of its prompt's KV.
+        budget: with ``SpecDecoder(tree_size="auto")`` and a drafter, the call's budgets
+            (``specdec.budget.BudgetStats``: steps per budget, and the last decision's costs and
+            acceptance estimate in ``budget.reason``); None with a fixed tree size.
 
     Timing (``steps``' ``draft_s`` / ``verify_s`` / ``forward_s`` / ``commit_s`` and ``prefill_s``):
     host wall time without any device synchronize by default; with ``SpecDecoder(profile=True)``
@@ -75,6 +83,7 @@ class GenerationOutput:
     steps: list[StepStats] = field(default_factory=list)
     prefill_s: float = 0.0
     shared_prompt: bool = False
+    budget: BudgetStats | None = None
 
     def new_tokens(self, seq: int = 0) -> torch.Tensor:
         """int64 ``[num_new]``: the tokens generated for sequence ``seq``."""

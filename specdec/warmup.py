@@ -3,7 +3,9 @@
 ``Warmup.warmup`` (``SpecDecoder.warmup``) makes, per batch size and cache capacity, the kept KV cache,
 the prompt-prefill forward, the tree forward (compiled and / or captured) and, for shared prompts,
 the forwards over a batch-1 prompt cache; then the drafter's own ``warmup``. It reports what each
-took (``WarmupReport``), device synchronized.
+took (``WarmupReport``), device synchronized. With ``tree_size="auto"`` it makes the tree forward of
+every candidate budget and times each (``BUDGET_TIMING_RUNS`` runs, the median) for the decoder's
+cost model (``specdec.budget.StepCosts.record_forward``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from specdec.sampling import SamplingConfig
 from specdec.timing import PhaseTimer
 from specdec.tree import TokenTree
 
-__all__ = ["Warmup"]
+__all__ = ["BUDGET_TIMING_RUNS", "Warmup"]
+
+#: ``tree_size="auto"``: timed runs of each budget's forward per warmed cache (after its first run)
+BUDGET_TIMING_RUNS = 3
 
 
 def _stderr(message: str) -> None:
@@ -143,8 +148,15 @@ class Warmup:
            context (C + S) the cascade does not serve (``hf.shared_prefix_obstacle``) are skipped:
            those calls use the copy layout.
 
-        ``[B, tree_size + 1]`` and the prefill's ``[B, prefill_width]`` are the only forward shapes
-        ``generate`` runs with static shapes (steps whose trees are all root-only, e.g. plain
+        With ``tree_size="auto"`` step 2 (and 3) also makes the forward ``[B, n + 1]`` of every other
+        candidate budget n over the same caches, and runs each ``BUDGET_TIMING_RUNS`` more times,
+        device synchronized: the median is the cost of a step at n that the decoder's budget rule
+        starts from (``specdec.budget``); plain decoding's chunks are warmed as at ``tree_size=0``
+        (unless the drafter reads hidden states: its plain steps run one at a time). The entries
+        report the largest budget's forward.
+
+        ``[B, tree_size + 1]`` (with ``tree_size="auto"``, one per candidate budget) and the prefill's
+        ``[B, prefill_width]`` are the only forward shapes ``generate`` runs with static shapes (steps whose trees are all root-only, e.g. plain
         decoding at ``tree_size=0``, run the former too; prompts of any length, the latter).
         The dummy KV is never read: every ``generate`` prefills its prompts from slot 0. Then, if
         the drafter has a ``warmup`` method, ``drafter.warmup(batch_sizes=..., max_len=..., log=...)``
@@ -215,7 +227,8 @@ class Warmup:
             cache_dir = configure_compile_cache()
         how = [f"torch.compile ({'layers' if self.compile is True else self.compile})"] if self.compile else []
         how += ["CUDA graphs"] if self.cuda_graphs else (["fixed shapes, eager"] if self.static_shapes else ["eager"])
-        say(f"specdec warmup: target forwards [B, {n}] for B in {batch_sizes} over caches of {capacities} slots "
+        shapes = ", ".join(f"[B, {b + 1}]" for b in self.tree_budgets)
+        say(f"specdec warmup: target forwards {shapes} for B in {batch_sizes} over caches of {capacities} slots "
             f"({', '.join(how)}){f'; compile cache {cache_dir}' if cache_dir else ''}")  # fmt: skip
         width = self.prefill_width
         if width and any(c >= width for c in capacities):
@@ -258,7 +271,7 @@ class Warmup:
         """Plain decoding with chunks: run (and so capture) the greedy chunk over ``cache`` --
         prefilled, with room for it -- once, and the ``sampling`` one if given; the seconds of the
         captures this run made, else None."""
-        if not self._chunking() or max(cache.lengths) + self.decode_chunk > cache.capacity:
+        if not self._chunking(min(self.tree_budgets)) or max(cache.lengths) + self.decode_chunk > cache.capacity:
             return None  # no chunks, or a cache this small never decodes one
         made = None
         for config in (None, sampling) if sampling is not None else (None,):
@@ -270,6 +283,25 @@ class Warmup:
             if first and chunk.capture_s is not None:
                 made = (made or 0.0) + chunk.capture_s
         return made
+
+    def _time_budgets(self, cache: KVCache, batch: int, shared: KVCache | None = None) -> None:
+        """``tree_size="auto"``: make (first run: capture / compile) and time the forward of every
+        candidate budget over ``cache`` (prefilled; ``shared``: the prompt's cache), the median of
+        ``BUDGET_TIMING_RUNS`` synchronized runs each, into the budget policy's costs."""
+        if self.budget is None:
+            return
+        for budget in self.tree_budgets:
+            forward = self._tree_forward(cache, [TokenTree.chain(torch.zeros(budget + 1, dtype=torch.int64))] * batch,
+                                         budget, shared)  # fmt: skip
+            forward()  # made here if new: not timed
+            runs = []
+            for _ in range(BUDGET_TIMING_RUNS):
+                self._sync()
+                start = time.perf_counter()
+                forward()
+                self._sync()
+                runs.append(time.perf_counter() - start)
+            self.budget.costs.record_forward(batch, cache.capacity, budget, sorted(runs)[len(runs) // 2])
 
     def _warm_shared(self, batch: int, rows_cap: int, n: int, prompt_cap: int,
                      sampling: SamplingConfig | None = None) -> WarmupEntry:  # fmt: skip
@@ -287,12 +319,13 @@ class Warmup:
                 prompt_cache, _ = self._prefill_shared(torch.zeros(2, dtype=torch.int64), batch, prompt_cap)
                 rows.allocate_like(prompt_cache)  # as generate does: buffers before the first forward
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
-            self._tree_forward(rows, [chain] * batch, prompt_cache)()
+            self._tree_forward(rows, [chain] * batch, n - 1, prompt_cache)()
+            over_shared = self._shared_graphs.get(shared_key)  # None with dynamic shapes
+            shared_first = over_shared is not None and over_shared.calls == 1  # before the budgets' timing runs
+            self._time_budgets(rows, batch, prompt_cache)
             chunk_s = self._warm_chunk(rows, batch, prompt_cache, sampling)
             rows.reset()
             prompt_cache.reset()
-        over_shared = self._shared_graphs.get(shared_key)  # None with dynamic shapes
-        shared_first = over_shared is not None and over_shared.calls == 1
         pre = self._prefill_graphs.get((1, prompt_cap))  # None: the prompt is prefilled eagerly
         pre_first = pre is not None and pre.calls == 1
         return WarmupEntry(batch, rows_cap, n, timer.seconds["all"], timer.seconds["prefill"], None, None,
@@ -320,15 +353,16 @@ class Warmup:
             with timer("prefill"):
                 self._prefill(cache, torch.zeros(batch, 2, dtype=torch.int64), [2] * batch)
             chain = TokenTree.chain(torch.zeros(n, dtype=torch.int64))
-            self._tree_forward(cache, [chain] * batch)()
+            self._tree_forward(cache, [chain] * batch, n - 1)()
+            graphed = self._graphs.get(key)  # None with dynamic shapes
+            first = graphed is not None and graphed.calls == 1  # its first run: timings are ours
+            self._time_budgets(cache, batch)
             chunk_s = self._warm_chunk(cache, batch, None, sampling)
             cache.reset()
             over_shared = None  # the shared-prompt forward's entry, if warmed here
             context = 2 * capacity if self.static_shapes else capacity + 1  # what the call's obstacle check sees
             if shared and self.shared_prefix and batch > 1 and hf.shared_prefix_obstacle(self.target, context) is None:
                 over_shared = self._warm_shared(batch, capacity, n, capacity, sampling)
-        graphed = self._graphs.get(key)  # None with dynamic shapes
-        first = graphed is not None and graphed.calls == 1  # this was its first run: timings are ours
         pre = self._prefill_graphs.get((batch, capacity))  # None: an eager prefill
         pre_first = pre is not None and pre.calls == 1
         return WarmupEntry(batch, capacity, n, timer.seconds["all"], timer.seconds["prefill"],

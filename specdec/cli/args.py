@@ -62,6 +62,24 @@ def run(prog: str, handler: Callable[[list[str]], int | None], argv: Sequence[st
 # --------------------------------------------------------------------------- argument types
 
 
+def tree_size(low: int) -> Callable[[str], int | str]:
+    """argparse type: ``auto`` (the per-step budget, ``SpecDecoder(tree_size="auto")``) or an int >= ``low``."""
+
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            val = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= {low}, got {text!r}") from None
+        if val < low:
+            raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= {low}, got {val}")
+        return val
+
+    parse.__name__ = f"'auto' or int >= {low}"
+    return parse
+
+
 def int_at_least(low: int) -> Callable[[str], int]:
     """argparse type: an int >= ``low``."""
 

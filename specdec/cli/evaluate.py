@@ -114,8 +114,9 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
                    help="one drafter (shorthand of --drafters NAME:KEY=VALUE,... with --drafter-option)")
     p.add_argument("--drafter-option", dest="drafter_options", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of --drafter, repeatable (VALUE parsed as JSON if it can be, else a string)")
-    p.add_argument("--tree-sizes", type=cliargs.int_at_least(1), nargs="+", default=[32, 64, 128, 256] if sweep else [64],
-                   help="node budgets t of the specdec method")  # fmt: skip
+    p.add_argument("--tree-sizes", type=cliargs.tree_size(1), nargs="+", default=[32, 64, 128, 256] if sweep else [64],
+                   help="node budgets t of the specdec method; auto: each step's budget from measured costs, up "
+                        "to 64")  # fmt: skip
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"methods to run: {', '.join(METHODS)}")
     p.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=128)
     p.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0,

@@ -6,7 +6,10 @@ builds the drafter with ``drafters.make_drafter``, decodes with ``SpecDecoder`` 
 completion (token by token as steps are accepted with ``--stream``) followed by a one-line
 summary on stderr::
 
-    64 tokens in 3.10 s (20.6 tok/s) | 21 steps, 3.05 tokens/step (accepted + bonus)
+    64 tokens in 3.10 s (20.6 tok/s) | 21 steps, 3.05 tokens/step (accepted + bonus) | budgets 0x12 16x9
+
+(``budgets``: with the default ``--tree-size auto``, the steps run at each node budget; the last
+decision's costs and acceptance estimate are in ``--json``'s ``budget_reason``.)
 
 The summary shows measured numbers only. ``--baseline`` also decodes the prompt with the target
 alone (same engine, no drafter) and adds the measured speedup (and, greedy, whether the two texts
@@ -72,7 +75,10 @@ class GenerateResult:
     def numbers(self) -> dict[str, Any]:
         """The measured numbers as JSON-ready values (``--json``)."""
         base = self.baseline_seconds
+        budget = self.output.budget
         return {
+            "budget_steps": None if budget is None else {str(n): k for n, k in budget.histogram.items()},
+            "budget_reason": None if budget is None else budget.reason,
             "new_tokens": len(self.token_ids), "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
             "steps": len(self.output.steps), "tokens_per_step": self.mean_accepted,
             "baseline_seconds": base,
@@ -86,6 +92,8 @@ class GenerateResult:
         steps = len(self.output.steps)
         line = (f"{n} tokens in {self.seconds:.2f} s ({self.tokens_per_s:.1f} tok/s) | {steps} steps, "
                 f"{self.mean_accepted:.2f} tokens/step (accepted + bonus)")
+        if self.output.budget is not None:
+            line += " | budgets " + " ".join(f"{b}x{k}" for b, k in self.output.budget.histogram.items())
         if self.baseline_seconds is not None:
             measured = self.baseline_seconds / self.seconds if self.seconds > 0 else float("nan")
             same = "identical" if self.baseline_text == self.text else "different"
@@ -138,7 +146,8 @@ def run_generate(
     draft: str = DEFAULT_DRAFT,
     drafter: str = "model",
     heads: str | None = None,
-    tree_size: int | None = None,
+    tree_size: int | str | None = None,
+    max_tree_size: int | None = None,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -158,10 +167,13 @@ def run_generate(
 
     ``temperature == 0`` is greedy decoding (identical to the target's own greedy output);
     ``temperature > 0`` samples (with ``top_p``) losslessly. ``device`` defaults to cuda when
-    available, else cpu; ``dtype`` (fp32 / bf16 / fp16) to bf16 on cuda and fp32 on cpu;
-    ``tree_size`` to 64 on cuda and 16 on cpu, except for the draft-model drafter on a CPU: a chain
-    of ``CPU_CHAIN`` tokens (``depth`` = tree size, ``topk`` 1; measured faster than the target alone
-    there, unlike trees). ``depth`` / ``topk`` tune the draft-model drafter.
+    available, else cpu; ``dtype`` (fp32 / bf16 / fp16) to bf16 on cuda and fp32 on cpu.
+    ``tree_size``: an int, or ``"auto"`` (the default, None): every step picks its node budget --
+    plain decoding included -- from costs the warm-up measures before the timed call
+    (``SpecDecoder(tree_size="auto")``), up to ``max_tree_size``: default 64 on cuda and 16 on cpu,
+    except for the draft-model drafter on a CPU: chains of up to ``CPU_CHAIN`` tokens (``depth`` =
+    ``CPU_CHAIN``, ``topk`` 1; measured faster than the target alone there, unlike trees).
+    ``depth`` / ``topk`` tune the draft-model drafter.
     """
     import torch
 
@@ -184,10 +196,16 @@ def run_generate(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or ("bf16" if dev.type == "cuda" else "fp32")
     torch_dtype = parse_dtype(dtype)
-    if dev.type != "cuda" and drafter == "model" and tree_size is None:  # measured on a 2-core CPU: CPU_CHAIN
-        tree_size, depth, topk = CPU_CHAIN, depth or CPU_CHAIN, topk or 1
-    if tree_size is None:
-        tree_size = 64 if dev.type == "cuda" else 16
+    tree_size = "auto" if tree_size is None else tree_size
+    if tree_size != "auto" and max_tree_size is not None:
+        raise ValueError(f"max_tree_size: expected None unless tree_size is 'auto', got {max_tree_size!r}")
+    if dev.type != "cuda" and drafter == "model" and tree_size == "auto" and max_tree_size is None:
+        max_tree_size, depth, topk = CPU_CHAIN, depth or CPU_CHAIN, topk or 1  # measured on a 2-core CPU
+    if tree_size == "auto" and max_tree_size is None:
+        max_tree_size = 64 if dev.type == "cuda" else 16
+    sizes: dict[str, Any] = {"tree_size": tree_size}
+    if tree_size == "auto":
+        sizes["max_tree_size"] = max_tree_size
 
     tokenizer = models.load_tokenizer(target, progress=progress)
     target_model = models.load_model(target, dtype=torch_dtype, device=dev, progress=progress)
@@ -199,9 +217,12 @@ def run_generate(
         options = {prefix + k: v for k, v in (("depth", depth), ("topk", topk)) if v is not None}
     made = make_drafter(drafter, target=target_model, draft_model=draft_model, heads=heads, device=dev,
                         dtype=torch_dtype, **options)  # fmt: skip
-    decoder = SpecDecoder(target_model, made, tree_size=tree_size, attn_impl=attn_impl)
+    decoder = SpecDecoder(target_model, made, attn_impl=attn_impl, **sizes)
 
     ids = torch.tensor(encode(tokenizer, prompt, chat), dtype=torch.int64)
+    if decoder.budget is not None:  # the step costs the budget rule starts from: every budget's forward, timed
+        need = len(ids) + max_new_tokens
+        decoder.warmup((1,), max_len=need, min_len=need, log=None)
     eos = hf.eos_token_ids(target_model, tokenizer)
     sample = temperature > 0
     kwargs = dict(do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p, eos_token_id=eos or None)
@@ -282,7 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "eagle: EAGLE heads (--heads); several joined by '+' merge their trees (lookup+eagle)")
     parser.add_argument("--heads", type=cliargs.existing_path, default=None,
                         help="Medusa / EAGLE heads directory (specdec train-medusa / train-eagle --out)")
-    parser.add_argument("--tree-size", type=cliargs.int_at_least(0), default=None, help=f"draft nodes per step (default 64 on cuda; on cpu a chain of {CPU_CHAIN} for --drafter model, else 16)")
+    parser.add_argument("--tree-size", type=cliargs.tree_size(0), default="auto",
+                        help="draft nodes per step, or auto (default): each step picks its budget, 0 (plain "
+                             "decoding) included, from costs measured by a warm-up before the timed call")
+    parser.add_argument("--max-tree-size", type=cliargs.int_at_least(1), default=None,
+                        help=f"with --tree-size auto, the largest budget (default 64 on cuda; on cpu chains of up "
+                             f"to {CPU_CHAIN} for --drafter model, else 16)")
     parser.add_argument("--depth", type=cliargs.int_at_least(1), default=None, help=f"draft-model tree depth (default 3; {CPU_CHAIN} on cpu)")
     parser.add_argument("--topk", type=cliargs.int_at_least(1), default=None, help="draft-model frontier width (default 8; 1 on cpu)")
     parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=256)
@@ -309,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     result = run_generate(
         ns.prompt, target=ns.target, draft=ns.draft, drafter=ns.drafter, heads=ns.heads, tree_size=ns.tree_size,
+        max_tree_size=ns.max_tree_size,
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed,
         device=ns.device, dtype=ns.dtype, chat=ns.chat, stream=ns.stream, baseline=ns.baseline,
         attn_impl=ns.attn_impl, depth=ns.depth, topk=ns.topk, progress=not ns.no_progress,

@@ -229,6 +229,28 @@ def test_sweep_cli_and_report_only(pair, tmp_path, capsys):
     assert len(_lines(out)) == 4  # report-only ran nothing
 
 
+def test_sweep_with_the_auto_tree_size_records_its_budgets(pair, tmp_path, capsys):
+    out = tmp_path / "a.jsonl"
+    argv = ["sweep", "--problems", "1", "--data", pair["data"], "--target", pair["target"], "--draft", pair["draft"],
+            "--drafter", DRAFTER, "--tree-sizes", "4", "auto", "--methods", "specdec", "hf", "--max-new-tokens", "8",
+            "--device", "cpu", "--attn-impl", "torch", "--out", str(out), "--warmup", "1", "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert f"| specdec | {DRAFTER} | auto |" in captured.out and f"| specdec | {DRAFTER} | 4 |" in captured.out
+    recs = [r for r in _lines(out) if r.get("kind") is None and r["method"] == "specdec"]
+    auto = next(r for r in recs if r["tree_size"] == "auto")
+    fixed = next(r for r in recs if r["tree_size"] == 4)
+    assert auto["match"] is True and fixed["match"] is True  # fp32 greedy equals hf under the chosen budgets
+    assert sum(auto["budget_steps"].values()) == auto["num_steps"] == len(auto["steps"]["budget"])
+    assert set(auto["budget_steps"]) <= {"0", "4", "8", "16", "32", "64"}
+    assert auto["budget_reason"].startswith("budget ") and "n=64:" in auto["budget_reason"]
+    assert "budget_steps" not in fixed and "budget" not in fixed["steps"]
+    summary = json.loads((tmp_path / "a.summary.json").read_text())
+    assert [r["tree_size"] for r in summary["rows"] if r["method"] == "specdec"] == [4, "auto"]
+    with pytest.raises(SystemExit):
+        cli.main([*argv[:-3], "--tree-sizes", "big"])
+
+
 def test_baselines_and_speculative_methods_in_two_runs_share_one_report(pair, loaded, tmp_path, capsys):
     """The device plan of the APPS sweep: baselines first (the Medusa heads need not exist yet), the
     speculative method later into the same file with the same settings; one report pairs them."""

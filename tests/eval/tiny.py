@@ -114,8 +114,9 @@ def apps_config(pair: dict[str, str], out, **over):
     return EvalConfig(**kw)
 
 
-def make_drafter(draft, tree_size: int):
-    """Factory for ``--drafter tests.eval.tiny:make_drafter``: the draft model as a top-2 chain tree."""
+def make_drafter(draft, tree_size: int | None):
+    """Factory for ``--drafter tests.eval.tiny:make_drafter``: the draft model as a top-2 chain tree
+    (``tree_size`` None: the engine's per-step budget, ``"auto"``)."""
     from tests.specdec.helpers import DraftModelDrafter
 
-    return DraftModelDrafter(draft, width=2, max_depth=min(4, tree_size))
+    return DraftModelDrafter(draft, width=2, max_depth=4 if tree_size is None else min(4, tree_size))

@@ -27,7 +27,7 @@ def test_unknown_subcommand_is_an_error(capsys):
 _NO_MODEL = "/nonexistent/model-dir"  # never reached: argument checks come before any model load
 
 BAD_ARGUMENTS = [
-    (["generate", "hi", "--target", _NO_MODEL, "--tree-size", "-1"], "--tree-size", "expected an int >= 0, got -1"),
+    (["generate", "hi", "--target", _NO_MODEL, "--tree-size", "-1"], "--tree-size", "expected 'auto' or an int >= 0, got -1"),
     (["generate", "hi", "--target", _NO_MODEL, "--max-new-tokens", "0"], "--max-new-tokens", "got 0"),
     (["generate", "hi", "--target", _NO_MODEL, "--temperature", "-1"], "--temperature", "got -1"),
     (["generate", "hi", "--target", _NO_MODEL, "--top-p", "2"], "--top-p", "(0, 1]"),

@@ -313,7 +313,7 @@ def test_construction_errors():
         SpecDecoder(model, RandomTreeDrafter(vocab=999))
     with pytest.raises(ValueError, match=r"drafter: expected the specdec.drafting.Drafter protocol, missing propose"):
         SpecDecoder(model, object())
-    with pytest.raises(ValueError, match=r"tree_size: expected an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"tree_size: expected an int >= 0 or .auto., got -1"):
         SpecDecoder(model, RandomTreeDrafter(), tree_size=-1)
     with pytest.raises(ValueError, match=r"attn_impl: expected 'auto', 'triton' or 'torch'"):
         SpecDecoder(model, None, attn_impl="flash")

@@ -45,7 +45,7 @@ def test_help_lists_the_options(capsys):
         cli.main(["generate", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--target", "--draft", "--drafter", "--tree-size", "--max-new-tokens", "--temperature", "--top-p",
+    for flag in ("--target", "--draft", "--drafter", "--tree-size", "--max-tree-size", "--max-new-tokens", "--temperature", "--top-p",
                  "--seed", "--device", "--dtype", "--stream", "--chat", "--no-chat", "--heads"):
         assert flag in text
     assert "lookup+eagle" in text and all(name in text for name in ("model", "medusa", "lookup", "eagle"))
@@ -100,6 +100,10 @@ def test_argument_errors(tiny_dirs):
         run_generate("x", target=str(target), dtype="int8", progress=False)
     with pytest.raises(ValueError, match=r"heads: --drafter lookup\+eagle needs --heads DIR \(trained with specdec train-eagle"):
         run_generate("x", target=str(target), drafter="lookup+eagle", progress=False)
+    with pytest.raises(ValueError, match=r"max_tree_size: expected None unless tree_size is 'auto', got 8"):
+        run_generate("x", target=str(target), tree_size=4, max_tree_size=8, progress=False)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "x", "--tree-size", "big"])
     for bad in ("lookup+lookup", "lookup+nope", "nope"):
         with pytest.raises(ValueError, match=r"drafter: expected one of .* joined by '\+'"):
             run_generate("x", target=str(target), drafter=bad, progress=False)
@@ -131,14 +135,18 @@ def test_real_pair_generate_equals_target_greedy():
     assert "identical text" in res.summary()
 
 
-def test_cpu_default_is_the_measured_chain(tiny_dirs):
+def test_cpu_default_is_the_measured_chain_under_the_auto_budget(tiny_dirs):
     from specdec.cli.generate import CPU_CHAIN
 
     target, draft, _ = tiny_dirs
     res = run_generate("def add(a, b):", target=str(target), draft=str(draft), max_new_tokens=12, device="cpu",
                        chat=False, attn_impl="torch", progress=False, out=io.StringIO())  # fmt: skip
-    # CPU_CHAIN drafted nodes a step (a chain: depth CPU_CHAIN, top-1)
-    assert max(n for s in res.output.steps for n in s.nodes_proposed) == CPU_CHAIN
+    # tree_size "auto": chains of up to CPU_CHAIN drafted nodes a step (depth CPU_CHAIN, top-1), or plain steps
+    budget = res.output.budget
+    assert budget is not None and set(budget.histogram) <= {0, 4, CPU_CHAIN} and budget.last.budgets == (0, 4, CPU_CHAIN)
+    assert all(s.budget in (0, 4, CPU_CHAIN) and max(s.nodes_proposed) <= s.budget for s in res.output.steps)
+    assert all(seconds is not None for seconds in budget.last.seconds)  # the warm-up timed every budget
+    assert "budgets " in res.summary() and res.numbers()["budget_reason"].startswith("budget ")
     # an explicit tree size keeps the tree defaults
     res = run_generate("def add(a, b):", target=str(target), draft=str(draft), tree_size=12, max_new_tokens=12,
                        device="cpu", chat=False, attn_impl="torch", progress=False, out=io.StringIO())  # fmt: skip

@@ -1,0 +1,450 @@
+"""The per-step node budget of ``SpecDecoder(tree_size="auto")``: draft only as much as pays.
+
+Every step the decoder picks one node budget n for the whole batch from a few candidates
+(``budget_ladder``: 0, 4, 8, 16, ... up to the largest tree; each its own fixed-shape target forward
+``[B, n + 1]``, built and timed by the warm-up) as the one with the most expected tokens per second::
+
+    rate(n) = active sequences * tokens(n) / (draft_s(n) + step_s(n))
+
+n = 0 is plain decoding: the drafter is not called at all, tokens(0) = 1 and ``draft_s(0)`` = 0.
+
+**Costs** (``StepCosts``, kept by the decoder across calls). ``step_s(n)``: the target's side of a
+step at batch size B (the forward, the verification and the commit): the step time seen at (B, n)
+in earlier steps (an exponential average; the first step of each (B, n) is not counted: it may
+capture or compile), else the warm-up's timed forward of (B, capacity, n) plus the per-step host
+overhead seen so far (observed step time minus the warm-up forward of the same shape), else
+unknown: a budget whose cost is unknown is tried (``BudgetDecision.why`` ``"measuring"``) before
+any is chosen by rate, so without a warm-up each budget runs twice per batch size. ``draft_s(n)``:
+the drafting seconds seen at (sequences asked, n); the nearest budget's at the same count (drafting
+cost barely depends on n), else another count's scaled per sequence; the first drafting step of each
+call is not counted (it catches the drafter up on the prompt). A ``CostTable`` replaces all of this
+with fixed numbers (tests, or costs measured elsewhere).
+
+**Acceptance** (``RankAcceptance``, kept by the decoder: a call starts from the previous one's
+estimate, which its own steps soon replace). Sequoia's positional model: the child of sibling
+rank k (1 = the drafter's first) of a node on the accepted path is accepted with a probability
+``p_k`` that depends on the rank only. Every drafted tree and its verdict count, for each node of
+the accepted path with c children, one trial of ranks 1..c and a hit at the rank taken (if any);
+``p_k = (hits_k + w * prior_k) / (trials_k + w)`` with ``prior_k = a * (1 - a) ** (k - 1)``
+(``BudgetConfig.prior_accept`` = a, ``prior_weight`` = w); each drafted step first multiplies the
+counts by ``memory``, so the estimate follows the last ~``1 / (1 - memory)`` steps. The expected
+tokens of a tree of n nodes is 1 (the bonus token) plus the sum of its nodes' path probabilities
+(the product of ``p`` over a node's ranks from the root) over the best n-node tree -- the n largest
+path products, no deeper than the deepest tree and no wider than the widest node the drafter
+returned in this call (a drafter of chains is never credited with siblings it does not propose).
+
+**Coming back to drafting**: after enough plain steps in a row, one step drafts at the best positive
+budget (``why`` ``"probe"``), refreshing the acceptance estimate. Enough: at least ``probe_every``,
+and so many that the probe's expected loss against plain decoding (its seconds minus those of as many
+tokens decoded plainly) is at most ``probe_share`` of the plain steps' time -- a drafter that does not
+pay costs about ``probe_share`` (2 %) of the time, one that nearly pays is probed every
+``probe_every`` steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from specdec.tree import TokenTree
+
+__all__ = [
+    "AUTO",
+    "DEFAULT_MAX_TREE_SIZE",
+    "BudgetConfig",
+    "BudgetDecision",
+    "BudgetPolicy",
+    "BudgetStats",
+    "CostTable",
+    "RankAcceptance",
+    "StepCosts",
+    "best_budget",
+    "budget_ladder",
+]
+
+#: ``tree_size`` value of the per-step budget.
+AUTO = "auto"
+#: The largest tree of ``tree_size="auto"`` unless ``max_tree_size`` says otherwise.
+DEFAULT_MAX_TREE_SIZE = 64
+_SMALLEST_TREE = 4  # the smallest positive budget of the default ladder
+_STEP_AVERAGE = 0.2  # weight of a new observation in the exponential averages of step / draft seconds
+
+
+def budget_ladder(max_tree_size: int) -> tuple[int, ...]:
+    """The default candidate budgets: 0, then 4, 8, 16, ... (doubling) below ``max_tree_size``, then
+    ``max_tree_size``; e.g. 64 -> (0, 4, 8, 16, 32, 64), 5 -> (0, 4, 5), 2 -> (0, 2)."""
+    if not isinstance(max_tree_size, int) or isinstance(max_tree_size, bool) or max_tree_size < 1:
+        raise ValueError(f"max_tree_size: expected an int >= 1, got {max_tree_size!r}")
+    out, n = [0], _SMALLEST_TREE
+    while n < max_tree_size:
+        out.append(n)
+        n *= 2
+    return (*out, max_tree_size)
+
+
+def _seconds_map(name: str, value, budgets: Sequence[int] | None = None) -> None:
+    if not isinstance(value, Mapping) or any(
+            not isinstance(k, int) or isinstance(k, bool) or k < 0 or isinstance(v, bool)
+            or not isinstance(v, (int, float)) or not v >= 0 for k, v in value.items()):  # fmt: skip
+        raise ValueError(f"{name}: expected a mapping of budgets (ints >= 0) to seconds >= 0, got {value!r}")
+    missing = [n for n in budgets or () if n not in value]
+    if missing:
+        raise ValueError(f"{name}: expected seconds for every budget {tuple(budgets)}, got none for {missing}")
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Fixed step costs in place of measured ones (``BudgetConfig.costs``).
+
+    Attributes:
+        forward_s: budget -> seconds of the target's side of one step (forward, verification,
+            commit) for the whole batch, whatever its size; every candidate budget needs one.
+        draft_s: budget -> seconds of one step's drafting for the whole batch; every positive
+            candidate budget needs one (budget 0 drafts nothing).
+    """
+
+    forward_s: Mapping[int, float]
+    draft_s: Mapping[int, float]
+
+    def __post_init__(self) -> None:
+        _seconds_map("forward_s", self.forward_s)
+        _seconds_map("draft_s", self.draft_s)
+
+    def check(self, budgets: Sequence[int]) -> None:
+        """ValueError unless the table has costs for every one of ``budgets``."""
+        _seconds_map("forward_s", self.forward_s, budgets)
+        _seconds_map("draft_s", self.draft_s, [n for n in budgets if n > 0])
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """How ``SpecDecoder(tree_size="auto")`` picks each step's budget (see the module doc).
+
+    Attributes:
+        budgets: the candidate budgets, increasing, 0 first, the largest = the decoder's
+            ``max_tree_size``; each is a fixed-shape forward the warm-up builds. None (default):
+            ``budget_ladder(max_tree_size)``.
+        probe_every: the fewest plain steps in a row before one step drafts to refresh the acceptance
+            estimate (>= 1).
+        probe_share: in (0, 1]: a probe waits until its expected loss against plain decoding is at
+            most this share of the plain steps' time since the last drafted step.
+        memory: in (0, 1]: the acceptance counts are multiplied by it before each drafted step's.
+        prior_accept: in (0, 1): the prior probability that the first child is accepted (rank k:
+            ``prior_accept * (1 - prior_accept) ** (k - 1)``).
+        prior_weight: > 0: pseudo-trials of the prior per rank.
+        costs: fixed costs instead of measured ones; None (default): measured.
+    """
+
+    budgets: tuple[int, ...] | None = None
+    probe_every: int = 16
+    probe_share: float = 0.02
+    memory: float = 0.9
+    prior_accept: float = 0.5
+    prior_weight: float = 2.0
+    costs: CostTable | None = None
+
+    def __post_init__(self) -> None:
+        b = self.budgets
+        if b is not None and (not isinstance(b, tuple) or len(b) < 2 or b[0] != 0 or any(
+                not isinstance(n, int) or isinstance(n, bool) for n in b) or list(b) != sorted(set(b))):  # fmt: skip
+            raise ValueError(f"budgets: expected None or an increasing tuple of ints starting with 0 and at least one "
+                             f"positive budget, got {b!r}")  # fmt: skip
+        if not isinstance(self.probe_every, int) or isinstance(self.probe_every, bool) or self.probe_every < 1:
+            raise ValueError(f"probe_every: expected an int >= 1, got {self.probe_every!r}")
+        if (isinstance(self.probe_share, bool) or not isinstance(self.probe_share, (int, float))
+                or not 0 < self.probe_share <= 1):  # fmt: skip
+            raise ValueError(f"probe_share: expected a number in (0, 1], got {self.probe_share!r}")
+        if isinstance(self.memory, bool) or not isinstance(self.memory, (int, float)) or not 0 < self.memory <= 1:
+            raise ValueError(f"memory: expected a number in (0, 1], got {self.memory!r}")
+        if (isinstance(self.prior_accept, bool) or not isinstance(self.prior_accept, (int, float))
+                or not 0 < self.prior_accept < 1):  # fmt: skip
+            raise ValueError(f"prior_accept: expected a number in (0, 1), got {self.prior_accept!r}")
+        if (isinstance(self.prior_weight, bool) or not isinstance(self.prior_weight, (int, float))
+                or not self.prior_weight > 0):  # fmt: skip
+            raise ValueError(f"prior_weight: expected a number > 0, got {self.prior_weight!r}")
+        if self.costs is not None and not isinstance(self.costs, CostTable):
+            raise ValueError(f"costs: expected None or a specdec.budget.CostTable, got {type(self.costs).__name__}")
+
+    def candidates(self, max_tree_size: int) -> tuple[int, ...]:
+        """The candidate budgets for a decoder of ``max_tree_size`` (ValueError when ``budgets`` does
+        not end at it, or ``costs`` lacks one of them)."""
+        out = budget_ladder(max_tree_size) if self.budgets is None else self.budgets
+        if out[-1] != max_tree_size:
+            raise ValueError(f"budgets: expected the largest budget to be max_tree_size = {max_tree_size}, got {out!r}")
+        if self.costs is not None:
+            self.costs.check(out)
+        return out
+
+
+class RankAcceptance:
+    """Acceptance per sibling rank, estimated from one call's verdicts (see the module doc).
+
+    Args:
+        prior_accept, prior_weight, memory: ``BudgetConfig``'s.
+    """
+
+    def __init__(self, prior_accept: float, prior_weight: float, memory: float) -> None:
+        self.prior_accept, self.prior_weight, self.memory = prior_accept, prior_weight, memory
+        self.hits: list[float] = []  # index k - 1: decayed count of accepted rank-k children
+        self.trials: list[float] = []  # index k - 1: decayed count of nodes with >= k children on accepted paths
+        #: the deepest tree seen (0: none yet, then trees of any depth are assumed)
+        self.depth = 0
+        #: the most children of a node seen (0: none yet, then any number is assumed)
+        self.width = 0
+
+    def observe(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
+        """One step's drafted trees with their accepted paths (node indices from the root, 0 first)."""
+        self.hits = [h * self.memory for h in self.hits]
+        self.trials = [t * self.memory for t in self.trials]
+        for tree, path in drafted:
+            children = tree.children
+            depth = [0] * tree.n
+            for i, p in enumerate(tree.parent_list[1:], start=1):
+                depth[i] = depth[p] + 1
+            self.depth = max(self.depth, max(depth))
+            self.width = max(self.width, max(len(kids) for kids in children))
+            for j, node in enumerate(path):
+                kids = children[node]
+                if not kids:
+                    break
+                if len(kids) > len(self.trials):
+                    grow = len(kids) - len(self.trials)
+                    self.trials += [0.0] * grow
+                    self.hits += [0.0] * grow
+                for k in range(len(kids)):
+                    self.trials[k] += 1.0
+                if j + 1 < len(path):
+                    self.hits[kids.index(path[j + 1])] += 1.0
+
+    def rates(self, ranks: int) -> list[float]:
+        """``p_k`` for k = 1 .. ``ranks``: the estimated probability that the rank-k child is accepted."""
+        a, w = self.prior_accept, self.prior_weight
+        out = []
+        for k in range(ranks):
+            prior = a * (1 - a) ** k
+            if k < len(self.trials):
+                out.append((self.hits[k] + w * prior) / (self.trials[k] + w))
+            else:
+                out.append(prior)
+        return out
+
+    def expected_tokens(self, budget: int) -> float:
+        """Expected tokens one sequence emits in a step with ``budget`` draft nodes: 1 + the n largest
+        path products of the best tree (depth at most ``depth``, children at most ``width``, when known)."""
+        if budget <= 0:
+            return 1.0
+        q = sorted(self.rates(min(budget, self.width or budget)), reverse=True)
+        deepest = self.depth or budget
+        total, count = 0.0, 0
+        # (-value, order, depth, parent's value, rank index): pop a node, push its first child and next sibling
+        heap = [(-q[0], 0, 1, 1.0, 0)]
+        while heap and count < budget:
+            neg, _, d, parent, r = heapq.heappop(heap)
+            value = -neg
+            total += value
+            count += 1
+            if d < deepest:
+                heapq.heappush(heap, (-value * q[0], 2 * count, d + 1, value, 0))
+            if r + 1 < len(q):
+                heapq.heappush(heap, (-parent * q[r + 1], 2 * count + 1, d, parent, r + 1))
+        return 1.0 + total
+
+
+class StepCosts:
+    """Measured seconds per step, kept by the decoder across calls (see the module doc).
+
+    Args:
+        fixed: a ``CostTable`` to use instead (nothing is measured then), or None.
+    """
+
+    def __init__(self, fixed: CostTable | None = None) -> None:
+        self.fixed = fixed
+        #: (batch, capacity, budget) -> the warm-up's timed target forward, seconds
+        self.warm: dict[tuple[int, int, int], float] = {}
+        self._steps: dict[tuple[int, int], float] = {}  # (batch, budget) -> average step seconds
+        self._draft: dict[tuple[int, int], float] = {}  # (sequences asked, budget) -> average draft seconds
+        self._seen: set[tuple[str, int, int]] = set()  # keys whose first observation was dropped
+        self.overhead: float | None = None  # average step seconds beyond the warm-up's forward
+
+    def record_forward(self, batch: int, capacity: int, budget: int, seconds: float) -> None:
+        """The warm-up's timing of the ``[batch, budget + 1]`` forward over a cache of ``capacity`` slots."""
+        self.warm[(batch, capacity, budget)] = seconds
+
+    def observe(self, batch: int, capacity: int, budget: int, step_s: float, asked: int, draft_s: float | None) -> None:
+        """One step at ``budget`` of ``batch`` sequences over a cache of ``capacity`` slots: ``step_s``
+        seconds for the target's side, ``draft_s`` for ``asked`` sequences' drafting (None: not counted)."""
+        if ("step", batch, budget) in self._seen:
+            self._steps[(batch, budget)] = _average(self._steps.get((batch, budget)), step_s)
+            warm = self._warm(batch, capacity, budget)
+            if warm is not None:
+                self.overhead = _average(self.overhead, step_s - warm)
+        self._seen.add(("step", batch, budget))
+        if draft_s is not None and budget > 0 and asked > 0:
+            if ("draft", asked, budget) in self._seen:
+                self._draft[(asked, budget)] = _average(self._draft.get((asked, budget)), draft_s)
+            self._seen.add(("draft", asked, budget))
+
+    def _warm(self, batch: int, capacity: int, budget: int) -> float | None:
+        """The warm-up's forward of (batch, budget) over the nearest capacity, or None."""
+        near = [(abs(math.log(c / capacity)), s) for (b, c, n), s in self.warm.items() if b == batch and n == budget]
+        return min(near)[1] if near else None
+
+    def step_s(self, batch: int, capacity: int, budget: int) -> float | None:
+        """Expected seconds of the target's side of a step, or None: unknown."""
+        if self.fixed is not None:
+            return float(self.fixed.forward_s[budget])
+        seen = self._steps.get((batch, budget))
+        if seen is not None:
+            return seen
+        warm = self._warm(batch, capacity, budget)
+        return None if warm is None else warm + max(self.overhead or 0.0, 0.0)
+
+    def draft_s(self, asked: int, budget: int) -> float:
+        """Expected seconds of drafting ``asked`` sequences at ``budget`` (0.0 while never measured)."""
+        if budget == 0:
+            return 0.0
+        if self.fixed is not None:
+            return float(self.fixed.draft_s[budget])
+        same = [(abs(n - budget), s) for (a, n), s in self._draft.items() if a == asked]
+        if same:
+            return min(same)[1]
+        other = [(abs(n - budget), abs(a - asked), s / a) for (a, n), s in self._draft.items()]
+        return min(other)[2] * asked if other else 0.0
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _STEP_AVERAGE) * old + _STEP_AVERAGE * new
+
+
+def best_budget(budgets: Sequence[int], tokens: Sequence[float], seconds: Sequence[float]) -> int:
+    """The budget of the most tokens per second: ``argmax tokens[i] / seconds[i]``, the smaller budget
+    on a tie (a cost of 0 counts as the best rate). ``budgets``, ``tokens`` and ``seconds`` are
+    parallel sequences of one length."""
+    if not budgets or not len(budgets) == len(tokens) == len(seconds):
+        raise ValueError(f"seconds: expected one cost per budget ({len(budgets)}), got {len(tokens)} token "
+                         f"estimates and {len(seconds)} costs")  # fmt: skip
+    rates = [t / s if s > 0 else math.inf for t, s in zip(tokens, seconds)]
+    return budgets[max(range(len(budgets)), key=lambda i: (rates[i], -budgets[i]))]
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """One step's choice.
+
+    Attributes:
+        budget: the draft nodes per sequence of the step (0: plain decoding, no drafter call).
+        budgets: the candidates.
+        tokens: per candidate, the expected tokens of the step for the whole batch.
+        seconds: per candidate, the expected seconds of the step (drafting + the target's side), or
+            None where unknown.
+        why: ``"rate"`` (the most tokens per second), ``"probe"`` (drafting after enough plain steps,
+            see ``BudgetConfig.probe_every`` / ``probe_share``) or ``"measuring"`` (its cost was unknown).
+    """
+
+    budget: int
+    budgets: tuple[int, ...]
+    tokens: tuple[float, ...]
+    seconds: tuple[float | None, ...]
+    why: str
+
+    @property
+    def reason(self) -> str:
+        """One line: the choice, why, and each candidate's expected tokens, milliseconds and rate."""
+        parts = []
+        for n, t, s in zip(self.budgets, self.tokens, self.seconds):
+            cost = "? ms" if s is None else f"{s * 1e3:.2f} ms"
+            rate = "" if not s else f" = {t / s:.0f} tok/s"
+            parts.append(f"n={n}: {t:.2f} tok / {cost}{rate}")
+        return f"budget {self.budget} ({self.why}); " + ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class BudgetStats:
+    """The budgets of one ``generate`` call (``GenerationOutput.budget``).
+
+    Attributes:
+        histogram: budget -> steps run at it (a plain-decoding chunk counts its steps).
+        last: the call's last decision (its costs and acceptance estimate), or None.
+    """
+
+    histogram: Mapping[int, int] = field(default_factory=dict)
+    last: BudgetDecision | None = None
+
+    @property
+    def reason(self) -> str:
+        """The last decision's line (empty without one)."""
+        return "" if self.last is None else self.last.reason
+
+
+class BudgetPolicy:
+    """Picks each step's budget (``SpecDecoder(tree_size="auto")`` keeps one; see the module doc).
+
+    Args:
+        config: the ``BudgetConfig``.
+        budgets: the candidate budgets (``config.candidates(max_tree_size)``).
+    """
+
+    def __init__(self, config: BudgetConfig, budgets: tuple[int, ...]) -> None:
+        self.config = config
+        self.budgets = budgets
+        #: the step costs, kept across calls
+        self.costs = StepCosts(config.costs)
+        #: the acceptance estimate, kept across calls
+        self.acceptance = RankAcceptance(config.prior_accept, config.prior_weight, config.memory)
+        self._histogram: dict[int, int] = {}
+        self._last: BudgetDecision | None = None
+        self._plain = 0  # plain steps in a row
+        self._drafted = False  # whether this call drafted yet (its first drafting is not timed)
+
+    def begin(self) -> None:
+        """A new ``generate`` call: fresh stats (the costs and the acceptance estimate stay)."""
+        self._histogram, self._last, self._plain, self._drafted = {}, None, 0, False
+
+    def decide(self, batch: int, capacity: int, active: int) -> BudgetDecision:
+        """The next step's budget for ``batch`` sequences (``active`` of them unfinished) over a cache
+        of ``capacity`` slots per sequence."""
+        tokens = tuple(active * self.acceptance.expected_tokens(n) for n in self.budgets)
+        seconds = []
+        for n in self.budgets:
+            step = self.costs.step_s(batch, capacity, n)
+            seconds.append(None if step is None else step + self.costs.draft_s(active, n))
+        unknown = [n for n, s in zip(self.budgets, seconds) if s is None]
+        if unknown:
+            budget, why = unknown[0], "measuring"
+        else:
+            budget, why = best_budget(self.budgets, tokens, seconds), "rate"
+            if budget == 0:
+                probe = best_budget(self.budgets[1:], tokens[1:], seconds[1:])
+                if self._plain >= self._probe_wait(tokens, seconds, self.budgets.index(probe)):
+                    budget, why = probe, "probe"
+        self._last = BudgetDecision(budget, self.budgets, tokens, tuple(seconds), why)
+        return self._last
+
+    def _probe_wait(self, tokens: Sequence[float], seconds: Sequence[float], i: int) -> int:
+        """Plain steps before a probe at candidate ``i`` (index 0: plain decoding): ``probe_every``, or
+        more while its expected loss exceeds ``probe_share`` of their time."""
+        if seconds[0] <= 0:
+            return self.config.probe_every
+        loss = seconds[i] - tokens[i] / tokens[0] * seconds[0]  # vs decoding as many tokens plainly
+        return max(self.config.probe_every, math.ceil(loss / (self.config.probe_share * seconds[0])))
+
+    def observe_trees(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
+        """One drafted step's trees and accepted paths (``RankAcceptance.observe``)."""
+        self.acceptance.observe(drafted)
+
+    def observe_steps(self, budget: int, batch: int, capacity: int, asked: int, steps: Sequence) -> None:
+        """The ``StepStats`` of what ran at ``budget`` (one drafted step, or plain steps), ``asked``
+        sequences drafted per step: counts them and feeds their seconds to the costs."""
+        self._histogram[budget] = self._histogram.get(budget, 0) + len(steps)
+        self._plain = self._plain + len(steps) if budget == 0 else 0
+        for s in steps:
+            timed_draft = s.draft_s if budget > 0 and self._drafted else None
+            self.costs.observe(batch, capacity, budget, s.verify_s + s.commit_s, asked, timed_draft)
+        self._drafted = self._drafted or budget > 0
+
+    def stats(self) -> BudgetStats:
+        """This call's budgets so far."""
+        return BudgetStats(MappingProxyType(dict(sorted(self._histogram.items()))), self._last)

@@ -1,0 +1,394 @@
+"""``SpecDecoder(tree_size="auto")``: the per-step node budget (``specdec.budget``).
+
+The rule on synthetic costs (plain decoding when drafting cannot pay, larger budgets when acceptance
+is high, the batch size's forward costs deciding), the acceptance and cost estimates, then end to
+end on tiny models: greedy output equal to HF's greedy output in fp32 while the budget switches
+between steps (a scripted schedule over the real decisions, and the rule itself on injected cost
+tables), hidden states still arriving once each when steps skip the drafter, the warm-up building
+and timing every budget's forward, and the first two sampled tokens following the target
+(chi-square) with the budget changing between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+
+import specdec
+from specdec import SpecDecoder
+from specdec.budget import (
+    BudgetConfig,
+    BudgetPolicy,
+    CostTable,
+    RankAcceptance,
+    StepCosts,
+    best_budget,
+    budget_ladder,
+)
+from specdec.drafting import HIDDEN_ALL, DraftContext
+from specdec.sampling import SamplingConfig
+from tests.drafters.lossless import PROMPT, TEMPERATURE, VOCAB as SMALL_VOCAB, chi2_pvalue, exact_joint, tiny_draft, tiny_target
+from tests.specdec.helpers import (
+    DraftModelDrafter,
+    OracleDrafter,
+    build_tree,
+    greedy_reference,
+    prepared_tiny_model,
+    random_prompt,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 40
+SHAPES = [(9, 0), (4, 1), (1, 2)]  # (prompt length, seed): a batch of different lengths, a one-token prompt
+
+
+def _chain(k: int, n: int = 8):
+    """A chain tree of ``n`` nodes besides the root whose first ``k`` nodes are the accepted path."""
+    return build_tree([(i, 3 + i) for i in range(n)], 1), tuple(range(k + 1))
+
+
+# --------------------------------------------------------------------------- the rule, synthetic
+
+
+def test_ladder_and_best_budget():
+    assert budget_ladder(64) == (0, 4, 8, 16, 32, 64)
+    assert budget_ladder(5) == (0, 4, 5) and budget_ladder(4) == (0, 4) and budget_ladder(2) == (0, 2)
+    with pytest.raises(ValueError, match=r"max_tree_size: expected an int >= 1, got 0"):
+        budget_ladder(0)
+    # drafting costs more than the tokens it adds: plain decoding
+    assert best_budget((0, 4, 16), (1.0, 1.5, 1.8), (1.0, 2.0, 2.5)) == 0
+    # high acceptance at a nearly flat forward cost: the largest tree
+    assert best_budget((0, 4, 16), (1.0, 3.0, 6.0), (1.0, 1.3, 1.5)) == 16
+    # a tie goes to the smaller budget
+    assert best_budget((0, 4), (1.0, 2.0), (1.0, 2.0)) == 0
+    with pytest.raises(ValueError, match=r"seconds: expected one cost per budget \(2\), got 2 token estimates and 1 costs"):
+        best_budget((0, 4), (1.0, 2.0), (1.0,))
+
+
+def test_rank_acceptance_prior_observations_and_depth():
+    acc = RankAcceptance(prior_accept=0.5, prior_weight=2.0, memory=1.0)
+    assert acc.rates(3) == pytest.approx([0.5, 0.25, 0.125])
+    assert acc.expected_tokens(0) == 1.0
+    # prior, no tree seen (any depth): the best 2 nodes are the rank-1 chain 0.5 + 0.25 (ties: either)
+    assert acc.expected_tokens(2) == pytest.approx(1.75)
+    for _ in range(20):  # chains of 8 accepted whole: rank 1 always, depth 8
+        acc.observe([_chain(8)])
+    p1 = acc.rates(1)[0]
+    assert p1 == pytest.approx((20 * 8 + 2 * 0.5) / (20 * 8 + 2.0))
+    assert acc.depth == 8 and acc.width == 1
+    # chains only: no deeper than 8, no siblings
+    assert acc.expected_tokens(64) == acc.expected_tokens(8) == pytest.approx(1 + sum(p1 ** d for d in range(1, 9)))
+    assert acc.expected_tokens(8) > acc.expected_tokens(4) > 4.5
+    low = RankAcceptance(0.5, 2.0, 0.9)
+    for _ in range(20):  # nothing accepted, with forgetting: the prior's weight stays, rank 1 falls
+        low.observe([_chain(0)])
+    assert low.rates(1)[0] < 0.1
+    assert low.expected_tokens(64) < 1.2
+    # a tree with siblings: the path takes the second child of the root
+    tree = build_tree([(0, 5), (0, 6), (2, 7)], 1)  # node 1: 5, node 2: 6 (rank 2), node 3: 7 under node 2
+    sib = RankAcceptance(0.5, 1e-9, 1.0)
+    sib.observe([(tree, (0, 2, 3))])
+    # root: rank 1 tried and passed over, rank 2 taken; node 2: its only child taken
+    assert sib.rates(2) == pytest.approx([0.5, 1.0], abs=1e-6) and sib.width == 2 and sib.depth == 2
+
+
+def test_step_costs_warm_table_overhead_and_drafting():
+    costs = StepCosts()
+    assert costs.step_s(1, 1024, 4) is None and costs.draft_s(1, 4) == 0.0 and costs.draft_s(1, 0) == 0.0
+    costs.record_forward(1, 1024, 0, 0.010)
+    costs.record_forward(1, 1024, 4, 0.012)
+    costs.record_forward(1, 4096, 4, 0.020)
+    assert costs.step_s(1, 2048, 4) == pytest.approx(0.012)  # the nearest capacity's
+    costs.observe(1, 1024, 4, 0.050, 1, 0.007)  # a first observation: dropped (captures, compiles)
+    assert costs.step_s(1, 1024, 4) == pytest.approx(0.012) and costs.overhead is None
+    costs.observe(1, 1024, 4, 0.015, 1, 0.007)
+    costs.observe(1, 1024, 4, 0.015, 1, 0.009)
+    assert costs.step_s(1, 1024, 4) == pytest.approx(0.015)  # seen: the average of what was seen
+    assert costs.overhead == pytest.approx(0.003)
+    assert costs.step_s(1, 1024, 0) == pytest.approx(0.013)  # warm-up forward + the overhead seen
+    assert costs.draft_s(1, 4) == pytest.approx(0.8 * 0.007 + 0.2 * 0.009)  # the first one dropped too
+    assert costs.draft_s(1, 64) == costs.draft_s(1, 4)  # the nearest budget's
+    assert costs.draft_s(4, 4) == pytest.approx(4 * costs.draft_s(1, 4))  # another count's, per sequence
+
+
+def _policy(forward, draft, **kw) -> BudgetPolicy:
+    config = BudgetConfig(costs=CostTable(forward, draft), **kw)
+    return BudgetPolicy(config, config.candidates(16))
+
+
+def _run_policy(policy: BudgetPolicy, steps: int) -> list[int]:
+    """``steps`` decisions at batch 1, every drafted tree rejected at once; the budgets picked."""
+    policy.begin()
+    picked = []
+    for _ in range(steps):
+        decision = policy.decide(1, 1024, 1)
+        picked.append(decision.budget)
+        if decision.budget:
+            policy.observe_trees([_chain(0)])
+        policy.observe_steps(decision.budget, 1, 1024, 1, [specdec.StepStats((0,), (0,), (1,), 0.0, 1.0, 0.0)])
+    return picked
+
+
+def test_policy_plain_when_drafting_cannot_pay_and_probes():
+    # drafting costs 3 forwards: nothing the prior or any acceptance could repay at these budgets
+    forward, draft = {0: 1.0, 4: 1.1, 8: 1.2, 16: 1.3}, {4: 3.0, 8: 3.0, 16: 3.0}
+    policy = _policy(forward, draft, probe_every=4, probe_share=1.0)  # probes as often as probe_every allows
+    picked = _run_policy(policy, 12)
+    assert picked[:4] == [0, 0, 0, 0] and picked[4] > 0 and picked[5:9] == [0, 0, 0, 0] and picked[9] > 0
+    assert policy.stats().histogram[0] == 10 and sum(policy.stats().histogram.values()) == 12
+    assert "budget 0 (rate)" in policy.stats().reason
+    # the default share: a probe loses ~3 plain steps' time, so it waits ~150 plain steps (2 % of them)
+    # once the estimate knows the drafts are rejected (the first, on the prior's estimate, sooner)
+    picked = _run_policy(_policy(forward, draft, probe_every=4), 400)
+    probes = [i for i, n in enumerate(picked) if n]
+    assert 2 <= len(probes) <= 3 and probes[0] >= 16 and all(b - a >= 100 for a, b in zip(probes, probes[1:]))
+    assert sum(forward[n] + draft.get(n, 0) for n in picked) < 1.03 * 400
+
+
+def test_policy_follows_acceptance():
+    policy = _policy({0: 1.0, 4: 1.2, 8: 1.3, 16: 1.5}, {4: 0.4, 8: 0.4, 16: 0.4})
+    policy.begin()
+    for _ in range(10):  # every drafted chain accepted whole
+        policy.observe_trees([_chain(16, 16)])
+    high = policy.decide(1, 1024, 1)
+    assert high.budget == 16 and high.why == "rate"
+    assert high.tokens[-1] > 10 and high.seconds == pytest.approx((1.0, 1.6, 1.7, 1.9))
+    policy.begin()  # a new call keeps the estimate, which its own steps soon replace
+    assert policy.decide(1, 1024, 1).budget == 16
+    for _ in range(40):
+        policy.observe_trees([_chain(1, 16)])  # one token accepted, then a rejection
+    low = policy.decide(1, 1024, 1)
+    assert low.budget < 16
+    assert "n=16:" in low.reason and "tok/s" in low.reason
+
+
+def test_policy_the_batch_size_decides():
+    """Measured forwards: at batch 1 a tree costs little more than a token, at batch 16 several times."""
+    config = BudgetConfig()
+    policy = BudgetPolicy(config, config.candidates(16))
+    for n, (one, sixteen) in {0: (1.0, 2.0), 4: (1.05, 12.0), 8: (1.1, 20.0), 16: (1.2, 36.0)}.items():
+        policy.costs.record_forward(1, 1024, n, one)
+        policy.costs.record_forward(16, 1024, n, sixteen)
+    policy.begin()
+    for _ in range(5):
+        policy.observe_trees([_chain(12, 16)] * 4)
+    assert policy.decide(1, 1024, 1).budget == 16
+    assert policy.decide(16, 1024, 16).budget == 0
+    # unknown costs (a batch size never warmed): each budget is measured first
+    first = policy.decide(4, 1024, 4)
+    assert first.budget == 0 and first.why == "measuring" and first.seconds == (None,) * 4
+
+
+def test_config_and_constructor_errors():
+    with pytest.raises(ValueError, match=r"budgets: expected None or an increasing tuple of ints starting with 0"):
+        BudgetConfig(budgets=(4, 8))
+    with pytest.raises(ValueError, match=r"probe_every: expected an int >= 1, got 0"):
+        BudgetConfig(probe_every=0)
+    with pytest.raises(ValueError, match=r"memory: expected a number in \(0, 1\], got 0"):
+        BudgetConfig(memory=0)
+    with pytest.raises(ValueError, match=r"prior_accept: expected a number in \(0, 1\), got 1"):
+        BudgetConfig(prior_accept=1)
+    with pytest.raises(ValueError, match=r"forward_s: expected a mapping of budgets"):
+        CostTable({0: -1.0}, {})
+    model = prepared_tiny_model()
+    drafter = OracleDrafter([[]])
+    with pytest.raises(ValueError, match=r"max_tree_size: expected None unless tree_size is 'auto', got 16"):
+        SpecDecoder(model, drafter, 8, max_tree_size=16)
+    with pytest.raises(ValueError, match=r"budget: expected None unless tree_size is 'auto'"):
+        SpecDecoder(model, drafter, 8, budget=BudgetConfig())
+    with pytest.raises(ValueError, match=r"budget: expected None or a specdec.budget.BudgetConfig, got dict"):
+        SpecDecoder(model, drafter, "auto", budget={})
+    with pytest.raises(ValueError, match=r"max_tree_size: expected None or an int >= 1, got 0"):
+        SpecDecoder(model, drafter, "auto", max_tree_size=0)
+    with pytest.raises(ValueError, match=r"tree_size: expected an int >= 0 or 'auto', got 'big'"):
+        SpecDecoder(model, drafter, "big")
+    with pytest.raises(ValueError, match=r"budgets: expected the largest budget to be max_tree_size = 64"):
+        SpecDecoder(model, drafter, "auto", budget=BudgetConfig(budgets=(0, 8)))
+    with pytest.raises(ValueError, match=r"forward_s: expected seconds for every budget \(0, 8\), got none for \[8\]"):
+        SpecDecoder(model, drafter, "auto", max_tree_size=8, budget=BudgetConfig(budgets=(0, 8),
+                                                                                  costs=CostTable({0: 1.0}, {8: 1.0})))
+
+    class _Ranks:
+        def begin(self, *a): ...
+        def check_trees(self, *a): ...
+        def verdicts(self, *a): ...
+
+    with pytest.raises(ValueError, match=r"tree_size: 'auto' needs a single-process target"):
+        SpecDecoder(model, drafter, "auto", rank_sync=_Ranks())
+
+
+def test_defaults_auto_through_wrap_and_fixed_sizes_unchanged():
+    model = prepared_tiny_model()
+    auto = specdec.wrap(model, OracleDrafter([[]]), attn_impl="torch").decoder
+    assert auto.budget is not None and auto.tree_size == 64 and auto.tree_budgets == (0, 4, 8, 16, 32, 64)
+    assert specdec.wrap(model, None).decoder.budget is None  # no drafter: plain decoding
+    fixed = SpecDecoder(model, OracleDrafter([list(greedy_reference(9, 0, NEW))]), 6, attn_impl="torch")
+    assert fixed.budget is None and fixed.tree_budgets == (6,)
+    out = fixed.generate(random_prompt(9, 0), NEW)
+    assert out.budget is None and {s.budget for s in out.steps} == {6}
+
+
+# --------------------------------------------------------------------------- end to end, greedy
+
+
+def _scripted(decoder: SpecDecoder, schedule) -> list[int]:
+    """Make ``decoder``'s policy pick ``schedule``'s budgets in turn (its own rule still runs); returns
+    the list the chosen budgets are appended to."""
+    policy, cycle, chosen = decoder.budget, itertools.cycle(schedule), []
+    real = policy.decide
+
+    def decide(batch, capacity, active):
+        decision = dataclasses.replace(real(batch, capacity, active), budget=next(cycle), why="scripted")
+        chosen.append(decision.budget)
+        return decision
+
+    policy.decide = decide
+    return chosen
+
+
+class _Counting(OracleDrafter):
+    """The oracle drafter counting its proposals and the budgets it was asked with."""
+
+    def __init__(self, refs, seed=0, hidden=None):
+        super().__init__(refs, seed=seed)
+        self.asked: list[int] = []
+        self.seen: list[tuple[int, list[int], torch.Tensor | None]] = []
+        if hidden is not None:
+            self.needs_hidden_states = hidden
+
+    def propose(self, ctx: DraftContext):
+        self.asked.append(ctx.tree_size)
+        self.seen.append((ctx.seq, ctx.tokens.tolist(), None if ctx.hidden is None else ctx.hidden.clone()))
+        return super().propose(ctx)
+
+
+SCHEDULE = (0, 16, 4, 0, 0, 8, 16, 4, 0, 16)
+
+
+@pytest.mark.parametrize("static,chunk", [(False, 0), (True, 0), (True, 3)])
+@pytest.mark.parametrize("kind", ["oracle", "draft_model"])
+def test_greedy_equals_hf_under_scripted_budget_switches(static, chunk, kind):
+    refs = [list(greedy_reference(length, seed, NEW)) for length, seed in SHAPES]
+    if kind == "oracle":
+        drafter = _Counting(refs, seed=2)
+    else:
+        drafter = DraftModelDrafter(prepared_tiny_model(), width=2, max_depth=5)  # the target as draft: accepts
+    dec = SpecDecoder(prepared_tiny_model(), drafter, "auto", max_tree_size=16, static_shapes=static,
+                      attn_impl="torch", decode_chunk=chunk, cache_buckets=(96,) if static else None)  # fmt: skip
+    chosen = _scripted(dec, SCHEDULE)
+    out = dec.generate([random_prompt(length, seed) for length, seed in SHAPES], NEW)
+    for b, ref in enumerate(refs):
+        assert out.sequences[b, : out.lengths[b]].tolist() == ref
+    assert set(chosen) == {0, 4, 8, 16}
+    assert [s.budget for s in out.steps if s.budget] == [c for c in chosen if c]  # one step per drafting decision
+    assert sum(out.budget.histogram.values()) == len(out.steps)
+    assert out.budget.histogram == {n: sum(s.budget == n for s in out.steps) for n in (0, 4, 8, 16)}
+    assert all(max(s.nodes_proposed) <= s.budget for s in out.steps)
+    assert all(s.nodes_proposed == (0, 0, 0) for s in out.steps if s.budget == 0)
+    if chunk:  # plain decisions ran as chunks of 3 steps
+        assert out.budget.histogram[0] > chosen.count(0)
+    if static:  # only the candidates' shapes were run
+        assert {key[2] for key in dec.forwards} == {1, 5, 9, 17}
+    if kind == "oracle":  # asked at positive budgets only, with that budget, once per unfinished sequence
+        assert set(drafter.asked) == {4, 8, 16}
+        assert len(drafter.asked) == sum(sum(e > 0 for e in s.tokens_emitted) for s in out.steps if s.budget)
+    assert out.totals()["tokens_accepted"] > NEW
+
+
+def test_features_arrive_once_when_steps_skip_the_drafter():
+    """``needs_hidden_states="all"``: plain steps keep the rows they made for the next drafted step."""
+    refs = [list(greedy_reference(length, seed, NEW)) for length, seed in SHAPES]
+    drafter = _Counting(refs, seed=4, hidden=HIDDEN_ALL)
+    dec = SpecDecoder(prepared_tiny_model(), drafter, "auto", max_tree_size=16, static_shapes=True,
+                      attn_impl="torch", cache_buckets=(96,))  # fmt: skip
+    _scripted(dec, (0, 0, 4, 0, 16, 0, 0, 0, 8))
+    out = dec.generate([random_prompt(length, seed) for length, seed in SHAPES], NEW)
+    assert all(out.sequences[b, : out.lengths[b]].tolist() == ref for b, ref in enumerate(refs))
+    assert out.budget.histogram[0] == sum(s.budget == 0 for s in out.steps)  # one step at a time: no chunks
+    for b in range(len(SHAPES)):
+        tokens = out.sequences[b, : out.lengths[b]].tolist()
+        with torch.no_grad():
+            ref = prepared_tiny_model()(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+        given = 0
+        for seq, seen, hidden in drafter.seen:
+            if seq != b or hidden is None:
+                continue
+            m = hidden.shape[0]
+            assert len(seen) - 1 - m == given  # exactly the positions not given before, plain steps' included
+            torch.testing.assert_close(hidden, ref[given : len(seen) - 1], atol=1e-4, rtol=1e-4)
+            given = len(seen) - 1
+        assert given > SHAPES[b][0]
+
+
+def _costed(forward, draft, refs, static=False):
+    drafter = _Counting(refs, seed=6)
+    budget = BudgetConfig(budgets=(0, 4, 16), probe_every=5, probe_share=1.0, costs=CostTable(forward, draft))
+    dec = SpecDecoder(prepared_tiny_model(), drafter, "auto", max_tree_size=16, budget=budget, static_shapes=static,
+                      attn_impl="torch", cache_buckets=(96,) if static else None)  # fmt: skip
+    return dec, drafter
+
+
+def test_injected_costs_switch_between_plain_and_drafting():
+    refs = [list(greedy_reference(9, 0, NEW))]
+    prompt = random_prompt(9, 0)
+    # drafting cannot pay: plain steps, one probe every 5 of them
+    dec, drafter = _costed({0: 1.0, 4: 1.0, 16: 1.0}, {4: 10.0, 16: 10.0}, refs)
+    out = dec.generate(prompt, NEW)
+    assert out.sequences[0].tolist() == refs[0]
+    drafted = [s for s in out.steps if s.budget]
+    assert drafted and len(drafted) <= len(out.steps) // 5 + 1
+    assert len(drafter.asked) == len(drafted)  # budget 0 never calls the drafter
+    assert out.budget.histogram[0] >= 4 * len(drafted) - 5 and "n=0: 1.00 tok / 1000.00 ms" in out.budget.reason
+    # cheap drafting with an oracle: the largest tree
+    dec, drafter = _costed({0: 1.0, 4: 1.0, 16: 1.0}, {4: 0.1, 16: 0.1}, refs, static=True)
+    out = dec.generate(prompt, NEW)
+    assert out.sequences[0].tolist() == refs[0]
+    assert out.budget.histogram.get(16, 0) >= len(out.steps) - 1 and set(drafter.asked) <= {4, 16}
+
+
+def test_warmup_builds_and_times_every_budget_then_generate_builds_nothing():
+    refs = [list(greedy_reference(9, 0, NEW))]
+    dec = SpecDecoder(prepared_tiny_model(), _Counting(refs), "auto", max_tree_size=16, static_shapes=True,
+                      attn_impl="torch", cache_buckets=(96,), decode_chunk=4)  # fmt: skip
+    report = dec.warmup((1, 2), max_len=60, log=None)
+    assert [e.n for e in report.entries] == [17, 17]
+    assert set(dec.forwards) == {(b, 96, n) for b in (1, 2) for n in (1, 5, 9, 17)}
+    assert set(dec.budget.costs.warm) == {(b, 96, n) for b in (1, 2) for n in (0, 4, 8, 16)}
+    assert all(s > 0 for s in dec.budget.costs.warm.values())
+    kept = dict(dec.forwards)
+    out = dec.generate(random_prompt(9, 0), NEW)
+    assert out.sequences[0].tolist() == refs[0]
+    assert dict(dec.forwards) == kept and all(out.budget.last.seconds)  # nothing new; every cost known
+    assert out.budget.last.why in ("rate", "probe")
+
+
+# --------------------------------------------------------------------------- end to end, sampling
+
+
+def test_sampling_stays_lossless_when_the_budget_changes_between_steps():
+    """The first two sampled tokens against the target's exact joint, budgets scripted per step
+    (plain steps, chunks of 2 and trees of 2 / 4 / 6 draft nodes mixed within and across calls);
+    the draft's own joint is rejected by the same test (it can fail)."""
+    samples, batch = 3000, 100
+    cfg = SamplingConfig(TEMPERATURE)
+    drafter = DraftModelDrafter(tiny_draft(), width=2, max_depth=3, proposal="no_replacement")
+    dec = SpecDecoder(tiny_target(), drafter, "auto", max_tree_size=6, budget=BudgetConfig(budgets=(0, 2, 4, 6)),
+                      static_shapes=True, attn_impl="torch", decode_chunk=2, cache_buckets=(16,))  # fmt: skip
+    chosen = _scripted(dec, (6, 0, 2, 4, 0, 6, 6, 2, 0))
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
+    accepted = 0
+    for _ in range(math.ceil(samples / batch)):
+        out = dec.generate([torch.tensor(PROMPT)] * batch, 2, do_sample=True, temperature=TEMPERATURE, generator=gen)
+        for b in range(batch):
+            x, y = out.new_tokens(b).tolist()
+            counts[x, y] += 1
+        accepted += out.totals()["tokens_accepted"]
+    assert accepted > samples // 4 and set(chosen) == {0, 2, 4, 6}
+    assert chi2_pvalue(counts, exact_joint(tiny_target(), PROMPT, cfg)) > 0.01
+    assert chi2_pvalue(counts, exact_joint(tiny_draft(), PROMPT, cfg)) < 1e-6
