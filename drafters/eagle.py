@@ -422,10 +422,14 @@ class EagleDrafter(BaseDrafter):
             f = real.get(p - 1, predicted.get(p - 1))
             if f is not None:
                 pending.append((p, f))
-        depth = min(self.depth, budget)
-        frontier_width = min(self.topk, budget)
+        # the expansion's shape: a budget below topk expands like topk (then keeps its best `budget`
+        # nodes), so the budgets of an adaptive decoder (tree_size="auto": 4, 8, 16, ...) share one
+        # expansion and its captured graph instead of capturing (and compiling) one mid-call
+        shaped = max(budget, self.topk)
+        depth = min(self.depth, shaped)
+        frontier_width = min(self.topk, shaped)
         expanded_max = 1 + frontier_width * (depth - 1)
-        width = min(self.draft_vocab or self.vocab_size, max(frontier_width, math.ceil(budget / expanded_max)))
+        width = min(self.draft_vocab or self.vocab_size, max(frontier_width, math.ceil(shaped / expanded_max)))
         plan = ExpansionPlan.make(frontier_width, width, depth)
         base = keep + len(pending) - 1  # slot of the root's pair
         self._ensure_capacity(st, keep, base + expanded_max + int(self.static_shapes))  # + the scratch slot
