@@ -76,6 +76,13 @@ does. A one-token prompt has no feature at its first step (the tree is root-only
 also takes fewer rows (e.g. ``[H]``: only ``f_{L-2}``); pairs without a real feature then use the
 head's own predictions or are skipped -- a degraded catch-up. Verification -- and so greedy
 equality and lossless sampling -- does not depend on it.
+
+**Multi-layer features** (EAGLE-3; a head with ``EagleConfig.feature_layers``): the drafter's
+``feature_layers`` asks the engine for the outputs of those target layers instead of the final
+feature, so ``DraftContext.hidden`` is ``[m, k * H]``; each step's new rows go through the head's
+``fuse`` once, as they arrive, and from there on everything above is unchanged: the catch-up reads
+fused target features (or, for a pair without one, the head's own kept output), the expansion its
+own outputs -- the unrolled training's steps (``training.eagle.unrolled_features``).
 """
 
 from __future__ import annotations
@@ -219,7 +226,8 @@ class EagleDrafter(BaseDrafter):
     Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
     positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
     see the module doc), or ``[H]`` = only the one that predicted the root. Without it the tree is
-    root-only.
+    root-only. A head with feature layers asks the engine for them (``feature_layers``, the head's):
+    the rows are then ``k * H`` wide.
     """
 
     needs_hidden_states = "all"  # every committed token's target feature (specdec.drafting.HIDDEN_ALL)
@@ -271,6 +279,9 @@ class EagleDrafter(BaseDrafter):
         # q / k / v and gate / up as one GEMM each in the head's forwards (in place, no extra memory; the
         # head's state dict is unchanged): at a few rows each GEMM only streams its weights
         fuse_projections(self.head)
+        #: the target layers whose outputs the head reads (in the engine's ``DraftContext.hidden``; None: the final
+        #: feature)
+        self.feature_layers = head.config.feature_layers
         self.vocab_size = hf.vocab_size(target)
         self.draft_vocab = draft_vocab
         #: the subset's token ids (int64 ``[N]``, ascending) and LM-head rows (``[N, H]``, bias ``[N]``)
@@ -519,16 +530,17 @@ class EagleDrafter(BaseDrafter):
         return idx if self._vocab_ids is None else self._vocab_ids[idx]
 
     def _real_features(self, hidden: torch.Tensor | None, n_tok: int) -> dict[int, torch.Tensor]:
-        """Position -> the target's feature there, from ``DraftContext.hidden`` (``[H]`` or ``[m, H]``)."""
+        """Position -> the head's input feature of the target's feature there, from ``DraftContext.hidden``
+        (``[F]`` or ``[m, F]``, F = ``head.feature_width``; fused to ``[H]`` rows by ``head.fuse_features``)."""
         if hidden is None:
             return {}
-        h = self.head.hidden_size
+        h = self.head.feature_width
         rows = hidden[None] if hidden.dim() == 1 else hidden
         if rows.dim() != 2 or rows.shape[1] != h or not 1 <= rows.shape[0] <= n_tok - 1:
             raise ValueError(f"hidden: expected [{h}] or [m, {h}] with 1 <= m <= {n_tok - 1}, "
                              f"got {tuple(hidden.shape)}")
         first = n_tok - 1 - rows.shape[0]
-        return {first + i: row for i, row in enumerate(rows.to(self.device).unbind(0))}
+        return {first + i: row for i, row in enumerate(self.head.fuse_features(rows.to(self.device)).unbind(0))}
 
     def _new_cache(self, need: int) -> KVCache:
         """A one-layer cache of at least ``need`` slots (a power of two >= 256 and >= the warmed size)."""

@@ -20,7 +20,8 @@ its children (``"iid"`` / ``"no_replacement"``) raises ``ValueError`` when the c
 **State.** Each part sees its own tree in ``update``: the accepted path cut where it leaves that
 part's tree, with the next committed token as its bonus (what the sequence did commit next). A
 part that reads the target's features gets them as it asked (``needs_hidden_states``: the merge
-asks for the most any part needs and hands the ``"last"`` parts only the last row).
+asks for the most any part needs and hands the ``"last"`` parts only the last row; the parts that
+read features must agree on ``feature_layers``, which the merge asks for).
 
 Per step ``last_part_nodes`` holds each part's node count before merging (a benchmark's view of
 who proposed what); ``last_phase_s`` is the first profiling part's (e.g. ``EagleDrafter(profile=True)``).
@@ -84,6 +85,13 @@ class MergedDrafter(BaseDrafter):
         self._wants = [hidden_states_request(d) for d in parts]
         self.needs_hidden_states = (HIDDEN_ALL if HIDDEN_ALL in self._wants
                                     else HIDDEN_LAST if HIDDEN_LAST in self._wants else False)  # fmt: skip
+        layers = {None if (f := getattr(d, "feature_layers", None)) is None else tuple(f)
+                  for d, want in zip(parts, self._wants) if want is not None}  # fmt: skip
+        if len(layers) > 1:
+            raise ValueError(f"drafters: expected the parts that read the target's features to ask for the same "
+                             f"feature_layers, got {sorted(layers, key=str)}")  # fmt: skip
+        #: the target layers whose outputs the feature-reading parts get (None: the final feature)
+        self.feature_layers = layers.pop() if layers else None
         self._last: dict[int, _Merged] = {}
         self.last_part_nodes: list[int] = []
         self.last_phase_s: dict[str, float] | None = None

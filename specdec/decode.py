@@ -31,7 +31,8 @@ __all__ = ["DecodeLoop", "Run", "append_tokens"]
 
 _ROOT_PARENTS = torch.tensor([-1])  # the parents of every root-only tree (trees never modify their tensors)
 
-#: A target forward over one step's trees, inputs ready: returns (logits [B, n, V], hidden [B, n, H] or None).
+#: A target forward over one step's trees, inputs ready: returns (logits [B, n, V], hidden [B, n, H] or None;
+#: [B, n, k * H] with the drafter's k feature layers).
 _Forward = Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
 
 
@@ -98,9 +99,9 @@ def _stream(run: Run, appended: list[list[int]]) -> None:
 class DecodeLoop:
     """The decode loop of ``SpecDecoder`` (a base class of it): reads the decoder's ``drafter``,
     ``target``, ``vocab_size``, ``static_shapes``, ``attn_impl``, ``decode_chunk``, ``rank_sync``,
-    ``budget`` (the budget policy, or None) and hidden-state mode, and gets its forwards through
-    ``_graphed`` / ``_chunk``. Every step runs at a node budget the caller passes: the decoder's
-    ``tree_size``, or the policy's choice."""
+    ``budget`` (the budget policy, or None) and hidden-state mode (and feature layers), and gets its
+    forwards through ``_graphed`` / ``_chunk``. Every step runs at a node budget the caller passes: the
+    decoder's ``tree_size``, or the policy's choice."""
 
     def _step(self, run: Run, budget: int) -> StepStats:
         """One step over the batch at ``budget`` draft nodes per sequence (0: no drafter call):
@@ -210,7 +211,8 @@ class DecodeLoop:
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             out = hf.tree_forward(self.target, tokens, mask, prefix, cache, kv_len=kv_len, impl=self.attn_impl,
-                                  return_hidden=self._wants_hidden, shared=shared)  # fmt: skip
+                                  return_hidden=self._wants_hidden, shared=shared,
+                                  feature_layers=self._feature_layers)  # fmt: skip
             return out if self._wants_hidden else (out, None)
 
         return forward

@@ -24,7 +24,8 @@ What the engine sees on each rank:
   per layer: the KV memory is split N ways along with the weights.
 - the logits are whole (``[B, n, V]``, gathered by the LM head) and identical on every rank; so are
   the final hidden states that drafters reading the target's features (Medusa, EAGLE) get: the
-  row-parallel projections all-reduce, so the LM head's input is replicated. Drafters that call the
+  row-parallel projections all-reduce, so the LM head's input is replicated (and so is every decoder
+  layer's output, which drafters naming ``feature_layers`` get). Drafters that call the
   target's embedding / LM head (Medusa, EAGLE) run those TP modules, i.e. collectives: every rank
   must draft the same trees in the same order, which the lockstep below gives.
 - a draft model (``DraftModelDrafter``) is an ordinary replicated model on each rank.

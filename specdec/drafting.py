@@ -19,6 +19,17 @@ the target's final hidden states from its forwards (the LM head's input, after t
 
 No feature exists before the first token: at the first step of a one-token prompt ``hidden`` is
 None. ``hidden_states_request(drafter)`` reads the attribute (ValueError for other values).
+
+**Layer features** (EAGLE-3's low / middle / high features): a drafter with ``needs_hidden_states``
+may also set ``feature_layers``, a strictly increasing tuple of decoder-layer indices
+``0 <= i < num_layers``. The engine then passes, in place of the final feature, the outputs of those
+layers (the residual stream after decoder layer i, before the final norm: HF's
+``output_hidden_states[i + 1]``, except that HF's last entry is after the final norm) concatenated
+along the last dimension: ``hidden`` is ``[m, k * H]`` for k layers, same rows as above. They are
+taken by forward hooks on those layers that live only for the engine's forwards, inside its
+fixed-shape (CUDA-graph, compiled) forwards too; ``feature_layers = None`` (the default) keeps the
+final feature, and a drafter without ``needs_hidden_states`` pays nothing.
+``feature_layers_request(drafter, num_layers)`` reads and checks the attribute.
 Nothing else about the target reaches a drafter.
 
 Contract of ``propose``:
@@ -44,7 +55,8 @@ if TYPE_CHECKING:
     from specdec.tree import TokenTree
     from specdec.verify import Verdict
 
-__all__ = ["HIDDEN_ALL", "HIDDEN_LAST", "DraftContext", "Drafter", "BaseDrafter", "hidden_states_request", "propose_all"]
+__all__ = ["HIDDEN_ALL", "HIDDEN_LAST", "DraftContext", "Drafter", "BaseDrafter", "feature_layers_request",
+           "hidden_states_request", "propose_all"]
 
 #: ``needs_hidden_states`` value: the feature that predicted the root only (``hidden`` is ``[1, H]``).
 HIDDEN_LAST = "last"
@@ -64,7 +76,8 @@ class DraftContext:
         sampling: None for greedy decoding, else the target's sampling transform.
         generator: the random generator of this ``generate`` call (None = torch's default).
         hidden: ``[m, H]`` (m >= 1; the target's dtype and device): the target's final hidden
-            states (the LM head's input) at positions ``L - 1 - m .. L - 2`` (L = ``len(tokens)``),
+            states (the LM head's input; ``[m, k * H]``: the outputs of the drafter's k
+            ``feature_layers``, concatenated) at positions ``L - 1 - m .. L - 2`` (L = ``len(tokens)``),
             so row -1 is the state at ``tokens[-2]`` from which the root ``tokens[-1]`` was
             predicted. Only for drafters with ``needs_hidden_states`` (None otherwise, and at the
             first step of a one-token prompt). ``"last"`` / True: m = 1. ``"all"``: the rows not
@@ -89,6 +102,10 @@ class Drafter(Protocol):
     ``DraftContext.hidden``: True or ``"last"`` (``HIDDEN_LAST``) for the one that predicted the root
     (``[1, H]``; cheap), ``"all"`` (``HIDDEN_ALL``) for every committed token's, each given once
     (``[m, H]``; the prefill then also returns the prompt's features). See the module docstring.
+
+    ``feature_layers`` (optional, default None): with ``needs_hidden_states``, the decoder layers whose
+    outputs ``DraftContext.hidden`` carries instead of the final feature (``[m, k * H]``; see the
+    module docstring).
 
     ``propose_batch(contexts) -> list[TokenTree]`` (optional): the trees of several sequences of one
     step at once, equal to ``[propose(c) for c in contexts]``; the engine calls it for batches of
@@ -123,10 +140,12 @@ def propose_all(drafter, contexts: Sequence[DraftContext]) -> list[TokenTree]:
 
 
 class BaseDrafter:
-    """Convenience base: no-op ``reset`` / ``update``, an unknown vocabulary, no hidden states."""
+    """Convenience base: no-op ``reset`` / ``update``, an unknown vocabulary, no hidden states (and,
+    when a subclass asks for them, the final feature: ``feature_layers = None``)."""
 
     vocab_size: int | None = None
     needs_hidden_states: bool | str = False
+    feature_layers: tuple[int, ...] | None = None
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
         return None
@@ -152,3 +171,29 @@ def hidden_states_request(drafter) -> str | None:
                              f"{HIDDEN_ALL!r}, got {want!r}")
         return want
     return HIDDEN_LAST if want else None
+
+
+def feature_layers_request(drafter, num_layers: int | None) -> tuple[int, ...] | None:
+    """The decoder layers whose outputs ``drafter`` asks for in ``DraftContext.hidden``, or None (the
+    final feature; also for a drafter that asks for no hidden states and sets none).
+
+    Reads ``drafter.feature_layers`` (absent or None: None). ``num_layers``: the target's decoder
+    layers (``specdec.hf.num_layers``). Raises ValueError naming ``drafter`` unless it is a non-empty,
+    strictly increasing sequence of ints in ``[0, num_layers)``, or when it is set by a drafter
+    without ``needs_hidden_states``.
+    """
+    layers = getattr(drafter, "feature_layers", None)
+    if layers is None:
+        return None
+    if hidden_states_request(drafter) is None:
+        raise ValueError(f"drafter: expected feature_layers only with needs_hidden_states, got feature_layers="
+                         f"{layers!r} and no hidden states asked for")  # fmt: skip
+    ok = (isinstance(layers, (tuple, list)) and len(layers) > 0
+          and all(isinstance(i, int) and not isinstance(i, bool) for i in layers))  # fmt: skip
+    if ok and num_layers is None:
+        raise ValueError(f"drafter: expected feature_layers only for a target with decoder layers "
+                         f"(config.num_hidden_layers), got feature_layers={layers!r} for a target without")  # fmt: skip
+    if not ok or any(not 0 <= i < num_layers for i in layers) or any(a >= b for a, b in zip(layers, layers[1:])):
+        raise ValueError(f"drafter: expected feature_layers to be None or strictly increasing layer indices in "
+                         f"[0, {num_layers}), got {layers!r}")  # fmt: skip
+    return tuple(layers)

@@ -22,7 +22,7 @@ from specdec.budget import AUTO, DEFAULT_MAX_TREE_SIZE, BudgetConfig, BudgetPoli
 from specdec.capacity import MIN_CACHE_BUCKET, CacheCapacity, checked_buckets, default_cache_buckets
 from specdec.decode import DecodeLoop, Run
 from specdec.distributed import RankSync
-from specdec.drafting import Drafter, hidden_states_request
+from specdec.drafting import Drafter, feature_layers_request, hidden_states_request
 from specdec.decode_chunk import DecodeChunk
 from specdec.graphs import DEFAULT_PREFILL_WIDTH, GraphedForward, replay_modes
 from specdec.kv import KVCache
@@ -212,6 +212,9 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         request = hidden_states_request(drafter)
         self._hidden_mode: str | None = request if self.tree_size > 0 else None
         self._wants_hidden = self._hidden_mode is not None
+        # ... the final hidden states, or the outputs of the decoder layers the drafter names (hf.layers_at)
+        layers = feature_layers_request(drafter, hf.num_layers(target))
+        self._feature_layers = hf.layers_at(target, layers, "drafter") if layers and self._wants_hidden else None
         self.max_cache_len = max_cache_len
         self.device = hf.input_device(target)
         self.static_shapes, self.cuda_graphs, self.compile = replay_modes(
@@ -339,6 +342,7 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
             graphed = self._prefill_graphs[key] = GraphedForward(
                 self.target, cache, batch, width, impl=self.attn_impl, return_hidden=self._wants_hidden,
                 capture=self.cuda_graphs, compile=False, logits_to_keep=0 if self._wants_hidden else 1,
+                feature_layers=self._feature_layers,
             )  # fmt: skip
         return graphed
 
@@ -358,7 +362,7 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
                       self.cuda_graphs, self.compile)  # fmt: skip
             graphed = kept[key] = GraphedForward(
                 self.target, cache, batch, n, impl=self.attn_impl, return_hidden=self._wants_hidden,
-                capture=self.cuda_graphs, compile=self.compile, shared=shared,
+                capture=self.cuda_graphs, compile=self.compile, shared=shared, feature_layers=self._feature_layers,
             )  # fmt: skip
         return graphed
 

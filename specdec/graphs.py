@@ -14,7 +14,8 @@
   decoder layer (its attention writes the n new keys / values into the cache at ``slots`` and
   calls ``tree_attention(..., check_prefix_lens=False)`` over the whole cache capacity S), the
   final norm, the LM head -> logits ``[B, n, V]``, and the LM head's input (final hidden states
-  ``[B, n, H]``) when ``return_hidden``. No host sync happens inside and every shape depends only
+  ``[B, n, H]``) when ``return_hidden`` -- or, with ``feature_layers``, the outputs of those decoder
+  layers concatenated, ``[B, n, k * H]``. No host sync happens inside and every shape depends only
   on (B, n, S): variable prefix lengths are data in the input vector, never shapes. The Triton
   kernel's launch configuration depends on (B, heads, n, S, D) only, and S is the cache capacity,
   so it is the same every step. With ``shared=`` (a batch-1 ``KVCache`` of capacity C holding a
@@ -247,6 +248,8 @@ class Replayed:
         self.logits: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
         self.logits_to_keep = 0  # the body's logits_to_keep (hf.run_state): 0 = every input row
+        #: the decoder layers whose outputs the body returns as its hidden states (hf.run_state); None: the final ones
+        self.feature_layers: tuple[torch.nn.Module, ...] | None = None
         self.graph = None  # torch.cuda.CUDAGraph once captured
         #: forwards run (eager calls or graph replays), for tests and accounting
         self.calls = 0
@@ -272,8 +275,8 @@ class Replayed:
         Subclasses set ``tokens``, ``positions`` (fixed ``[B, m]`` device tensors), ``state`` (a
         ``hf.ForwardState`` / ``attention.MaskedState`` over fixed tensors) and ``return_hidden``.
         """
-        out = hf.run_state(self.model, self.tokens, self.positions, self.state,
-                           logits_to_keep=self.logits_to_keep, return_hidden=self.return_hidden)
+        out = hf.run_state(self.model, self.tokens, self.positions, self.state, logits_to_keep=self.logits_to_keep,
+                           return_hidden=self.return_hidden, feature_layers=self.feature_layers)  # fmt: skip
         return out if self.return_hidden else (out, None)
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -466,6 +469,9 @@ class GraphedForward(Replayed):
         batch, n: the static shape: B sequences, n tree nodes each (root included).
         impl: ``treeattn.tree_attention``'s ``impl``.
         return_hidden: also produce the final hidden states (for drafters that read them).
+        feature_layers: with ``return_hidden``, the outputs of these decoder-layer modules
+            (``hf.layers_at``) instead, concatenated: ``hidden`` is ``[B, n, k * H]`` for k layers
+            (``hf.run_state``; taken inside the captured / compiled body).
         capture: record a CUDA graph (the model must be on CUDA); False = eager replay.
         warmup: side-stream forwards before the capture (after one on the current stream); None:
             ``capture_warmup()`` (2 unless ``$SPECDEC_CAPTURE_WARMUP`` says otherwise).
@@ -491,8 +497,8 @@ class GraphedForward(Replayed):
 
     def __init__(self, model, cache: KVCache, batch: int, n: int, *, impl: str = "auto",
                  return_hidden: bool = False, capture: bool = False, warmup: int | None = None,
-                 compile: bool | str = False, logits_to_keep: int = 0,
-                 shared: KVCache | None = None) -> None:  # fmt: skip
+                 compile: bool | str = False, logits_to_keep: int = 0, shared: KVCache | None = None,
+                 feature_layers: tuple[torch.nn.Module, ...] | None = None) -> None:  # fmt: skip
         super().__init__(model, cache, batch, n, capture=capture, warmup=warmup, compile=compile)
         if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or not 0 <= logits_to_keep <= n:
             raise ValueError(f"logits_to_keep: expected an int in [0, n = {n}], got {logits_to_keep!r}")
@@ -500,6 +506,7 @@ class GraphedForward(Replayed):
         #: 0 = logits of every node; k = of the last k nodes only
         self.logits_to_keep = logits_to_keep
         self.return_hidden = bool(return_hidden)
+        self.feature_layers = None if feature_layers is None else tuple(feature_layers)
         #: the shared prompt's cache (None: each sequence's prompt is in ``cache``)
         self.shared = shared
         self.layout = InputLayout(batch, n, shared=shared is not None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,9 @@ __all__ = [
     "attention_name",
     "check_causal_lm",
     "compile_layers",
+    "decoder_layers",
+    "layer_outputs",
+    "layers_at",
     "prepare_model",
     "input_device",
     "masked_forward",
@@ -165,18 +169,25 @@ def compile_layers(model) -> int:
     serve all layers of one kind (PyTorch's "regional compilation"; Gemma 3's sliding-window and full
     layers are two kinds): a fraction of a whole-model compile's time (specdec/PERF.md v19).
     """
-    count = 0
-    for module in model.modules():
-        idx = [c.layer_idx for c in module.children() if isinstance(getattr(c, "layer_idx", None), int)]
-        if len(idx) != 1:
-            continue
-        count += 1
-        if not isinstance(module.__dict__.get("forward"), _LayerForward):
-            module.forward = _LayerForward(module, idx[0])
-    if not count:
+    layers = decoder_layers(model)
+    if not layers:
         raise ValueError(f"model: expected decoder layers (a child attention module with layer_idx), got none in "
                          f"{type(model).__name__}")
-    return count
+    for idx, module in layers.items():
+        if not isinstance(module.__dict__.get("forward"), _LayerForward):
+            module.forward = _LayerForward(module, idx)
+    return len(layers)
+
+
+def decoder_layers(model) -> dict[int, torch.nn.Module]:
+    """``model``'s decoder layers by index: every module with exactly one direct child that has an int
+    ``layer_idx`` (its attention module; every HF decoder-only model), keyed by that index."""
+    layers = {}
+    for module in model.modules():
+        idx = [c.layer_idx for c in module.children() if isinstance(getattr(c, "layer_idx", None), int)]
+        if len(idx) == 1:
+            layers[idx[0]] = module
+    return layers
 
 
 class _LayerForward:
@@ -492,8 +503,48 @@ def _head_inputs(model, enabled: bool, head_rows=None):
         handle.remove()
 
 
+def layers_at(model, indices: Sequence[int], name: str = "feature_layers") -> tuple[torch.nn.Module, ...]:
+    """The decoder layers of ``model`` at ``indices`` (``decoder_layers``), in that order: what the
+    forwards' ``feature_layers`` take (looked up once, not per forward). Raises ValueError naming
+    ``name`` for an index that is no decoder layer."""
+    found = decoder_layers(model)
+    missing = [i for i in indices if i not in found]
+    if missing:
+        raise ValueError(f"{name}: expected decoder-layer indices of {type(model).__name__} (0 .. {len(found) - 1}), "
+                         f"got {missing}")  # fmt: skip
+    return tuple(found[i] for i in indices)
+
+
+@contextlib.contextmanager
+def layer_outputs(layers: Sequence[torch.nn.Module]):
+    """Collect the outputs of the decoder-layer modules ``layers`` (``layers_at``) during a call: yields a
+    list with one slot per layer (``[B, m, H]`` once it ran, else None), filled by forward hooks that
+    live only for the ``with`` block."""
+    got: list[torch.Tensor | None] = [None] * len(layers)
+
+    def hook(slot: int):
+        def keep(module, args, out):
+            got[slot] = out[0] if isinstance(out, tuple) else out
+
+        return keep
+
+    handles = [layer.register_forward_hook(hook(j)) for j, layer in enumerate(layers)]
+    try:
+        yield got
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _kept_rows(x: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The rows of ``x [B, m, ...]`` whose logits ``logits_to_keep`` keeps (``run_state``'s semantics)."""
+    if isinstance(logits_to_keep, int):
+        return x if logits_to_keep == 0 else x[:, -logits_to_keep:]
+    return x[:, logits_to_keep.to(x.device)]
+
+
 def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state, logits_to_keep=0,
-              return_hidden: bool | str = False):
+              return_hidden: bool | str = False, feature_layers: Sequence[torch.nn.Module] | None = None):
     """One model forward with ``state`` handed to every attention layer; no host sync inside.
 
     Args:
@@ -506,30 +557,33 @@ def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state, lo
             the final norm), taken with a forward pre-hook on the output embedding that lives only
             for this call. True: of the rows whose logits are kept; ``"all"``: of all m rows (the
             LM head still runs on the kept rows only).
+        feature_layers: with ``return_hidden``, return instead the outputs of these decoder-layer
+            modules (``layers_at(model, indices)``: the residual stream after each, before the final
+            norm), concatenated along the last dimension in this order, taken by forward hooks that
+            live only for this call (None: the final hidden states).
 
     Returns:
         ``[B, m or k, V]`` logits, or ``(logits, hidden)`` with ``hidden`` ``[B, m or k, H]`` when
-        ``return_hidden`` (``[B, m, H]`` with ``"all"``). With fixed-address inputs and
-        ``state.kv_len=None`` this call is the body a CUDA graph would capture.
+        ``return_hidden`` (``[B, m, H]`` with ``"all"``; ``H`` is ``len(feature_layers) * H`` with
+        ``feature_layers``). With fixed-address inputs and ``state.kv_len=None`` this call is the
+        body a CUDA graph would capture.
     """
     if return_hidden not in (False, True, "all"):
         raise ValueError(f"return_hidden: expected False, True or 'all', got {return_hidden!r}")
     every_row = return_hidden == "all"
+    if return_hidden and feature_layers is not None:
+        with layer_outputs(feature_layers) as got:
+            out = _forward(model, input_ids, positions, state, logits_to_keep)
+        if any(g is None for g in got):
+            raise ValueError(f"feature_layers: expected decoder layers of the model that run in its forward, got "
+                             f"{sum(g is None for g in got)} of {len(got)} that did not run")  # fmt: skip
+        feats = torch.cat(got, dim=-1)
+        return out.logits, feats if every_row else _kept_rows(feats, logits_to_keep)
     head_rows = None
     if every_row and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         head_rows = logits_to_keep
-    # A 4-D mask counts as "already prepared": transformers builds none (the state carries the real one).
-    dummy_mask = torch.ones(input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=input_ids.device)
     with _head_inputs(model, bool(return_hidden), head_rows) as hidden:
-        out = model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=dummy_mask,
-            past_key_values=None,
-            use_cache=False,
-            logits_to_keep=0 if every_row else logits_to_keep,
-            **{STATE_KWARG: state},
-        )
+        out = _forward(model, input_ids, positions, state, 0 if every_row else logits_to_keep)
     if not return_hidden:
         return out.logits
     if len(hidden) != 1:
@@ -537,9 +591,25 @@ def run_state(model, input_ids: torch.Tensor, positions: torch.Tensor, state, lo
     return out.logits, hidden[0]
 
 
+def _forward(model, input_ids: torch.Tensor, positions: torch.Tensor, state, logits_to_keep):
+    """The model's call of ``run_state`` (its output object)."""
+    # A 4-D mask counts as "already prepared": transformers builds none (the state carries the real one).
+    dummy_mask = torch.ones(input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    return model(
+        input_ids=input_ids,
+        position_ids=positions,
+        attention_mask=dummy_mask,
+        past_key_values=None,
+        use_cache=False,
+        logits_to_keep=logits_to_keep,
+        **{STATE_KWARG: state},
+    )
+
+
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto",
-            hidden_at: torch.Tensor | None = None, all_hidden: bool = False) -> torch.Tensor | None:
+            hidden_at: torch.Tensor | None = None, all_hidden: bool = False,
+            feature_layers: Sequence[torch.nn.Module] | None = None) -> torch.Tensor | None:  # fmt: skip
     """Write the KV of ``input_ids`` to cache slots ``[0, m)`` (causal attention, positions 0..m-1).
 
     Args:
@@ -551,6 +621,8 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto",
         all_hidden: return the final hidden states of all m positions (row b's are valid up to its
             last real token); the LM head still runs on one position per row only (no ``[B, m, V]``
             logits). Not together with ``hidden_at``.
+        feature_layers: the hidden states are the outputs of these decoder-layer modules,
+            concatenated (``run_state``'s): ``H`` below is ``len(feature_layers) * H``.
 
     Returns:
         None, ``[B, H]`` final hidden states (the LM head's input) when ``hidden_at`` is given, or
@@ -564,13 +636,15 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, impl: str = "auto",
     positions = torch.arange(m, device=device).expand(batch, m)
     state = ForwardState(cache=cache, slots=positions, positions=positions, impl=impl)
     if all_hidden:
-        return run_state(model, ids, positions, state, logits_to_keep=1, return_hidden="all")[1]
+        return run_state(model, ids, positions, state, logits_to_keep=1, return_hidden="all",
+                         feature_layers=feature_layers)[1]  # fmt: skip
     if hidden_at is None:
         run_state(model, ids, positions, state, logits_to_keep=1)
         return None
     at = hidden_at.to("cpu", torch.int64)
     keep = torch.unique(at)  # sorted; the LM head runs on these positions only
-    _, hidden = run_state(model, ids, positions, state, logits_to_keep=keep.to(device), return_hidden=True)
+    _, hidden = run_state(model, ids, positions, state, logits_to_keep=keep.to(device), return_hidden=True,
+                          feature_layers=feature_layers)  # fmt: skip
     cols = torch.searchsorted(keep, at).to(hidden.device)
     return hidden[torch.arange(batch, device=hidden.device), cols]
 
@@ -639,6 +713,7 @@ def tree_forward(
     return_hidden: bool = False,
     shared: KVCache | None = None,
     shared_len: torch.Tensor | None = None,
+    feature_layers: Sequence[torch.nn.Module] | None = None,
 ):
     """Score every node of B token trees in one forward over the committed KV.
 
@@ -661,6 +736,8 @@ def tree_forward(
             (``ForwardState.shared_len``: attention over all of ``shared``'s capacity, of which the
             first P slots are read; the positions offset on the device), instead of the host int
             ``shared.lengths[0]``.
+        feature_layers: with ``return_hidden``, the outputs of these decoder-layer modules instead
+            of the final hidden states, concatenated: ``[B, n, len(feature_layers) * H]`` (``run_state``).
 
     Returns:
         ``[B, n, V]`` logits; row i is the target's prediction after node i's root path (and the
@@ -680,7 +757,8 @@ def tree_forward(
     slots = prefix[:, None] + torch.arange(n, device=device)
     state = ForwardState(cache=cache, slots=slots, positions=positions, tree_mask=tree_mask, prefix_lens=prefix,
                          kv_len=kv_len, impl=impl, shared=shared, shared_len=shared_len)
-    return run_state(model, tokens.to(device), positions, state, return_hidden=return_hidden)
+    return run_state(model, tokens.to(device), positions, state, return_hidden=return_hidden,
+                     feature_layers=feature_layers)
 
 
 @torch.no_grad()

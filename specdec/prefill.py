@@ -27,7 +27,7 @@ __all__ = ["Prefill"]
 
 class Prefill:
     """The prompt prefill of ``SpecDecoder`` (a base class of it): reads the decoder's ``target``,
-    ``attn_impl`` and ``_hidden_mode``, and makes its caches and prefill forwards through
+    ``attn_impl``, ``_hidden_mode`` and ``_feature_layers``, and makes its caches and prefill forwards through
     ``_cache_for`` / ``_prefill_forward``."""
 
     def _prefill_shared(self, prompt: torch.Tensor, batch: int,
@@ -66,7 +66,8 @@ class Prefill:
             Per sequence, the first ``DraftContext.hidden`` for drafters with
             ``needs_hidden_states``: the target's final hidden states of prompt positions
             ``0 .. lens[b] - 2`` (``[lens[b] - 1, H]``) for ``"all"``, of position ``lens[b] - 2``
-            only (``[1, H]``: the state that predicted the root) for ``"last"``; else Nones (also
+            only (``[1, H]``: the state that predicted the root) for ``"last"`` (``k * H`` wide: the
+            outputs of the drafter's k feature layers, with ``feature_layers``); else Nones (also
             for one-token prompts).
         """
         batch, longest = len(lens), max(lens)
@@ -76,11 +77,13 @@ class Prefill:
             if graphed is not None:
                 hidden = self._chunked_prefill(graphed, seqs, lens)
             elif self._hidden_mode == HIDDEN_ALL:  # [B, longest - 1, H]; row b valid up to lens[b] - 2
-                h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, all_hidden=True)
+                h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, all_hidden=True,
+                               feature_layers=self._feature_layers)  # fmt: skip
                 hidden = [h[b, : lens[b] - 1] if lens[b] > 1 else None for b in range(batch)]
             else:
                 at = torch.tensor([max(n - 2, 0) for n in lens]) if self._hidden_mode == HIDDEN_LAST else None
-                h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, hidden_at=at)
+                h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, hidden_at=at,
+                               feature_layers=self._feature_layers)  # fmt: skip
                 if h is not None:  # [B, H]
                     hidden = [h[b, None] if lens[b] > 1 else None for b in range(batch)]
         cache.lengths = [n - 1 for n in lens]

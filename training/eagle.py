@@ -17,7 +17,11 @@ Pipeline (:func:`run_eagle`, ``specdec train-eagle``):
    ``--sample-temperature`` (other seeds; each pass cached in ``selfdistill.sampledK.jsonl``):
    more and more varied sequences from the same prompts, at the cost of N generation passes.
 2. **Features**: the target's final hidden states ``f_p`` (the LM head's input) of prompt + answer,
-   computed per batch without gradients.
+   computed per batch without gradients; for a head with feature layers (``--feature-layers``,
+   EAGLE-3: e.g. ``low,mid,high`` = the outputs of layers 2, L // 2, L - 3; ``EagleHead``) also
+   those layers' outputs ``g_p`` in the same forward (``target_features``), which the head reads
+   through its ``fuse`` where step 1 below reads ``f_{i-1}``; ``f`` stays the regression target and
+   the soft labels' source. Default ``final``: today's single final feature.
 3. **Loss** (EAGLE-1 + EAGLE-3's training-time test). Unrolled step s = 1..U simulates a draft
    node at depth s - 1 below a root at position i: step 1 reads the real pair
    ``(f_{i-1}, t_i)``; step s > 1 reads ``(y^{s-1}_i, t_{i+s-1})``, the head's own output of step
@@ -49,7 +53,8 @@ for Qwen2.5-Coder-1.5B in bf16, data generation included (an estimate from ``tra
 minutes for the same data and 1000 steps of a similar LM-head cost; not yet measured).
 On CUDA the target's features of every training sequence are computed once before the first
 step and kept on the device when they take at most a quarter of its free memory
-(``EagleTrainConfig.cache_features``; ~4 GB for the default data with Qwen2.5-Coder-1.5B), instead of
+(``EagleTrainConfig.cache_features``; ~4 GB for the default data with Qwen2.5-Coder-1.5B, k + 1 times
+that with k feature layers: ~16 GB for three), instead of
 a frozen target forward per batch; the log reports the cache's size and time (not yet timed on a GPU).
 ``--time-budget SECONDS`` bounds the optimization itself (the cache is built before it starts): the step time measured over the first
 steps fixes how many steps fit, and the learning-rate schedule is rescaled to that count.
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -69,6 +75,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drafters.eagle import EagleHead, TargetParts, rank_tokens
+from drafters.eagle_head import parse_feature_layers
+from specdec import hf
 from training.distill import (
     PROMPT_STYLES,
     Example,
@@ -91,8 +99,10 @@ __all__ = [
     "EagleTrainConfig",
     "UnrolledAttention",
     "answer_token_counts",
+    "check_feature_spec",
     "evaluate_eagle",
     "run_eagle",
+    "target_features",
     "train_eagle",
     "unrolled_features",
 ]
@@ -162,6 +172,20 @@ class EagleTrainConfig:
             raise ValueError(f"train_vocab: expected None or an int >= 1, got {self.train_vocab!r}")
         if not (self.cache_features is None or isinstance(self.cache_features, bool)):
             raise ValueError(f"cache_features: expected None, True or False, got {self.cache_features!r}")
+
+
+#: The form of ``EagleRun.feature_layers`` (``parse_feature_layers`` reads it once the target's depth is known).
+_FEATURE_SPEC = re.compile(r"final|(?:\s*(?:low|mid|high|-?\d+)\s*)(?:,\s*(?:low|mid|high|-?\d+)\s*)*")
+
+
+def check_feature_spec(spec: str, name: str = "feature_layers") -> str:
+    """``spec`` if it has the form ``parse_feature_layers`` reads (``final``, or comma-separated layer
+    indices and low / mid / high), else ValueError naming ``name``; its indices are checked against
+    the target once it is loaded (``run_eagle``)."""
+    if not isinstance(spec, str) or not _FEATURE_SPEC.fullmatch(spec.strip().lower()):
+        raise ValueError(f"{name}: expected 'final' or comma-separated layer indices or low / mid / high, got "
+                         f"{spec!r}")  # fmt: skip
+    return spec
 
 
 #: Steps timed (after 3 warm-up steps) before a ``time_budget`` fixes the number of steps.
@@ -238,17 +262,20 @@ def unrolled_features(head: EagleHead, parts: TargetParts, ids: torch.Tensor, fe
     Args:
         head, parts: the head and the target's frozen modules.
         ids: int64 ``[B, T]`` (right-padded sequences).
-        feats: ``[B, T, H]``, the target's features ``f``.
+        feats: ``[B, T, F]``, the target's features the head reads (``F = head.feature_width``: the
+            final hidden states ``f``, or with feature layers their outputs ``g``, concatenated).
         unroll: steps U.
 
     Returns:
         U tensors ``[B, T, H]``: entry s-1, row i is ``y^s_i``, the head's prediction of
-        ``f_{i+s-1}`` along the chain rooted at position i (step 1 reads ``(f_{i-1}, t_i)``, step
-        s reads ``(y^{s-1}_i, t_{i+s-1})``). Rows whose inputs fall outside a sequence are garbage.
+        ``f_{i+s-1}`` along the chain rooted at position i (step 1 reads ``(f_{i-1}, t_i)`` --
+        ``(fuse(g_{i-1}), t_i)`` with feature layers, as the drafter's catch-up does --, step s reads
+        ``(y^{s-1}_i, t_{i+s-1})``, as its expansion does). Rows whose inputs fall outside a
+        sequence are garbage.
     """
     state = UnrolledAttention()
     rows = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-    prev = _shift(feats, -1)  # f_{i-1}
+    prev = head.fuse_features(_shift(feats, -1))  # f_{i-1}, or fuse(g_{i-1})
     outs = []
     for s in range(1, unroll + 1):
         y = head(parts, _shift(ids, s - 1), prev, rows + (s - 1), state)
@@ -267,19 +294,40 @@ def _valid(lens: list[int], plens: list[int], width: int, step: int) -> torch.Te
     return out
 
 
+def target_features(target, head: EagleHead, ids: torch.Tensor,
+                    attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The target's features of right-padded sequences ``ids`` (int64 ``[B, T]``, mask ``[B, T]``), in
+    one forward: ``(f [B, T, H], g [B, T, k * H] or None)``: its final hidden states (the LM head's
+    input: what the head regresses on and the soft labels' logits) and, for a head with k feature
+    layers, those layers' outputs concatenated (what the head reads; ``specdec.hf.layer_outputs``:
+    the features the engine passes the drafter)."""
+    layers = head.config.feature_layers
+    taps = hf.layers_at(target, layers) if layers is not None else ()
+    with hf.layer_outputs(taps) as got:
+        final = target_hidden_states(target, ids, attention_mask)
+    return final, (torch.cat(got, dim=-1) if taps else None)
+
+
+def _padded(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """``[B, width, F]``: the ``[len_b, F]`` rows right-padded with zeros."""
+    out = rows[0].new_zeros(len(rows), width, rows[0].shape[-1])
+    for b, f in enumerate(rows):
+        out[b, : f.shape[0]] = f
+    return out
+
+
 def _step_terms(target, head, parts, examples, unroll, max_positions, gen, device, cached=None):
     """Per unrolled step s (1-based): ``(s, pred [N, H], feat [N, H], labels [N], pick)`` at the
     step's valid rows; ``pick`` indexes the (at most ``max_positions``) rows the cross-entropy uses.
-    ``cached``: the examples' target features (``[len, H]`` each, ``_feature_cache``), else the
-    target runs over the batch."""
+    ``cached``: the examples' target features (``(f [len, H], g [len, k * H] or None)`` each,
+    ``_feature_cache``), else the target runs over the batch."""
     ids, mask, lens, plens = padded_batch(examples, device)
     if cached is None:
-        feats = target_hidden_states(target, ids, mask)
+        feats, layered = target_features(target, head, ids, mask)
     else:  # right-padded like ids; padding rows are never valid
-        feats = cached[0].new_zeros(len(cached), ids.shape[1], cached[0].shape[-1])
-        for b, f in enumerate(cached):
-            feats[b, : f.shape[0]] = f
-    outs = unrolled_features(head, parts, ids, feats, unroll)
+        feats = _padded([f for f, _ in cached], ids.shape[1])
+        layered = None if cached[0][1] is None else _padded([g for _, g in cached], ids.shape[1])
+    outs = unrolled_features(head, parts, ids, feats if layered is None else layered, unroll)
     for s, y in enumerate(outs, start=1):
         valid = _valid(lens, plens, ids.shape[1], s).to(ids.device)
         if not bool(valid.any()):
@@ -319,28 +367,30 @@ def _loss(parts, pred, feat, pick, config: EagleTrainConfig, vocab=None) -> torc
 
 
 @torch.no_grad()
-def _feature_cache(target, examples: Sequence[Example], device, amp: bool | None,
-                   batch_size: int = 16) -> list[torch.Tensor]:  # fmt: skip
-    """The target's final hidden states of every example, ``[len(ids), H]`` each, on ``device``
-    (computed in batches of similar lengths; a causal target's features do not depend on the
-    padding or the batch)."""
+def _feature_cache(target, head: EagleHead, examples: Sequence[Example], device, amp: bool | None,
+                   batch_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor | None]]:  # fmt: skip
+    """``target_features`` of every example, ``([len(ids), H], [len(ids), k * H] or None)`` each, on
+    ``device`` (computed in batches of similar lengths; a causal target's features do not depend on
+    the padding or the batch)."""
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
-    out: list[torch.Tensor | None] = [None] * len(examples)
+    out: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(examples)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         ids, mask, lens, _ = padded_batch([examples[i] for i in rows], device)
         with _autocast(device, amp):
-            feats = target_hidden_states(target, ids, mask)
+            feats, layered = target_features(target, head, ids, mask)
         for b, i in enumerate(rows):
-            out[i] = feats[b, : lens[b]].clone()
+            out[i] = (feats[b, : lens[b]].clone(), None if layered is None else layered[b, : lens[b]].clone())
     return out
 
 
-def _cache_fits(target, examples: Sequence[Example], device) -> bool:
+def _cache_fits(target, head: EagleHead, examples: Sequence[Example], device) -> bool:
     """Whether the feature cache takes at most a quarter of the device's free memory (CUDA only)."""
     if device.type != "cuda":
         return False
-    per_token = target.config.get_text_config().hidden_size * torch.finfo(target.dtype).bits // 8
+    layered = head.config.feature_layers is not None
+    widths = head.config.hidden_size + (head.feature_width if layered else 0)  # f, and g when the head reads layers
+    per_token = widths * torch.finfo(target.dtype).bits // 8
     need = per_token * sum(len(e.ids) for e in examples)
     return need <= torch.cuda.mem_get_info(device)[0] // 4
 
@@ -381,13 +431,14 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
         ids = torch.sort(rank_tokens(counts)[: config.train_vocab]).values.to(device)
         bias = getattr(parts.lm_head, "bias", None)
         vocab = (parts.lm_head.weight.detach()[ids], None if bias is None else bias.detach()[ids])
-    cache = config.cache_features if config.cache_features is not None else _cache_fits(target, examples, device)
+    cache = (config.cache_features if config.cache_features is not None
+             else _cache_fits(target, head, examples, device))  # fmt: skip
     cache_start = time.perf_counter()
-    features = _feature_cache(target, examples, device, amp) if cache else None
+    features = _feature_cache(target, head, examples, device, amp) if cache else None
     losses: list[float] = []
     bar = tqdm(total=config.steps, desc="train eagle", unit="step", disable=not progress)
     if features is not None:
-        gib = sum(f.numel() * f.element_size() for f in features) / 2**30
+        gib = sum(t.numel() * t.element_size() for pair in features for t in pair if t is not None) / 2**30
         bar.write(f"target features cached: {len(features)} sequences, {gib:.2f} GiB, "
                   f"{time.perf_counter() - cache_start:.1f} s")  # fmt: skip
     started = time.perf_counter()
@@ -499,6 +550,9 @@ class EagleRun:
         chat: prompts through the chat template (False: plain prompts).
         device, dtype: the target's (None: cuda if available; bf16 on cuda, fp32 elsewhere);
             the head trains in fp32.
+        feature_layers: the target features the head reads (``drafters.eagle_head.parse_feature_layers``):
+            ``"final"`` (default: the final hidden state, EAGLE-1), ``"low,mid,high"`` (EAGLE-3's
+            layers 2, L // 2, L - 3) or comma-separated layer indices (negative from the end).
         progress: progress bars.
     """
 
@@ -535,12 +589,14 @@ class EagleRun:
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
+    feature_layers: str = "final"
     progress: bool = True
 
     def __post_init__(self) -> None:
         check_run_fields(self, ("batch_size", "unroll", "max_positions", "max_new_tokens", "gen_batch_size",
                                 "answers_per_prompt"), ("steps", "exercises"))  # fmt: skip
         check_source_fields(self)
+        check_feature_spec(self.feature_layers)
         styles = self.prompt_styles
         if (not isinstance(styles, tuple) or not styles or len(set(styles)) != len(styles)
                 or any(s not in PROMPT_STYLES for s in styles)):  # fmt: skip
@@ -635,7 +691,11 @@ def run_eagle(run: EagleRun) -> None:
     clock["data"] = time.perf_counter()
 
     torch.manual_seed(run.seed)
-    head = EagleHead(target).to(device)
+    layers = parse_feature_layers(run.feature_layers, hf.num_layers(target))
+    head = EagleHead(target, layers).to(device)
+    print("head features: " + ("the target's final hidden state" if layers is None else
+                               f"the outputs of the target's layers {list(layers)} (of {hf.num_layers(target)}), "
+                               f"fused {len(layers)}H -> H"))  # fmt: skip
     before = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout else []
     losses = train_eagle(target, head, train, cfg, progress=progress, time_budget=run.time_budget) if run.steps > 0 else []
     after = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout and losses else before
@@ -649,7 +709,7 @@ def run_eagle(run: EagleRun) -> None:
           + (", ".join(f"{c:.1%} (N = {n})" for n, c in cover.items()) or "all"))  # fmt: skip
     head.save(out, target=str(run.target), train={**asdict(cfg), "steps": len(losses), "answers_per_prompt": run.answers_per_prompt,
                                                    "prompt_styles": list(styles), "exercises": run.exercises,
-                                                   **source_record(run, data)},
+                                                   **source_record(run, data), "feature_layers": run.feature_layers},
               train_examples=len(train),
               heldout_examples=len(heldout), heldout_top1_before=before, heldout_top1=after,
               final_loss=losses[-1] if losses else None,

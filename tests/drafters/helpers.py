@@ -67,13 +67,13 @@ def save_tiny_pair(root: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
-def random_eagle_head(target, seed: int = 0, std: float = 0.2):
-    """An ``EagleHead`` for ``target`` with large random weights (normal(0, ``std``) matrices: decisive,
-    non-trivial drafts), in eval mode."""
+def random_eagle_head(target, seed: int = 0, std: float = 0.2, feature_layers: tuple[int, ...] | None = None):
+    """An ``EagleHead`` for ``target`` (reading ``feature_layers``' outputs, if given) with large random
+    weights (normal(0, ``std``) matrices: decisive, non-trivial drafts), in eval mode."""
     from drafters.eagle import EagleHead
 
     torch.manual_seed(seed)
-    head = EagleHead(target)
+    head = EagleHead(target, feature_layers)
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() >= 2:

@@ -26,6 +26,7 @@ from drafters.eagle import (
     auto_draft_vocab,
 )
 from drafters.eagle_expansion import ExpansionPlan as _Plan
+from drafters.eagle_head import default_feature_layers, parse_feature_layers
 from drafters.medusa import MedusaHeads
 from specdec import SpecDecoder
 from specdec.drafting import DraftContext
@@ -34,7 +35,7 @@ from specdec.verify import Verdict
 from tests.drafters.helpers import random_eagle_head
 from tests.specdec.helpers import VOCAB, hf_greedy, tiny_model
 from training.distill import self_distill, target_hidden_states
-from training.eagle import EagleTrainConfig, evaluate_eagle, train_eagle, unrolled_features
+from training.eagle import EagleTrainConfig, evaluate_eagle, target_features, train_eagle, unrolled_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,10 +53,23 @@ def _random_head(family: str = "qwen2", seed: int = 0) -> EagleHead:
 
 
 @functools.lru_cache(maxsize=None)
-def _ranked_head(family: str = "qwen2") -> EagleHead:
-    """``_random_head(family)`` (the weights ``_run_case`` uses: the same cache entry) with token
-    frequencies: random counts, some tokens unseen."""
-    head = copy.deepcopy(_random_head(family))
+def _layered_head(family: str = "qwen2", seed: int = 0, layers: tuple[int, ...] = (0, 1)) -> EagleHead:
+    """A random head reading the outputs of the target's ``layers`` (EAGLE-3's multi-layer features)."""
+    target = _target(family) if layers == (0, 1) else _deep_target(family)
+    return random_eagle_head(target, seed, feature_layers=layers)
+
+
+@functools.lru_cache(maxsize=None)
+def _deep_target(family: str = "qwen2"):
+    """An 8-layer target: EAGLE-3's low / middle / high layers are three different ones (2, 4, 5)."""
+    return tiny_model(family, layers=8)
+
+
+@functools.lru_cache(maxsize=None)
+def _ranked_head(family: str = "qwen2", layered: bool = False) -> EagleHead:
+    """``_random_head(family)`` (the weights ``_run_case`` uses: the same cache entry; ``_layered_head``'s
+    with ``layered``) with token frequencies: random counts, some tokens unseen."""
+    head = copy.deepcopy(_layered_head(family) if layered else _random_head(family))
     g = torch.Generator().manual_seed(1000)
     counts = torch.randint(0, 50, (VOCAB,), generator=g) * (torch.rand(VOCAB, generator=g) < 0.8)
     head.set_token_counts(counts)
@@ -73,6 +87,13 @@ def _prompt(length: int, seed: int) -> torch.Tensor:
 def _features(target, tokens: torch.Tensor) -> torch.Tensor:
     """``[L, H]``: the target's final hidden states (the LM head's input) of ``tokens``."""
     return target_hidden_states(target, tokens[None], torch.ones(1, len(tokens), dtype=torch.long))[0]
+
+
+def _head_features(target, head: EagleHead, tokens: torch.Tensor) -> torch.Tensor:
+    """``[L, F]``: the target features ``head`` reads over ``tokens`` (the final ones, or the outputs of
+    its feature layers: ``[L, k * H]``), as the training computes them."""
+    final, layered = target_features(target, head, tokens[None], torch.ones(1, len(tokens), dtype=torch.long))
+    return (final if layered is None else layered)[0]
 
 
 def test_head_stores_only_fc_and_one_layer_and_predicts_features():
@@ -129,16 +150,20 @@ def _path_to(tree, node: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("static_shapes,draft_vocab", [(False, None), (True, None), (False, 24), (True, 40)])
-def test_every_expanded_node_drafts_what_the_unrolled_training_forward_predicts(static_shapes, draft_vocab):
+@pytest.mark.parametrize("static_shapes,draft_vocab,layered", [(False, None, False), (True, None, False),
+                                                                (False, 24, False), (True, 40, False),
+                                                                (False, None, True), (True, 24, True)])
+def test_every_expanded_node_drafts_what_the_unrolled_training_forward_predicts(static_shapes, draft_vocab, layered):
     """With every target feature given (full catch-up), node v's children are the top tokens of the
     unrolled training forward along v's path: drafting and training compute the same function.
-    With ``draft_vocab`` N: the top tokens among the head's N most frequent ones."""
-    target, head = _target(), _ranked_head()
+    With ``draft_vocab`` N: the top tokens among the head's N most frequent ones. ``layered``: a head
+    on the outputs of the target's layers (``fuse`` on the committed pairs' features, its own outputs
+    below the root), given those layers' outputs as the engine passes them."""
+    target, head = _target(), _ranked_head(layered=layered)
     parts = TargetParts.of(target)
     tokens = _prompt(12, 5)
     n_tok = len(tokens)
-    feats = _features(target, tokens)
+    feats = _head_features(target, head, tokens)
     drafter = EagleDrafter(target, head, depth=4, topk=3, static_shapes=static_shapes, draft_vocab=draft_vocab)
     drafter.reset([tokens])
     allowed = torch.arange(VOCAB) if draft_vocab is None else torch.sort(drafter.prompt_subset([tokens])).values
@@ -151,7 +176,7 @@ def test_every_expanded_node_drafts_what_the_unrolled_training_forward_predicts(
         path = _path_to(tree, v)
         chain = tree.tokens[path[1:]]  # the drafted tokens after the root, down to v
         ids = torch.cat([tokens, chain, torch.zeros(1, dtype=torch.int64)])[None]
-        f = torch.cat([feats, torch.zeros(len(chain) + 1, 64)])[None]
+        f = torch.cat([feats, torch.zeros(len(chain) + 1, feats.shape[1])])[None]
         with torch.no_grad():
             y = unrolled_features(head, parts, ids, f, len(path))[-1][0, n_tok - 1]
         top = allowed[torch.topk(parts.logits(y).float()[allowed], len(kids)).indices].tolist()
@@ -160,13 +185,16 @@ def test_every_expanded_node_drafts_what_the_unrolled_training_forward_predicts(
     assert checked >= 4
 
 
-def test_incremental_catch_up_equals_drafting_from_scratch():
-    """Given the target's features of the newly committed tokens each step ([m, H] hidden), the
-    drafter that reuses its KV proposes exactly the trees a fresh drafter proposes from all features."""
-    target, head = _target(), _random_head()
+@pytest.mark.parametrize("layered", [False, True])
+def test_incremental_catch_up_equals_drafting_from_scratch(layered):
+    """Given the target's features of the newly committed tokens each step ([m, H] hidden; [m, k * H]
+    for a head on k layers), the drafter that reuses its KV proposes exactly the trees a fresh drafter
+    proposes from all features."""
+    target = _target()
+    head = _layered_head() if layered else _random_head()
     prompt = _prompt(8, 3)
     sequence = torch.tensor(hf_greedy(target, prompt, 30))
-    feats = _features(target, sequence)
+    feats = _head_features(target, head, sequence)
     drafter = EagleDrafter(target, head, depth=4, topk=3)
     fresh = EagleDrafter(target, head, depth=4, topk=3)
     drafter.reset([prompt])
@@ -246,6 +274,91 @@ def test_greedy_equals_target_generate(family, tree_size, static):
     out = SpecDecoder(target, drafter, tree_size=tree_size, attn_impl="torch").generate(prompts, 25)
     for b, p in enumerate(prompts):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
+
+
+@pytest.mark.parametrize("family,layers,tree_size,static", [
+    ("qwen2", (0, 1), 8, True), ("qwen2", (0, 1), 40, False), ("qwen2", (2, 4, 5), 24, True),
+    ("llama", (2, 4, 5), 16, False), ("gemma3", (0, 1), 24, True)])  # fmt: skip
+def test_greedy_equals_target_generate_with_layer_features(family, layers, tree_size, static):
+    """A head on the outputs of the target's layers (EAGLE-3), the engine supplying them (eager,
+    chunked fixed-shape prefill, tree forwards): the target's own greedy output, fp32."""
+    target = _target(family) if layers == (0, 1) else _deep_target(family)
+    head = _layered_head(family, layers=layers)
+    assert head.fuse.weight.shape == (64, 64 * len(layers)) and head.feature_width == 64 * len(layers)
+    prompts = [_prompt(10, 0), _prompt(1, 1), _prompt(19, 2)]
+    drafter = EagleDrafter(target, head, depth=4, topk=4, static_shapes=static)
+    assert drafter.feature_layers == layers
+    dec = SpecDecoder(target, drafter, tree_size=tree_size, attn_impl="torch", static_shapes=static,
+                      prefill_width=8 if static else 0)  # fmt: skip
+    assert len(dec._feature_layers) == len(layers)
+    out = dec.generate(prompts, 25)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
+
+
+def test_layer_feature_heads_round_trip_and_old_configs_load_unchanged(tmp_path):
+    """``feature_layers`` is saved and loaded (the same trees); a config written before the field
+    existed loads as today's final-feature head, with the same weights and the same trees; bad
+    layers raise."""
+    target, prompt = _target(), _prompt(9, 4)
+    layered = _layered_head()
+    layered.save(tmp_path / "layers")
+    cfg = json.loads((tmp_path / "layers" / CONFIG_NAME).read_text())
+    assert cfg["feature_layers"] == [0, 1] and "fuse(2H -> H)" in cfg["head"]
+    loaded = EagleHead.load(tmp_path / "layers", target)
+    assert loaded.config == layered.config and loaded.config.feature_layers == (0, 1)
+    assert set(loaded.state_dict()) == set(layered.state_dict()) and "fuse.weight" in loaded.state_dict()
+    final = _random_head()
+    final.save(tmp_path / "final")
+    doc = json.loads((tmp_path / "final" / CONFIG_NAME).read_text())
+    assert doc.pop("feature_layers") is None
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / CONFIG_NAME).write_text(json.dumps(doc))  # the format of heads saved before the field
+    (tmp_path / "old" / WEIGHTS_NAME).write_bytes((tmp_path / "final" / WEIGHTS_NAME).read_bytes())
+    old = EagleHead.load(tmp_path / "old", target)
+    assert old.config.feature_layers is None and old.fuse is None and old.feature_width == 64
+    assert set(old.state_dict()) == set(final.state_dict()) and not any(k.startswith("fuse") for k in old.state_dict())
+    for a, b, width in ((layered, loaded, 128), (final, old, 64)):
+        hidden = _head_features(target, a, prompt)[:-1]
+        assert hidden.shape == (8, width)
+        trees = []
+        for h in (a, b):
+            d = EagleDrafter(target, h)
+            d.reset([prompt])
+            trees.append(d.propose(DraftContext(prompt, 20, hidden=hidden)))
+        assert (trees[0].tokens.tolist(), trees[0].parents.tolist()) == (trees[1].tokens.tolist(),
+                                                                         trees[1].parents.tolist())
+    assert EagleDrafter(target, old).feature_layers is None
+
+    with pytest.raises(ValueError, match=r"hidden: expected \[128\] or \[m, 128\] with 1 <= m <= 8, got \(8, 64\)"):
+        EagleDrafter(target, layered).propose(DraftContext(prompt, 8, hidden=torch.randn(8, 64)))
+    for bad in ((1, 0), (0, 2), (), [0, 1]):
+        with pytest.raises(ValueError, match=r"feature_layers: expected None or a tuple of strictly increasing layer "
+                                             r"indices in \[0, 2\), got"):  # fmt: skip
+            EagleHead(target, bad)
+    cfg["feature_layers"] = [0, 5]
+    (tmp_path / "layers" / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"path: .*eagle_config.json: feature_layers: expected None or a tuple"):
+        EagleHead.load(tmp_path / "layers", target)
+    cfg["feature_layers"] = None  # the weights carry fuse.*: they do not fit a final-feature head
+    (tmp_path / "layers" / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"path: .*eagle_head.safetensors does not fit the target's decoder layer"):
+        EagleHead.load(tmp_path / "layers", target)
+
+
+def test_feature_layer_specs():
+    """EAGLE-3's low / middle / high layers and the ``--feature-layers`` forms."""
+    assert default_feature_layers(28) == (2, 14, 25) and default_feature_layers(32) == (2, 16, 29)
+    assert default_feature_layers(8) == (2, 4, 5) and default_feature_layers(2) == (0, 1)
+    assert default_feature_layers(1) == (0,)
+    assert parse_feature_layers("final", 28) is None and parse_feature_layers(" Final ", 28) is None
+    assert parse_feature_layers("low,mid,high", 28) == (2, 14, 25)
+    assert parse_feature_layers("25, 2,14", 28) == (2, 14, 25)
+    assert parse_feature_layers("-1,0,mid,14", 28) == (0, 14, 27)
+    for bad in ("28", "-29", "low,x", "", "1.5"):
+        with pytest.raises(ValueError, match=r"feature_layers: expected 'final' or comma-separated layer indices in "
+                                             r"\[-28, 28\) or low / mid / high, got"):  # fmt: skip
+            parse_feature_layers(bad, 28)
 
 
 @functools.lru_cache(maxsize=None)
@@ -771,6 +884,28 @@ def test_cuda_graph_expansion_equals_eager_and_the_host_loop(name):
     assert graphed == eager == reference
     if name == "qwen2-topk20-wide":  # the inductor-compiled depth loop, captured: the same trees
         assert _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=True, compile_head=True) == reference
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graphs_with_a_head_on_layer_features_give_the_targets_greedy_output(compile):
+    """On CUDA (the target's and the expansion's CUDA graphs; ``compile``: the target's layer-wise
+    compile and the compiled depth loop): a head on three of an 8-layer target's layers drafts the same
+    trees as without graphs and the output is the target's greedy one."""
+    target = copy.deepcopy(_deep_target()).to("cuda")
+    head = copy.deepcopy(_layered_head(layers=(2, 4, 5))).to("cuda")
+    prompts = [_prompt(10, 0), _prompt(1, 1), _prompt(19, 2)]
+    outs = []
+    for graphs in (True, False):
+        drafter = EagleDrafter(target, head, depth=4, topk=4, cuda_graphs=graphs, compile_head=compile and graphs)
+        dec = SpecDecoder(target, drafter, tree_size=24, cuda_graphs=graphs, compile=compile and graphs)
+        outs.append(dec.generate(prompts, 25))
+    for b, p in enumerate(prompts):
+        ids = p[None].to("cuda")
+        want = target.generate(ids, max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0,
+                               attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+        assert [o.sequences[b, : o.lengths[b]].tolist() for o in outs] == [want, want]
+    assert [s.nodes_proposed for s in outs[0].steps] == [s.nodes_proposed for s in outs[1].steps]
 
 
 # ----------------------------------------------------------------------------------------------

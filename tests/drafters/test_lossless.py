@@ -59,6 +59,18 @@ def _eagle_head() -> EagleHead:
 
 
 @functools.lru_cache(maxsize=None)
+def _eagle_head_layers() -> EagleHead:
+    """A head on the outputs of both target layers (EAGLE-3's multi-layer features, fused)."""
+    torch.manual_seed(1)
+    head = EagleHead(tiny_target(), feature_layers=(0, 1))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return head
+
+
+@functools.lru_cache(maxsize=None)
 def _eagle_head_ranked() -> EagleHead:
     """``_eagle_head`` with token frequencies: 0 (the greedy continuation of PROMPT) first, 4 and 6 last."""
     head = EagleHead(tiny_target())
@@ -76,7 +88,9 @@ CASES = {
     # deterministic top-k children only (EAGLE-2); the head reads the target's hidden states
     "eagle": {"eagle": lambda: EagleDrafter(tiny_target(), _eagle_head(), depth=3, topk=3),
               # the reduced draft vocabulary: drafts among 5 of the 8 tokens (warped over the subset)
-              "eagle-vocab5": lambda: EagleDrafter(tiny_target(), _eagle_head_ranked(), depth=3, topk=3, draft_vocab=5)},
+              "eagle-vocab5": lambda: EagleDrafter(tiny_target(), _eagle_head_ranked(), depth=3, topk=3, draft_vocab=5),
+              # the engine passes both layers' outputs ([m, 2H]), the head fuses them
+              "eagle-layers": lambda: EagleDrafter(tiny_target(), _eagle_head_layers(), depth=3, topk=3)},
     # merged trees (drafters.merge): prompt lookup's chains first (at most 3 nodes), then the other part's
     "merge": {"lookup+eagle": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
                                                      EagleDrafter(tiny_target(), _eagle_head(), depth=3, topk=3)], caps=[3, None]),

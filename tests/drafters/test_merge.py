@@ -140,12 +140,16 @@ def test_update_reuses_the_proposal_once():
     assert len(a.verdicts) == len(b.verdicts) == 1
 
 
-@pytest.mark.parametrize("tree_size,static", [(8, False), (24, True), (40, False)])
-def test_greedy_equals_target_generate_with_lookup_and_eagle(tree_size, static):
+@pytest.mark.parametrize("tree_size,static,layers", [(8, False, None), (24, True, None), (40, False, None),
+                                                     (24, True, (0, 1))])
+def test_greedy_equals_target_generate_with_lookup_and_eagle(tree_size, static, layers):
+    """``layers``: an EAGLE part on the target's layer outputs; the merge asks the engine for them."""
     target = _target()
     prompts = [torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6]), torch.tensor([3]), torch.randint(3, VOCAB, (7,))]
-    drafter = make_drafter("lookup+eagle", target=target, heads=_head(), tree_size=tree_size, depth=3, topk=3,
+    head = _head() if layers is None else random_eagle_head(target, feature_layers=layers)
+    drafter = make_drafter("lookup+eagle", target=target, heads=head, tree_size=tree_size, depth=3, topk=3,
                            static_shapes=static)  # fmt: skip
+    assert drafter.feature_layers == layers
     out = SpecDecoder(target, drafter, tree_size=tree_size, attn_impl="torch").generate(prompts, 25)
     for b, p in enumerate(prompts):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
@@ -232,6 +236,11 @@ def test_bad_arguments_raise_value_errors_naming_them():
         MergedDrafter([_Fixed(0), _Fixed(1)], caps=[1])
     with pytest.raises(ValueError, match=r"caps\[0\]: expected None or an int >= 0, got -1"):
         MergedDrafter([_Fixed(0), _Fixed(1)], caps=[-1, None])
+    target = _target()
+    with pytest.raises(ValueError, match=r"drafters: expected the parts that read the target's features to ask for "
+                                         r"the same feature_layers, got \[\(0, 1\), None\]"):  # fmt: skip
+        MergedDrafter([EagleDrafter(target, _head()),
+                       EagleDrafter(target, random_eagle_head(target, feature_layers=(0, 1)))])
     merged = MergedDrafter([_Fixed(0), _Fixed(1, proposal="iid")])
     ctx = DraftContext(torch.tensor([9, 8, 7]), 10, sampling=SamplingConfig(0.8))
     with pytest.raises(ValueError, match=r"drafters\[1\]: merging needs deterministic children"):

@@ -50,13 +50,21 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn: str | None = None):
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, attn: str | None = None,
+               layers: int = 2):
+    """A random ``tiny_config(family)`` model of ``layers`` decoder layers (a config's ``layer_types``
+    pattern repeated)."""
     from transformers import AutoModelForCausalLM
 
     if attn is None:
         attn = "eager" if family == "gemma2" else "sdpa"  # Gemma 2 has no sdpa (soft-capping)
     torch.manual_seed(seed)
     cfg = tiny_config(family)
+    if layers != cfg.num_hidden_layers:
+        types = getattr(cfg, "layer_types", None)
+        cfg.num_hidden_layers = layers
+        if types:
+            cfg.layer_types = [types[i % len(types)] for i in range(layers)]
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     # Larger-than-default weights make the argmax decisive (no near-ties between code paths).
     with torch.no_grad():

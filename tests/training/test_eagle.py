@@ -39,25 +39,37 @@ def test_time_budget_cuts_the_steps_and_rescales_the_schedule():
         train_eagle(target, EagleHead(target), examples, cfg, progress=False, time_budget=0.0)
 
 
-def test_cached_target_features_train_like_the_per_batch_forward(capsys):
+@pytest.mark.parametrize("layers", [None, (0, 1)])
+def test_cached_target_features_train_like_the_per_batch_forward(capsys, layers):
     """cache_features=True: the target runs once over every sequence before the first step; the
     losses equal those of running it over every batch (padding and batch do not change a causal
-    target's features), and the cache is reported; CPU's default (None) does not cache."""
+    target's features), and the cache is reported; CPU's default (None) does not cache. A head on
+    the target's layers caches their outputs ([len, k * H], HF's hidden states of those layers; the
+    last one before the final norm) beside the final features ([len, H])."""
     target = tiny_model("qwen2")
     examples = _examples(target, 7)
     runs = {}
     for cache in (True, False, None):
         torch.manual_seed(0)
-        head = EagleHead(target)
+        head = EagleHead(target, layers)
         cfg = EagleTrainConfig(steps=12, batch_size=3, unroll=3, cache_features=cache)
         runs[cache] = train_eagle(target, head, examples, cfg, progress=False)
     assert torch.allclose(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-6)
     assert runs[None] == runs[False]
     assert "target features cached: 7 sequences" in capsys.readouterr().out
-    feats = eagle_train._feature_cache(target, examples, torch.device("cpu"), None, batch_size=2)
-    for e, f in zip(examples, feats):
-        want = eagle_train.target_hidden_states(target, torch.tensor([e.ids]), torch.ones(1, len(e.ids)))[0]
+    feats = eagle_train._feature_cache(target, head, examples, torch.device("cpu"), None, batch_size=2)
+    for e, (f, g) in zip(examples, feats):
+        ids = torch.tensor([e.ids])
+        with torch.no_grad():
+            out = target(ids, output_hidden_states=True)
+            want = eagle_train.target_hidden_states(target, ids, torch.ones(1, len(e.ids)))[0]
         assert f.shape == (len(e.ids), 64) and torch.allclose(f, want, atol=1e-5)
+        if layers is None:
+            assert g is None
+            continue
+        # layer 1's output is the final norm's input: HF's last hidden state is its norm
+        assert g.shape == (len(e.ids), 128) and torch.allclose(g[:, :64], out.hidden_states[1][0], atol=1e-5)
+        assert torch.allclose(target.model.norm(g[:, 64:]), out.hidden_states[2][0], atol=1e-5)
     with pytest.raises(ValueError, match="cache_features: expected None, True or False, got 1"):
         EagleTrainConfig(cache_features=1)
 
@@ -162,6 +174,59 @@ def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tm
     assert dec.generate(prompt, 12).sequences.tolist() == plain.generate(prompt, 12).sequences.tolist()
 
 
+def test_a_head_on_layer_features_learns_drafts_the_engine_accepts():
+    """EAGLE-3's multi-layer features end to end: a head on both layers' outputs trains (the loss falls,
+    held-out-style top-1 rises at every unrolled depth), and drafting through the engine -- which now
+    passes those layers' outputs -- gets its learned drafts accepted, output unchanged (greedy, fp32)."""
+    from specdec import SpecDecoder
+
+    target = tiny_model("qwen2")
+    examples = _examples(target, 16)
+    torch.manual_seed(0)
+    head = EagleHead(target, (0, 1))
+    before = eagle_train.evaluate_eagle(target, head, examples[:6])
+    losses = train_eagle(target, head, examples, EagleTrainConfig(steps=150, lr=3e-3, batch_size=4, ce_weight=1.0),
+                         progress=False)  # fmt: skip
+    after = eagle_train.evaluate_eagle(target, head, examples[:6])
+    assert sum(losses[-10:]) / 10 < 0.85 * sum(losses[:10]) / 10
+    assert all(a > b + 0.1 for a, b in zip(after, before)), (before, after)
+    prompts = [torch.tensor(e.ids[:6]) for e in examples[:8]]
+    out = SpecDecoder(target, EagleDrafter(target, head), tree_size=16, attn_impl="torch").generate(prompts, 12)
+    for b, e in enumerate(examples[:8]):
+        assert out.sequences[b, : out.lengths[b]].tolist() == list(e.ids[:18])
+    # 65 of the 96 answer tokens here; with the two layers' features swapped at inference only 29
+    assert out.totals()["tokens_accepted"] >= 50
+
+
+def test_cli_trains_a_head_on_low_middle_and_high_layers(tmp_path, capsys):
+    """``--feature-layers low,mid,high`` on the 2-layer target: layers 0 and 1 (names clamped), saved in
+    the config; the loaded head drafts through the engine with the target's greedy output; a malformed
+    spec is a one-line argument error, an index beyond the target a ValueError naming the field."""
+    from drafters import make_drafter
+    from specdec import SpecDecoder
+    from specdec.models import load_model
+
+    argv, out = cli_argv(tmp_path, 5, 1, 10, "--feature-layers", "low,mid,high")
+    assert train_cli.main_eagle(argv) == 0
+    text = capsys.readouterr().out
+    assert "head features: the outputs of the target's layers [0, 1] (of 2), fused 2H -> H" in text
+    assert "depth 2 (unrolled step 2): held-out top-1" in text
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["feature_layers"] == [0, 1] and cfg["train"]["feature_layers"] == "low,mid,high"
+    target = load_model(argv[1], progress=False)
+    drafter = make_drafter("eagle", target=target, heads=str(out), depth=3, topk=4)
+    assert drafter.feature_layers == (0, 1) and drafter.head.fuse.weight.shape == (64, 128)
+    prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(3))
+    plain = SpecDecoder(target, None, attn_impl="torch").generate(prompt, 10).sequences.tolist()
+    assert SpecDecoder(target, drafter, tree_size=8, attn_impl="torch").generate(prompt, 10).sequences.tolist() == plain
+    with pytest.raises(SystemExit) as exc:
+        train_cli.main_eagle(argv[:-1] + ["low,top"])
+    assert exc.value.code == 2 and "--feature-layers: expected 'final' or comma-separated" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"feature_layers: expected 'final' or comma-separated layer indices in "
+                                         r"\[-2, 2\) or low / mid / high, got '0,2'"):  # fmt: skip
+        train_cli.main_eagle(argv[:-1] + ["0,2"])
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(heldout=-1), "heldout: expected an int >= 0, got -1"),
     (dict(unroll=0), "unroll: expected an int >= 1, got 0"),
@@ -169,6 +234,8 @@ def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tm
     (dict(dtype="f32"), "dtype: expected None or one of"),
     (dict(prompt_styles=("mbpp", "apps")), "prompt_styles: expected a tuple of distinct styles"),
     (dict(prompt_styles=("mbpp", "mbpp")), "prompt_styles: expected a tuple of distinct styles"),
+    (dict(feature_layers="low;high"), "feature_layers: expected 'final' or comma-separated layer indices"),
+    (dict(feature_layers=(2, 3)), "feature_layers: expected 'final' or comma-separated layer indices"),
 ])  # fmt: skip
 def test_run_settings_name_the_field_out_of_range(kw, match):
     from training.eagle import EagleRun
@@ -177,7 +244,7 @@ def test_run_settings_name_the_field_out_of_range(kw, match):
     with pytest.raises(ValueError, match=match):
         EagleRun(out="x", **kw)
     assert EagleRun(out="x").prompt_styles == ("mbpp",)
-    if "unroll" not in kw and "prompt_styles" not in kw:  # fields the Medusa run has too
+    if not {"unroll", "prompt_styles", "feature_layers"} & set(kw):  # fields the Medusa run has too
         with pytest.raises(ValueError, match=match):
             MedusaRun(out="x", **kw)
     with pytest.raises(ValueError, match="table_ranks: expected an int >= 1, got 0"):
