@@ -65,16 +65,15 @@ def run(prog: str, handler: Callable[[list[str]], int | None], argv: Sequence[st
 def tree_size(low: int) -> Callable[[str], int | str]:
     """argparse type: ``auto`` (the per-step budget, ``SpecDecoder(tree_size="auto")``) or an int >= ``low``."""
 
+    ints = int_at_least(low)
+
     def parse(text: str) -> int | str:
         if text == "auto":
             return text
         try:
-            val = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= {low}, got {text!r}") from None
-        if val < low:
-            raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= {low}, got {val}")
-        return val
+            return ints(text)
+        except argparse.ArgumentTypeError as e:  # the int's message, naming the other choice
+            raise argparse.ArgumentTypeError(str(e).replace("expected ", "expected 'auto' or ", 1)) from None
 
     parse.__name__ = f"'auto' or int >= {low}"
     return parse
