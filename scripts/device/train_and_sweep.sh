@@ -17,8 +17,9 @@
 # exercises, default 0), TRAIN_ARGS (more train-eagle arguments, e.g. "--train-vocab 8192"), EAGLE (drafter spec
 # options after heads=, default none), DRAFTERS (the whole --drafters list instead, e.g.
 # "eagle:heads=/tmp/eagle,profile=true v32k=eagle:heads=/tmp/eagle,profile=true,draft_vocab=32768"; the draft-model
-# drafter: "m=model:draft=qwen2.5-coder-0.5b,depth=4"), PROBLEMS (default 0 = all), LIMITS (--method-problems, default
-# hf=0: no bf16 greedy reference when device time is short; hf=50 runs it on the first 50), STYLES
+# drafter: "m=model:draft=qwen2.5-coder-0.5b,depth=4"), PROBLEMS (default 0 = all), LIMITS (--method-problems after
+# hf=0, which always comes first: no bf16 greedy reference unless LIMITS names hf, e.g. hf=50 for the first 50;
+# LIMITS="hf-static=20" alone keeps hf at 0 -- it once replaced it and the reference ran on every problem), STYLES
 # (train-eagle --prompt-styles, default function,stdin,starter), ANSWERS (--answers-per-prompt, default
 # 1), GEN (--gen-batch-size, default 120; 384 ran out of memory on the H100), FRESH (1: distill anew, not from a carried cache), METHODS (default
 # "specdec hf-static"), SAMPLES (--samples: completions per problem in one batched call, the 16-samples work's n = 16 run with
@@ -44,7 +45,7 @@ train=(--data .evaldata/mbpp.jsonl --out "$head" --answers-per-prompt "${ANSWERS
        --gen-batch-size "${GEN:-120}" --prompt-styles "${STYLES:-function,stdin,starter}" --exercises "${EX:-0}"
        ${TRAIN_ARGS:-} --no-progress)
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
-       --method-problems ${LIMITS:-hf=0} --temperature "${TEMP:-0}" ${SAMPLES:+--samples "$SAMPLES"}
+       --method-problems hf=0 ${LIMITS:-} --temperature "${TEMP:-0}" ${SAMPLES:+--samples "$SAMPLES"}
        --calibrate "${CALIBRATE:-8}" ${NO_GC_FREEZE:+--no-gc-freeze} ${NO_SHARED:+--no-shared-prompt} ${COMPILE:+--compile})
 read -ra methods <<< "${METHODS:-specdec hf-static}"
 # the self-distillation data of the 2026-11-24 run `8875823` (MBPP answers of the 1.5B target and its own exercises,
