@@ -141,8 +141,8 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
     d = EagleTrainConfig()
     parser = cliargs.ArgumentParser(
         prog="specdec train-eagle",
-        description="Train an EAGLE head (fc + one decoder layer on the target's hidden states; with "
-                    "--feature-layers on the outputs of several of its layers, EAGLE-3) on the frozen "
+        description="Train an EAGLE head (fc + one decoder layer on the outputs of three of the target's "
+                    "layers, EAGLE-3; --feature-layers final: on its final hidden state) on the frozen "
                     "target's own answers (self-distillation) to MBPP prompts, your own prompts (--prompts) or "
                     "prompts it writes in the style of yours (--seed-prompts) or MBPP plus general prompts it "
                     "writes from built-in seeds (--mix general). The defaults take about 6 minutes "
@@ -161,10 +161,10 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
                         help="cross-entropy over the N most frequent answer tokens only (default: the whole vocabulary)")
     parser.add_argument("--reg-weight", type=cliargs.float_in(0.0), default=d.reg_weight, help="smooth-L1 feature loss weight")
     parser.add_argument("--ce-weight", type=cliargs.float_in(0.0), default=d.ce_weight, help="cross-entropy weight")
-    parser.add_argument("--feature-layers", type=_feature_spec, default="final", metavar="SPEC",
-                        help="the target features the head reads: 'final' (default: the final hidden state, EAGLE-1), "
-                             "'low,mid,high' (EAGLE-3: the outputs of layers 2, L/2 and L-3, fused by a trained "
-                             "3H -> H projection) or comma-separated layer indices (negative: from the end)")
+    parser.add_argument("--feature-layers", type=_feature_spec, default=EagleRun.feature_layers, metavar="SPEC",
+                        help="the target features the head reads: 'low,mid,high' (default; EAGLE-3: the outputs of "
+                             "layers 2, L/2 and L-3, fused by a trained 3H -> H projection), 'final' (the final "
+                             "hidden state, EAGLE-1) or comma-separated layer indices (negative: from the end)")
     _add_distillation(parser, max_new_tokens=192, gen_batch_size=120)
     parser.add_argument("--answers-per-prompt", type=cliargs.int_at_least(1), default=1,
                         help="answers per training prompt: the first as --temperature says, each further one sampled at "

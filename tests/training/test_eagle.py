@@ -141,7 +141,8 @@ def test_cli_saves_the_answer_token_frequencies_and_a_draft_vocab_round_trips(tm
     from specdec import SpecDecoder
     from specdec.drafting import DraftContext
     from specdec.models import load_model
-    argv, out = cli_argv(tmp_path, 5, 1, 16, "--temperature", "1.0")  # sampled answers: many distinct tokens
+    # sampled answers: many distinct tokens; a head on the final feature (the random [H] feature below)
+    argv, out = cli_argv(tmp_path, 5, 1, 16, "--temperature", "1.0", "--feature-layers", "final")
     target_dir = Path(argv[1])
     assert train_cli.main_eagle(argv) == 0
     assert "answer tokens:" in capsys.readouterr().out and (out / VOCAB_NAME).is_file()
