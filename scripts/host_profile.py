@@ -135,10 +135,10 @@ def main(argv=None) -> None:
         clock.wrap(drafter, "update", "update")
     step = SpecDecoder._step
 
-    def timed_step(self, run):
+    def timed_step(self, run, budget):
         with clock.stepping():
             t0 = time.perf_counter()
-            out = step(self, run)
+            out = step(self, run, budget)
             clock.step["step"] = time.perf_counter() - t0
         return out
 
