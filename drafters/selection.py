@@ -19,8 +19,11 @@ import functools
 
 import torch
 
-__all__ = ["IMPLS", "best_k", "row_topk"]
+__all__ = ["IMPLS", "RANK_MAX", "best_k", "row_topk"]
 
+#: ``best_k`` counts ranks for at most this many scores (a depth's candidates: top-8 x 8 = 64 by
+#: default); more (a wide frontier times many children) take the stable sort.
+RANK_MAX = 1024
 #: ``row_topk`` implementations: "auto" (Triton on CUDA for rows of at least ``TRITON_MIN_COLUMNS``,
 #: else torch), "triton" (CUDA, or the CPU under ``TRITON_INTERPRET=1``), "torch" (``torch.topk``).
 IMPLS = ("auto", "triton", "torch")
@@ -102,7 +105,7 @@ def best_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     Equals ``torch.sort(scores, descending=True, stable=True).indices[:k]`` for scores without NaN.
 
     Args:
-        scores: float ``[n]`` (n up to a few hundred: the comparison is ``[n, n]``).
+        scores: float ``[n]`` (the comparison is ``[n, n]``: above ``RANK_MAX`` entries, a stable sort).
         k: 1 <= k <= n.
 
     Returns:
@@ -111,6 +114,8 @@ def best_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     n = scores.shape[0]
     if not 1 <= k <= n:
         raise ValueError(f"k: expected 1 <= k <= {n} (the number of scores), got {k}")
+    if n > RANK_MAX:  # the [n, n] comparison would outgrow the sort
+        return torch.sort(scores, descending=True, stable=True).indices[:k]
     i = torch.arange(n, device=scores.device)
     ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (i[None, :] < i[:, None]))
     rank = ahead.sum(dim=1)  # a permutation of 0 .. n - 1

@@ -6,7 +6,7 @@ import torch
 from drafters.selection import best_k
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (9, 3), (64, 8), (200, 64), (65, 65)])
+@pytest.mark.parametrize("n,k", [(1, 1), (9, 3), (64, 8), (200, 64), (65, 65), (3000, 8)])  # 3000: the sort
 def test_best_k_is_the_stable_descending_sort(n, k):
     gen = torch.Generator().manual_seed(n + k)
     scores = torch.randint(-4, 3, (n,), generator=gen).double()  # many ties
