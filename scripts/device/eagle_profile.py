@@ -73,6 +73,7 @@ def expansion_kernels(drafter, path: Path, replays: int = 50) -> dict:
 
 def main(argv=None) -> int:
     from drafters.eagle import DRAFT_PHASES, EagleDrafter, EagleHead
+    from drafters.eagle_head import parse_feature_layers
     from specdec import SpecDecoder
     from specdec.cli.bench.config import SCALE_CONFIGS
     from specdec.cli.bench.scale import build_scale_model
@@ -88,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--attention", default="auto", help="EagleDrafter(attention=...): auto, sdpa or tree")
+    p.add_argument("--feature-layers", default="low,mid,high",
+                   help="the head's target features, as train-eagle's option (default low,mid,high; final: one)")
     p.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True) and compile_head=True")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, help="JSON of the medians")
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     target = build_scale_model(ns.config, device, dtype, max_positions=cap, layers=ns.layers)
     vocab = int(target.config.vocab_size)
     torch.manual_seed(0)
-    head = EagleHead(target)
+    head = EagleHead(target, parse_feature_layers(ns.feature_layers, int(target.config.num_hidden_layers)))
     with torch.no_grad():
         for q in head.parameters():
             if q.dim() >= 2:
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
     prompts = [torch.randint(10, vocab, (ns.prompt_len,), generator=g) for _ in range(ns.prompts)]
     res: dict = {"config": ns.config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "tree_size": ns.tree_size, "depth": ns.depth, "topk": ns.topk, "draft_vocab": ns.draft_vocab,
-                 "compile": ns.compile, "attention": ns.attention}  # fmt: skip
+                 "compile": ns.compile, "attention": ns.attention,
+                 "feature_layers": ns.feature_layers}  # fmt: skip
 
     plain = SpecDecoder(target, None, 0, compile=ns.compile)
     plain.generate(prompts[0], 16)
