@@ -51,8 +51,10 @@ from typing import Any, Protocol
 
 from eval.workloads import (
     CHAT_DATASETS,
+    SHARED_DATA,
     SPECBENCH_CATEGORIES,
     ChatProblem,
+    data_path,
     default_specbench_path,
     load_prompt_file,
     load_specbench,
@@ -407,7 +409,7 @@ def default_apps_path() -> Path | None:
     env = os.environ.get("SPECDEC_APPS")
     if env:
         return Path(env)
-    shared = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "apps" / "apps_selected150.jsonl"
+    shared = SHARED_DATA / "apps" / "apps_selected150.jsonl"
     return shared.resolve() if shared.exists() else None
 
 
@@ -532,10 +534,7 @@ def load_humaneval(path: str | os.PathLike[str] | None = None, *, limit: int | N
 
 def default_mbpp_path() -> Path:
     """``$SPECDEC_MBPP`` if set, else ``<project root>/../shared/data/mbpp/mbpp.jsonl``."""
-    env = os.environ.get(_MBPP_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+    return data_path(_MBPP_ENV, "mbpp", "mbpp.jsonl")
 
 
 def load_mbpp(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:

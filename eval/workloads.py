@@ -42,8 +42,10 @@ from typing import Any
 __all__ = [
     "CHAT_DATASETS",
     "ROLES",
+    "SHARED_DATA",
     "SPECBENCH_CATEGORIES",
     "ChatProblem",
+    "data_path",
     "default_specbench_path",
     "load_prompt_file",
     "load_specbench",
@@ -61,6 +63,8 @@ ROLES = ("system", "user", "assistant")
 #: The category of prompt-file rows without one.
 DEFAULT_CATEGORY = "prompts"
 _SPECBENCH_ENV = "SPECDEC_SPECBENCH"
+#: The shared data folder beside the project: ``<project root>/../shared/data``.
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 @dataclass(frozen=True)
@@ -279,12 +283,15 @@ def load_prompt_file(path: str | os.PathLike[str], *, categories: Iterable[str] 
 # Spec-Bench
 
 
+def data_path(env: str, *parts: str) -> Path:
+    """A dataset file: ``$env`` if set (``~`` expanded), else ``SHARED_DATA`` / ``parts``."""
+    value = os.environ.get(env)
+    return Path(value).expanduser() if value else SHARED_DATA.joinpath(*parts)
+
+
 def default_specbench_path() -> Path:
     """``$SPECDEC_SPECBENCH`` if set, else ``<project root>/../shared/data/specbench/question.jsonl``."""
-    env = os.environ.get(_SPECBENCH_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "specbench" / "question.jsonl"
+    return data_path(_SPECBENCH_ENV, "specbench", "question.jsonl")
 
 
 def _specbench_row(row: Any, where: str) -> tuple[str, str, tuple[str, ...]]:

@@ -48,21 +48,11 @@ def _medusa_heads() -> MedusaHeads:
 
 
 @functools.lru_cache(maxsize=None)
-def _eagle_head() -> EagleHead:
-    torch.manual_seed(0)
-    head = EagleHead(tiny_target())
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-    return head
-
-
-@functools.lru_cache(maxsize=None)
-def _eagle_head_layers() -> EagleHead:
-    """A head on the outputs of both target layers (EAGLE-3's multi-layer features, fused)."""
-    torch.manual_seed(1)
-    head = EagleHead(tiny_target(), feature_layers=(0, 1))
+def _eagle_head(feature_layers: tuple[int, ...] | None = None) -> EagleHead:
+    """A random head on the final feature, or on the outputs of ``feature_layers`` (EAGLE-3's
+    multi-layer features, fused)."""
+    torch.manual_seed(0 if feature_layers is None else 1)
+    head = EagleHead(tiny_target(), feature_layers=feature_layers)
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() >= 2:
@@ -90,7 +80,7 @@ CASES = {
               # the reduced draft vocabulary: drafts among 5 of the 8 tokens (warped over the subset)
               "eagle-vocab5": lambda: EagleDrafter(tiny_target(), _eagle_head_ranked(), depth=3, topk=3, draft_vocab=5),
               # the engine passes both layers' outputs ([m, 2H]), the head fuses them
-              "eagle-layers": lambda: EagleDrafter(tiny_target(), _eagle_head_layers(), depth=3, topk=3)},
+              "eagle-layers": lambda: EagleDrafter(tiny_target(), _eagle_head((0, 1)), depth=3, topk=3)},
     # merged trees (drafters.merge): prompt lookup's chains first (at most 3 nodes), then the other part's
     "merge": {"lookup+eagle": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
                                                      EagleDrafter(tiny_target(), _eagle_head(), depth=3, topk=3)], caps=[3, None]),
