@@ -1,19 +1,19 @@
 """Decoding with a tensor-parallel target: one ``SpecDecoder`` per rank, every rank in lockstep.
 
-Tensor parallelism (TP) comes from transformers: under ``torchrun --nproc-per-node N`` each process
-loads the target with its TP plan (the model's ``base_model_tp_plan``: q/k/v and gate/up projections
-split by output columns, o/down projections by input rows, the input embedding by vocabulary rows,
-the LM head by vocabulary columns with its output gathered)::
+Tensor parallelism (TP) is ``specdec.tensor_parallel``'s split (Megatron's): under ``torchrun
+--nproc-per-node N`` each process loads the target and keeps 1/N of every decoder layer as plain local
+tensors -- q/k/v and gate/up projections split by output rows, o/down projections by input columns
+with one all-reduce each, the LM head by vocabulary rows with its logits all-gathered::
 
-    model = load_tensor_parallel(path, dtype=torch.float32)   # from_pretrained(path, tp_plan="auto")
+    model = load_tensor_parallel(path, dtype=torch.bfloat16)  # from_pretrained, then shard_model
     decoder = SpecDecoder(model, drafter, tree_size=64)        # finds the model's TP group itself
     out = decoder.generate(prompt, 128)                        # same call, same prompt on every rank
 
-transformers starts the process group from torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``
-when none exists: NCCL on GPUs (each process binds ``cuda:LOCAL_RANK``), gloo on CPU -- the CPU
-path is what the tests run (transformers 5.23, torch 2.13: ``tp_plan="auto"`` works on a CPU
-device mesh as it is; nothing has to be applied by hand). Parameters become DTensors holding this
-rank's shard; activations between layers stay plain (replicated) tensors.
+``load_tensor_parallel`` starts the process group from torchrun's ``RANK`` / ``LOCAL_RANK`` /
+``WORLD_SIZE`` when none exists: NCCL on GPUs (each process binds ``cuda:LOCAL_RANK``), gloo on CPU
+-- the CPU path is what the tests run. The local shards are ordinary ``nn.Linear`` modules, so the
+engine fuses each rank's q/k/v and gate/up shards into one GEMM and compiles the layers as on one GPU;
+activations between layers stay plain (replicated) tensors.
 
 What the engine sees on each rank:
 
@@ -25,9 +25,9 @@ What the engine sees on each rank:
 - the logits are whole (``[B, n, V]``, gathered by the LM head) and identical on every rank; so are
   the final hidden states that drafters reading the target's features (Medusa, EAGLE) get: the
   row-parallel projections all-reduce, so the LM head's input is replicated (and so is every decoder
-  layer's output, which drafters naming ``feature_layers`` get). Drafters that call the
-  target's embedding / LM head (Medusa, EAGLE) run those TP modules, i.e. collectives: every rank
-  must draft the same trees in the same order, which the lockstep below gives.
+  layer's output, which drafters naming ``feature_layers`` get). The embedding is replicated; drafters
+  that call the target's LM head (Medusa, EAGLE) run its all-gather, a collective: every rank must
+  draft the same trees in the same order, which the lockstep below gives.
 - a draft model (``DraftModelDrafter``) is an ordinary replicated model on each rank.
 
 Rank consistency (``RankSync``): the verification decision is made on one rank (``src``, the TP
@@ -54,7 +54,6 @@ the target: a ``RankSync`` over its TP group when it has one, else single-proces
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 import struct
 from collections.abc import Sequence
@@ -341,72 +340,59 @@ def _unpack_states(gens: Sequence[torch.Generator], packed: torch.Tensor) -> Non
 
 
 def tensor_parallel_group(model):
-    """The process group ``model``'s tensor parallelism runs over, or None (not sharded, or one rank).
+    """The process group ``model`` is split over (``specdec.tensor_parallel.shard_model``), or None.
 
-    Reads the device mesh transformers keeps on a model loaded with a TP plan (``_device_mesh``; its
-    ``"tp"`` dimension when it has named dimensions), else the mesh of its first DTensor parameter.
+    Raises ValueError for a model whose parameters are DTensors (transformers' own TP plan,
+    ``from_pretrained(tp_plan=...)``): its unfused, hooked projections are not what the engine runs;
+    load it with :func:`load_tensor_parallel` instead.
     """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():  # no process group: nothing is sharded
         return None
-    mesh = getattr(model, "_device_mesh", None)
-    if mesh is None:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # torch without distributed
-            return None
-        for p in model.parameters():
-            if isinstance(p, DTensor):
-                mesh = p.device_mesh
-                break
-    if mesh is None:
+    from specdec.tensor_parallel import tensor_parallel_group as shard_group
+
+    group = shard_group(model)
+    if group is not None:
+        return group
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed tensors
         return None
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    sub = mesh["tp"] if "tp" in names and mesh.ndim > 1 else mesh
-    if sub.size() <= 1:
-        return None
-    return sub.get_group()
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("model: expected a model split by specdec.distributed.load_tensor_parallel (or "
+                         "specdec.tensor_parallel.shard_model), got DTensor parameters (transformers' tp_plan)")  # fmt: skip
+    return None
 
 
-def load_tensor_parallel(path: str | os.PathLike[str], dtype: torch.dtype | None = None, **kwargs: Any):
-    """``AutoModelForCausalLM.from_pretrained(path, ...)`` with the model's own TP plan, in eval mode.
+def load_tensor_parallel(path: str | os.PathLike[str], dtype: torch.dtype | None = None, group=None,
+                         **kwargs: Any):  # fmt: skip
+    """Load ``AutoModelForCausalLM.from_pretrained(path, ...)`` on this rank and split it over ``group``
+    (default: the world) with ``specdec.tensor_parallel.shard_model``; in eval mode.
 
-    Call it on every rank (under ``torchrun``: transformers initializes the process group from the
-    environment if none exists; NCCL on GPUs, gloo on CPU). Uses
-    ``distributed_config=DistributedConfig(tp_plan="auto")`` where this transformers has it (5.18+
-    removes the plain argument), else ``tp_plan="auto"``. ``kwargs`` go to ``from_pretrained``.
-    In a world of one process nothing is sharded (transformers 5.17 then leaves the model on the
-    CPU: it is moved to ``cuda:LOCAL_RANK`` when CUDA is there); in a larger world a model that came
-    back unsharded raises ``RuntimeError``.
+    Call it on every rank, under ``torchrun``. It starts the process group from torchrun's environment
+    when none exists (NCCL with each process bound to ``cuda:LOCAL_RANK`` on GPUs, gloo on a CPU). On
+    a GPU the whole checkpoint is read straight onto the rank's device (``device_map``, through
+    accelerate), then split: the other ranks' shards are freed. In a world of one process the model
+    comes back whole, on ``cuda:LOCAL_RANK`` when CUDA is there. ``kwargs`` go to ``from_pretrained``.
     """
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    extra: dict[str, Any] = {}
-    try:
-        from transformers.distributed import DistributedConfig
+    from specdec.tensor_parallel import shard_model
 
-        if "tp_plan" in inspect.signature(DistributedConfig).parameters:
-            extra["distributed_config"] = DistributedConfig(tp_plan="auto")
-    except (ImportError, TypeError, ValueError):
-        pass
-    if not extra:
-        extra["tp_plan"] = "auto"
-    model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype or torch.float32, **extra, **kwargs)
-    if tensor_parallel_group(model) is None:
-        import torch.distributed as dist
-
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else int(
-            os.environ.get("WORLD_SIZE", "1"))  # fmt: skip
-        if world > 1:
-            raise RuntimeError(f"path: transformers {_transformers_version()} loaded {os.fspath(path)!r} unsharded in a "
-                               f"world of {world} processes (does the model have a base_model_tp_plan?)")  # fmt: skip
-        if torch.cuda.is_available():  # one process: transformers (5.17) skips TP and leaves it on the CPU
-            model = model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    placement = {"device_map": {"": device}} if cuda else {}
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype or torch.float32, **placement, **kwargs)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        shard_model(model, group)
+        if cuda:
+            torch.cuda.empty_cache()  # the other ranks' shards, read whole above
     return model.eval()
 
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__

@@ -4,11 +4,14 @@
     python scripts/device/multigpu.py run --model DIR --out one.json [--drafter lookup|model --draft DIR]
     torchrun --standalone --nproc-per-node 2 scripts/device/multigpu.py run --model DIR --out tp2.json ...
     python scripts/device/multigpu.py compare one.json tp2.json
+    [torchrun --standalone --nproc-per-node 2] scripts/device/multigpu.py forward --model DIR --nodes 1 16 64 --out f.json
 
-``run`` under torchrun (``WORLD_SIZE`` > 1) loads the target with transformers' TP plan
-(``specdec.distributed.load_tensor_parallel``; each rank on ``cuda:LOCAL_RANK``) and a draft model
-replicated per rank; ``SpecDecoder`` finds the TP group and keeps the ranks in lockstep. Rank 0
-writes the JSON: per prompt the new tokens and seconds, tokens/s at batch size 1 after a warm-up.
+``run`` under torchrun (``WORLD_SIZE`` > 1) loads the target split over the ranks
+(``specdec.distributed.load_tensor_parallel``: ``specdec.tensor_parallel``'s local shards, each rank
+on ``cuda:LOCAL_RANK``) and a draft model replicated per rank; ``SpecDecoder`` finds the TP group
+and keeps the ranks in lockstep. Rank 0 writes the JSON: per prompt the new tokens and seconds,
+tokens/s at batch size 1 after a warm-up. ``forward`` times one captured tree forward (the verify
+forward) per node count over a prompt already in the cache: the replay's median, CUDA events.
 """
 
 from __future__ import annotations
@@ -73,10 +76,10 @@ def _prompts(ns, tokenizer, vocab: int) -> list[torch.Tensor]:
     return [tokenizer(t, return_tensors="pt").input_ids[0] for t in texts[: ns.num_prompts]]
 
 
-def _run(ns) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load(ns):
+    """The target on this rank (split over the ranks under torchrun): (model, rank, world, device)."""
+    from transformers import AutoModelForCausalLM
 
-    from specdec import SpecDecoder
     from specdec.distributed import load_tensor_parallel
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[ns.dtype]
@@ -89,6 +92,78 @@ def _run(ns) -> None:
     else:
         rank, device = 0, torch.device("cuda", 0) if cuda else torch.device("cpu")
         target = AutoModelForCausalLM.from_pretrained(ns.model, dtype=dtype).to(device).eval()
+    return target, rank, world, device
+
+
+def _end(rank: int, world: int, device: torch.device, release) -> None:
+    """A clean exit: graphs (which hold the communicator) freed before the group goes."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    t_end = time.perf_counter()
+    release()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    print(f"rank {rank}: released in {time.perf_counter() - t_end:.2f} s", flush=True)
+    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+    print(f"rank {rank}: barrier passed at {time.perf_counter() - t_end:.2f} s", flush=True)
+    dist.destroy_process_group()
+    print(f"rank {rank}: process group destroyed at {time.perf_counter() - t_end:.2f} s", flush=True)
+
+
+def _forward(ns) -> None:
+    from specdec import hf
+    from specdec.cli.bench.common import Timer, median_ms, random_tree
+    from specdec.graphs import GraphedForward
+    from specdec.kv import KVCache
+
+    target, rank, world, device = _load(ns)
+    torch.set_grad_enabled(False)
+    hf.prepare_model(target)
+    cuda = device.type == "cuda"
+    vocab = hf.vocab_size(target)
+    gen = torch.Generator().manual_seed(ns.seed)
+    prompt = torch.randint(10, vocab, (ns.prompt_len,), generator=gen)
+    prefix = ns.prompt_len - 1
+    cap = -(-(ns.prompt_len + max(ns.nodes) + 8) // 256) * 256
+    cache = KVCache(1, cap, num_layers=hf.num_layers(target))
+    hf.prefill(target, prompt[None, :prefix].to(device), cache)
+    timer = Timer(device)
+    res = {"model": ns.model, "world": world, "dtype": ns.dtype, "compile": ns.compile, "prompt": ns.prompt_len,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu", "rows": []}  # fmt: skip
+    graphs = []
+    for n in ns.nodes:
+        tree = random_tree(n, int(prompt[-1]), vocab, gen)
+        g = GraphedForward(target, cache, 1, n, capture=cuda, compile="layers" if ns.compile else False)
+        graphs.append(g)
+        g.load([tree], [prefix])
+        t0 = time.perf_counter()
+        g.forward()  # compiles and captures
+        first_s = time.perf_counter() - t0
+        for _ in range(3):
+            g.forward()
+        ms = median_ms([timer(g.forward)[0] for _ in range(ns.reps)])
+        res["rows"].append({"nodes": n, "replay_ms": ms, "first_s": first_s})
+        if rank == 0:
+            print(f"world {world}: {n} nodes: replay {ms:.3f} ms (first call {first_s:.1f} s)", flush=True)
+    base = res["rows"][0]["replay_ms"]
+    for row in res["rows"]:
+        row["vs_first"] = row["replay_ms"] / base
+    if rank == 0:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(res, indent=1))
+    _end(rank, world, device, graphs.clear)
+
+
+def _run(ns) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec import SpecDecoder
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[ns.dtype]
+    target, rank, world, device = _load(ns)
+    cuda = device.type == "cuda"
 
     def sync() -> None:
         if cuda:
@@ -149,18 +224,7 @@ def _run(ns) -> None:
         print(f"{ns.out}: world {world} {ns.dtype} drafter={ns.drafter} t={dec.tree_size} graphs={dec.cuda_graphs}: "
               f"{new} tokens in {secs:.2f} s = {new / secs:.1f} tok/s (bs 1), "
               f"{res['max_memory_gib']:.1f} GiB on rank 0")  # fmt: skip
-    if world > 1:  # a clean exit: graphs (which hold the communicator) freed before the group goes
-        import torch.distributed as dist
-
-        t_end = time.perf_counter()
-        dec.release()
-        del dec, target, drafter
-        sync()
-        print(f"rank {rank}: released in {time.perf_counter() - t_end:.2f} s", flush=True)
-        dist.barrier(device_ids=[device.index]) if cuda else dist.barrier()
-        print(f"rank {rank}: barrier passed at {time.perf_counter() - t_end:.2f} s", flush=True)
-        dist.destroy_process_group()
-        print(f"rank {rank}: process group destroyed at {time.perf_counter() - t_end:.2f} s", flush=True)
+    _end(rank, world, device, dec.release)
 
 
 def _compare(ns) -> int:
@@ -207,6 +271,15 @@ def main(argv=None) -> int:
     r.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True): the layer-wise compile")
     r.add_argument("--trace", help="write a torch.profiler table of one call (rank 0) to this file")
     r.add_argument("--seed", type=int, default=0)
+    f = sub.add_parser("forward", help="time one captured tree (verify) forward per node count (TP under torchrun)")
+    f.add_argument("--model", required=True)
+    f.add_argument("--out", required=True)
+    f.add_argument("--nodes", type=int, nargs="+", default=[1, 16, 64], help="tree nodes per forward (root included)")
+    f.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    f.add_argument("--prompt-len", type=int, default=512, help="random prompt tokens in the cache")
+    f.add_argument("--reps", type=int, default=30)
+    f.add_argument("--compile", action="store_true", help="the layer-wise compile (what compile=True does)")
+    f.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("compare", help="compare two run JSONs (outputs, tokens/s)")
     c.add_argument("one")
     c.add_argument("other")
@@ -214,6 +287,8 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     if ns.cmd == "build":
         _build(ns)
+    elif ns.cmd == "forward":
+        _forward(ns)
     elif ns.cmd == "run":
         if ns.drafter == "model" and not ns.draft:
             parser.error("--drafter model needs --draft DIR")

@@ -1,8 +1,8 @@
 """specdec.distributed: rank-consistent decoding of a tensor-parallel target.
 
 Unit tests drive ``RankSync`` through scripted collectives (no processes). The end-to-end test
-launches 2 ranks with ``torch.distributed.run`` (gloo, CPU): tiny Qwen2 / Llama targets loaded with
-transformers' TP plan must decode exactly as the unsharded models in this process (greedy, fp32),
+launches 2 ranks with ``torch.distributed.run`` (gloo, CPU): tiny Qwen2 / Llama targets split by
+``specdec.tensor_parallel`` must decode exactly as the unsharded models in this process (greedy, fp32),
 for plain decoding, prompt lookup, a draft model, Medusa and EAGLE heads; a sampling run must give
 the same tokens on both ranks although their generators were seeded differently; a drafter whose
 trees differ by rank, and prompts that differ by rank, must raise on every rank. A shorter 2-rank
@@ -344,5 +344,6 @@ def test_tp_ranks_fail_together(tp_run):
     ranks, _ = tp_run
     for res in ranks:
         assert res["world"] == 2 and res["tp_group"]
+        assert res["fused_groups"] == 4  # 2 layers x (q/k/v, gate/up) of each rank's shards
         assert res["mismatch"].startswith("drafter: ranks [1] proposed different trees than rank 0 at step 1")
         assert res["prompts"].startswith("input_ids: expected the same prompts")

@@ -1,8 +1,8 @@
 """One rank of the tensor-parallel tests (tests/specdec/test_distributed.py), and the cases they share.
 
 Run as ``python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.specdec.tp_worker
-MODELS OUT``: loads ``MODELS/target`` (and ``MODELS/llama_tied``) with transformers' TP plan on a
-CPU device mesh (gloo), ``MODELS/draft`` replicated, decodes every case of ``CASES`` and writes
+MODELS OUT``: loads ``MODELS/target`` (and ``MODELS/llama_tied``) split over the 2 ranks
+(``specdec.distributed.load_tensor_parallel``, gloo), ``MODELS/draft`` replicated, decodes every case of ``CASES`` and writes
 ``OUT/rank{r}.json``: per case the new tokens per sequence, the KV heads this rank's cache holds, or
 the error it raised. ``reference(models)`` decodes the same cases in this process without TP.
 ``... MODELS OUT teardown`` instead runs :func:`teardown`: one decode, then the run's clean end.
@@ -156,6 +156,9 @@ def main(models_dir: str, out_dir: str) -> None:
             res["cases"][name] = decode(name, models, rank)
         except Exception:  # noqa: BLE001 - reported to the test
             res["cases"][name] = {"error": traceback.format_exc()}
+    from specdec.fused import fused_groups
+
+    res["fused_groups"] = len(fused_groups(models["target"]))  # the local q/k/v and gate/up shards, fused
     # a drafter whose trees differ between ranks: every rank must raise (no hang, no garbage)
     try:
         SpecDecoder(models["target"], _RankDependent(rank), tree_size=2).generate(torch.tensor(PROMPTS[0]), 4)

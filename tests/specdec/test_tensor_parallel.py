@@ -1,0 +1,85 @@
+"""specdec.tensor_parallel: the split of a model's layers over a process group.
+
+In one process (a one-rank gloo group) a split model must compute what it did before (every shard is
+the whole weight); the errors name what is wrong. The 2-rank runs in test_distributed.py check the
+real split (half the heads per rank) against unsharded decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specdec.distributed import tensor_parallel_group
+from specdec.fused import fuse_projections, fused_groups
+from specdec.tensor_parallel import RowParallelLinear, VocabParallelHead, shard_model
+from tests.specdec.helpers import random_prompt, tiny_model
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable, or a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_one_rank_split_computes_the_same_logits(one_rank_group, family):
+    model = tiny_model(family)
+    ids = random_prompt(11, 4)[None]
+    with torch.no_grad():
+        want = model(ids).logits
+    vocab = model.get_output_embeddings().weight.shape
+    count = shard_model(model)
+    assert count == 7 * model.config.num_hidden_layers  # q k v o gate up down in every layer
+    assert tensor_parallel_group(model) is one_rank_group
+    assert isinstance(model.get_output_embeddings(), VocabParallelHead)
+    assert model.get_output_embeddings().weight.shape == vocab  # drafters still see the whole head
+    assert sum(isinstance(m, RowParallelLinear) for m in model.modules()) == 2 * model.config.num_hidden_layers
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert fuse_projections(model) == 2 * model.config.num_hidden_layers  # the local shards still fuse
+    assert len(fused_groups(model)) == 2 * model.config.num_hidden_layers
+
+
+def test_split_errors(one_rank_group, monkeypatch):
+    model = tiny_model("qwen2")
+    shard_model(model)
+    with pytest.raises(ValueError, match="already split"):
+        shard_model(model)
+    fused = tiny_model("qwen2")
+    fuse_projections(fused)
+    with pytest.raises(ValueError, match="q_proj to be a plain nn.Linear"):
+        shard_model(fused)
+    plain = nn.Sequential(nn.Linear(4, 4))
+    plain.config = tiny_model("qwen2").config
+    with pytest.raises(ValueError, match="expected decoder layers"):
+        shard_model(plain)
+
+
+def test_divisibility_is_checked_against_the_world_size(one_rank_group, monkeypatch):
+    import torch.distributed as dist
+
+    model = tiny_model("qwen2")
+    heads = model.config.num_key_value_heads
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: heads + 1)
+    with pytest.raises(ValueError, match=rf"num_attention_heads divisible by the tensor-parallel world size {heads + 1}|"
+                                         rf"num_key_value_heads divisible"):  # fmt: skip
+        shard_model(model)
+
+
+def test_split_needs_a_process_group():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(ValueError, match="group: expected an initialized torch.distributed process group"):
+        shard_model(tiny_model("qwen2"))
