@@ -244,6 +244,23 @@ def _compare(ns) -> int:
     return 0 if same or not ns.strict else 1
 
 
+def _same_tokens(ns) -> int:
+    """One run's records against the merged shard files of another: the same tokens for every timed key."""
+    from eval.records import is_timed, load_records, record_key
+    from eval.shard import merge
+
+    one = {record_key(r): r for r in load_records(ns.one) if is_timed(r)}
+    other = {record_key(r): r for r in merge(ns.shards) if is_timed(r)}
+    missing = sorted(set(one) ^ set(other), key=str)
+    differ = [k for k in one.keys() & other.keys() if one[k].get("token_ids") != other[k].get("token_ids")]
+    res = {"one": ns.one, "shards": ns.shards, "records": len(one), "merged": len(other), "missing": len(missing),
+           "different": len(differ), "examples": [list(map(str, k)) for k in (differ + missing)[:5]]}  # fmt: skip
+    print(json.dumps(res))
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(res, indent=1))
+    return 0 if not missing and not differ else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -284,6 +301,10 @@ def main(argv=None) -> int:
     c.add_argument("one")
     c.add_argument("other")
     c.add_argument("--strict", action="store_true", help="exit 1 when the outputs differ")
+    t = sub.add_parser("same-tokens", help="a one-GPU results file against the merged shard files of a sharded run")
+    t.add_argument("one")
+    t.add_argument("shards", nargs="+")
+    t.add_argument("--out")
     ns = parser.parse_args(argv)
     if ns.cmd == "build":
         _build(ns)
@@ -293,6 +314,8 @@ def main(argv=None) -> int:
         if ns.drafter == "model" and not ns.draft:
             parser.error("--drafter model needs --draft DIR")
         _run(ns)
+    elif ns.cmd == "same-tokens":
+        return _same_tokens(ns)
     else:
         return _compare(ns)
     return 0

@@ -5,13 +5,19 @@
 # Steps (each fits one device call; files in /tmp survive only while the machine stays warm):
 #   build       random-weight Llama-3-8B shapes (hidden 4096, 32 heads / 8 KV heads, vocab 128256),
 #               LAYERS layers (default 32, the real depth: 32 GB fp32 on disk; LAYERS=8 if time is
-#               short -- every per-layer shape is unchanged), saved to /tmp/mg/llama8b.
+#               short -- every per-layer shape is unchanged), saved to /tmp/mg/llama8b in DTYPE (fp32;
+#               bf16 for the speed steps only: 16 GB).
 #   llama       (a) greedy fp32, plain decoding and prompt lookup (t=32), bs 1: one GPU, then TP=2;
 #               outputs must be identical; tokens/s side by side.
 #   llama-bf16  the same in bf16 (speed only: bf16 rounds differently in a sharded matmul).
 #   qwen        (b) the real pair (after setup_models.sh): Qwen2.5-Coder-1.5B target, 0.5B draft, fp32,
 #               prompt lookup and the draft model (replicated per rank), one GPU vs TP=2.
-#   sweep-note  (c) how the APPS sweep is launched sharded (prints the commands: --shard auto, --shards).
+#   forward     the captured verify forward at 1, 16, 64 nodes, bf16, compiled: one GPU, then TP=2 (after build).
+#   tp-bf16     plain decoding, bf16, compiled, 3 prompts x 256 tokens: one GPU, then TP=2 (after build).
+#   sharded-humaneval, sharded-apps
+#               (c) the evaluation sharded over 2 GPUs (data parallel, `sweep --shard auto` under torchrun,
+#               merged by `--report-only --shards 2`) against one GPU on the same problems: plain decoding
+#               and prompt lookup (t=32), bf16, 128 tokens; wall times and a token comparison per record.
 # Every TP run goes with CUDA graphs first (the NCCL all-reduces captured in the tree forward's graph);
 # if that fails it is rerun eagerly (SPECDEC_CUDA_GRAPHS=0) and the log says so.
 set -uo pipefail
@@ -39,7 +45,7 @@ pair() {  # name, run args...: one GPU, then TP=2 (graphs, else eager), then the
 for s in ${@:-build llama qwen}; do
   case $s in
     build)
-      [ -f $mg/llama8b/config.json ] || timeout 560 "${py[@]}" build --layers "${LAYERS:-32}" --out $mg/llama8b \
+      [ -f $mg/llama8b/config.json ] || timeout 560 "${py[@]}" build --layers "${LAYERS:-32}" --dtype "${DTYPE:-fp32}" --out $mg/llama8b \
         > "$out/build.log" 2>&1
       tail -2 "$out/build.log"; du -sh $mg/llama8b ;;
     llama)
@@ -53,6 +59,35 @@ for s in ${@:-build llama qwen}; do
       data=(); [ -f .evaldata/apps_selected150.jsonl ] && data=(--prompts-file .evaldata/apps_selected150.jsonl)
       pair qwen-lookup --model "$t" --tokenizer "${data[@]}" --drafter lookup --tree-size 32 --new 128
       pair qwen-model --model "$t" --tokenizer "${data[@]}" --drafter model --draft "$d" --tree-size 32 --new 128 ;;
+    forward)
+      CUDA_VISIBLE_DEVICES=0 timeout 300 "${py[@]}" forward --model $mg/llama8b --compile --out "$out/forward-1gpu.json" \
+        > "$out/forward.log" 2>&1 || echo "forward: the one-GPU run failed (exit $?)" >> "$out/forward.log"
+      "${tp[@]}" forward --model $mg/llama8b --compile --out "$out/forward-tp2.json" >> "$out/forward.log" 2>&1 \
+        || echo "forward: the TP=2 run failed (exit $?)" >> "$out/forward.log"
+      grep -E "nodes|failed" "$out/forward.log" ;;
+    tp-bf16)
+      pair tp-bf16 --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 ;;
+    sharded-humaneval|sharded-apps)
+      ds=${s#sharded-}
+      data=(); [ "$ds" = apps ] && data=(--data .evaldata/apps_selected150.jsonl)
+      common=(sweep --dataset "$ds" "${data[@]}" --problems 0 --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda
+              --no-progress --no-attn --methods specdec specdec-plain --drafters l=lookup --tree-sizes 32 --draft ""
+              --method-problems hf=0 --calibrate 0)
+      mkdir -p /tmp/results; rm -f /tmp/results/$ds-1gpu.* /tmp/results/$ds-dp2.*
+      t0=$(date +%s.%N)
+      CUDA_VISIBLE_DEVICES=0 timeout 400 python3 -m specdec.cli "${common[@]}" --out /tmp/results/$ds-1gpu.jsonl \
+        > "$out/sharded-$ds.log" 2>&1
+      t1=$(date +%s.%N)
+      timeout 400 torchrun --standalone --nproc-per-node 2 -m specdec.cli "${common[@]}" --shard auto \
+        --out /tmp/results/$ds-dp2.jsonl >> "$out/sharded-$ds.log" 2>&1
+      t2=$(date +%s.%N)
+      python3 -m specdec.cli "${common[@]}" --report-only --shards 2 --out /tmp/results/$ds-dp2.jsonl \
+        >> "$out/sharded-$ds.log" 2>&1
+      "${py[@]}" same-tokens /tmp/results/$ds-1gpu.jsonl /tmp/results/$ds-dp2.rank*-of-2.jsonl \
+        --out "$out/sharded-$ds-same.json" >> "$out/sharded-$ds.log" 2>&1
+      echo "sharded-$ds: one GPU $(python3 -c "print(round($t1 - $t0, 1))") s, 2 GPUs $(python3 -c "print(round($t2 - $t1, 1))") s" | tee -a "$out/sharded-$ds.log"
+      cp /tmp/results/$ds-dp2.{csv,summary.json} "$out/" 2>/dev/null
+      gzip -c /tmp/results/$ds-1gpu.jsonl > "$out/$ds-1gpu.jsonl.gz"; tail -2 "$out/sharded-$ds-same.json" ;;
     sweep-note)
       # (c) Sharded APPS sweep. Data parallel (one whole model per GPU): `--shard auto` reads each
       #     process's place from torchrun's RANK / WORLD_SIZE (eval.shard.shard_env), runs only its
