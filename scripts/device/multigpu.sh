@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a 2-GPU device machine (kind nvidia-h200-x2): a tensor-parallel target (TP = 2, NCCL, transformers'
 # TP plan, specdec.distributed.RankSync) against the same target on one GPU. The GPU half of the two-GPU tensor-parallel check.
-#   bash scripts/device/multigpu.sh [build|llama|llama-bf16|qwen|sweep-note]...   (default: build llama qwen)
+#   bash scripts/device/multigpu.sh [build|llama|llama-bf16|forward|tp-bf16|qwen|sharded-humaneval|sharded-apps|sweep-note]...   (default: build llama qwen)
 # Steps (each fits one device call; files in /tmp survive only while the machine stays warm):
 #   build       random-weight Llama-3-8B shapes (hidden 4096, 32 heads / 8 KV heads, vocab 128256),
 #               LAYERS layers (default 32, the real depth: 32 GB fp32 on disk; LAYERS=8 if time is
@@ -11,7 +11,7 @@
 #               outputs must be identical; tokens/s side by side.
 #   llama-bf16  the same in bf16 (speed only: bf16 rounds differently in a sharded matmul).
 #   qwen        (b) the real pair (after setup_models.sh): Qwen2.5-Coder-1.5B target, 0.5B draft, fp32,
-#               prompt lookup and the draft model (replicated per rank), one GPU vs TP=2.
+#               plain decoding, prompt lookup and the draft model (replicated per rank), one GPU vs TP=2.
 #   forward     the captured verify forward at 1, 16, 64 nodes, bf16, compiled: one GPU, then TP=2 (after build).
 #   tp-bf16     plain decoding, bf16, compiled, 3 prompts x 256 tokens: one GPU, then TP=2 (after build).
 #   sharded-humaneval, sharded-apps
@@ -57,12 +57,14 @@ for s in ${@:-build llama qwen}; do
       t=$SPECDEC_HOME/models/qwen2.5-coder-1.5b/hf d=$SPECDEC_HOME/models/qwen2.5-coder-0.5b/hf
       [ -f "$t/config.json" ] || { echo "qwen: no converted target in $t (run setup_models.sh first)"; continue; }
       data=(); [ -f .evaldata/apps_selected150.jsonl ] && data=(--prompts-file .evaldata/apps_selected150.jsonl)
-      pair qwen-lookup --model "$t" --tokenizer "${data[@]}" --drafter lookup --tree-size 32 --new 128
-      pair qwen-model --model "$t" --tokenizer "${data[@]}" --drafter model --draft "$d" --tree-size 32 --new 128 ;;
+      pair qwen-plain --model "$t" --tokenizer "${data[@]}" --new 128 --num-prompts 3
+      pair qwen-lookup --model "$t" --tokenizer "${data[@]}" --drafter lookup --tree-size 32 --new 128 --num-prompts 3
+      pair qwen-model --model "$t" --tokenizer "${data[@]}" --drafter model --draft "$d" --tree-size 32 --new 128 --num-prompts 3 ;;
     forward)
       CUDA_VISIBLE_DEVICES=0 timeout 300 "${py[@]}" forward --model $mg/llama8b --compile --out "$out/forward-1gpu.json" \
         > "$out/forward.log" 2>&1 || echo "forward: the one-GPU run failed (exit $?)" >> "$out/forward.log"
-      "${tp[@]}" forward --model $mg/llama8b --compile --out "$out/forward-tp2.json" >> "$out/forward.log" 2>&1 \
+      timeout 280 torchrun --standalone --nproc-per-node 2 scripts/device/multigpu.py forward --model $mg/llama8b \
+        --compile --out "$out/forward-tp2.json" >> "$out/forward.log" 2>&1 \
         || echo "forward: the TP=2 run failed (exit $?)" >> "$out/forward.log"
       grep -E "nodes|failed" "$out/forward.log" ;;
     tp-bf16)
