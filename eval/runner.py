@@ -383,6 +383,7 @@ def run_eval(
     else:
         problems, pool = list(problems), list(problems)
     indices = list(range(len(problems)))  # places in the whole list (method_problems, problem_index)
+    every = problems  # the caches are sized for all of them, so that a shard decodes as the whole run does
     if cfg.sharded:
         from eval.shard import shard_of
 
@@ -423,8 +424,17 @@ def run_eval(
     if any(getattr(p, "needs_answer", False) for p in problems):
         problems = _answer_earlier_turns(session, problems, prev_warmups, out_path, common)
     prompts = [prompt_ids(p, tokenizer) for p in problems]
-    session.max_cache_len = max(len(p) for p in prompts) + cfg.max_new_tokens
-    session.min_len = min(len(p) for p in prompts) + cfg.max_new_tokens
+    # Cache sizes from every problem of the run, the other shards' too: a static cache's capacity sets
+    # the attention's split of the KV, so in bf16 a shard sized for its own prompts alone rounded
+    # differently from the unsharded run and changed some greedy tokens. Prompts that include an
+    # earlier answer (Spec-Bench's second turns) or padding are known for this shard's problems only.
+    lengths = [len(p) for p in prompts]
+    if cfg.sharded and not cfg.pad_prompt_to:
+        mine = {str(p.id) for p in problems}
+        lengths += [len(prompt_ids(p, tokenizer)) for p in every
+                    if str(p.id) not in mine and not getattr(p, "needs_answer", False)]  # fmt: skip
+    session.max_cache_len = max(lengths) + cfg.max_new_tokens
+    session.min_len = min(lengths) + cfg.max_new_tokens
     if any(m.needs_drafter for m in methods):
         session.load_heads()  # a bad heads= directory fails here, before the first problem
     strict = cfg.greedy and dtype_name == "fp32"

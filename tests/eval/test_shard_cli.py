@@ -160,3 +160,31 @@ def test_an_empty_shard_writes_nothing_and_loads_no_model(pair, tmp_path):
                      progress=False, shard=(1, 2))  # fmt: skip
     res = runner.run_eval(cfg)  # problem 100 is in shard 0
     assert res.records == [] and res.new == 0 and not res.failed
+
+
+def test_a_shard_sizes_its_caches_for_every_problem_of_the_run(pair, tmp_path, monkeypatch):
+    """The capacity of a static cache sets the attention's KV split (bf16 rounding): a shard must size
+    its caches as the whole run does, from the longest prompt of every shard, or its greedy tokens
+    can differ from the unsharded run's."""
+    import eval.runner as runner
+    from specdec import cli
+
+    rows = [json.loads(line) for line in open(pair["data"], encoding="utf-8")]
+    rows[3]["description"] += " Read the input carefully, with many more words than the others." * 3
+    data = tmp_path / "apps.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sessions = []
+
+    class Recorded(runner.Session):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            sessions.append(self)
+
+    monkeypatch.setattr(runner, "Session", Recorded)
+    argv = [a if a != pair["data"] else str(data) for a in _argv(pair, tmp_path / "x.jsonl")]
+    argv[argv.index("--methods") + 1 : argv.index("--methods") + 3] = ["specdec-plain"]
+    assert cli.main(argv) == 0
+    assert cli.main([*argv[:-1], str(tmp_path / "dp.jsonl"), "--shard", "0/2"]) == 0  # holds 100, 101 only
+    whole, shard0 = sessions
+    assert shard0.max_cache_len == whole.max_cache_len  # 103's prompt, in shard 1, sizes shard 0 too
+    assert shard0.min_len == whole.min_len
