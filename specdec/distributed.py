@@ -366,7 +366,7 @@ def tensor_parallel_group(model):
 
 
 def load_tensor_parallel(path: str | os.PathLike[str], dtype: torch.dtype | None = None, group=None,
-                         **kwargs: Any):  # fmt: skip
+                         one_shot: bool | str = "auto", **kwargs: Any):  # fmt: skip
     """Load ``AutoModelForCausalLM.from_pretrained(path, ...)`` on this rank and split it over ``group``
     (default: the world) with ``specdec.tensor_parallel.shard_model``; in eval mode.
 
@@ -374,7 +374,8 @@ def load_tensor_parallel(path: str | os.PathLike[str], dtype: torch.dtype | None
     when none exists (NCCL with each process bound to ``cuda:LOCAL_RANK`` on GPUs, gloo on a CPU). On
     a GPU the whole checkpoint is read straight onto the rank's device (``device_map``, through
     accelerate), then split: the other ranks' shards are freed. In a world of one process the model
-    comes back whole, on ``cuda:LOCAL_RANK`` when CUDA is there. ``kwargs`` go to ``from_pretrained``.
+    comes back whole, on ``cuda:LOCAL_RANK`` when CUDA is there. ``one_shot``: ``shard_model``'s
+    (one-shot all-reduces over symmetric memory where they work). ``kwargs`` go to ``from_pretrained``.
     """
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -391,7 +392,7 @@ def load_tensor_parallel(path: str | os.PathLike[str], dtype: torch.dtype | None
     placement = {"device_map": {"": device}} if cuda else {}
     model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=dtype or torch.float32, **placement, **kwargs)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        shard_model(model, group)
+        shard_model(model, group, one_shot=one_shot)
         if cuda:
             torch.cuda.empty_cache()  # the other ranks' shards, read whole above
     return model.eval()

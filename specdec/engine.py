@@ -286,7 +286,8 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         return MappingProxyType(self._prefill_graphs)
 
     def release(self, batch_size: int | None = None) -> None:
-        """Drop the kept caches and their forwards (tree and prefill forwards, their CUDA graphs):
+        """Drop the kept caches and their forwards (tree and prefill forwards, plain decoding's chunks,
+        their CUDA graphs):
         all, or those of ``batch_size`` (a forward over a shared prompt goes with its rows' batch
         size and with batch size 1, whose cache holds its prompt).
 
@@ -306,6 +307,9 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         self._shared_graphs = {key: graphed for key, graphed in self._shared_graphs.items()
                                if kept(key) and kept((1,))}
         self._prefill_graphs = {key: graphed for key, graphed in self._prefill_graphs.items() if kept(key)}
+        # plain decoding's chunks hold CUDA graphs of their own (with a tensor-parallel target, of NCCL
+        # collectives: NCCL cannot destroy a communicator while a graph that captured it lives)
+        self._chunks = {key: chunk for key, chunk in self._chunks.items() if kept(key)}
 
     # ------------------------------------------------------------------ the caches and forwards it makes
 

@@ -9,6 +9,10 @@
                                                      weight, then one all-gather of the logits
     embeddings, norms      unchanged                 replicated
 
+Small all-reduces (up to ``ONE_SHOT_MAX_BYTES``: decoding and verify forwards) run as one-shot kernels
+over symmetric memory on the current stream where the GPUs can map each other's memory
+(:func:`one_shot_slots`; probed at load time, NCCL otherwise); prefill-sized ones through NCCL.
+
 The column-parallel projections stay plain ``nn.Linear`` modules holding plain tensors (not DTensors,
 no hooks), so ``specdec.fused`` fuses each rank's q / k / v and gate / up shards into one GEMM as on
 one GPU, and the layer-wise compile sees ordinary modules. A layer then costs two all-reduces
@@ -34,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RowParallelLinear", "VocabParallelHead", "shard_model", "tensor_parallel_group"]
+__all__ = ["ONE_SHOT_MAX_BYTES", "RowParallelLinear", "VocabParallelHead", "one_shot_all_reduce", "one_shot_slots",
+           "shard_model", "tensor_parallel_group"]  # fmt: skip
 
 #: Child names of the projections split by output rows (column-parallel) and by input columns (row-parallel).
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -45,6 +50,27 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """The sum of ``x`` over ``group``'s ranks (same shape; a new tensor)."""
     ops = torch.ops._c10d_functional
     return ops.wait_tensor(ops.all_reduce(x, "sum", group.group_name))
+
+
+def _one_shot(staging: torch.Tensor, x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the group by one kernel on the current stream: ``x`` is copied into this
+    rank's ``staging`` (symmetric memory, ``x``'s shape and dtype), then every rank reads every peer's."""
+    return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x, "sum", group_name)
+
+
+@torch.library.custom_op("specdec::one_shot_all_reduce", mutates_args=())
+def one_shot_all_reduce(x: torch.Tensor, slot: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``[...]`` -> ``[...]``: the sum of ``x`` over group ``group_name`` through ``slot``, a uint8
+    symmetric-memory scratch area of at least ``x.numel() * x.element_size()`` bytes (its contents
+    are not part of the result). An opaque op to ``torch.compile``: the slot reaches the kernel as
+    the very tensor that was rendezvoused, never a copy of it."""
+    staging = slot[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+    return _one_shot(staging, x.contiguous(), group_name)
+
+
+@one_shot_all_reduce.register_fake
+def _(x: torch.Tensor, slot: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _all_gather_last(x: torch.Tensor, group, world: int) -> torch.Tensor:
@@ -59,6 +85,10 @@ class RowParallelLinear(nn.Linear):
     over the group (one all-reduce), then the bias (kept whole, added once after the sum).
 
     ``weight``: ``[out, in / N]``, this rank's input columns of the unsharded weight.
+    ``slot``: None, or this projection's own uint8 slice of a symmetric-memory buffer
+    (:func:`one_shot_slots`): a partial product of at most ``slot.numel()`` bytes is then summed by
+    a one-shot kernel on the current stream instead of an NCCL all-reduce (which runs on NCCL's own
+    stream: inside a CUDA graph each one adds two cross-stream dependencies).
     """
 
     def __init__(self, linear: nn.Linear, rank: int, world: int, group) -> None:
@@ -66,12 +96,18 @@ class RowParallelLinear(nn.Linear):
         cols = linear.in_features // world
         self.in_features, self.out_features = cols, linear.out_features
         self.group = group
+        self.slot: torch.Tensor | None = None
         self.weight = nn.Parameter(linear.weight[:, rank * cols : (rank + 1) * cols].contiguous(),
                                    requires_grad=False)  # fmt: skip
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _all_reduce(F.linear(x, self.weight), self.group)
+        part = F.linear(x, self.weight)
+        nbytes = part.numel() * part.element_size()
+        if self.slot is not None and nbytes <= self.slot.numel():
+            out = one_shot_all_reduce(part, self.slot, self.group.group_name)
+        else:
+            out = _all_reduce(part, self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -118,17 +154,27 @@ def _check_divisible(model, world: int) -> None:
                              f"got {value}")  # fmt: skip
 
 
+#: The largest partial product (bytes) a one-shot all-reduce takes; larger ones go through NCCL.
+#: 1 MiB holds 64 bf16 rows of a 4096-wide model (a 64-node verify forward at batch size 1).
+ONE_SHOT_MAX_BYTES = 1 << 20
+
+
 @torch.no_grad()
-def shard_model(model: nn.Module, group=None) -> int:
+def shard_model(model: nn.Module, group=None, one_shot: bool | str = "auto") -> int:
     """Split ``model``'s decoder layers and LM head over ``group``'s ranks, in place (see the module
     docstring); every rank calls it on the same unsharded model. Returns the number of projections
-    split. ``group``: a ``torch.distributed`` process group (default: the world).
+    split. ``group``: a ``torch.distributed`` process group (default: the world). ``one_shot``: give
+    the row-parallel projections symmetric-memory slots for one-shot all-reduces
+    (:func:`one_shot_slots`): ``"auto"`` where the model is on CUDA and a probe passes on every rank,
+    True (raise if it cannot), False (NCCL only).
 
     Raises ValueError when the model is already sharded or fused (``specdec.fused``: shard first), has
     no q / k / v / o and gate / up / down projections, or head counts that do not divide by N.
     """
     import torch.distributed as dist
 
+    if one_shot not in (True, False, "auto"):
+        raise ValueError(f"one_shot: expected True, False or 'auto', got {one_shot!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: expected an initialized torch.distributed process group, got none "
                          "(run under torchrun, or call torch.distributed.init_process_group first)")  # fmt: skip
@@ -159,7 +205,78 @@ def shard_model(model: nn.Module, group=None) -> int:
     head = model.get_output_embeddings()
     if type(head) is nn.Linear and head.out_features % world == 0:
         model.set_output_embeddings(VocabParallelHead(head, rank, world, group))
+    if one_shot:
+        rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+        slots = one_shot_slots(group, rows[0].weight.device, len(rows), required=one_shot is True)
+        for m, slot in zip(rows, slots or ()):
+            m.slot = slot
     return count
+
+
+def one_shot_slots(group, device: torch.device, count: int, nbytes: int = ONE_SHOT_MAX_BYTES,
+                   required: bool = False) -> list[torch.Tensor] | None:  # fmt: skip
+    """``count`` disjoint uint8 slots of ``nbytes`` each in one symmetric-memory buffer of ``group``
+    (``torch.distributed._symmetric_memory``: every rank maps its peers' buffers over NVLink / P2P),
+    or None where that is unavailable: not CUDA, a torch without symmetric memory, or a probe that
+    fails on any rank (a one-shot all-reduce, eager and replayed from a CUDA graph, against NCCL's
+    sum). A collective: every rank of ``group`` calls it with the same arguments.
+
+    A projection's slot is reused only by its own next call, after the group has passed every other
+    projection's all-reduce in between; so the ranks never overwrite a slot a peer still reads.
+    NVLink multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` unless set): a one-shot
+    all-reduce needs only peer loads.
+
+    Raises ValueError with ``required`` when the slots cannot be made.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    def unavailable(why: str) -> None:
+        if required:
+            raise ValueError(f"one_shot: expected symmetric memory for one-shot all-reduces, got {why}")
+        return None
+
+    if torch.device(device).type != "cuda":
+        return unavailable(f"a model on {torch.device(device).type}")
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        return unavailable(f"torch {torch.__version__} without symm_mem.one_shot_all_reduce_copy")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    ok, buf, why = True, None, ""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(count * nbytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(buf, group)
+        ok, why = _probe(buf[:nbytes], group, device)
+    except Exception as e:  # noqa: BLE001 - any failure means NCCL all-reduces instead
+        ok, why = False, f"{type(e).__name__}: {e}"
+    agreed = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if not int(agreed.item()):
+        return unavailable(why or "a failed probe on another rank")
+    return [buf[i * nbytes : (i + 1) * nbytes] for i in range(count)]
+
+
+def _probe(slot: torch.Tensor, group, device) -> tuple[bool, str]:
+    """A one-shot all-reduce of small integers (exact in bf16), eager and from a CUDA graph, against
+    NCCL's all-reduce of the same values: (all equal, what differed)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    x = (torch.arange(96, device=device, dtype=torch.bfloat16) % 7 + rank).view(1, 2, 48)
+    want = x.clone()
+    dist.all_reduce(want, group=group)
+    eager = one_shot_all_reduce(x, slot, group.group_name)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = one_shot_all_reduce(x, slot, group.group_name)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    del graph  # a graph of a collective must not outlive the probe
+    if not torch.equal(eager, want) or not torch.equal(captured, want):
+        return False, "a one-shot all-reduce that disagreed with NCCL's"
+    return True, ""
 
 
 def tensor_parallel_group(model: nn.Module) -> Any | None:

@@ -86,7 +86,7 @@ def _load(ns):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()  # without: a CPU smoke test of this script (gloo under torchrun)
     if world > 1:
-        target = load_tensor_parallel(ns.model, dtype=dtype)
+        target = load_tensor_parallel(ns.model, dtype=dtype, one_shot={"auto": "auto", "off": False}[ns.one_shot])
         rank = int(os.environ["RANK"])
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     else:
@@ -95,14 +95,24 @@ def _load(ns):
     return target, rank, world, device
 
 
+def _one_shot_on(target) -> bool:
+    from specdec.tensor_parallel import RowParallelLinear
+
+    return any(isinstance(m, RowParallelLinear) and m.slot is not None for m in target.modules())
+
+
 def _end(rank: int, world: int, device: torch.device, release) -> None:
-    """A clean exit: graphs (which hold the communicator) freed before the group goes."""
+    """A clean exit: every CUDA graph that captured a collective freed before the group goes (NCCL
+    waits for them when it destroys the communicator), then a barrier, then the group destroyed."""
     if world <= 1:
         return
+    import gc
+
     import torch.distributed as dist
 
     t_end = time.perf_counter()
     release()
+    gc.collect()  # graphs held in reference cycles
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     print(f"rank {rank}: released in {time.perf_counter() - t_end:.2f} s", flush=True)
@@ -131,6 +141,7 @@ def _forward(ns) -> None:
     hf.prefill(target, prompt[None, :prefix].to(device), cache)
     timer = Timer(device)
     res = {"model": ns.model, "world": world, "dtype": ns.dtype, "compile": ns.compile, "prompt": ns.prompt_len,
+           "one_shot": _one_shot_on(target),
            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "rows": []}  # fmt: skip
     graphs = []
     for n in ns.nodes:
@@ -153,6 +164,7 @@ def _forward(ns) -> None:
     if rank == 0:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(json.dumps(res, indent=1))
+    del g
     _end(rank, world, device, graphs.clear)
 
 
@@ -214,6 +226,7 @@ def _run(ns) -> None:
     new = sum(len(r["tokens"]) for r in rows)
     secs = sum(r["seconds"] for r in rows)
     res = {"model": ns.model, "world": world, "dtype": ns.dtype, "drafter": ns.drafter, "tree_size": dec.tree_size,
+           "one_shot": _one_shot_on(target),
            "cuda_graphs": dec.cuda_graphs, "static_shapes": dec.static_shapes, "rank_sync": dec.rank_sync is not None,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "warmup_s": warm_s, "new_tokens": new,
            "seconds": secs, "tokens_per_s": new / secs,
@@ -288,6 +301,8 @@ def main(argv=None) -> int:
     r.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True): the layer-wise compile")
     r.add_argument("--trace", help="write a torch.profiler table of one call (rank 0) to this file")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--one-shot", choices=["auto", "off"], default="auto",
+                   help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto) or NCCL only")
     f = sub.add_parser("forward", help="time one captured tree (verify) forward per node count (TP under torchrun)")
     f.add_argument("--model", required=True)
     f.add_argument("--out", required=True)
@@ -297,6 +312,8 @@ def main(argv=None) -> int:
     f.add_argument("--reps", type=int, default=30)
     f.add_argument("--compile", action="store_true", help="the layer-wise compile (what compile=True does)")
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--one-shot", choices=["auto", "off"], default="auto",
+                   help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto) or NCCL only")
     c = sub.add_parser("compare", help="compare two run JSONs (outputs, tokens/s)")
     c.add_argument("one")
     c.add_argument("other")

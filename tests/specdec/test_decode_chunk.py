@@ -313,3 +313,15 @@ def test_cuda_warmup_with_sampling_captures_every_sampled_chunk():
         dec.generate(random_prompt(length, 40 + length).cuda(), 12, do_sample=True, temperature=0.8,
                      num_return_sequences=3, generator=gen)  # fmt: skip
     assert dec._chunks == before and [c.calls for c in sampled.values()] == [1 + 3, 1 + 3]  # 12 tokens: 3 chunks
+
+
+def test_release_drops_the_chunks_with_their_graphs():
+    """A chunk holds a CUDA graph of its own (with a tensor-parallel target, of NCCL collectives, which
+    keep the communicator from being destroyed): ``release`` drops it with the forwards."""
+    model = prepared_tiny_model("qwen2")
+    dec = _decoder(model, 4, max_cache_len=None, cache_buckets=(32, 64))
+    dec.warmup(batch_sizes=(1, 2), shared=False, log=None)
+    dec.release(batch_size=2)
+    assert sorted(dec._chunks) == [(1, 32, 0, None), (1, 64, 0, None)]
+    dec.release()
+    assert not dec._chunks

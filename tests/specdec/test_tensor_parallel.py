@@ -83,3 +83,47 @@ def test_split_needs_a_process_group():
         pytest.skip("a process group exists in this process")
     with pytest.raises(ValueError, match="group: expected an initialized torch.distributed process group"):
         shard_model(tiny_model("qwen2"))
+
+
+def test_small_partial_products_take_the_one_shot_slot(one_rank_group, monkeypatch):
+    """With slots (symmetric memory on a GPU; plain tensors here), a partial product that fits its
+    projection's slot goes through the one-shot op, with the slot as its scratch; a larger one
+    through the functional all-reduce. In a one-rank group both are the identity."""
+    import specdec.tensor_parallel as tp
+
+    model = tiny_model("qwen2")
+    ids = random_prompt(5, 3)[None]
+    with torch.no_grad():
+        want = model(ids).logits
+    shard_model(model, one_shot=False)
+    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    assert all(m.slot is None for m in rows)
+    hidden = model.config.hidden_size
+    for m in rows:
+        m.slot = torch.zeros(5 * hidden * 4, dtype=torch.uint8)  # 5 fp32 rows
+    seen = []
+
+    def fake(staging, x, group_name):
+        assert staging.shape == x.shape and staging.dtype == x.dtype
+        assert group_name == one_rank_group.group_name
+        seen.append((staging.untyped_storage().data_ptr(), x.shape[-2]))
+        return x.clone()
+
+    monkeypatch.setattr(tp, "_one_shot", fake)
+    with torch.no_grad():
+        got = model(ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert len(seen) == len(rows)
+        assert len({ptr for ptr, _ in seen}) == len(rows)  # each projection its own slot
+        model(random_prompt(6, 4)[None])  # 6 rows > 5: the functional all-reduce
+    assert len(seen) == len(rows)
+
+
+def test_one_shot_slots_need_cuda(one_rank_group):
+    from specdec.tensor_parallel import one_shot_slots
+
+    assert one_shot_slots(one_rank_group, torch.device("cpu"), 4) is None
+    with pytest.raises(ValueError, match="one_shot: expected symmetric memory for one-shot all-reduces, got a model on cpu"):
+        one_shot_slots(one_rank_group, torch.device("cpu"), 4, required=True)
+    with pytest.raises(ValueError, match="one_shot: expected True, False or 'auto'"):
+        shard_model(tiny_model("qwen2"), one_shot="yes")
