@@ -65,8 +65,8 @@ boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparatio
 catch-up's input copy and forward), ``expand`` (loading the expansion's inputs and the expansion:
 graph replay or eager loop, a fused catch-up, a device re-rank and any capture included), ``copy``
 (the record or the tree to the host), ``host_tree`` (a host re-rank, ``TokenTree``); ``update`` adds
-``update`` (KV commit of the accepted path) to the same dict. The syncs serialize host and device work a normal step overlaps, so the sum is an
-upper bound of the unprofiled step. Off (default): no sync, ``last_phase_s`` stays None.
+``update`` (KV commit of the accepted path) to the same dict. The syncs serialize host and device
+work a normal step overlaps, so the sum is an upper bound of the unprofiled step. Off (default): no sync, ``last_phase_s`` stays None.
 
 What the engine provides today (``specdec.drafting``; ``needs_hidden_states = "all"``): the
 target's features of *every* committed token, each once per ``generate`` call, as
