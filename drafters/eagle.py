@@ -22,22 +22,25 @@ root r = the last committed token at position L - 1:
    scores (float64, as the former host loop added them), a stable sort for the next frontier, the
    frontier's ancestor rows (parent's row | its own bit) and from them the mask. Shapes depend only
    on (``topk``, ``w``, depth) and the cache, so the loop is one CUDA graph (``cuda_graphs``).
-   Per depth the candidates' tokens, scores and the picked frontier go to one preallocated record,
-   copied to the host once after the loop: the step's only device-to-host transfer.
-3. **Re-rank** (host, vectorized over the record: ``ExpansionPlan.tree``): the best ``tree_size`` candidates
-   by cumulative draft log-probability, ties to the earlier candidate -- the nodes and order of
-   ``drafters._build.best_first`` over the former host loop's node pool (ancestor-closed), then
-   depth-first. Children are deterministic (``"topk"``), so stochastic verification stays lossless
-   without ``draft_probs``.
+   Per depth the candidates' tokens, scores and the picked frontier go to one preallocated record.
+3. **Re-rank**: the best ``tree_size`` candidates by cumulative draft log-probability, ties to the
+   earlier candidate -- the nodes and order of ``drafters._build.best_first`` over the former host
+   loop's node pool (ancestor-closed), then depth-first. With ``rerank="device"`` (the default with
+   CUDA graphs and ``compile_head``) on the device right after the loop, inside its graph
+   (``rerank_record``: stable ranks by score, subtree sizes and depth-first indices depth by depth),
+   and the tree (tokens, parents, expanded indices) is copied to the host; else the record is copied and re-ranked there
+   (numpy, vectorized: ``ExpansionPlan.tree``). Either way one device-to-host copy per step, the
+   step's only one. Children are deterministic (``"topk"``), so stochastic verification stays
+   lossless without ``draft_probs``.
 4. **Commit** (``update``): the accepted path's expanded nodes keep their KV (``KVCache.commit``);
    the last one's output feature is kept for the next step's catch-up.
 
 Cost per step: ``depth`` head forwards (one layer + the LM head on at most ``topk`` rows each), the
 step's integer inputs staged once in pinned memory (two host-to-device copies with a fused catch-up:
-the scalars, its rows; plus the features' device copy) and one device-to-host copy of the record
-(the only sync); with CUDA graphs, one replay for the catch-up and
-the expansion together; the re-rank then picks from the record the nodes the former per-depth host
-loop's pool and ``best_first`` picked (``ExpansionPlan.tree``), so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
+the scalars, its rows; plus the features' device copy) and one device-to-host copy of the tree or
+the record (the only sync); with CUDA graphs, one replay for the catch-up, the expansion and (on the
+device) the re-rank together; the re-rank picks the nodes the former per-depth host loop's pool and
+``best_first`` picked, so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
 running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step; ``profile=True``
 splits it into phases (``last_phase_s``, below).
 
@@ -60,10 +63,10 @@ captured graphs stay valid).
 **Profiling** (``EagleDrafter(profile=True)``): ``propose`` synchronizes the device at its phase
 boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparation; an unfused
 catch-up's input copy and forward), ``expand`` (loading the expansion's inputs and the expansion:
-graph replay or eager loop, a fused catch-up and any capture included), ``copy`` (the record to the
-host), ``host_tree`` (re-rank, ``TokenTree``); ``update`` adds ``update`` (KV commit of
-the accepted path) to the same dict. The syncs serialize host and device work a normal step overlaps, so the sum is an
-upper bound of the unprofiled step. Off (default): no sync, ``last_phase_s`` stays None.
+graph replay or eager loop, a fused catch-up, a device re-rank and any capture included), ``copy``
+(the record or the tree to the host), ``host_tree`` (a host re-rank, ``TokenTree``); ``update`` adds
+``update`` (KV commit of the accepted path) to the same dict. The syncs serialize host and device
+work a normal step overlaps, so the sum is an upper bound of the unprofiled step. Off (default): no sync, ``last_phase_s`` stays None.
 
 What the engine provides today (``specdec.drafting``; ``needs_hidden_states = "all"``): the
 target's features of *every* committed token, each once per ``generate`` call, as
@@ -101,7 +104,7 @@ import torch.nn.functional as F
 from drafters._build import expanded_path, root_only
 from drafters.draft_model import pick_attention
 from drafters.draft_model_loop import ATTENTIONS
-from drafters.eagle_expansion import CatchUp, Expansion, ExpansionPlan, expand_depths
+from drafters.eagle_expansion import CatchUp, Expansion, ExpansionPlan, expand_depths, rerank_record
 from drafters.eagle_head import (ATTENTION_NAME, CONFIG_NAME, VOCAB_NAME, WEIGHTS_NAME, EagleConfig, EagleHead,
                                  TargetParts, rank_tokens)
 from specdec import hf
@@ -122,6 +125,7 @@ __all__ = [
     "CONFIG_NAME",
     "DRAFT_PHASES",
     "FUSED_CATCH_UP",
+    "RERANKS",
     "VOCAB_NAME",
     "WEIGHTS_NAME",
     "EagleConfig",
@@ -136,6 +140,8 @@ __all__ = [
 #: head per depth reads 32,768 x 1,536 weights (~38 us on an H100) instead of 151,936 x 1,536 (~5x that).
 AUTO_DRAFT_VOCAB = 32768
 
+#: ``EagleDrafter(rerank=)`` values: where the expansion's record is re-ranked into the tree.
+RERANKS = ("auto", "device", "host")
 #: ``EagleDrafter.last_phase_s`` keys of one ``propose`` (``update`` adds ``"update"``).
 DRAFT_PHASES = ("catch_up", "expand", "copy", "host_tree")
 #: Longest chain of pairs a step's catch-up runs inside the expansion's graph (padded to a power-of-two
@@ -221,7 +227,15 @@ class EagleDrafter(BaseDrafter):
             head, top-k and frontier selection) through ``torch.compile`` (True: inductor; or a
             backend name) before its capture: fewer, fused kernels per depth. Compiled once per
             (plan, sampling transform, cache capacity) and shared by the catch-up widths (the
-            catch-up stays uncompiled). Needs ``static_shapes``. Default False.
+            catch-up stays uncompiled); the device re-rank (``rerank="device"``) is compiled likewise,
+            once per plan. Needs ``static_shapes``. Default False.
+        rerank: where the expansion's record becomes the tree (the same nodes in the same order
+            either way): ``"device"`` (``drafters.eagle_expansion.rerank_record`` after the depth
+            loop, inside its CUDA graph with ``cuda_graphs``; the tree comes back to the host instead
+            of the record), ``"host"`` (numpy over the record's host copy: ``ExpansionPlan.tree``) or
+            ``"auto"`` (default): ``"device"`` with ``cuda_graphs`` and ``compile_head`` (compiled, a
+            few fused kernels; uncompiled, its ~80 small kernels would likely cost the graph more
+            device time than the numpy re-rank costs the host), else ``"host"``.
 
     Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
     positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
@@ -235,7 +249,7 @@ class EagleDrafter(BaseDrafter):
     def __init__(self, target, head: EagleHead, tree_size: int | None = None, depth: int = 6, topk: int = 8, *,
                  static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | str | None = "auto",
                  profile: bool = False, compile_head: bool | str = False,
-                 prompt_vocab: bool = True, attention: str = "auto") -> None:  # fmt: skip
+                 prompt_vocab: bool = True, attention: str = "auto", rerank: str = "auto") -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -254,6 +268,8 @@ class EagleDrafter(BaseDrafter):
             raise ValueError(f"prompt_vocab: expected True or False, got {prompt_vocab!r}")
         if attention != "auto" and attention not in ATTENTIONS:
             raise ValueError(f"attention: expected 'auto' or one of {ATTENTIONS}, got {attention!r}")
+        if rerank not in RERANKS:
+            raise ValueError(f"rerank: expected one of {RERANKS}, got {rerank!r}")
         if not isinstance(compile_head, (bool, str)) or compile_head == "":
             raise ValueError(f"compile_head: expected a bool or a torch.compile backend name, got {compile_head!r}")
         if draft_vocab == "auto":
@@ -322,6 +338,13 @@ class EagleDrafter(BaseDrafter):
         self.attention = "sdpa" if not self.static_shapes else pick_attention(attention, target, self.device)
         #: the depth loop (``expand_depths``) as run by every expansion: compiled with ``compile_head``
         self._depth_loop = compile_fixed_shapes(expand_depths, compile_head) if compile_head else expand_depths
+        #: where the record is re-ranked ("auto" resolved): "device" inside the expansion (its CUDA graph)
+        #: with ``cuda_graphs`` and ``compile_head``, else "host"
+        if rerank == "auto":
+            rerank = "device" if self.cuda_graphs and compile_head else "host"
+        self.rerank = rerank
+        #: the device re-rank (``rerank_record``) as run by every expansion: compiled with ``compile_head``
+        self._rerank = compile_fixed_shapes(rerank_record, compile_head) if compile_head else rerank_record
         self.static_width = max(topk, 2)
         self._states: dict[int, _SeqState] = {}
         #: the least capacity of a new head cache (``warmup`` raises it to what its requests need)
@@ -471,22 +494,24 @@ class EagleDrafter(BaseDrafter):
         best ``budget`` nodes, each tree node's expanded index (-1: never expanded) and the ``[E, H]``
         expanded features (device).
 
-        The loop runs on the device (``Expansion``, a CUDA-graph replay with ``cuda_graphs``); its
-        record comes back in one copy, from which ``ExpansionPlan.tree`` re-ranks.
+        The loop runs on the device (``Expansion``, a CUDA-graph replay with ``cuda_graphs``); with
+        ``rerank="device"`` the re-rank runs after it there (``rerank_record``) and the tree comes back
+        in one copy, else the record does, from which ``ExpansionPlan.tree`` re-ranks on the host.
         """
         width = catch_up.width if catch_up is not None else 0
         key = (plan, sampling, width)
         exp = st.expansions.get(key)
         if exp is None:
-            exp = st.expansions[key] = Expansion(self, st.cache, plan, sampling, self.cuda_graphs, width)
+            exp = st.expansions[key] = Expansion(self, st.cache, plan, sampling, self.cuda_graphs, width,
+                                                 rerank=self.rerank == "device")  # fmt: skip
         cap = st.cache.capacity
         kv_lens = [cap if self.static_shapes else base + plan.offsets[d] + plan.rows[d] for d in range(1, plan.depth)]
         captured = exp.graph is not None
-        record = exp.run(base, root_pos, root_feat, kv_lens, catch_up)
+        host = exp.run(base, root_pos, root_feat, kv_lens, catch_up, budget)
         if exp.capture and not captured:
             self.last_capture_s = exp.capture_s or 0.0
         self.last_forwards += plan.depth - 1 + int(catch_up is not None)
-        return (*plan.tree(record, root, budget), exp.feat)
+        return (*exp.host_tree(host, root, budget), exp.feat)
 
     def _mark(self, phase: str) -> None:
         """With ``profile``: the time since the last mark (device synchronized) goes to ``phase``."""

@@ -1,12 +1,15 @@
 """The EAGLE drafter's device-side tree growth: one step's expansion, depth by depth, on the device.
 
 ``ExpansionPlan`` is the static shape of a step's expansion (frontier width, children per node,
-depth) and re-ranks its record on the host (``ExpansionPlan.tree``). ``expand_depths`` is the loop:
-per depth the LM head, log-softmax (after the target's warping when sampling), per-row top-``w``,
-float64 cumulative scores, a stable sort for the next frontier, its ancestor rows and mask, and one
-head forward. ``Expansion`` runs it over one sequence's head cache at fixed addresses (eagerly, or
-recorded once as a CUDA graph and replayed), with the step's catch-up fused in front when it is
-short (``CatchUp``); the record comes back to the host in one copy.
+depth) and re-ranks its record on the host (``ExpansionPlan.tree``, numpy). ``expand_depths`` is the
+loop: per depth the LM head, log-softmax (after the target's warping when sampling), per-row
+top-``w``, float64 cumulative scores, a stable sort for the next frontier, its ancestor rows and
+mask, and one head forward. ``rerank_record`` is the same re-rank as ``ExpansionPlan.tree`` in torch
+ops on the record's device (static shapes, no host sync; the budget a device scalar), writing the
+tree's tokens, parents and expanded indices. ``Expansion`` runs the loop (and with ``rerank`` the
+re-rank after it) over one sequence's head cache at fixed addresses (eagerly, or recorded once as a
+CUDA graph and replayed), with the step's catch-up fused in front when it is short (``CatchUp``);
+the record, or with ``rerank`` the re-ranked tree, comes back to the host in one copy.
 
 They reach the head through the drafter (``drafters.eagle.EagleDrafter``), whatever offers the
 methods ``ExpansionHost`` lists.
@@ -23,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from drafters.selection import best_k, row_topk
+from drafters.selection import best_k, row_topk, stable_ranks
 from specdec.attention import TreeState
 from specdec.graphs import clear_cublas_workspaces
 from specdec.kv import KVCache
@@ -31,7 +34,7 @@ from specdec.sampling import SamplingConfig, warp_logits
 from specdec.tree import TokenTree
 from treeattn.layout import pack_bits
 
-__all__ = ["CatchUp", "Expansion", "ExpansionHost", "ExpansionPlan", "expand_depths"]
+__all__ = ["CatchUp", "Expansion", "ExpansionHost", "ExpansionPlan", "expand_depths", "rerank_record"]
 
 
 class ExpansionHost(Protocol):
@@ -41,6 +44,7 @@ class ExpansionHost(Protocol):
     head: Any  # the EagleHead: its ``fc.weight`` (dtype, device) and ``hidden_size``
     attention: str  # "tree": each depth's forward through the tree kernel (``expand_depths``' ``tree``)
     _depth_loop: Any  # ``expand_depths``, or a torch.compile of it
+    _rerank: Any  # ``rerank_record``, or a torch.compile of it
 
     def _draft_logits(self, feats: torch.Tensor) -> torch.Tensor: ...
 
@@ -192,6 +196,33 @@ class ExpansionPlan:
         exp[0] = 0
         return TokenTree(torch.from_numpy(tokens), torch.from_numpy(parents)), exp[order].tolist()
 
+    @property
+    def pool_size(self) -> int:
+        """P: the re-rank's node pool, the root and every candidate."""
+        return 1 + sum(self.cand)
+
+    def device_index(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """``rerank_record``'s fixed index tensors on ``device`` (``_index``'s, plus ``deep`` ``[P]``
+        bool: nodes of depth >= 2, whose parent is read from a pick; ``root`` ``[P]`` bool: node 0;
+        ``exp_init`` ``[P]``: 0 at the root, -1 elsewhere)."""
+        ix, p = self._index, self.pool_size
+        exp_init = np.full(p, -1, dtype=np.int64)
+        exp_init[0] = 0
+        keys = ("tok_at", "score_at", "pick_at", "parent_base", "frontier_at", "frontier_base", "frontier_exp")
+        out = {k: torch.from_numpy(ix[k]).to(device) for k in keys}
+        out["root"] = (torch.arange(p) == 0).to(device)
+        out["deep"] = (torch.arange(p) >= 1 + self.cand[0]).to(device)
+        out["exp_init"] = torch.from_numpy(exp_init).to(device)
+        return out
+
+    def ranked_tree(self, ranked: torch.Tensor, root: int, budget: int) -> tuple[TokenTree, list[int]]:
+        """``tree``'s result from a host copy of ``rerank_record``'s output (int64 ``[3, P]``): its
+        first ``min(budget + 1, P)`` columns, the root's token and parent set here."""
+        n = min(budget + 1, self.pool_size)
+        tokens, parents = ranked[0, :n].clone(), ranked[1, :n].clone()
+        tokens[0], parents[0] = root, -1
+        return TokenTree(tokens, parents), ranked[2, :n].tolist()
+
 
 def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
                    kv_lens: tuple[int, ...], scalars: torch.Tensor, feat: torch.Tensor, tok: torch.Tensor,
@@ -265,33 +296,97 @@ def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, s
         score = cand_score[pick]
 
 
+def rerank_record(plan: ExpansionPlan, index: dict[str, torch.Tensor], record: torch.Tensor, budget: torch.Tensor,
+                  out: torch.Tensor) -> None:  # fmt: skip
+    """``ExpansionPlan.tree`` on the record's device: torch ops of fixed shapes, no host sync (so a
+    CUDA graph can hold it after the expansion, and one ``torch.compile`` of it serves every step of
+    the same plan).
+
+    Args:
+        plan: the expansion's plan; P = ``plan.pool_size`` pool nodes (the root, then every candidate
+            in creation order, as ``ExpansionPlan.tree`` numbers them).
+        index: ``plan.device_index(record.device)``.
+        record: int64 ``[plan.record_size]``, the expansion's record (``ExpansionPlan``).
+        budget: int64 0-d tensor: the tree keeps ``min(budget + 1, P)`` nodes, the root included.
+        out: int64 ``[3, P]``, written in place: column i < ``min(budget + 1, P)`` is tree node i in
+            depth-first order: (its token, its parent's tree index, its expanded index or -1); the
+            root's token and parent (column 0) are left to the host (``ExpansionPlan.ranked_tree``);
+            later columns hold unspecified values.
+
+    The same nodes and order as ``ExpansionPlan.tree`` (its docstring says why the kept set is
+    ancestor-closed), computed without sorting by ancestors: kept = the nodes whose place in the
+    stable descending order of scores (``stable_ranks``) is at most ``budget``; the children of a
+    frontier row are ``plan.width`` consecutive pool nodes (siblings in creation order), so a kept
+    node's depth-first index is its parent's plus one plus the kept subtree sizes of its earlier
+    siblings (subtree sizes summed bottom-up depth by depth, the siblings' offsets a cumulative sum
+    per group of ``width``, the indices top-down depth by depth). Under ``torch.compile`` (inductor,
+    on a CPU) it is two fused kernels at (top-8, 8 children, depth 6); eagerly about 80 small ops.
+    """
+    p, width, dev = plan.pool_size, plan.width, record.device
+    first = [0, 1]
+    for c in plan.cand:
+        first.append(first[-1] + c)
+    levels = [slice(first[d], first[d + 1]) for d in range(plan.depth + 1)]  # the pool nodes of each depth
+    score = torch.where(index["root"], 0.0, record.view(torch.float64)[index["score_at"]])
+    kept = stable_ranks(score) <= budget
+    pick = torch.where(index["deep"], record[index["pick_at"]], 0)  # the parent's place in its depth
+    # kept nodes in each subtree, bottom-up (a node not kept has none: the kept set is ancestor-closed):
+    # node r of depth d - 1 adds the sizes of the group of width children of the frontier row that
+    # picked it (picks are distinct; a dense comparison rather than a scatter-add: fusable, deterministic)
+    size = [kept[levels[plan.depth]].long()]
+    for d in range(plan.depth, 1, -1):
+        rows = pick[levels[d]].view(-1, width)[:, 0]  # each frontier row's node at depth d - 1
+        at = torch.arange(plan.cand[d - 2], device=dev)
+        below = ((rows[None, :] == at[:, None]) * size[0].view(-1, width).sum(1)[None, :]).sum(1)
+        size.insert(0, kept[levels[d - 1]].long() + below)
+    sib = torch.cat(size).view(-1, width)  # depths 1 .. depth, in sibling groups of creation order
+    offset = (1 + sib.cumsum(1) - sib).view(-1)  # 1 + the kept nodes of the earlier siblings' subtrees
+    pos = [offset[: first[2] - 1]]  # depth-first indices, top-down
+    for d in range(2, plan.depth + 1):
+        pos.append(pos[-1][pick[levels[d]]] + offset[first[d] - 1 : first[d + 1] - 1])
+    pos = torch.cat([offset.new_zeros(1), *pos])
+    node = torch.arange(p, device=dev)
+    order = torch.zeros(p + 1, dtype=torch.int64, device=dev).scatter_(0, torch.where(kept, pos, p), node)[:p]
+    parent = index["parent_base"] + pick  # the root: itself
+    exp = index["exp_init"].scatter(0, index["frontier_base"] + record[index["frontier_at"]], index["frontier_exp"])
+    out[0].copy_(record[index["tok_at"][order]])
+    out[1].copy_(pos[parent[order]])
+    out[2].copy_(exp[order])
+
+
 class Expansion:
     """One plan's expansion over one sequence's head cache, at fixed addresses.
 
     Inputs, refilled in place every step (``run``): ``scalars`` = (slot of the root's pair ``base``,
-    the root's position) and ``feat[0]`` = the root's output feature (from the catch-up). Outputs:
-    ``feat [E, H]`` = the output features of the ``E = plan.expanded`` expanded nodes (index e at
-    cache slot ``base + e``) and ``record`` (see ``ExpansionPlan``). ``_body`` -- the whole loop, one head
-    forward per depth after the root -- reads nothing but these buffers, the head's weights and
-    the cache, never syncs with the host and has shapes fixed by (plan, cache capacity) when run
-    over the whole capacity: ``capture=True`` records it once as a CUDA graph and replays it;
-    ``capture=False`` runs the same body eagerly (what CPU tests check).
+    the root's position, the catch-up's ``keep`` and ``m``, the node budget) and ``feat[0]`` = the
+    root's output feature (from the catch-up). Outputs: ``feat [E, H]`` = the output features of the
+    ``E = plan.expanded`` expanded nodes (index e at cache slot ``base + e``), ``record`` (see
+    ``ExpansionPlan``) and with ``rerank`` ``ranked`` (int64 ``[3, P]``, ``rerank_record``'s tree).
+    ``_body`` -- the whole loop, one head forward per depth after the root, then with ``rerank`` the
+    re-rank -- reads nothing but these buffers, the head's weights and the cache, never syncs with
+    the host and has shapes fixed by (plan, cache capacity) when run over the whole capacity:
+    ``capture=True`` records it once as a CUDA graph and replays it; ``capture=False`` runs the same
+    body eagerly (what CPU tests check).
     """
 
     def __init__(self, drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
-                 capture: bool, width: int = 0) -> None:  # fmt: skip
+                 capture: bool, width: int = 0, rerank: bool = False) -> None:  # fmt: skip
         dev, w = drafter.device, drafter.head.fc.weight
         self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
         self.width = width  # rows of the fused catch-up; 0: not fused
-        # the step's int64 inputs: (base, root_pos, keep, m), then when fused the catch-up's [3, width]
+        #: the re-rank on the device, inside the body (``rerank_record``); False: on the host from the record
+        self.rerank = rerank
+        # the step's int64 inputs: (base, root_pos, keep, m, budget), then when fused the catch-up's [3, width]
         # (token ids, positions, slots); the scalars in a tensor of their own, so that the compiled depth
         # loop sees the same input at every catch-up width (a view into a width-sized block would not)
-        self.scalars = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.scalars = torch.zeros(5, dtype=torch.int64, device=dev)
         self.catch_ints = torch.zeros(3, width, dtype=torch.int64, device=dev)
         self.catch_feat = torch.zeros(width, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.feat = torch.zeros(plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.record = torch.zeros(plan.record_size, dtype=torch.int64, device=dev)
         self.tok, self.score, self.pick = plan.views(self.record)
+        self.index = plan.device_index(dev) if rerank else None
+        self.ranked = torch.zeros(3, plan.pool_size, dtype=torch.int64, device=dev) if rerank else None
         #: ``attention="tree"``: the tree rows' buffers (``expand_depths``' ``tree``); None otherwise
         self.tree: tuple[torch.Tensor, ...] | None = None
         #: ``attention="tree"`` and a catch-up of at most E + 1 rows: its forward through the tree kernel
@@ -315,8 +410,9 @@ class Expansion:
 
     @torch.no_grad()
     def run(self, base: int, root_pos: int, root_feat: torch.Tensor | None, kv_lens: Sequence[int],
-            catch_up: "CatchUp | None" = None) -> torch.Tensor:  # fmt: skip
-        """Load the step's inputs, expand, return the record on the host (the step's one sync).
+            catch_up: "CatchUp | None" = None, budget: int = 0) -> torch.Tensor:  # fmt: skip
+        """Load the step's inputs, expand, return on the host (the step's one sync) the record, or
+        with ``rerank`` the re-ranked tree of ``budget`` nodes (``ranked``; read it with ``host_tree``).
 
         ``kv_lens[d - 1]``: attention reads cache slots ``[0, kv_lens[d - 1])`` at depth d (eager
         only; a captured graph reads the whole capacity). Unfused: ``root_feat`` is the catch-up's
@@ -325,13 +421,13 @@ class Expansion:
         """
         if self.width != (catch_up.width if catch_up is not None else 0):
             raise RuntimeError("catch_up: expected it exactly for a fused expansion, of its width")
-        head = [base, root_pos] + ([catch_up.keep, catch_up.m] if catch_up is not None else [0, 0])
+        head = [base, root_pos] + ([catch_up.keep, catch_up.m] if catch_up is not None else [0, 0]) + [budget]
         stage = torch.tensor(head + (catch_up.ints if catch_up is not None else []), dtype=torch.int64)
         if self.scalars.is_cuda:
             stage = stage.pin_memory()
-        self.scalars.copy_(stage[:4], non_blocking=True)
+        self.scalars.copy_(stage[:5], non_blocking=True)
         if catch_up is not None:
-            self.catch_ints.view(-1).copy_(stage[4:], non_blocking=True)
+            self.catch_ints.view(-1).copy_(stage[5:], non_blocking=True)
             self.catch_feat[: catch_up.m].copy_(catch_up.feats)
         else:
             self.feat[0].copy_(root_feat)
@@ -342,9 +438,17 @@ class Expansion:
         else:
             self._body(kv_lens)
         self.drafter._mark("expand")
-        host = self.record.cpu()
+        host = (self.ranked if self.rerank else self.record).cpu()
         self.drafter._mark("copy")
         return host
+
+    def host_tree(self, host: torch.Tensor, root: int, budget: int) -> tuple[TokenTree, list[int]]:
+        """The tree of ``budget`` nodes (``root`` at node 0) and each tree node's expanded index (-1:
+        never expanded) from ``run``'s host copy: ``ExpansionPlan.ranked_tree`` of the device's
+        re-rank (``rerank``; ``budget`` must be ``run``'s), else ``ExpansionPlan.tree`` of the record."""
+        if self.rerank:
+            return self.plan.ranked_tree(host, root, budget)
+        return self.plan.tree(host, root, budget)
 
     def _catch_up_body(self) -> None:
         """The fused catch-up: ``width`` rows, the root's output to ``feat[0]``.
@@ -371,11 +475,14 @@ class Expansion:
 
     def _body(self, kv_lens: Sequence[int]) -> None:
         """(Fused: the catch-up, then) depths 1 .. plan.depth on the device (``expand_depths``,
-        compiled with ``compile_head``)."""
+        compiled with ``compile_head``), then with ``rerank`` the re-rank (``rerank_record``, compiled
+        likewise)."""
         if self.width:
             self._catch_up_body()
         self.drafter._depth_loop(self.drafter, self.cache, self.plan, self.sampling, tuple(kv_lens), self.scalars,
                                  self.feat, self.tok, self.score, self.pick, self.tree)  # fmt: skip
+        if self.rerank:
+            self.drafter._rerank(self.plan, self.index, self.record, self.scalars[4], self.ranked)
 
     def _capture(self) -> None:
         """Warm up (current stream, then a side stream), then record ``_body`` over the whole cache.

@@ -11,6 +11,8 @@ entry): each entry's rank is a count of the entries ahead of it, one fused compa
 k ranks are scattered to their indices. On CUDA ``torch.sort(stable=True)`` runs cub's segmented
 sort (two scan-by-key kernels and more a call; ~46 µs of the EAGLE expansion at depth 6, 2026-11-27
 profile in specdec/PERF.md); under ``torch.compile`` this is one or two fused kernels.
+``stable_ranks`` is that count itself (each entry's place in the order): the EAGLE drafter's
+device re-rank keeps the entries ranked within its budget.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import functools
 
 import torch
 
-__all__ = ["IMPLS", "RANK_MAX", "best_k", "row_topk"]
+__all__ = ["IMPLS", "RANK_MAX", "best_k", "row_topk", "stable_ranks"]
 
 #: ``best_k`` counts ranks for at most this many scores (a depth's candidates: top-8 x 8 = 64 by
 #: default); more (a wide frontier times many children) take the stable sort.
@@ -99,6 +101,26 @@ def _row_topk_fake(x, k):
     return x.new_empty(x.shape[0], k, dtype=torch.float32), x.new_empty(x.shape[0], k, dtype=torch.int64)
 
 
+def stable_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Each entry's place in the stable descending order of ``scores`` (0: the largest; ties: the
+    earlier index first): the inverse permutation of ``torch.sort(scores, descending=True,
+    stable=True).indices``, for scores without NaN.
+
+    Args:
+        scores: float ``[n]`` (the comparison is ``[n, n]``: above ``RANK_MAX`` entries, a stable sort).
+
+    Returns:
+        int64 ``[n]``, a permutation of ``0 .. n - 1``.
+    """
+    n = scores.shape[0]
+    i = torch.arange(n, device=scores.device)
+    if n > RANK_MAX:  # the [n, n] comparison would outgrow the sort
+        order = torch.sort(scores, descending=True, stable=True).indices
+        return torch.empty_like(i).scatter_(0, order, i)
+    ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (i[None, :] < i[:, None]))
+    return ahead.sum(dim=1)
+
+
 def best_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest ``scores``, largest first, ties to the earlier index.
 
@@ -117,6 +139,4 @@ def best_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     if n > RANK_MAX:  # the [n, n] comparison would outgrow the sort
         return torch.sort(scores, descending=True, stable=True).indices[:k]
     i = torch.arange(n, device=scores.device)
-    ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (i[None, :] < i[:, None]))
-    rank = ahead.sum(dim=1)  # a permutation of 0 .. n - 1
-    return torch.empty_like(i).scatter_(0, rank, i)[:k]
+    return torch.empty_like(i).scatter_(0, stable_ranks(scores), i)[:k]

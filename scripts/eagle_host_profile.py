@@ -5,17 +5,19 @@ catch-up of the GPU runs), a long prompt, then ``--steps`` propose / update roun
 a fixed acceptance walk. Per step it splits the drafter's wall time into:
 
 - ``prep``: ``propose`` up to the expansion (token history, features, catch-up inputs, plan);
-- ``tree``: ``propose`` after the expansion's record reached the host (pool, re-rank, TokenTree,
-  the proposal's bookkeeping);
+- ``tree``: ``propose`` after the expansion's record (or, with ``--rerank device``, its re-ranked
+  tree) reached the host (the host re-rank, TokenTree, the proposal's bookkeeping);
 - ``update``: the whole ``update`` (expanded path, KV commit, token history);
 - the functions named by ``--detail`` (those the drafter has; each call's time, summed per step).
 
-The expansion itself (head forwards, record copy) is excluded: on a GPU it is device work. Reports
+The expansion itself (head forwards, with ``--rerank device`` the re-rank, the copy back) is
+excluded: on a GPU it is device work. Reports
 the median µs per step over the steps after ``--skip`` (the first ones pay the long prompt's
 unfused catch-up and allocations). CPU-measured on a tiny model: it predicts the host part of a GPU
 step, not its device part.
 
     PYTHONPATH=. python scripts/eagle_host_profile.py --prompt 1500 --steps 400 --sizes 64 128
+    PYTHONPATH=. python scripts/eagle_host_profile.py --rerank device   # the re-rank inside the expansion
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import time
 import torch
 from host_profile import randomize, tiny_qwen2  # this directory (the script's own) is on sys.path
 
-DETAIL = ("drafters.eagle_expansion:ExpansionPlan.tree", "drafters.eagle:EagleDrafter._real_features",
+DETAIL = ("drafters.eagle_expansion:ExpansionPlan.tree", "drafters.eagle_expansion:ExpansionPlan.ranked_tree",
+          "drafters.eagle:EagleDrafter._real_features",
           "drafters.eagle:EagleDrafter._catch_up_inputs", "drafters.eagle:EagleDrafter._history",
           "drafters.eagle:expanded_path", "specdec.tree:TokenTree.__init__")
 
@@ -67,7 +70,7 @@ def profile(size: int, args, target, head) -> dict[str, float]:
     from specdec.drafting import DraftContext
     from specdec.verify import Verdict
 
-    drafter = EagleDrafter(target, head, depth=args.depth, topk=args.topk, static_shapes=True)
+    drafter = EagleDrafter(target, head, depth=args.depth, topk=args.topk, static_shapes=True, rerank=args.rerank)
     total_len = args.prompt + 5 * (args.steps + args.skip) + 16
     drafter.warmup(max_len=total_len)
     gen = torch.Generator().manual_seed(args.seed)
@@ -136,6 +139,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1000, help="the tiny target's vocabulary (default 1000)")
     ap.add_argument("--hidden", type=int, default=64, help="the tiny target's hidden size (default 64)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rerank", choices=("host", "device"), default="host",
+                    help="EagleDrafter(rerank=): where the record becomes the tree (default host, the CPU's auto)")
     ap.add_argument("--detail", nargs="*", default=list(DETAIL),
                     help="module:qualname of functions timed on their own (those missing are skipped)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per tree size")
@@ -150,9 +155,10 @@ def main() -> None:
     for size in args.sizes:
         res = profile(size, args, target, head)
         if args.json:
-            print(json.dumps({"tree_size": size, **{k: round(v, 1) for k, v in res.items()}}))
+            print(json.dumps({"tree_size": size, "rerank": args.rerank, **{k: round(v, 1) for k, v in res.items()}}))
             continue
-        print(f"t = {size}, depth {args.depth}, topk {args.topk}, prompt {args.prompt} -> {int(res.pop('len'))} "
+        print(f"t = {size}, depth {args.depth}, topk {args.topk}, re-rank on the {args.rerank}, "
+              f"prompt {args.prompt} -> {int(res.pop('len'))} "
               f"tokens: median µs per step over {args.steps} steps")
         for k, v in res.items():
             print(f"  {k:<32} {v:8.1f}")

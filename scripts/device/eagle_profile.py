@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--feature-layers", default="low,mid,high",
                    help="the head's target features, as train-eagle's option (default low,mid,high; final: one)")
     p.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True) and compile_head=True")
+    p.add_argument("--rerank", choices=("auto", "device", "host"), default="auto",
+                   help="EagleDrafter(rerank=...): the re-rank inside the expansion's graph or on the host "
+                        "(auto: device with CUDA graphs and --compile); its host side shows in copy / host_tree")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, help="JSON of the medians")
     p.add_argument("--trace", help="write a torch.profiler table of one unprofiled call here")
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
     prompts = [torch.randint(10, vocab, (ns.prompt_len,), generator=g) for _ in range(ns.prompts)]
     res: dict = {"config": ns.config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "tree_size": ns.tree_size, "depth": ns.depth, "topk": ns.topk, "draft_vocab": ns.draft_vocab,
-                 "compile": ns.compile, "attention": ns.attention,
+                 "compile": ns.compile, "attention": ns.attention, "rerank": ns.rerank,
                  "feature_layers": ns.feature_layers}  # fmt: skip
 
     plain = SpecDecoder(target, None, 0, compile=ns.compile)
@@ -132,7 +135,9 @@ def main(argv=None) -> int:
     def build(profile: bool):
         attention = {} if ns.attention == "auto" else {"attention": ns.attention}
         drafter = EagleDrafter(target, head, ns.tree_size, depth=ns.depth, topk=ns.topk, profile=profile,
-                               draft_vocab=ns.draft_vocab or None, compile_head=ns.compile, **attention)  # fmt: skip
+                               draft_vocab=ns.draft_vocab or None, compile_head=ns.compile, rerank=ns.rerank,
+                               **attention)  # fmt: skip
+        res["rerank_resolved"] = drafter.rerank
         return drafter, SpecDecoder(target, drafter, ns.tree_size, compile=ns.compile, profile=profile)
 
     drafter, dec = build(True)

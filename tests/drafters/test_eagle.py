@@ -26,6 +26,7 @@ from drafters.eagle import (
     auto_draft_vocab,
 )
 from drafters.eagle_expansion import ExpansionPlan as _Plan
+from drafters.eagle_expansion import rerank_record
 from drafters.eagle_head import default_feature_layers, parse_feature_layers
 from drafters.medusa import MedusaHeads
 from specdec import SpecDecoder
@@ -271,6 +272,17 @@ def test_greedy_equals_target_generate(family, tree_size, static):
     target = _target(family)
     prompts = [_prompt(10, 0), _prompt(1, 1), _prompt(5, 2)]
     drafter = EagleDrafter(target, _random_head(family), depth=4, topk=4, static_shapes=static)
+    out = SpecDecoder(target, drafter, tree_size=tree_size, attn_impl="torch").generate(prompts, 25)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
+
+
+@pytest.mark.parametrize("family,tree_size", [("qwen2", 8), ("llama", 40)])
+def test_greedy_equals_target_generate_with_the_device_re_rank(family, tree_size):
+    """``rerank="device"`` through the engine (static shapes): the target's own greedy output."""
+    target = _target(family)
+    prompts = [_prompt(10, 0), _prompt(1, 1), _prompt(5, 2)]
+    drafter = EagleDrafter(target, _random_head(family), depth=4, topk=4, static_shapes=True, rerank="device")
     out = SpecDecoder(target, drafter, tree_size=tree_size, attn_impl="torch").generate(prompts, 25)
     for b, p in enumerate(prompts):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
@@ -703,6 +715,42 @@ def test_the_vectorized_re_rank_builds_the_trees_of_best_first_over_the_node_poo
             assert got_exp == want_exp and got.draft_probs is None and got.proposal == want.proposal
 
 
+@pytest.mark.parametrize("sizes", [(8, 8, 6), (8, 16, 6), (4, 3, 5), (1, 7, 4), (3, 5, 1), (6, 2, 3), (5, 13, 6),
+                                   (40, 40, 2)])  # 40 x 40 + 41: above RANK_MAX, ranks by the stable sort
+def test_the_device_re_rank_builds_the_host_re_ranks_trees(sizes):
+    """``rerank_record`` (torch ops, the budget a 0-d tensor, one output buffer reused) on random records
+    with tied, zero and -inf scores equals ``ExpansionPlan.tree`` (the numpy re-rank, itself equal to
+    ``best_first`` over the node pool): tokens, parents, order and expanded indices, for budgets from 1
+    to beyond the pool."""
+    plan = _Plan.make(*sizes)
+    index = plan.device_index(torch.device("cpu"))
+    out = torch.full((3, plan.pool_size), -7, dtype=torch.int64)
+    g = torch.Generator().manual_seed(sum(sizes) + 1)
+    for trial in range(8):
+        record = _random_record(plan, g)
+        root = int(torch.randint(1000, (1,), generator=g))
+        for budget in sorted({1, 2, 3, 5, 8, 9, 31, 64, 65, 127, 128, 200, plan.pool_size - 1, plan.pool_size + 3}):
+            rerank_record(plan, index, record, torch.tensor(budget), out)
+            got, got_exp = plan.ranked_tree(out, root, budget)
+            want, want_exp = plan.tree(record, root, budget)
+            assert got.tokens.tolist() == want.tokens.tolist(), (sizes, trial, budget)
+            assert got.parents.tolist() == want.parents.tolist(), (sizes, trial, budget)
+            assert got_exp == want_exp, (sizes, trial, budget)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_drafter_re_ranking_on_the_device_draws_the_host_re_ranks_trees(seed):
+    """``rerank="device"`` (the re-rank inside the expansion's body, the tree copied back instead of the
+    record) on random configurations, four steps with updates: the trees, forwards and expanded-node
+    bookkeeping of ``rerank="host"``; ``"auto"`` is the host re-rank without CUDA graphs; bad values raise."""
+    spec = _random_spec(100 + seed)
+    assert _run_case(spec, seed, rerank="device") == _run_case(spec, seed, rerank="host"), spec
+    target, head = _target(), _random_head()
+    assert EagleDrafter(target, head, static_shapes=True, compile_head="aot_eager").rerank == "host"
+    with pytest.raises(ValueError, match=r"rerank: expected one of \('auto', 'device', 'host'\), got 'gpu'"):
+        EagleDrafter(target, head, rerank="gpu")
+
+
 def _random_spec(seed: int) -> tuple:
     g = torch.Generator().manual_seed(seed)
 
@@ -727,14 +775,17 @@ def test_device_expansion_equals_the_host_loop_reference(seed):
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param(True, marks=pytest.mark.slow)])  # True: inductor
 def test_a_compiled_depth_loop_draws_the_same_trees(backend):
-    """``compile_head``: the depth loop through ``torch.compile`` (``aot_eager``: dynamo's trace and
-    the functionalized graph; True: inductor's generated code) draws the uncompiled drafter's trees,
-    forwards and bookkeeping, greedy and warped; bad values raise."""
+    """``compile_head``: the depth loop (and with ``rerank="device"`` the re-rank) through
+    ``torch.compile`` (``aot_eager``: dynamo's trace and the functionalized graph; True: inductor's
+    generated code) draws the uncompiled drafter's trees, forwards and bookkeeping, greedy and warped;
+    bad values raise."""
     torch._dynamo.reset()
     for seed, spec in enumerate([("qwen2", 3, 4, 16, True, None, "all"), ("llama", 4, 3, 20, True, (0.8, 0, 0.9), "all")]):
         if backend is True and seed:  # inductor compiles for tens of seconds per case: one case
             break
-        assert _run_case(spec, seed, compile_head=backend) == _run_case(spec, seed), spec
+        want = _run_case(spec, seed)
+        assert _run_case(spec, seed, compile_head=backend) == want, spec
+        assert _run_case(spec, seed, compile_head=backend, rerank="device") == want, spec
     with pytest.raises(ValueError, match="compile_head: needs static_shapes"):
         EagleDrafter(_target("qwen2"), _random_head("qwen2"), static_shapes=False, compile_head=True)
     with pytest.raises(ValueError, match="compile_head: expected a bool or a torch.compile backend name"):
@@ -771,7 +822,7 @@ def test_device_expansion_equals_the_host_loop_when_the_vocabulary_is_narrower_t
 
 def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
     """Inside ``_Expansion._body`` (every head forward after the catch-up, the top-k and frontier
-    selection between them) nothing converts a tensor to a host value: no ``item`` / ``tolist`` /
+    selection between them, a device re-rank) nothing converts a tensor to a host value: no ``item`` / ``tolist`` /
     ``bool`` / ``int``, no data-dependent shapes (``nonzero``), no copy to the CPU. The record then
     comes back in one copy per step."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -807,8 +858,9 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
     record_cpu = torch.Tensor.cpu
     for spec, options in ((("qwen2", 4, 3, 20, True, (0.8, 5, 0.9), "all"), {}),
                           (("gemma3", 3, 4, 12, False, None, "last"), {}),
+                          (("qwen2", 4, 3, 20, True, None, "all"), {"rerank": "device"}),
                           (("qwen2", 4, 3, 20, True, (0.8, 5, 0.9), "all"), {"draft_vocab": 30, "profile": True})):
-        target, head = _target(spec[0]), (_ranked_head if options else _random_head)(spec[0])
+        target, head = _target(spec[0]), (_ranked_head if "draft_vocab" in options else _random_head)(spec[0])
         drafter = EagleDrafter(target, head, depth=spec[1], topk=spec[2], static_shapes=spec[4], **options)
         tokens = _prompt(9, 0)
         drafter.reset([tokens])
@@ -827,7 +879,9 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
             drafter.propose(DraftContext(longer, spec[3], sampling=sampling, hidden=_features(target, longer)[8:10]))
         assert drafter.last_forwards == spec[1]
     fused = [key[2] for d in (drafter,) for st in d._states.values() for key in st.expansions]
-    assert len(bodies) == 6 and copies == [(p.record_size,) for p in bodies]  # one copy per step: the record
+    # one copy per step: the record, or with the device re-rank the tree (int64 [3, P])
+    want = [(p.record_size,) for p in bodies[:4]] + [(3, p.pool_size) for p in bodies[4:6]]
+    assert len(bodies) == 8 and copies == want + [(p.record_size,) for p in bodies[6:]]
     assert any(w > 0 for w in fused)  # the last case (static shapes) ran a fused catch-up under the guard
 
 
@@ -874,15 +928,18 @@ def test_cuda_graph_options_and_draft_time_counters():
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["qwen2-topk20-wide", "qwen2-inf-frontier", "gemma3-static-topk3"])
 def test_cuda_graph_expansion_equals_eager_and_the_host_loop(name):
-    """On CUDA: the captured expansion (replayed every step after the first) draws the trees of the
-    eager device loop and of the host-loop reference, all over the whole cache (static shapes)."""
+    """On CUDA: the captured expansion (replayed every step after the first; with the device re-rank
+    inside the graph too) draws the trees of the eager device loop and of the host-loop reference,
+    all over the whole cache (static shapes)."""
     family, depth, topk, budget, _, sampling, hidden = _RECORD_CASES[name]
     spec, seed = (family, depth, topk, budget, True, sampling, hidden), sum(map(ord, name))
     graphed = _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=True)
     eager = _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=False)
     reference = _run_case(spec, seed, steps=5, make=_HostLoopDrafter, device="cuda", cuda_graphs=False)
     assert graphed == eager == reference
-    if name == "qwen2-topk20-wide":  # the inductor-compiled depth loop, captured: the same trees
+    # the device re-rank inside the captured graph, then compiled with the depth loop (its "auto")
+    assert _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=True, rerank="device") == reference
+    if name == "qwen2-topk20-wide":  # the inductor-compiled depth loop and re-rank, captured: the same trees
         assert _run_case(spec, seed, steps=5, device="cuda", cuda_graphs=True, compile_head=True) == reference
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafters.selection import best_k
+from drafters.selection import RANK_MAX, best_k, stable_ranks
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (9, 3), (64, 8), (200, 64), (65, 65), (3000, 8)])  # 3000: the sort
@@ -14,6 +14,15 @@ def test_best_k_is_the_stable_descending_sort(n, k):
     assert torch.equal(best_k(scores, k), torch.sort(scores, descending=True, stable=True).indices[:k])
     fine = torch.randn(n, generator=gen, dtype=torch.float64)
     assert torch.equal(best_k(fine, k), torch.sort(fine, descending=True, stable=True).indices[:k])
+
+
+@pytest.mark.parametrize("n", [1, 7, 329, RANK_MAX + 77])  # above RANK_MAX: through the sort
+def test_stable_ranks_invert_the_stable_descending_sort(n):
+    gen = torch.Generator().manual_seed(n)
+    scores = torch.randint(-3, 2, (n,), generator=gen).double()  # many ties
+    scores[torch.rand(n, generator=gen) < 0.2] = -float("inf")
+    order = torch.sort(scores, descending=True, stable=True).indices
+    assert torch.equal(stable_ranks(scores)[order], torch.arange(n))
 
 
 def test_best_k_refuses_k_out_of_range():
