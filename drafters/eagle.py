@@ -25,11 +25,11 @@ root r = the last committed token at position L - 1:
    Per depth the candidates' tokens, scores and the picked frontier go to one preallocated record.
 3. **Re-rank**: the best ``tree_size`` candidates by cumulative draft log-probability, ties to the
    earlier candidate -- the nodes and order of ``drafters._build.best_first`` over the former host
-   loop's node pool (ancestor-closed), then depth-first. With ``rerank="device"`` (the default with
-   CUDA graphs and ``compile_head``) on the device right after the loop, inside its graph
+   loop's node pool (ancestor-closed), then depth-first. With ``rerank="device"`` (or ``"auto"``
+   with CUDA graphs and ``compile_head``) on the device right after the loop, inside its graph
    (``rerank_record``: stable ranks by score, subtree sizes and depth-first indices depth by depth),
-   and the tree (tokens, parents, expanded indices) is copied to the host; else the record is copied and re-ranked there
-   (numpy, vectorized: ``ExpansionPlan.tree``). Either way one device-to-host copy per step, the
+   and the tree (tokens, parents, expanded indices) is copied to the host; else (the default) the
+   record is copied and re-ranked there (numpy, vectorized: ``ExpansionPlan.tree``). Either way one device-to-host copy per step, the
    step's only one. Children are deterministic (``"topk"``), so stochastic verification stays
    lossless without ``draft_probs``.
 4. **Commit** (``update``): the accepted path's expanded nodes keep their KV (``KVCache.commit``);
@@ -232,10 +232,12 @@ class EagleDrafter(BaseDrafter):
         rerank: where the expansion's record becomes the tree (the same nodes in the same order
             either way): ``"device"`` (``drafters.eagle_expansion.rerank_record`` after the depth
             loop, inside its CUDA graph with ``cuda_graphs``; the tree comes back to the host instead
-            of the record), ``"host"`` (numpy over the record's host copy: ``ExpansionPlan.tree``) or
-            ``"auto"`` (default): ``"device"`` with ``cuda_graphs`` and ``compile_head`` (compiled, a
-            few fused kernels; uncompiled, its ~80 small kernels would likely cost the graph more
-            device time than the numpy re-rank costs the host), else ``"host"``.
+            of the record), ``"host"`` (default: numpy over the record's host copy,
+            ``ExpansionPlan.tree``; the path measured on GPUs so far) or ``"auto"``: ``"device"`` with
+            ``cuda_graphs`` and ``compile_head`` (compiled, a few fused kernels; uncompiled, its ~80
+            small kernels would likely cost the graph more device time than the numpy re-rank costs
+            the host), else ``"host"``. The device re-rank has passed its tests on CPU only: its CUDA
+            tests and its time on a GPU come first.
 
     Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
     positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
@@ -249,7 +251,7 @@ class EagleDrafter(BaseDrafter):
     def __init__(self, target, head: EagleHead, tree_size: int | None = None, depth: int = 6, topk: int = 8, *,
                  static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | str | None = "auto",
                  profile: bool = False, compile_head: bool | str = False,
-                 prompt_vocab: bool = True, attention: str = "auto", rerank: str = "auto") -> None:  # fmt: skip
+                 prompt_vocab: bool = True, attention: str = "auto", rerank: str = "host") -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
