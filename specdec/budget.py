@@ -21,7 +21,9 @@ were not catching up. ``catch_up_s(k)``: the seconds a drafter needs to take in 
 shown -- the whole prompt at a call's first drafting, the tokens of the plain steps since the last
 drafting -- besides a step's own drafting: per token, the recent catch-ups' drafting seconds beyond
 ``draft_s(n)`` over their tokens (0.0 while none was seen; without a warm-up, which runs the
-drafter's own, the decoder's first one is not counted: it may capture or compile). A ``CostTable``
+drafter's own, the decoder's first one is not counted: it may capture or compile). The warm-up also
+times a drafter that reads no hidden states at batch 1: a catch-up on a dummy prompt and each
+positive budget's drafting (``record_catch_up``, ``record_draft``). A ``CostTable``
 replaces all of this with fixed numbers (tests, or costs measured elsewhere).
 
 **Acceptance** (``RankAcceptance``, kept by the decoder: a call starts from the previous one's
@@ -293,6 +295,16 @@ class StepCosts:
     def record_forward(self, batch: int, capacity: int, budget: int, seconds: float) -> None:
         """The warm-up's timing of the ``[batch, budget + 1]`` forward over a cache of ``capacity`` slots."""
         self.warm[(batch, capacity, budget)] = seconds
+
+    def record_draft(self, budget: int, seconds: float) -> None:
+        """The warm-up's timing of one sequence's drafting at ``budget`` (the calls' own average in)."""
+        self._draft[(1, budget)] = seconds
+        self._seen.add(("draft", 1, budget))
+
+    def record_catch_up(self, budget: int, seconds: float, tokens: int) -> None:
+        """The warm-up's timing of one sequence's drafting at ``budget`` that first caught up on ``tokens``."""
+        self.catch_ups = [*self.catch_ups[1 - _CATCH_UPS :], (1, budget, seconds, tokens)]
+        self._seen.add(("catch-up", 0, 0))
 
     def observe(self, batch: int, capacity: int, budget: int, step_s: float, asked: int, draft_s: float,
                 behind: int) -> None:

@@ -442,13 +442,22 @@ def test_injected_costs_switch_between_plain_and_drafting():
 
 def test_warmup_builds_and_times_every_budget_then_generate_builds_nothing():
     refs = [list(greedy_reference(9, 0, NEW))]
-    dec = SpecDecoder(prepared_tiny_model(), _Counting(refs), "auto", max_tree_size=16, static_shapes=True,
+    drafter = _Counting(refs)
+    dec = SpecDecoder(prepared_tiny_model(), drafter, "auto", max_tree_size=16, static_shapes=True,
                       attn_impl="torch", cache_buckets=(96,), decode_chunk=4)  # fmt: skip
     report = dec.warmup((1, 2), max_len=60, log=None)
     assert [e.n for e in report.entries] == [17, 17]
     assert set(dec.forwards) == {(b, 96, n) for b in (1, 2) for n in (1, 5, 9, 17)}
-    assert set(dec.budget.costs.warm) == {(b, 96, n) for b in (1, 2) for n in (0, 4, 8, 16)}
-    assert all(s > 0 for s in dec.budget.costs.warm.values())
+    costs = dec.budget.costs
+    assert set(costs.warm) == {(b, 96, n) for b in (1, 2) for n in (0, 4, 8, 16)}
+    assert all(s > 0 for s in costs.warm.values())
+    # the drafter timed: a catch-up on a dummy prompt of 60 - 16 - 3 * 3 - 1 = 34 tokens, then 3 steps per budget
+    assert [(a, n, k) for a, n, _, k in costs.catch_ups] == [(1, 4, 33)] and costs.catch_up_s(10) > 0
+    assert drafter.asked == [4] * 4 + [8] * 3 + [16] * 3 and all(costs.draft_s(1, n) > 0 for n in (4, 8, 16))
+    reading = SpecDecoder(prepared_tiny_model(), _Counting(refs, hidden=HIDDEN_ALL), "auto", max_tree_size=16,
+                          attn_impl="torch")  # fmt: skip
+    reading.warmup((1,), max_len=60, log=None)  # a drafter reading hidden states: measured by the calls
+    assert not reading.budget.costs.catch_ups and reading.drafter.asked == []
     kept = dict(dec.forwards)
     out = dec.generate(random_prompt(9, 0), NEW)
     assert out.sequences[0].tolist() == refs[0]
