@@ -50,8 +50,9 @@ budget (``why`` ``"probe"``), refreshing the acceptance estimate. Its expected l
 decoding: its seconds, the whole catch-up C included, minus those of as many tokens decoded plainly.
 Enough steps: at least ``probe_every``, and so many that this loss is at most ``probe_share`` of the
 plain steps' time -- a drafter that does not pay costs about ``probe_share`` (2 %) of the time, one
-that nearly pays is probed every ``probe_every`` steps; one whose catch-up grows faster per plain
-step than ``probe_share`` of a plain step (a draft model on a CPU) is not probed again in the call.
+that nearly pays is probed every ``probe_every`` steps. Each plain step adds its token to the
+catch-up: a drafter whose catch-up costs more per token than ``probe_share`` of a plain step is not
+probed again in the call, one just below that only after hundreds of plain steps.
 And no probe whose loss the steps left could not repay even if every drafted node were accepted
 (1 + the tree's depth tokens per step).
 """
@@ -319,7 +320,7 @@ class StepCosts:
         self._seen.add(("step", batch, budget))
         if budget == 0 or asked == 0:
             return
-        if behind > 0:
+        if behind > 0:  # ("catch-up", 0, 0) in _seen: a catch-up was seen (without a warm-up, dropped)
             if self.warm or ("catch-up", 0, 0) in self._seen:
                 self.catch_ups = [*self.catch_ups[1 - _CATCH_UPS :], (asked, budget, draft_s, behind)]
             self._seen.add(("catch-up", 0, 0))
