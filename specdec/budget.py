@@ -16,9 +16,15 @@ overhead seen so far (observed step time minus the warm-up forward of the same s
 unknown: a budget whose cost is unknown is tried (``BudgetDecision.why`` ``"measuring"``) before
 any is chosen by rate, so without a warm-up each budget runs twice per batch size. ``draft_s(n)``:
 the drafting seconds seen at (sequences asked, n); the nearest budget's at the same count (drafting
-cost barely depends on n), else another count's scaled per sequence; the first drafting step of each
-call is not counted (it catches the drafter up on the prompt). A ``CostTable`` replaces all of this
-with fixed numbers (tests, or costs measured elsewhere).
+cost barely depends on n), else another count's scaled per sequence, from the drafting steps that
+were not catching up. ``catch_up_s(k)``: the seconds a drafter needs to take in k tokens it was not
+shown -- the whole prompt at a call's first drafting, the tokens of the plain steps since the last
+drafting -- besides a step's own drafting: per token, the recent catch-ups' drafting seconds beyond
+``draft_s(n)`` over their tokens (0.0 while none was seen; without a warm-up, which runs the
+drafter's own, the decoder's first one is not counted: it may capture or compile). The warm-up also
+times a drafter that reads no hidden states at batch 1: a catch-up on a dummy prompt and each
+positive budget's drafting (``record_catch_up``, ``record_draft``). A ``CostTable``
+replaces all of this with fixed numbers (tests, or costs measured elsewhere).
 
 **Acceptance** (``RankAcceptance``, kept by the decoder: a call starts from the previous one's
 estimate, which its own steps soon replace). Sequoia's positional model: the child of sibling
@@ -33,12 +39,22 @@ tokens of a tree of n nodes is 1 (the bonus token) plus the sum of its nodes' pa
 path products, no deeper than the deepest tree and no wider than the widest node the drafter
 returned in this call (a drafter of chains is never credited with siblings it does not propose).
 
+**Catching up** costs C = ``catch_up_s`` of the tokens the unfinished sequences' drafter was not
+shown, once, before a drafted step: drafting from now to the end of the call (L steps left, the most
+new tokens an unfinished sequence may still emit) takes about L / tokens(n) steps, so the rate of a
+positive budget counts ``C * min(1, tokens(n) / L)`` more seconds per step. With few tokens left, or a
+drafter far behind, plain decoding wins where drafting alone would pay.
+
 **Coming back to drafting**: after enough plain steps in a row, one step drafts at the best positive
-budget (``why`` ``"probe"``), refreshing the acceptance estimate. Enough: at least ``probe_every``,
-and so many that the probe's expected loss against plain decoding (its seconds minus those of as many
-tokens decoded plainly) is at most ``probe_share`` of the plain steps' time -- a drafter that does not
-pay costs about ``probe_share`` (2 %) of the time, one that nearly pays is probed every
-``probe_every`` steps.
+budget (``why`` ``"probe"``), refreshing the acceptance estimate. Its expected loss against plain
+decoding: its seconds, the whole catch-up C included, minus those of as many tokens decoded plainly.
+Enough steps: at least ``probe_every``, and so many that this loss is at most ``probe_share`` of the
+plain steps' time -- a drafter that does not pay costs about ``probe_share`` (2 %) of the time, one
+that nearly pays is probed every ``probe_every`` steps. Each plain step adds its token to the
+catch-up: a drafter whose catch-up costs more per token than ``probe_share`` of a plain step is not
+probed again in the call, one just below that only after hundreds of plain steps.
+And no probe whose loss the steps left could not repay even if every drafted node were accepted
+(1 + the tree's depth tokens per step).
 """
 
 from __future__ import annotations
@@ -71,6 +87,7 @@ AUTO = "auto"
 DEFAULT_MAX_TREE_SIZE = 64
 _SMALLEST_TREE = 4  # the smallest positive budget of the default ladder
 _STEP_AVERAGE = 0.2  # weight of a new observation in the exponential averages of step / draft seconds
+_CATCH_UPS = 8  # the recent catch-ups the per-token catch-up cost is estimated from
 
 
 def budget_ladder(max_tree_size: int) -> tuple[int, ...]:
@@ -104,14 +121,19 @@ class CostTable:
             commit) for the whole batch, whatever its size; every candidate budget needs one.
         draft_s: budget -> seconds of one step's drafting for the whole batch; every positive
             candidate budget needs one (budget 0 drafts nothing).
+        catch_up_s: seconds per token the drafter catches up on (>= 0; default 0: free).
     """
 
     forward_s: Mapping[int, float]
     draft_s: Mapping[int, float]
+    catch_up_s: float = 0.0
 
     def __post_init__(self) -> None:
         _seconds_map("forward_s", self.forward_s)
         _seconds_map("draft_s", self.draft_s)
+        if (isinstance(self.catch_up_s, bool) or not isinstance(self.catch_up_s, (int, float))
+                or not self.catch_up_s >= 0):  # fmt: skip
+            raise ValueError(f"catch_up_s: expected seconds per token >= 0, got {self.catch_up_s!r}")
 
     def check(self, budgets: Sequence[int]) -> None:
         """ValueError unless the table has costs for every one of ``budgets``."""
@@ -268,24 +290,44 @@ class StepCosts:
         self._draft: dict[tuple[int, int], float] = {}  # (sequences asked, budget) -> average draft seconds
         self._seen: set[tuple[str, int, int]] = set()  # keys whose first observation was dropped
         self.overhead: float | None = None  # average step seconds beyond the warm-up's forward
+        #: the recent catch-ups: (sequences asked, budget, drafting seconds, tokens caught up on)
+        self.catch_ups: list[tuple[int, int, float, int]] = []
 
     def record_forward(self, batch: int, capacity: int, budget: int, seconds: float) -> None:
         """The warm-up's timing of the ``[batch, budget + 1]`` forward over a cache of ``capacity`` slots."""
         self.warm[(batch, capacity, budget)] = seconds
 
-    def observe(self, batch: int, capacity: int, budget: int, step_s: float, asked: int, draft_s: float | None) -> None:
+    def record_draft(self, budget: int, seconds: float) -> None:
+        """The warm-up's timing of one sequence's drafting at ``budget`` (the calls' own average in)."""
+        self._draft[(1, budget)] = seconds
+        self._seen.add(("draft", 1, budget))
+
+    def record_catch_up(self, budget: int, seconds: float, tokens: int) -> None:
+        """The warm-up's timing of one sequence's drafting at ``budget`` that first caught up on ``tokens``."""
+        self.catch_ups = [*self.catch_ups[1 - _CATCH_UPS :], (1, budget, seconds, tokens)]
+        self._seen.add(("catch-up", 0, 0))
+
+    def observe(self, batch: int, capacity: int, budget: int, step_s: float, asked: int, draft_s: float,
+                behind: int) -> None:
         """One step at ``budget`` of ``batch`` sequences over a cache of ``capacity`` slots: ``step_s``
-        seconds for the target's side, ``draft_s`` for ``asked`` sequences' drafting (None: not counted)."""
+        seconds for the target's side, ``draft_s`` for ``asked`` sequences' drafting, which first caught
+        the drafter up on ``behind`` tokens it was not shown (0: only the previous step's)."""
         if ("step", batch, budget) in self._seen:
             self._steps[(batch, budget)] = _average(self._steps.get((batch, budget)), step_s)
             warm = self._warm(batch, capacity, budget)
             if warm is not None:
                 self.overhead = _average(self.overhead, step_s - warm)
         self._seen.add(("step", batch, budget))
-        if draft_s is not None and budget > 0 and asked > 0:
-            if ("draft", asked, budget) in self._seen:
-                self._draft[(asked, budget)] = _average(self._draft.get((asked, budget)), draft_s)
-            self._seen.add(("draft", asked, budget))
+        if budget == 0 or asked == 0:
+            return
+        if behind > 0:  # ("catch-up", 0, 0) in _seen: a catch-up was seen (without a warm-up, dropped)
+            if self.warm or ("catch-up", 0, 0) in self._seen:
+                self.catch_ups = [*self.catch_ups[1 - _CATCH_UPS :], (asked, budget, draft_s, behind)]
+            self._seen.add(("catch-up", 0, 0))
+            return
+        if ("draft", asked, budget) in self._seen:
+            self._draft[(asked, budget)] = _average(self._draft.get((asked, budget)), draft_s)
+        self._seen.add(("draft", asked, budget))
 
     def _warm(self, batch: int, capacity: int, budget: int) -> float | None:
         """The warm-up's forward of (batch, budget) over the nearest capacity, or None."""
@@ -314,6 +356,16 @@ class StepCosts:
         other = [(abs(n - budget), abs(a - asked), s / a) for (a, n), s in self._draft.items()]
         return min(other)[2] * asked if other else 0.0
 
+    def catch_up_s(self, tokens: int) -> float:
+        """Expected seconds of catching the drafter up on ``tokens`` tokens it was not shown, besides a
+        step's own drafting: the recent catch-ups' mean per token (0.0 while none was counted)."""
+        if self.fixed is not None:
+            return float(self.fixed.catch_up_s) * tokens
+        if tokens <= 0 or not self.catch_ups:
+            return 0.0
+        per_token = [max(s - self.draft_s(a, n), 0.0) / k for a, n, s, k in self.catch_ups]
+        return tokens * sum(per_token) / len(per_token)
+
 
 def _average(old: float | None, new: float) -> float:
     return new if old is None else (1 - _STEP_AVERAGE) * old + _STEP_AVERAGE * new
@@ -339,9 +391,13 @@ class BudgetDecision:
         budgets: the candidates.
         tokens: per candidate, the expected tokens of the step for the whole batch.
         seconds: per candidate, the expected seconds of the step (drafting + the target's side), or
-            None where unknown.
-        why: ``"rate"`` (the most tokens per second), ``"probe"`` (drafting after enough plain steps,
-            see ``BudgetConfig.probe_every`` / ``probe_share``) or ``"measuring"`` (its cost was unknown).
+            None where unknown; without the catch-up.
+        why: ``"rate"`` (the most tokens per second, the catch-up spread over the steps left),
+            ``"probe"`` (drafting after enough plain steps, see ``BudgetConfig.probe_every`` /
+            ``probe_share``) or ``"measuring"`` (its cost was unknown).
+        catch_up_s: the expected seconds of catching the drafter up before a drafted step (the
+            tokens it was not shown).
+        steps_left: the most new tokens an unfinished sequence may still emit.
     """
 
     budget: int
@@ -349,6 +405,8 @@ class BudgetDecision:
     tokens: tuple[float, ...]
     seconds: tuple[float | None, ...]
     why: str
+    catch_up_s: float
+    steps_left: int
 
     @property
     def reason(self) -> str:
@@ -358,7 +416,8 @@ class BudgetDecision:
             cost = "? ms" if s is None else f"{s * 1e3:.2f} ms"
             rate = "" if not s else f" = {t / s:.0f} tok/s"
             parts.append(f"n={n}: {t:.2f} tok / {cost}{rate}")
-        return f"budget {self.budget} ({self.why}); " + ", ".join(parts)
+        return (f"budget {self.budget} ({self.why}); " + ", ".join(parts)
+                + f"; catch-up {self.catch_up_s * 1e3:.0f} ms, {self.steps_left} steps left")
 
 
 @dataclass(frozen=True)
@@ -397,39 +456,55 @@ class BudgetPolicy:
         self._histogram: dict[int, int] = {}
         self._last: BudgetDecision | None = None
         self._plain = 0  # plain steps in a row
-        self._drafted = False  # whether this call drafted yet (its first drafting is not timed)
+        self._behind: list[int] = []  # per sequence: tokens its drafter was not shown (besides the last step's)
+        self._left: list[int] = []  # per sequence: new tokens it may still emit (0: finished)
 
-    def begin(self) -> None:
-        """A new ``generate`` call: fresh stats (the costs and the acceptance estimate stay)."""
-        self._histogram, self._last, self._plain, self._drafted = {}, None, 0, False
+    def begin(self, prompt_lens: Sequence[int], max_new_tokens: int) -> None:
+        """A new ``generate`` call over prompts of ``prompt_lens`` tokens, each to get up to
+        ``max_new_tokens`` new ones: fresh stats (the costs and the acceptance estimate stay)."""
+        self._histogram, self._last, self._plain = {}, None, 0
+        self._behind, self._left = list(prompt_lens), [max_new_tokens] * len(prompt_lens)
 
     def decide(self, batch: int, capacity: int, active: int) -> BudgetDecision:
         """The next step's budget for ``batch`` sequences (``active`` of them unfinished) over a cache
         of ``capacity`` slots per sequence."""
-        tokens = tuple(active * self.acceptance.expected_tokens(n) for n in self.budgets)
+        per_seq = [self.acceptance.expected_tokens(n) for n in self.budgets]
+        tokens = tuple(active * e for e in per_seq)
         seconds = []
         for n in self.budgets:
             step = self.costs.step_s(batch, capacity, n)
             seconds.append(None if step is None else step + self.costs.draft_s(active, n))
+        catch_up = self.costs.catch_up_s(sum(k for k, left in zip(self._behind, self._left) if left > 0))
+        left = max(self._left, default=0)
         unknown = [n for n, s in zip(self.budgets, seconds) if s is None]
         if unknown:
             budget, why = unknown[0], "measuring"
         else:
-            budget, why = best_budget(self.budgets, tokens, seconds), "rate"
+            # the catch-up, paid once, spread over the drafted steps that would finish the call
+            spread = [s + (catch_up * min(1.0, e / left) if n and left else 0.0)
+                      for n, s, e in zip(self.budgets, seconds, per_seq)]  # fmt: skip
+            budget, why = best_budget(self.budgets, tokens, spread), "rate"
             if budget == 0:
-                probe = best_budget(self.budgets[1:], tokens[1:], seconds[1:])
-                if self._plain >= self._probe_wait(tokens, seconds, self.budgets.index(probe)):
-                    budget, why = probe, "probe"
-        self._last = BudgetDecision(budget, self.budgets, tokens, tuple(seconds), why)
+                i = self.budgets.index(best_budget(self.budgets[1:], tokens[1:], spread[1:]))
+                if self._probe_pays(tokens, seconds, i, catch_up, left):
+                    budget, why = self.budgets[i], "probe"
+        self._last = BudgetDecision(budget, self.budgets, tokens, tuple(seconds), why, catch_up, left)
         return self._last
 
-    def _probe_wait(self, tokens: Sequence[float], seconds: Sequence[float], i: int) -> int:
-        """Plain steps before a probe at candidate ``i`` (index 0: plain decoding): ``probe_every``, or
-        more while its expected loss exceeds ``probe_share`` of their time."""
+    def _probe_pays(self, tokens: Sequence[float], seconds: Sequence[float], i: int, catch_up: float,
+                    left: int) -> bool:
+        """Whether to probe at candidate ``i`` (index 0: plain decoding) now: after ``probe_every`` plain
+        steps and more while its expected loss, ``catch_up`` included, exceeds ``probe_share`` of their
+        time, and unless the ``left`` steps could not repay the loss even if every drafted node were
+        accepted."""
+        if self._plain < self.config.probe_every:
+            return False
         if seconds[0] <= 0:
-            return self.config.probe_every
-        loss = seconds[i] - tokens[i] / tokens[0] * seconds[0]  # vs decoding as many tokens plainly
-        return max(self.config.probe_every, math.ceil(loss / (self.config.probe_share * seconds[0])))
+            return True
+        loss = seconds[i] + catch_up - tokens[i] / tokens[0] * seconds[0]  # vs as many tokens decoded plainly
+        most = 1 + min(self.budgets[i], self.acceptance.depth or self.budgets[i])  # every node accepted
+        best_gain = left * (seconds[0] - seconds[i] / most)  # over the steps left, vs plain decoding
+        return loss <= self.config.probe_share * seconds[0] * self._plain and loss <= best_gain
 
     def observe_trees(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
         """One drafted step's trees and accepted paths (``RankAcceptance.observe``)."""
@@ -441,9 +516,14 @@ class BudgetPolicy:
         self._histogram[budget] = self._histogram.get(budget, 0) + len(steps)
         self._plain = self._plain + len(steps) if budget == 0 else 0
         for s in steps:
-            timed_draft = s.draft_s if budget > 0 and self._drafted else None
-            self.costs.observe(batch, capacity, budget, s.verify_s + s.commit_s, asked, timed_draft)
-        self._drafted = self._drafted or budget > 0
+            behind = 0
+            for b, emitted in enumerate(s.tokens_emitted):
+                if budget and self._left[b] > 0:  # the drafter was shown sequence b: caught up
+                    behind += self._behind[b]
+                    self._behind[b] = 0
+                self._behind[b] += emitted if budget == 0 else 0
+                self._left[b] = 0 if emitted == 0 else self._left[b] - emitted
+            self.costs.observe(batch, capacity, budget, s.verify_s + s.commit_s, asked, s.draft_s, behind)
 
     def stats(self) -> BudgetStats:
         """This call's budgets so far."""

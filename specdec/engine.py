@@ -522,7 +522,7 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         steps: list[StepStats] = []
         policy = self.budget
         if policy is not None:
-            policy.begin()
+            policy.begin([len(p) for p in prompts], max_new_tokens)
         while not all(run.done):
             active = batch - sum(run.done)
             budget = self.tree_size if policy is None else policy.decide(batch, cache.capacity, active).budget

@@ -5,7 +5,9 @@ the prompt-prefill forward, the tree forward (compiled and / or captured) and, f
 the forwards over a batch-1 prompt cache; then the drafter's own ``warmup``. It reports what each
 took (``WarmupReport``), device synchronized. With ``tree_size="auto"`` it makes the tree forward of
 every candidate budget and times each (``BUDGET_TIMING_RUNS`` runs, the median) for the decoder's
-cost model (``specdec.budget.StepCosts.record_forward``).
+cost model (``specdec.budget.StepCosts.record_forward``), and, after the drafter's ``warmup``, a
+drafter that reads no hidden states: catching up on a dummy prompt of up to ``DRAFT_TIMING_PROMPT``
+tokens, then a step's drafting at every positive budget (``StepCosts.record_draft``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdec import hf
+from specdec.drafting import DraftContext, hidden_states_request
 from specdec.graphs import configure_compile_cache, uses_inductor
 from specdec.kv import KVCache
 from specdec.outputs import WarmupEntry, WarmupReport
@@ -24,10 +27,13 @@ from specdec.sampling import SamplingConfig
 from specdec.timing import PhaseTimer
 from specdec.tree import TokenTree
 
-__all__ = ["BUDGET_TIMING_RUNS", "Warmup"]
+__all__ = ["BUDGET_TIMING_RUNS", "DRAFT_TIMING_PROMPT", "Warmup"]
 
-#: ``tree_size="auto"``: timed runs of each budget's forward per warmed cache (after its first run)
+#: ``tree_size="auto"``: timed runs of each budget's forward per warmed cache (after its first run), and
+#: of the drafter's drafting per budget
 BUDGET_TIMING_RUNS = 3
+#: ``tree_size="auto"``: the most tokens of the dummy prompt the drafter's catch-up is timed on
+DRAFT_TIMING_PROMPT = 64
 
 
 def _stderr(message: str) -> None:
@@ -160,7 +166,8 @@ class Warmup:
         decoding at ``tree_size=0``, run the former too; prompts of any length, the latter).
         The dummy KV is never read: every ``generate`` prefills its prompts from slot 0. Then, if
         the drafter has a ``warmup`` method, ``drafter.warmup(batch_sizes=..., max_len=..., log=...)``
-        is called (e.g. to capture a draft model's forwards). A later ``generate`` within these
+        is called (e.g. to capture a draft model's forwards); with ``tree_size="auto"``, a drafter
+        that reads no hidden states is then timed at batch 1 (``_time_drafter``). A later ``generate`` within these
         batch sizes and ``max_len`` makes no new forward (no capture, no compile; for a shared
         prompt, see step 3). With dynamic shapes there are no fixed-shape forwards (and no kept
         caches without ``max_cache_len`` or ``cache_buckets``): the warm-up runs the prefill and one
@@ -262,9 +269,45 @@ class Warmup:
             drafter_warmup(batch_sizes=tuple(batch_sizes), max_len=max_len, log=log)
             self._sync()
             drafter_s = time.perf_counter() - t0
+        self._time_drafter(max(capacities) if max_len is None else max_len, say)
         total = time.perf_counter() - start
         say(f"specdec warmup: done in {total:.1f} s")
         return WarmupReport(tuple(entries), drafter_s, total, cache_dir)
+
+    def _time_drafter(self, max_len: int, say: Callable[[str], None]) -> None:
+        """``tree_size="auto"``: the drafter's costs for the budget rule, before any call measures them --
+        a reset on a dummy prompt of P = min(``DRAFT_TIMING_PROMPT``, ``max_len`` - the largest budget
+        - ``BUDGET_TIMING_RUNS`` * budgets - 1) tokens and a first proposal at the smallest positive
+        budget (catching up on P - 1 tokens), then ``BUDGET_TIMING_RUNS`` proposals per positive
+        budget, each after one more committed token (the median), device synchronized. Skipped for a
+        drafter that reads the target's hidden states (the calls measure it) and when P < 2. The
+        next ``generate`` resets the drafter."""
+        positive = [n for n in self.tree_budgets if n > 0]
+        if self.budget is None or self.drafter is None or hidden_states_request(self.drafter) is not None:
+            return
+        prompt = min(DRAFT_TIMING_PROMPT, max_len - positive[-1] - BUDGET_TIMING_RUNS * len(positive) - 1)
+        if prompt < 2:
+            return
+        tokens = torch.zeros(prompt, dtype=torch.int64)
+
+        def timed(budget: int) -> float:
+            self._sync()
+            t0 = time.perf_counter()
+            self.drafter.propose(DraftContext(tokens, budget))
+            self._sync()
+            return time.perf_counter() - t0
+
+        self.drafter.reset([tokens.clone()])
+        caught_up = timed(positive[0])
+        for budget in positive:
+            runs = []
+            for _ in range(BUDGET_TIMING_RUNS):
+                tokens = torch.cat([tokens, tokens.new_zeros(1)])
+                runs.append(timed(budget))
+            self.budget.costs.record_draft(budget, sorted(runs)[len(runs) // 2])
+        self.budget.costs.record_catch_up(positive[0], caught_up, prompt - 1)
+        say(f"specdec warmup: the drafter caught up on {prompt - 1} tokens in {caught_up:.2f} s; drafting "
+            + ", ".join(f"n={n}: {self.budget.costs.draft_s(1, n) * 1e3:.1f} ms" for n in positive))
 
     def _warm_chunk(self, cache: KVCache, batch: int, shared: KVCache | None = None,
                     sampling: SamplingConfig | None = None) -> float | None:  # fmt: skip

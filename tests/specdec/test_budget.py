@@ -1,7 +1,8 @@
 """``SpecDecoder(tree_size="auto")``: the per-step node budget (``specdec.budget``).
 
 The rule on synthetic costs (plain decoding when drafting cannot pay, larger budgets when acceptance
-is high, the batch size's forward costs deciding), the acceptance and cost estimates, then end to
+is high, the batch size's forward costs deciding, the drafter's catch-up counted against the tokens
+left), the acceptance and cost estimates, then end to
 end on tiny models: greedy output equal to HF's greedy output in fp32 while the budget switches
 between steps (a scripted schedule over the real decisions, and the rule itself on injected cost
 tables), hidden states still arriving once each when steps skip the drafter, the warm-up building
@@ -104,10 +105,10 @@ def test_step_costs_warm_table_overhead_and_drafting():
     costs.record_forward(1, 1024, 4, 0.012)
     costs.record_forward(1, 4096, 4, 0.020)
     assert costs.step_s(1, 2048, 4) == pytest.approx(0.012)  # the nearest capacity's
-    costs.observe(1, 1024, 4, 0.050, 1, 0.007)  # a first observation: dropped (captures, compiles)
+    costs.observe(1, 1024, 4, 0.050, 1, 0.007, 0)  # a first observation: dropped (captures, compiles)
     assert costs.step_s(1, 1024, 4) == pytest.approx(0.012) and costs.overhead is None
-    costs.observe(1, 1024, 4, 0.015, 1, 0.007)
-    costs.observe(1, 1024, 4, 0.015, 1, 0.009)
+    costs.observe(1, 1024, 4, 0.015, 1, 0.007, 0)
+    costs.observe(1, 1024, 4, 0.015, 1, 0.009, 0)
     assert costs.step_s(1, 1024, 4) == pytest.approx(0.015)  # seen: the average of what was seen
     assert costs.overhead == pytest.approx(0.003)
     assert costs.step_s(1, 1024, 0) == pytest.approx(0.013)  # warm-up forward + the overhead seen
@@ -116,14 +117,39 @@ def test_step_costs_warm_table_overhead_and_drafting():
     assert costs.draft_s(4, 4) == pytest.approx(4 * costs.draft_s(1, 4))  # another count's, per sequence
 
 
-def _policy(forward, draft, **kw) -> BudgetPolicy:
-    config = BudgetConfig(costs=CostTable(forward, draft), **kw)
-    return BudgetPolicy(config, config.candidates(16))
+def test_step_costs_catch_up_per_token():
+    costs = StepCosts()
+    assert costs.catch_up_s(100) == 0.0  # none seen: free
+    costs.observe(1, 1024, 4, 0.3, 1, 9.0, 30)  # the first catch-up without a warm-up: dropped (may compile)
+    assert costs.catch_up_s(100) == 0.0 and not costs.catch_ups
+    costs.observe(1, 1024, 4, 0.3, 1, 1.3, 40)  # steady drafting not measured yet: all of it counts
+    assert costs.catch_up_s(10) == pytest.approx(10 * 1.3 / 40)
+    assert costs.draft_s(1, 4) == 0.0  # catching-up steps are not steady drafting
+    for _ in range(2):  # the first steady one is dropped, as every first observation
+        costs.observe(1, 1024, 4, 0.3, 1, 0.1, 0)
+    assert costs.draft_s(1, 4) == pytest.approx(0.1)
+    assert costs.catch_up_s(10) == pytest.approx(10 * 1.2 / 40)  # beyond the step's own drafting
+    costs.observe(1, 1024, 4, 0.3, 1, 0.7, 20)
+    assert costs.catch_up_s(10) == pytest.approx(10 * (1.2 / 40 + 0.6 / 20) / 2)  # the recent ones' mean
+    for _ in range(20):
+        costs.observe(1, 1024, 4, 0.3, 1, 0.1 + 0.001 * 5, 5)
+    assert costs.catch_up_s(10) == pytest.approx(0.01) and len(costs.catch_ups) == 8  # the old ones forgotten
+    warmed = StepCosts()
+    warmed.record_forward(1, 1024, 4, 0.3)  # after a warm-up (the drafter's too) the first one counts
+    warmed.observe(1, 1024, 4, 0.3, 1, 1.3, 40)
+    assert warmed.catch_up_s(40) == pytest.approx(1.3)
+    assert StepCosts(CostTable({0: 1.0}, {}, catch_up_s=0.5)).catch_up_s(4) == 2.0
 
 
-def _run_policy(policy: BudgetPolicy, steps: int) -> list[int]:
-    """``steps`` decisions at batch 1, every drafted tree rejected at once; the budgets picked."""
-    policy.begin()
+def _policy(forward, draft, catch_up_s=0.0, **kw) -> BudgetPolicy:
+    config = BudgetConfig(costs=CostTable(forward, draft, catch_up_s), **kw)
+    return BudgetPolicy(config, config.candidates(max(forward)))
+
+
+def _run_policy(policy: BudgetPolicy, steps: int, prompt: int = 9, max_new: int = 10**6) -> list[int]:
+    """``steps`` decisions at batch 1 (a ``prompt``-token prompt, up to ``max_new`` new tokens), every
+    drafted tree rejected at once; the budgets picked."""
+    policy.begin([prompt], max_new)
     picked = []
     for _ in range(steps):
         decision = policy.decide(1, 1024, 1)
@@ -148,17 +174,76 @@ def test_policy_plain_when_drafting_cannot_pay_and_probes():
     probes = [i for i, n in enumerate(picked) if n]
     assert 2 <= len(probes) <= 3 and probes[0] >= 16 and all(b - a >= 100 for a, b in zip(probes, probes[1:]))
     assert sum(forward[n] + draft.get(n, 0) for n in picked) < 1.03 * 400
+    # the same rule with one step left after the probe's: no probe (its loss of ~1.3 forwards is more
+    # than a forward, which even every node accepted would not save); two steps left: probed
+    picked = _run_policy(_policy(forward, draft, probe_every=4, probe_share=1.0), 5, max_new=5)
+    assert picked == [0] * 5
+    assert _run_policy(_policy(forward, draft, probe_every=4, probe_share=1.0), 6, max_new=6)[4] > 0
+
+
+# a 2-core CPU's step costs (seconds): the 1.5B target, chains of up to 5 tokens of a 0.5B draft model
+CPU_FORWARD, CPU_DRAFT = {0: 0.33, 4: 0.37, 5: 0.38}, {4: 0.25, 5: 0.30}
+
+
+def test_policy_counts_the_catch_up_of_a_probe():
+    """A draft model on a CPU: catching it up costs 30 ms per token, more than the 2 % of a plain step
+    a probe may cost per plain step, so once behind it is never probed; free catch-up: probed."""
+    for max_new in (64, 256):
+        picks = {}
+        for catch_up in (0.0, 0.03):
+            policy = _policy(CPU_FORWARD, CPU_DRAFT, catch_up_s=catch_up)
+            for _ in range(10):  # an earlier call: its drafts rejected
+                policy.observe_trees([_chain(0, 5)])
+            picks[catch_up] = _run_policy(policy, max_new, prompt=40, max_new=max_new)
+        assert picks[0.03] == [0] * max_new
+        assert [i for i, n in enumerate(picks[0.0]) if n][0] == 38  # free catch-up: a probe after 38 plain steps
+        last = policy.stats().last
+        assert last.why == "rate" and last.catch_up_s == pytest.approx(0.03 * (40 + max_new - 1))
+        assert "catch-up" in last.reason and "1 steps left" in last.reason
+
+
+def test_policy_spreads_the_catch_up_over_the_tokens_left():
+    """High acceptance, cheap drafting: a tree pays per step, but catching up on a 100-token prompt at
+    0.5 s per token (50 s) pays only over many tokens: 15.8 tokens per 1.9-s step, so 50 s of plain
+    decoding take 50 + 6 s drafting, 100 s take 50 + 12 s."""
+    forward, draft = {0: 1.0, 4: 1.2, 16: 1.5}, {4: 0.4, 16: 0.4}
+    for max_new, want in ((8, 0), (50, 0), (100, 16), (1000, 16)):
+        policy = _policy(forward, draft, catch_up_s=0.5, budgets=(0, 4, 16))
+        for _ in range(10):
+            policy.observe_trees([_chain(16, 16)])  # every drafted chain accepted whole
+        policy.begin([100], max_new)
+        decision = policy.decide(1, 1024, 1)
+        assert decision.budget == want and decision.why == "rate" and decision.catch_up_s == pytest.approx(50.0)
+    # caught up (free catch-up): the largest tree from the first step, even with 8 tokens left
+    policy = _policy(forward, draft, budgets=(0, 4, 16))
+    for _ in range(10):
+        policy.observe_trees([_chain(16, 16)])
+    policy.begin([100], 8)
+    assert policy.decide(1, 1024, 1).budget == 16
+
+
+def test_policy_probes_early_where_drafting_is_cheap():
+    """A GPU-like machine: a tree forward and its drafting cost 20-30 % more than a plain step, catching
+    up 0.1 % of one per token; the drafts are rejected, so steps are plain, with a probe every
+    ``probe_every`` (16) steps or so."""
+    forward, draft = {0: 1.0, 4: 1.1, 8: 1.15, 16: 1.2}, {4: 0.1, 8: 0.1, 16: 0.1}
+    picked = _run_policy(_policy(forward, draft, catch_up_s=0.001), 200, prompt=200, max_new=200)
+    drafted = [i for i, n in enumerate(picked) if n]
+    # the prior's estimate: drafting pays from the first step, a 200-token catch-up included, until the
+    # rejections are seen; then a probe after every 16 plain steps
+    assert drafted == [0, 1, 2, 3, 4, *range(21, 200, 17)]
+    assert picked == _run_policy(_policy(forward, draft), 200, prompt=200, max_new=200)  # as if it were free
 
 
 def test_policy_follows_acceptance():
     policy = _policy({0: 1.0, 4: 1.2, 8: 1.3, 16: 1.5}, {4: 0.4, 8: 0.4, 16: 0.4})
-    policy.begin()
+    policy.begin([9], 1000)
     for _ in range(10):  # every drafted chain accepted whole
         policy.observe_trees([_chain(16, 16)])
     high = policy.decide(1, 1024, 1)
     assert high.budget == 16 and high.why == "rate"
     assert high.tokens[-1] > 10 and high.seconds == pytest.approx((1.0, 1.6, 1.7, 1.9))
-    policy.begin()  # a new call keeps the estimate, which its own steps soon replace
+    policy.begin([9], 1000)  # a new call keeps the estimate, which its own steps soon replace
     assert policy.decide(1, 1024, 1).budget == 16
     for _ in range(40):
         policy.observe_trees([_chain(1, 16)])  # one token accepted, then a rejection
@@ -174,7 +259,7 @@ def test_policy_the_batch_size_decides():
     for n, (one, sixteen) in {0: (1.0, 2.0), 4: (1.05, 12.0), 8: (1.1, 20.0), 16: (1.2, 36.0)}.items():
         policy.costs.record_forward(1, 1024, n, one)
         policy.costs.record_forward(16, 1024, n, sixteen)
-    policy.begin()
+    policy.begin([9] * 16, 1000)
     for _ in range(5):
         policy.observe_trees([_chain(12, 16)] * 4)
     assert policy.decide(1, 1024, 1).budget == 16
@@ -195,6 +280,8 @@ def test_config_and_constructor_errors():
         BudgetConfig(prior_accept=1)
     with pytest.raises(ValueError, match=r"forward_s: expected a mapping of budgets"):
         CostTable({0: -1.0}, {})
+    with pytest.raises(ValueError, match=r"catch_up_s: expected seconds per token >= 0, got -0.1"):
+        CostTable({0: 1.0}, {}, catch_up_s=-0.1)
     model = prepared_tiny_model()
     drafter = OracleDrafter([[]])
     with pytest.raises(ValueError, match=r"max_tree_size: expected None unless tree_size is 'auto', got 16"):
@@ -297,6 +384,8 @@ def test_greedy_equals_hf_under_scripted_budget_switches(static, chunk, kind):
     if kind == "oracle":  # asked at positive budgets only, with that budget, once per unfinished sequence
         assert set(drafter.asked) == {4, 8, 16}
         assert len(drafter.asked) == sum(sum(e > 0 for e in s.tokens_emitted) for s in out.steps if s.budget)
+    if not chunk:  # catch-ups: the prompts' (no warm-up: not counted), then 3 sequences' 2 plain tokens at n = 8
+        assert [(a, n, k) for a, n, _, k in dec.budget.costs.catch_ups][:1] == [(3, 8, 6)]
     assert out.totals()["tokens_accepted"] > NEW
 
 
@@ -353,13 +442,22 @@ def test_injected_costs_switch_between_plain_and_drafting():
 
 def test_warmup_builds_and_times_every_budget_then_generate_builds_nothing():
     refs = [list(greedy_reference(9, 0, NEW))]
-    dec = SpecDecoder(prepared_tiny_model(), _Counting(refs), "auto", max_tree_size=16, static_shapes=True,
+    drafter = _Counting(refs)
+    dec = SpecDecoder(prepared_tiny_model(), drafter, "auto", max_tree_size=16, static_shapes=True,
                       attn_impl="torch", cache_buckets=(96,), decode_chunk=4)  # fmt: skip
     report = dec.warmup((1, 2), max_len=60, log=None)
     assert [e.n for e in report.entries] == [17, 17]
     assert set(dec.forwards) == {(b, 96, n) for b in (1, 2) for n in (1, 5, 9, 17)}
-    assert set(dec.budget.costs.warm) == {(b, 96, n) for b in (1, 2) for n in (0, 4, 8, 16)}
-    assert all(s > 0 for s in dec.budget.costs.warm.values())
+    costs = dec.budget.costs
+    assert set(costs.warm) == {(b, 96, n) for b in (1, 2) for n in (0, 4, 8, 16)}
+    assert all(s > 0 for s in costs.warm.values())
+    # the drafter timed: a catch-up on a dummy prompt of 60 - 16 - 3 * 3 - 1 = 34 tokens, then 3 steps per budget
+    assert [(a, n, k) for a, n, _, k in costs.catch_ups] == [(1, 4, 33)] and costs.catch_up_s(10) > 0
+    assert drafter.asked == [4] * 4 + [8] * 3 + [16] * 3 and all(costs.draft_s(1, n) > 0 for n in (4, 8, 16))
+    reading = SpecDecoder(prepared_tiny_model(), _Counting(refs, hidden=HIDDEN_ALL), "auto", max_tree_size=16,
+                          attn_impl="torch")  # fmt: skip
+    reading.warmup((1,), max_len=60, log=None)  # a drafter reading hidden states: measured by the calls
+    assert not reading.budget.costs.catch_ups and reading.drafter.asked == []
     kept = dict(dec.forwards)
     out = dec.generate(random_prompt(9, 0), NEW)
     assert out.sequences[0].tolist() == refs[0]
