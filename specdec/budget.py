@@ -216,9 +216,12 @@ class RankAcceptance:
         self.depth = 0
         #: the most children of a node seen (0: none yet, then any number is assumed)
         self.width = 0
+        #: budget -> ``expected_tokens``, valid until the next ``observe`` (a plain step observes nothing)
+        self._expected: dict[int, float] = {}
 
     def observe(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
         """One step's drafted trees with their accepted paths (node indices from the root, 0 first)."""
+        self._expected.clear()
         self.hits = [h * self.memory for h in self.hits]
         self.trials = [t * self.memory for t in self.trials]
         for tree, path in drafted:
@@ -258,6 +261,11 @@ class RankAcceptance:
         path products of the best tree (depth at most ``depth``, children at most ``width``, when known)."""
         if budget <= 0:
             return 1.0
+        if budget not in self._expected:
+            self._expected[budget] = self._expected_tokens(budget)
+        return self._expected[budget]
+
+    def _expected_tokens(self, budget: int) -> float:
         q = sorted(self.rates(min(budget, self.width or budget)), reverse=True)
         deepest = self.depth or budget
         total, count = 0.0, 0
