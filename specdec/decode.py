@@ -287,21 +287,31 @@ class DecodeLoop:
 
     def _chunking(self, budget: int) -> bool:
         """Whether steps at ``budget`` run in chunks: ``decode_chunk``, static shapes, no drafting
-        (budget 0), no drafter reading hidden states (a chunk keeps none; a tensor-parallel target
-        too: its ranks check one token fingerprint per chunk)."""
-        return bool(self.decode_chunk) and not budget and self.static_shapes and not self._wants_hidden
+        (budget 0). A drafter reading hidden states gets the chunk's rows for its next step (as from
+        plain steps); a tensor-parallel target's ranks check one token fingerprint per chunk."""
+        return bool(self.decode_chunk) and not budget and self.static_shapes
 
     def _chunk_for(self, run: Run, budget: int) -> DecodeChunk | None:
         """The ``DecodeChunk`` for this call's next steps at ``budget`` (made on first use), or None:
-        a step at a time (see ``decode_chunk``: not plain decoding with static shapes, a drafter
-        reading hidden states, or an unfinished sequence has fewer than ``decode_chunk`` tokens to
-        go)."""
+        a step at a time (see ``decode_chunk``: not plain decoding with static shapes, or an
+        unfinished sequence has fewer than ``decode_chunk`` tokens to go)."""
         if not self._chunking(budget):
             return None
         left = min(len(run.prompts[b]) + run.max_new_tokens - run.lens[b] for b in range(len(run.lens)) if not run.done[b])
         if left < self.decode_chunk:
             return None
         return self._chunk(run.cache, len(run.lens), run.shared, run.sampling)
+
+    def _keep_chunk_hidden(self, run: Run, b: int, rows: torch.Tensor) -> None:
+        """Sequence ``b``'s hidden rows ``[m, D]`` of a chunk's m kept tokens (row j: the state that
+        predicted its j-th token), kept for the drafter's next step as a plain step keeps its one:
+        ``"all"``: after the rows not shown yet; ``"last"``: the last row only."""
+        if self._hidden_mode == HIDDEN_LAST:
+            run.hidden[b] = rows[-1:].clone()
+        elif run.hidden[b] is None:
+            run.hidden[b] = rows.clone()
+        else:
+            run.hidden[b] = torch.cat([run.hidden[b], rows])
 
     def _chunk_steps(self, run: Run, chunk: DecodeChunk) -> list[StepStats]:
         """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``append_tokens``'s
@@ -326,6 +336,8 @@ class DecodeLoop:
                         raise ValueError(f"logits: expected target distributions with positive mass, got none (NaN or "
                                          f"all -inf logits) for sequence {b}")  # fmt: skip
                     run.cache.lengths[b] += len(appended[b])  # slots of the root and new[:-1], written by the chunk
+                    if chunk.hidden is not None and appended[b]:
+                        self._keep_chunk_hidden(run, b, chunk.hidden[b, : len(appended[b])])
         _stream(run, appended)
         share = {phase: timer.seconds[phase] / k for phase in ("verify", "commit", "forward")}
         zeros = (0,) * batch

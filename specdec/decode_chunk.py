@@ -45,6 +45,10 @@ class DecodeChunk:
     so each token is an independent draw from its row's distribution given the tokens before it. A
     row with no mass (NaN logits) gives token V (callers raise; the next step reads token V - 1).
     Every row decodes all ``steps`` steps: callers cut at eos.
+
+    With a forward that returns hidden states (``return_hidden``: a drafter reads them), each step's
+    ``[B, 1, D]`` rows are kept too: ``hidden`` ``[B, steps, D]`` after a run, row k the state of the
+    token step k fed (the one that predicted ``tokens[:, k]``).
     """
 
     def __init__(self, forward: "GraphedForward", steps: int, sampling: SamplingConfig | None = None) -> None:
@@ -64,6 +68,8 @@ class DecodeChunk:
         #: ``[B, steps]`` float64 uniforms of the run (sampling), written before each replay
         self.uniforms = (None if sampling is None else
                          torch.zeros(forward.batch, steps, dtype=torch.float64, device=forward.device))  # fmt: skip
+        #: ``[B, steps, D]`` hidden states of the last run (forwards with ``return_hidden``), made on the first
+        self.hidden: torch.Tensor | None = None
         self._root = torch.tensor([-1])
         self.graph = None  # torch.cuda.CUDAGraph once captured
         #: seconds of the capture (eager warm-up of the chunk and its recording); None before it
@@ -74,7 +80,11 @@ class DecodeChunk:
     def _body(self) -> None:
         fwd = self.forward
         for k in range(self.steps):
-            logits, _ = fwd._run()
+            logits, hidden = fwd._run()
+            if hidden is not None:
+                if self.hidden is None:  # the eager run before a capture makes it, outside the graph
+                    self.hidden = hidden.new_empty(self.batch, self.steps, hidden.shape[-1])
+                self.hidden[:, k].copy_(hidden[:, -1])
             last = logits[:, -1]  # [B, V]
             if self.sampling is None:
                 nxt = last.argmax(dim=-1)  # [B]

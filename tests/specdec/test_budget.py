@@ -389,16 +389,23 @@ def test_greedy_equals_hf_under_scripted_budget_switches(static, chunk, kind):
     assert out.totals()["tokens_accepted"] > NEW
 
 
-def test_features_arrive_once_when_steps_skip_the_drafter():
-    """``needs_hidden_states="all"``: plain steps keep the rows they made for the next drafted step."""
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_features_arrive_once_when_steps_skip_the_drafter(chunk):
+    """``needs_hidden_states="all"``: plain steps keep the rows they made for the next drafted step,
+    one at a time or in chunks of ``decode_chunk`` steps (a chunk keeps each step's rows)."""
     refs = [list(greedy_reference(length, seed, NEW)) for length, seed in SHAPES]
     drafter = _Counting(refs, seed=4, hidden=HIDDEN_ALL)
     dec = SpecDecoder(prepared_tiny_model(), drafter, "auto", max_tree_size=16, static_shapes=True,
-                      attn_impl="torch", cache_buckets=(96,))  # fmt: skip
-    _scripted(dec, (0, 0, 4, 0, 16, 0, 0, 0, 8))
+                      attn_impl="torch", cache_buckets=(96,), decode_chunk=chunk)  # fmt: skip
+    schedule = (0, 0, 4, 0, 16, 0, 0, 0, 8)
+    chosen = _scripted(dec, schedule)
     out = dec.generate([random_prompt(length, seed) for length, seed in SHAPES], NEW)
     assert all(out.sequences[b, : out.lengths[b]].tolist() == ref for b, ref in enumerate(refs))
-    assert out.budget.histogram[0] == sum(s.budget == 0 for s in out.steps)  # one step at a time: no chunks
+    plain_steps = sum(s.budget == 0 for s in out.steps)
+    if chunk:  # plain decisions ran as chunks of 3 steps
+        assert plain_steps > chosen.count(0) and dec._chunks
+    else:
+        assert plain_steps == chosen.count(0) and not dec._chunks
     for b in range(len(SHAPES)):
         tokens = out.sequences[b, : out.lengths[b]].tolist()
         with torch.no_grad():
