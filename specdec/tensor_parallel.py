@@ -244,8 +244,15 @@ def one_shot_slots(group, device: torch.device, count: int, nbytes: int = ONE_SH
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     ok, buf, why = True, None, ""
     try:
+        import warnings
+
         from torch.distributed import _symmetric_memory as symm_mem
 
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed before a rendezvous by older torch; a deprecated no-op-like call in newer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(group.group_name)
         buf = symm_mem.empty(count * nbytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buf, group)
         ok, why = _probe(buf[:nbytes], group, device)
