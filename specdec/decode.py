@@ -19,7 +19,7 @@ import torch
 
 from specdec import hf
 from specdec.decode_chunk import DecodeChunk
-from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, DraftContext, propose_all
+from specdec.drafting import HIDDEN_LAST, DraftContext, propose_all
 from specdec.kv import KVCache
 from specdec.outputs import StepStats
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -264,18 +264,28 @@ class DecodeLoop:
             kept = v.path[: len(new)]  # node kept[i] predicted new[i]
             appended.append(new)
             paths.append(kept)
-            if node_hidden is not None:  # copies: the next forward overwrites node_hidden
+            if node_hidden is not None:
                 last = kept[-1]
-                unseen = run.hidden[b] if contexts[b] is None and self._hidden_mode == HIDDEN_ALL else None
                 if self._hidden_mode == HIDDEN_LAST:
-                    run.hidden[b] = node_hidden[b, last : last + 1].clone()
+                    rows = node_hidden[b, last : last + 1]
                 elif last == len(kept) - 1:  # nodes 0 .. last (a first-child chain): a slice
-                    run.hidden[b] = node_hidden[b, : last + 1].clone()
+                    rows = node_hidden[b, : last + 1]
                 else:
-                    run.hidden[b] = node_hidden[b, list(kept)]  # advanced indexing copies
-                if unseen is not None:
-                    run.hidden[b] = torch.cat([unseen, run.hidden[b]])
+                    rows = node_hidden[b, list(kept)]  # advanced indexing copies
+                self._keep_hidden(run, b, rows, append=contexts[b] is None)
         return appended, paths
+
+    def _keep_hidden(self, run: Run, b: int, rows: torch.Tensor, append: bool) -> None:
+        """Keep sequence ``b``'s hidden rows ``[m, D]`` of this step's kept tokens (row j: the state that
+        predicted its j-th token) as ``run.hidden[b]`` for the drafter's next step, copied where
+        ``rows`` views a forward's output (the next forward overwrites it): ``"last"``: the last row;
+        ``"all"``: the rows, after those not shown yet when ``append`` (no drafter call since)."""
+        if self._hidden_mode == HIDDEN_LAST:
+            rows = rows[-1:]
+        elif append and run.hidden[b] is not None:
+            run.hidden[b] = torch.cat([run.hidden[b], rows])
+            return
+        run.hidden[b] = rows.clone() if rows._base is not None else rows
 
     def _update_drafter(self, contexts: list[DraftContext | None], trees: list[TokenTree],
                         verdicts: list[Verdict | None]) -> None:  # fmt: skip
@@ -302,17 +312,6 @@ class DecodeLoop:
             return None
         return self._chunk(run.cache, len(run.lens), run.shared, run.sampling)
 
-    def _keep_chunk_hidden(self, run: Run, b: int, rows: torch.Tensor) -> None:
-        """Sequence ``b``'s hidden rows ``[m, D]`` of a chunk's m kept tokens (row j: the state that
-        predicted its j-th token), kept for the drafter's next step as a plain step keeps its one:
-        ``"all"``: after the rows not shown yet; ``"last"``: the last row only."""
-        if self._hidden_mode == HIDDEN_LAST:
-            run.hidden[b] = rows[-1:].clone()
-        elif run.hidden[b] is None:
-            run.hidden[b] = rows.clone()
-        else:
-            run.hidden[b] = torch.cat([run.hidden[b], rows])
-
     def _chunk_steps(self, run: Run, chunk: DecodeChunk) -> list[StepStats]:
         """Run ``chunk`` once: each unfinished sequence appends its tokens up to an eos (``append_tokens``'s
         rule; finished ones decode and are ignored); one ``StepStats`` per step, the chunk's time
@@ -337,7 +336,7 @@ class DecodeLoop:
                                          f"all -inf logits) for sequence {b}")  # fmt: skip
                     run.cache.lengths[b] += len(appended[b])  # slots of the root and new[:-1], written by the chunk
                     if chunk.hidden is not None and appended[b]:
-                        self._keep_chunk_hidden(run, b, chunk.hidden[b, : len(appended[b])])
+                        self._keep_hidden(run, b, chunk.hidden[b, : len(appended[b])], append=True)
         _stream(run, appended)
         share = {phase: timer.seconds[phase] / k for phase in ("verify", "commit", "forward")}
         zeros = (0,) * batch
