@@ -166,7 +166,8 @@ class TorchCollectives:
     """``Collectives`` over a ``torch.distributed`` process group (default: the world).
 
     Tensors travel on ``device``: default the CPU for groups whose backend handles CPU tensors
-    (gloo, or a ``"cpu:gloo,cuda:nccl"`` pair), else the current CUDA device (NCCL).
+    (gloo, or a ``"cpu:gloo,cuda:nccl"`` pair), else the current CUDA device (NCCL). It keeps the
+    group's registered name, not the group, so a destroyed group is not kept alive by a decoder.
     """
 
     def __init__(self, group=None, device: torch.device | str | None = None) -> None:
@@ -175,14 +176,22 @@ class TorchCollectives:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: expected an initialized torch.distributed process group, got none "
                              "(run under torchrun, or call torch.distributed.init_process_group first)")  # fmt: skip
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        group = group if group is not None else dist.group.WORLD
+        self.group_name: str = group.group_name
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
         if device is None:
-            backend = str(dist.get_backend(self.group)).lower()
+            backend = str(dist.get_backend(group)).lower()
             device = "cpu" if ("gloo" in backend or "cpu" in backend or "nccl" not in backend) else (
                 torch.device("cuda", torch.cuda.current_device()))  # fmt: skip
         self.device = torch.device(device)
+
+    @property
+    def group(self):
+        """The process group (looked up by name: RuntimeError once it is destroyed)."""
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(self.group_name)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -196,7 +205,8 @@ class TorchCollectives:
         import torch.distributed as dist
 
         t = tensor.to(self.device).contiguous()
-        dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group)
+        group = self.group
+        dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
         if t is not tensor:
             tensor.copy_(t)
 
@@ -342,18 +352,18 @@ def _unpack_states(gens: Sequence[torch.Generator], packed: torch.Tensor) -> Non
 def tensor_parallel_group(model):
     """The process group ``model`` is split over (``specdec.tensor_parallel.shard_model``), or None.
 
-    Raises ValueError for a model whose parameters are DTensors (transformers' own TP plan,
+    Raises ValueError when that group has been destroyed, and for a model whose parameters are DTensors (transformers' own TP plan,
     ``from_pretrained(tp_plan=...)``): its unfused, hooked projections are not what the engine runs;
     load it with :func:`load_tensor_parallel` instead.
     """
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():  # no process group: nothing is sharded
+    if not dist.is_available():
         return None
     from specdec.tensor_parallel import tensor_parallel_group as shard_group
 
-    group = shard_group(model)
-    if group is not None:
+    group = shard_group(model)  # (a ValueError when the model's group was destroyed)
+    if group is not None or not dist.is_initialized():
         return group
     try:
         from torch.distributed.tensor import DTensor

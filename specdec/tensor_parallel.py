@@ -27,7 +27,9 @@ and specdec's KV cache allocates each layer's buffers from the first key it stor
 ``num_attention_heads`` and ``num_key_value_heads`` (and the MLP width) divisible by N.
 
 ``tensor_parallel_group(model)`` finds the group again from the sharded modules (no attribute is set
-on the model).
+on the model). The modules keep the group's registered name, not the group object: once the run
+destroys the process group (``torch.distributed.destroy_process_group``), nothing the model holds
+keeps it alive to be torn down at interpreter exit (where gloo's threads were seen to abort a rank).
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum of ``x`` over ``group``'s ranks (same shape; a new tensor)."""
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of the group registered as ``group_name`` (same shape; a new tensor)."""
     ops = torch.ops._c10d_functional
-    return ops.wait_tensor(ops.all_reduce(x, "sum", group.group_name))
+    return ops.wait_tensor(ops.all_reduce(x, "sum", group_name))
 
 
 def _one_shot(staging: torch.Tensor, x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -73,10 +75,10 @@ def _(x: torch.Tensor, slot: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _all_gather_last(x: torch.Tensor, group, world: int) -> torch.Tensor:
+def _all_gather_last(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     """``[..., n]`` on each rank -> ``[..., world * n]``: the ranks' tensors side by side in rank order."""
     ops = torch.ops._c10d_functional
-    stacked = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), world, group.group_name))
+    stacked = ops.wait_tensor(ops.all_gather_into_tensor(x.contiguous(), world, group_name))
     return torch.cat(stacked.view(world, *x.shape).unbind(0), dim=-1)
 
 
@@ -91,11 +93,11 @@ class RowParallelLinear(nn.Linear):
     stream: inside a CUDA graph each one adds two cross-stream dependencies).
     """
 
-    def __init__(self, linear: nn.Linear, rank: int, world: int, group) -> None:
+    def __init__(self, linear: nn.Linear, rank: int, world: int, group_name: str) -> None:
         nn.Module.__init__(self)
         cols = linear.in_features // world
         self.in_features, self.out_features = cols, linear.out_features
-        self.group = group
+        self.group_name = group_name
         self.slot: torch.Tensor | None = None
         self.weight = nn.Parameter(linear.weight[:, rank * cols : (rank + 1) * cols].contiguous(),
                                    requires_grad=False)  # fmt: skip
@@ -105,9 +107,9 @@ class RowParallelLinear(nn.Linear):
         part = F.linear(x, self.weight)
         nbytes = part.numel() * part.element_size()
         if self.slot is not None and nbytes <= self.slot.numel():
-            out = one_shot_all_reduce(part, self.slot, self.group.group_name)
+            out = one_shot_all_reduce(part, self.slot, self.group_name)
         else:
-            out = _all_reduce(part, self.group)
+            out = _all_reduce(part, self.group_name)
         return out if self.bias is None else out + self.bias
 
 
@@ -119,19 +121,19 @@ class VocabParallelHead(nn.Linear):
     tied); the forward multiplies only rows ``[rank * V / N, (rank + 1) * V / N)``.
     """
 
-    def __init__(self, head: nn.Linear, rank: int, world: int, group) -> None:
+    def __init__(self, head: nn.Linear, rank: int, world: int, group_name: str) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = head.in_features, head.out_features
         self.weight = head.weight
         self.bias = head.bias
-        self.group, self.world = group, world
+        self.group_name, self.world = group_name, world
         rows = head.out_features // world
         self.rows = (rank * rows, (rank + 1) * rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lo, hi = self.rows
         part = F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
-        return _all_gather_last(part, self.group, self.world)
+        return _all_gather_last(part, self.group_name, self.world)
 
 
 def _column_shard(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
@@ -180,7 +182,7 @@ def shard_model(model: nn.Module, group=None, one_shot: bool | str = "auto") -> 
                          "(run under torchrun, or call torch.distributed.init_process_group first)")  # fmt: skip
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if tensor_parallel_group(model) is not None:
+    if _group_name(model) is not None:
         raise ValueError("model: expected an unsharded model, got one already split by shard_model")
     _check_divisible(model, world)
     count = 0
@@ -196,7 +198,7 @@ def shard_model(model: nn.Module, group=None, one_shot: bool | str = "auto") -> 
             if dim % world:
                 raise ValueError(f"model: expected {name}'s {'input' if split else 'output'} size divisible by "
                                  f"{world}, got {dim}")  # fmt: skip
-            new = RowParallelLinear(child, rank, world, group) if split else _column_shard(child, rank, world)
+            new = RowParallelLinear(child, rank, world, group.group_name) if split else _column_shard(child, rank, world)
             setattr(holder, name, new)
             count += 1
     if count == 0:
@@ -204,7 +206,7 @@ def shard_model(model: nn.Module, group=None, one_shot: bool | str = "auto") -> 
                          f"projections, got none in {type(model).__name__}")  # fmt: skip
     head = model.get_output_embeddings()
     if type(head) is nn.Linear and head.out_features % world == 0:
-        model.set_output_embeddings(VocabParallelHead(head, rank, world, group))
+        model.set_output_embeddings(VocabParallelHead(head, rank, world, group.group_name))
     if one_shot:
         rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
         slots = one_shot_slots(group, rows[0].weight.device, len(rows), required=one_shot is True)
@@ -286,9 +288,23 @@ def _probe(slot: torch.Tensor, group, device) -> tuple[bool, str]:
     return True, ""
 
 
+def _group_name(model: nn.Module) -> str | None:
+    """The registered name of the process group ``shard_model`` split ``model`` over, or None (unsharded)."""
+    return next((m.group_name for m in model.modules() if isinstance(m, RowParallelLinear)), None)
+
+
 def tensor_parallel_group(model: nn.Module) -> Any | None:
-    """The process group ``shard_model`` split ``model`` over, or None (unsharded)."""
-    for m in model.modules():
-        if isinstance(m, RowParallelLinear):
-            return m.group
-    return None
+    """The process group ``shard_model`` split ``model`` over, or None (unsharded).
+
+    Raises ValueError when that group has been destroyed since (the sharded model cannot run again).
+    """
+    name = _group_name(model)
+    if name is None:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name)
+    except RuntimeError as e:
+        raise ValueError(f"model: expected the process group it is split over ({name!r}) to be alive, got a "
+                         f"destroyed one (destroy_process_group ends the sharded model's use)") from e

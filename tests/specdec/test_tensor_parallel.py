@@ -50,6 +50,37 @@ def test_a_one_rank_split_computes_the_same_logits(one_rank_group, family):
     assert len(fused_groups(model)) == 2 * model.config.num_hidden_layers
 
 
+def test_a_sharded_model_and_decoder_hold_no_process_group(tmp_path):
+    """The shards and the rank lockstep keep the group's name, not the group: after
+    ``destroy_process_group`` nothing keeps it alive to be torn down at interpreter exit (where a
+    2-rank gloo run aborted now and then with "terminate called without an active exception"), and
+    asking the model for its group then says it is gone."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from specdec.distributed import TorchCollectives
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable, or a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = tiny_model("qwen2")
+        shard_model(model)
+        comm = TorchCollectives()
+        assert comm.all_gather(torch.tensor([3])).tolist() == [[3]]
+        held = [v for m in model.modules() for v in vars(m).values() if isinstance(v, dist.ProcessGroup)]
+        assert held == [] and not any(isinstance(v, dist.ProcessGroup) for v in vars(comm).values())
+        gone = weakref.ref(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert gone() is None  # nothing here keeps the destroyed group alive
+    with pytest.raises(ValueError, match="process group it is split over .* destroyed"):
+        tensor_parallel_group(model)
+
+
 def test_split_errors(one_rank_group, monkeypatch):
     model = tiny_model("qwen2")
     shard_model(model)
