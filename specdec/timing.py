@@ -14,13 +14,29 @@ Under an active ``torch.profiler`` each ``with`` phase is also a ``record_functi
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["PhaseTimer", "device_sync"]
+__all__ = ["PhaseTimer", "device_sync", "since_process_start"]
+
+_IMPORTED = time.time()  # the fallback process start where /proc is not there
+
+
+def since_process_start() -> float:
+    """Seconds since this process started (Linux: from ``/proc/self/stat``; elsewhere since this
+    module's import, which misses the interpreter's start and the imports before it)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time() - _IMPORTED
 
 
 def device_sync(device: torch.device) -> Callable[[], None] | None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -45,20 +44,7 @@ from typing import Any
 from specdec.cli import args as cliargs
 from specdec.dtypes import DTYPE_NAMES, parse_dtype
 
-_START = time.time()  # fallback process start when /proc is not there
 STALL_RATIO = 2.0
-
-
-def since_process_start() -> float:
-    """Seconds since this process started (Linux: from ``/proc/self/stat``; else since import)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time() - _START
 
 
 def stall_summary(calls: Sequence[dict[str, Any]], ratio: float = STALL_RATIO) -> dict[str, Any]:
@@ -218,6 +204,8 @@ def run_full(ns, log: Callable[[str], None]) -> dict[str, Any]:
 
 def run_first_token(ns, log: Callable[[str], None]) -> dict[str, Any]:
     import torch
+
+    from specdec.timing import since_process_start
 
     at_start = since_process_start()
     log(f"imports done {at_start:.1f} s after process start")

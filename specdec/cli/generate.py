@@ -19,6 +19,13 @@ allocation, CUDA-graph capture) inside its timing::
 
     ... | target alone 6.20 s: measured speedup 2.00x (identical text)
 
+The one-time costs are reported apart from the timed call: loading the models, the warm-up (the
+budget rule's timing of every node budget, and with ``--baseline`` the two untimed calls; on a GPU
+the compiles and captures), and when the timed call's first token came, counted from the process's
+start::
+
+    ... | load 8.2 s, warm-up 3.1 s, first token 14.6 s after the process started
+
 Tokens per step alone do not tell the speedup: a tree forward costs more than a one-token step
 (on a CPU several times more), and drafting costs time too.
 """
@@ -61,6 +68,11 @@ class GenerateResult:
         mean_accepted: tokens emitted per target forward (accepted drafts + the bonus token).
         baseline_seconds: target-only decoding time (``baseline=True``), else None.
         baseline_text: target-only completion (``baseline=True``), else None.
+        load_s: seconds loading the tokenizer, the models and the drafter (None: not measured).
+        warmup_s: seconds between the load and the timed call: the decoder's warm-up and, with
+            ``baseline=True``, both decoders' untimed calls (None: not measured).
+        first_token_s: seconds from the process's start to the timed call's first new token (None:
+            not measured).
     """
 
     text: str
@@ -71,6 +83,9 @@ class GenerateResult:
     mean_accepted: float
     baseline_seconds: float | None = None
     baseline_text: str | None = None
+    load_s: float | None = None
+    warmup_s: float | None = None
+    first_token_s: float | None = None
 
     def numbers(self) -> dict[str, Any]:
         """The measured numbers as JSON-ready values (``--json``)."""
@@ -84,6 +99,7 @@ class GenerateResult:
             "baseline_seconds": base,
             "measured_speedup": base / self.seconds if base is not None and self.seconds > 0 else None,
             "same_text": None if self.baseline_text is None else self.baseline_text == self.text,
+            "load_s": self.load_s, "warmup_s": self.warmup_s, "first_token_since_start_s": self.first_token_s,
             "phases_s": {k: v for k, v in self.output.totals().items() if k.endswith("_s")},
         }  # fmt: skip
 
@@ -98,6 +114,12 @@ class GenerateResult:
             measured = self.baseline_seconds / self.seconds if self.seconds > 0 else float("nan")
             same = "identical" if self.baseline_text == self.text else "different"
             line += f" | target alone {self.baseline_seconds:.2f} s: measured speedup {measured:.2f}x ({same} text)"
+        once = [f"{name} {value:.1f} s" for name, value in (("load", self.load_s), ("warm-up", self.warmup_s))
+                if value is not None]  # fmt: skip
+        if self.first_token_s is not None:
+            once.append(f"first token {self.first_token_s:.1f} s after the process started")
+        if once:
+            line += " | " + ", ".join(once)
         return line
 
 
@@ -180,6 +202,7 @@ def run_generate(
     from drafters import DRAFTERS, make_drafter
     from specdec import hf, models
     from specdec.engine import SpecDecoder
+    from specdec.timing import since_process_start
 
     out = sys.stdout if out is None else out
     parts = _drafter_parts(drafter)
@@ -207,6 +230,7 @@ def run_generate(
     if tree_size == "auto":
         sizes["max_tree_size"] = max_tree_size
 
+    t_load = time.perf_counter()
     tokenizer = models.load_tokenizer(target, progress=progress)
     target_model = models.load_model(target, dtype=torch_dtype, device=dev, progress=progress)
     options: dict[str, Any] = {}
@@ -220,6 +244,8 @@ def run_generate(
     decoder = SpecDecoder(target_model, made, attn_impl=attn_impl, **sizes)
 
     ids = torch.tensor(encode(tokenizer, prompt, chat), dtype=torch.int64)
+    load_s = time.perf_counter() - t_load
+    t_warm = time.perf_counter()
     if decoder.budget is not None:  # the step costs the budget rule starts from: every budget's forward, timed
         need = len(ids) + max_new_tokens
         decoder.warmup((1,), max_len=need, min_len=need, log=None)
@@ -233,10 +259,19 @@ def run_generate(
             warm.generate(ids, _BASELINE_WARMUP_TOKENS, generator=torch.Generator(device=dev).manual_seed(seed),
                           **kwargs)  # fmt: skip
     streamer = _Streamer(tokenizer, out) if stream else None
+    first_token: list[float] = []
+
+    def on_tokens(seq: int, tokens: list[int]) -> None:
+        if not first_token and tokens:
+            first_token.append(since_process_start())
+        if streamer is not None:
+            streamer(seq, tokens)
+
     gen = torch.Generator(device=dev).manual_seed(seed)
     _sync(dev)
+    warmup_s = time.perf_counter() - t_warm
     t0 = time.perf_counter()
-    result = decoder.generate(ids, max_new_tokens, generator=gen, on_tokens=streamer, **kwargs)
+    result = decoder.generate(ids, max_new_tokens, generator=gen, on_tokens=on_tokens, **kwargs)
     _sync(dev)
     seconds = time.perf_counter() - t0
     new = result.new_tokens(0).tolist()
@@ -258,7 +293,8 @@ def run_generate(
         base_s = time.perf_counter() - t0
         base_text = tokenizer.decode(ref.new_tokens(0).tolist(), skip_special_tokens=True)
     return GenerateResult(text, new, result, seconds, len(new) / seconds if seconds > 0 else float("nan"),
-                          result.mean_accepted, base_s, base_text)  # fmt: skip
+                          result.mean_accepted, base_s, base_text, load_s, warmup_s,
+                          first_token[0] if first_token else None)  # fmt: skip
 
 
 def _sync(device) -> None:

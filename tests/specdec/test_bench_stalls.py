@@ -32,12 +32,6 @@ def test_stall_summary_steps_and_errors():
         bench_stalls.stall_summary([])
 
 
-def test_since_process_start_is_positive_and_grows():
-    a = bench_stalls.since_process_start()
-    b = bench_stalls.since_process_start()
-    assert 0 < a <= b
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from tests.eval.tiny import apps_rows, save_pair

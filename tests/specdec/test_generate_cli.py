@@ -69,6 +69,12 @@ def test_generate_on_tiny_models_equals_target_greedy(tiny_dirs, drafter):
     assert res.tokens_per_s > 0 and res.mean_accepted >= 1.0
     line = res.summary()
     assert "tokens/step" in line and "speedup" not in line  # measured numbers only (no --baseline here)
+    # the one-time costs apart: the load, the warm-up, and the first token counted from the process start
+    # (which came before this test's own start, so after at least the whole call)
+    assert res.load_s > 0 and res.warmup_s >= 0 and res.first_token_s > res.load_s + res.warmup_s
+    assert f"load {res.load_s:.1f} s" in line and "after the process started" in line
+    numbers = res.numbers()
+    assert numbers["first_token_since_start_s"] == res.first_token_s and numbers["load_s"] == res.load_s
 
 
 def test_stream_chat_sampling_and_baseline(tiny_dirs, capsys):

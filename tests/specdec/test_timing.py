@@ -2,6 +2,7 @@
 when profiling is asked for (``SpecDecoder(profile=True)``)."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +53,18 @@ def test_generate_syncs_the_device_for_timing_only_when_profiling(monkeypatch, s
 def test_profile_is_checked():
     with pytest.raises(ValueError, match=r"profile: expected True or False, got 1"):
         SpecDecoder(prepared_tiny_model(), None, profile=1)
+
+
+def test_since_process_start_counts_from_the_process_start_not_the_import():
+    """A child process that sleeps before importing: the seconds since its start include the sleep."""
+    import subprocess
+    import sys
+
+    from specdec.timing import since_process_start
+
+    a, b = since_process_start(), since_process_start()
+    assert 0 < a <= b
+    code = "import time; time.sleep(0.6); from specdec.timing import since_process_start as s; print(s())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 cwd=str(Path(__file__).resolve().parents[2])).stdout)  # fmt: skip
+    assert 0.6 <= child < 120
