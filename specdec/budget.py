@@ -55,6 +55,15 @@ catch-up: a drafter whose catch-up costs more per token than ``probe_share`` of 
 probed again in the call, one just below that only after hundreds of plain steps.
 And no probe whose loss the steps left could not repay even if every drafted node were accepted
 (1 + the tree's depth tokens per step).
+
+**The first probes**: until the decoder has seen a few drafted steps, its acceptance estimate is
+mostly the prior, and a drafter whose true acceptance would pay may never be tried (a short call's
+plain steps never add up to a probe). So while fewer than ``first_probes`` (3) drafted steps were
+seen, a step that plain decoding wins by rate drafts (``why`` ``"probe"``) when ``first_probe_odds``
+(a quarter) of the best case's saving over the steps left -- every drafted node accepted, the
+catch-up paid -- exceeds the probe's expected loss: the value of finding out, against its price.
+Several, because one step is a thin sample (a reply's first token is its least predictable). Their
+verdicts then outweigh the prior (a weak one: ``prior_weight`` = 1 pseudo-trial per rank).
 """
 
 from __future__ import annotations
@@ -157,6 +166,10 @@ class BudgetConfig:
         prior_accept: in (0, 1): the prior probability that the first child is accepted (rank k:
             ``prior_accept * (1 - prior_accept) ** (k - 1)``).
         prior_weight: > 0: pseudo-trials of the prior per rank.
+        first_probes: the decoder's first drafted steps (>= 0) that may run as probes, before the
+            estimate rests on verdicts (see the module doc).
+        first_probe_odds: in (0, 1]: such a step drafts, where plain decoding wins by rate, when
+            this share of the best case's saving over the steps left exceeds its expected loss.
         costs: fixed costs instead of measured ones; None (default): measured.
     """
 
@@ -165,7 +178,9 @@ class BudgetConfig:
     probe_share: float = 0.02
     memory: float = 0.9
     prior_accept: float = 0.5
-    prior_weight: float = 2.0
+    prior_weight: float = 1.0
+    first_probes: int = 3
+    first_probe_odds: float = 0.25
     costs: CostTable | None = None
 
     def __post_init__(self) -> None:
@@ -184,6 +199,11 @@ class BudgetConfig:
         if (isinstance(self.prior_accept, bool) or not isinstance(self.prior_accept, (int, float))
                 or not 0 < self.prior_accept < 1):  # fmt: skip
             raise ValueError(f"prior_accept: expected a number in (0, 1), got {self.prior_accept!r}")
+        if not isinstance(self.first_probes, int) or isinstance(self.first_probes, bool) or self.first_probes < 0:
+            raise ValueError(f"first_probes: expected an int >= 0, got {self.first_probes!r}")
+        if (isinstance(self.first_probe_odds, bool) or not isinstance(self.first_probe_odds, (int, float))
+                or not 0 < self.first_probe_odds <= 1):  # fmt: skip
+            raise ValueError(f"first_probe_odds: expected a number in (0, 1], got {self.first_probe_odds!r}")
         if (isinstance(self.prior_weight, bool) or not isinstance(self.prior_weight, (int, float))
                 or not self.prior_weight > 0):  # fmt: skip
             raise ValueError(f"prior_weight: expected a number > 0, got {self.prior_weight!r}")
@@ -216,12 +236,15 @@ class RankAcceptance:
         self.depth = 0
         #: the most children of a node seen (0: none yet, then any number is assumed)
         self.width = 0
+        #: drafted steps observed (not decayed)
+        self.steps = 0
         #: budget -> ``expected_tokens``, valid until the next ``observe`` (a plain step observes nothing)
         self._expected: dict[int, float] = {}
 
     def observe(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
         """One step's drafted trees with their accepted paths (node indices from the root, 0 first)."""
         self._expected.clear()
+        self.steps += 1
         self.hits = [h * self.memory for h in self.hits]
         self.trials = [t * self.memory for t in self.trials]
         for tree, path in drafted:
@@ -501,18 +524,24 @@ class BudgetPolicy:
 
     def _probe_pays(self, tokens: Sequence[float], seconds: Sequence[float], i: int, catch_up: float,
                     left: int) -> bool:
-        """Whether to probe at candidate ``i`` (index 0: plain decoding) now: after ``probe_every`` plain
-        steps and more while its expected loss, ``catch_up`` included, exceeds ``probe_share`` of their
-        time, and unless the ``left`` steps could not repay the loss even if every drafted node were
-        accepted."""
-        if self._plain < self.config.probe_every:
+        """Whether to probe at candidate ``i`` (index 0: plain decoding) now: among the decoder's first
+        ``first_probes`` drafted steps, when ``first_probe_odds`` of the best case's saving repays its
+        expected loss; else after
+        ``probe_every`` plain steps and more while its expected loss, ``catch_up`` included, exceeds
+        ``probe_share`` of their time, and unless the ``left`` steps could not repay the loss even if
+        every drafted node were accepted."""
+        first = self.acceptance.steps < self.config.first_probes
+        if not first and self._plain < self.config.probe_every:
             return False
         if seconds[0] <= 0:
             return True
         loss = seconds[i] + catch_up - tokens[i] / tokens[0] * seconds[0]  # vs as many tokens decoded plainly
         most = 1 + min(self.budgets[i], self.acceptance.depth or self.budgets[i])  # every node accepted
         best_gain = left * (seconds[0] - seconds[i] / most)  # over the steps left, vs plain decoding
-        return loss <= self.config.probe_share * seconds[0] * self._plain and loss <= best_gain
+        if first and loss <= self.config.first_probe_odds * (best_gain - catch_up):
+            return True
+        return (self._plain >= self.config.probe_every and loss <= self.config.probe_share * seconds[0] * self._plain
+                and loss <= best_gain)  # fmt: skip
 
     def observe_trees(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
         """One drafted step's trees and accepted paths (``RankAcceptance.observe``)."""

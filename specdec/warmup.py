@@ -4,8 +4,9 @@
 the prompt-prefill forward, the tree forward (compiled and / or captured) and, for shared prompts,
 the forwards over a batch-1 prompt cache; then the drafter's own ``warmup``. It reports what each
 took (``WarmupReport``), device synchronized. With ``tree_size="auto"`` it makes the tree forward of
-every candidate budget and times each (``BUDGET_TIMING_RUNS`` runs, the median) for the decoder's
-cost model (``specdec.budget.StepCosts.record_forward``), and, after the drafter's ``warmup``, a
+every candidate budget and times each (``BUDGET_TIMING_RUNS`` runs, the median; one run where
+forwards have dynamic shapes, as on a CPU: nothing is captured or compiled, so a second and third run
+only add seconds -- the calls' own steps refine the costs) for the decoder's cost model (``specdec.budget.StepCosts.record_forward``), and, after the drafter's ``warmup``, a
 drafter that reads no hidden states: catching up on a dummy prompt of up to ``DRAFT_TIMING_PROMPT``
 tokens, then a step's drafting at every positive budget (``StepCosts.record_draft``).
 """
@@ -30,7 +31,7 @@ from specdec.tree import TokenTree
 __all__ = ["BUDGET_TIMING_RUNS", "DRAFT_TIMING_PROMPT", "Warmup"]
 
 #: ``tree_size="auto"``: timed runs of each budget's forward per warmed cache (after its first run), and
-#: of the drafter's drafting per budget
+#: of the drafter's drafting per budget, with static shapes (see ``Warmup._timing_runs``)
 BUDGET_TIMING_RUNS = 3
 #: ``tree_size="auto"``: the most tokens of the dummy prompt the drafter's catch-up is timed on
 DRAFT_TIMING_PROMPT = 64
@@ -274,18 +275,26 @@ class Warmup:
         say(f"specdec warmup: done in {total:.1f} s")
         return WarmupReport(tuple(entries), drafter_s, total, cache_dir)
 
+    @property
+    def _timing_runs(self) -> int:
+        """Timed runs per budget: ``BUDGET_TIMING_RUNS`` with static shapes (the first run, which captures
+        or compiles, not timed); with dynamic shapes (a CPU's eager forwards: nothing to make) one, and
+        it is the first."""
+        return BUDGET_TIMING_RUNS if self.static_shapes else 1
+
     def _time_drafter(self, max_len: int, say: Callable[[str], None]) -> None:
         """``tree_size="auto"``: the drafter's costs for the budget rule, before any call measures them --
         a reset on a dummy prompt of P = min(``DRAFT_TIMING_PROMPT``, ``max_len`` - the largest budget
         - ``BUDGET_TIMING_RUNS`` * budgets - 1) tokens and a first proposal at the smallest positive
-        budget (catching up on P - 1 tokens), then ``BUDGET_TIMING_RUNS`` proposals per positive
+        budget (catching up on P - 1 tokens), then ``_timing_runs`` proposals per positive
         budget, each after one more committed token (the median), device synchronized. Skipped for a
         drafter that reads the target's hidden states (the calls measure it) and when P < 2. The
         next ``generate`` resets the drafter."""
         positive = [n for n in self.tree_budgets if n > 0]
         if self.budget is None or self.drafter is None or hidden_states_request(self.drafter) is not None:
             return
-        prompt = min(DRAFT_TIMING_PROMPT, max_len - positive[-1] - BUDGET_TIMING_RUNS * len(positive) - 1)
+        runs_each = self._timing_runs
+        prompt = min(DRAFT_TIMING_PROMPT, max_len - positive[-1] - runs_each * len(positive) - 1)
         if prompt < 2:
             return
         tokens = torch.zeros(prompt, dtype=torch.int64)
@@ -301,7 +310,7 @@ class Warmup:
         caught_up = timed(positive[0])
         for budget in positive:
             runs = []
-            for _ in range(BUDGET_TIMING_RUNS):
+            for _ in range(runs_each):
                 tokens = torch.cat([tokens, tokens.new_zeros(1)])
                 runs.append(timed(budget))
             self.budget.costs.record_draft(budget, sorted(runs)[len(runs) // 2])
@@ -330,15 +339,16 @@ class Warmup:
     def _time_budgets(self, cache: KVCache, batch: int, shared: KVCache | None = None) -> None:
         """``tree_size="auto"``: make (first run: capture / compile) and time the forward of every
         candidate budget over ``cache`` (prefilled; ``shared``: the prompt's cache), the median of
-        ``BUDGET_TIMING_RUNS`` synchronized runs each, into the budget policy's costs."""
+        ``_timing_runs`` synchronized runs each, into the budget policy's costs."""
         if self.budget is None:
             return
         for budget in self.tree_budgets:
             forward = self._tree_forward(cache, [TokenTree.chain(torch.zeros(budget + 1, dtype=torch.int64))] * batch,
                                          budget, shared)  # fmt: skip
-            forward()  # made here if new: not timed
+            if self.static_shapes:
+                forward()  # made here if new (captured / compiled): not timed
             runs = []
-            for _ in range(BUDGET_TIMING_RUNS):
+            for _ in range(self._timing_runs):
                 self._sync()
                 start = time.perf_counter()
                 forward()

@@ -19,10 +19,10 @@ allocation, CUDA-graph capture) inside its timing::
 
     ... | target alone 6.20 s: measured speedup 2.00x (identical text)
 
-The one-time costs are reported apart from the timed call: loading the models, the warm-up (the
-budget rule's timing of every node budget, and with ``--baseline`` the two untimed calls; on a GPU
-the compiles and captures), and when the timed call's first token came, counted from the process's
-start::
+The one-time costs are reported apart from the timed call: loading the models, the warm-up (on a
+GPU the captures and compiles of every node budget's forward and their timing for the budget rule;
+with ``--baseline`` the two untimed calls), and when the timed call's first token came, counted from
+the process's start::
 
     ... | load 8.2 s, warm-up 3.1 s, first token 14.6 s after the process started
 
@@ -191,8 +191,9 @@ def run_generate(
     ``temperature > 0`` samples (with ``top_p``) losslessly. ``device`` defaults to cuda when
     available, else cpu; ``dtype`` (fp32 / bf16 / fp16) to bf16 on cuda and fp32 on cpu.
     ``tree_size``: an int, or ``"auto"`` (the default, None): every step picks its node budget --
-    plain decoding included -- from costs the warm-up measures before the timed call
-    (``SpecDecoder(tree_size="auto")``), up to ``max_tree_size``: default 64 on cuda and 16 on cpu,
+    plain decoding included -- from measured costs (``SpecDecoder(tree_size="auto")``: on a GPU a
+    warm-up before the timed call captures every budget's forward and times it; on a CPU the call's
+    first steps measure them), up to ``max_tree_size``: default 64 on cuda and 16 on cpu,
     except for the draft-model drafter on a CPU: chains of up to ``CPU_CHAIN`` tokens (``depth`` =
     ``CPU_CHAIN``, ``topk`` 1; measured faster than the target alone there, unlike trees).
     ``depth`` / ``topk`` tune the draft-model drafter.
@@ -246,7 +247,10 @@ def run_generate(
     ids = torch.tensor(encode(tokenizer, prompt, chat), dtype=torch.int64)
     load_s = time.perf_counter() - t_load
     t_warm = time.perf_counter()
-    if decoder.budget is not None:  # the step costs the budget rule starts from: every budget's forward, timed
+    if decoder.budget is not None and decoder.static_shapes:
+        # the forwards the call will replay, captured / compiled, and the step costs the budget rule starts
+        # from; with dynamic shapes (a CPU) there is nothing to build, and the call's first steps measure
+        # each budget (drafting there, on the real prompt, also tells the rule how much is accepted)
         need = len(ids) + max_new_tokens
         decoder.warmup((1,), max_len=need, min_len=need, log=None)
     eos = hf.eos_token_ids(target_model, tokenizer)
@@ -341,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Medusa / EAGLE heads directory (specdec train-medusa / train-eagle --out)")
     parser.add_argument("--tree-size", type=cliargs.tree_size(0), default="auto",
                         help="draft nodes per step, or auto (default): each step picks its budget, 0 (plain "
-                             "decoding) included, from costs measured by a warm-up before the timed call")
+                             "decoding) included, from measured costs (on cuda a warm-up before the timed call "
+                             "captures and times every budget; on cpu the call's first steps measure them)")
     parser.add_argument("--max-tree-size", type=cliargs.int_at_least(1), default=None,
                         help=f"with --tree-size auto, the largest budget (default 64 on cuda; on cpu chains of up "
                              f"to {CPU_CHAIN} for --drafter model, else 16)")

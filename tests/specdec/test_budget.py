@@ -146,17 +146,20 @@ def _policy(forward, draft, catch_up_s=0.0, **kw) -> BudgetPolicy:
     return BudgetPolicy(config, config.candidates(max(forward)))
 
 
-def _run_policy(policy: BudgetPolicy, steps: int, prompt: int = 9, max_new: int = 10**6) -> list[int]:
+def _run_policy(policy: BudgetPolicy, steps: int, prompt: int = 9, max_new: int = 10**6,
+                accept: bool = False) -> list[int]:  # fmt: skip
     """``steps`` decisions at batch 1 (a ``prompt``-token prompt, up to ``max_new`` new tokens), every
-    drafted tree rejected at once; the budgets picked."""
+    drafted chain rejected at once (``accept``: accepted whole); the budgets picked."""
     policy.begin([prompt], max_new)
     picked = []
     for _ in range(steps):
         decision = policy.decide(1, 1024, 1)
         picked.append(decision.budget)
-        if decision.budget:
-            policy.observe_trees([_chain(0)])
-        policy.observe_steps(decision.budget, 1, 1024, 1, [specdec.StepStats((0,), (0,), (1,), 0.0, 1.0, 0.0)])
+        n = decision.budget
+        if n:
+            policy.observe_trees([_chain(n if accept else 0, n)])
+        emitted = n + 1 if accept and n else 1
+        policy.observe_steps(n, 1, 1024, 1, [specdec.StepStats((n,), (emitted - 1,), (emitted,), 0.0, 1.0, 0.0)])
     return picked
 
 
@@ -165,20 +168,24 @@ def test_policy_plain_when_drafting_cannot_pay_and_probes():
     forward, draft = {0: 1.0, 4: 1.1, 8: 1.2, 16: 1.3}, {4: 3.0, 8: 3.0, 16: 3.0}
     policy = _policy(forward, draft, probe_every=4, probe_share=1.0)  # probes as often as probe_every allows
     picked = _run_policy(policy, 12)
-    assert picked[:4] == [0, 0, 0, 0] and picked[4] > 0 and picked[5:9] == [0, 0, 0, 0] and picked[9] > 0
-    assert policy.stats().histogram[0] == 10 and sum(policy.stats().histogram.values()) == 12
+    # the first three steps are the first probes (the steps left could repay them many times over);
+    # their drafts rejected, then a probe after every 4 plain steps
+    assert all(picked[:3]) and picked[3:7] == [0, 0, 0, 0] and picked[7] > 0 and picked[8:12] == [0, 0, 0, 0]
+    assert policy.stats().histogram[0] == 8 and sum(policy.stats().histogram.values()) == 12
     assert "budget 0 (rate)" in policy.stats().reason
     # the default share: a probe loses ~3 plain steps' time, so it waits ~150 plain steps (2 % of them)
-    # once the estimate knows the drafts are rejected (the first, on the prior's estimate, sooner)
+    # once the estimate knows the drafts are rejected
     picked = _run_policy(_policy(forward, draft, probe_every=4), 400)
     probes = [i for i, n in enumerate(picked) if n]
-    assert 2 <= len(probes) <= 3 and probes[0] >= 16 and all(b - a >= 100 for a, b in zip(probes, probes[1:]))
-    assert sum(forward[n] + draft.get(n, 0) for n in picked) < 1.03 * 400
-    # the same rule with one step left after the probe's: no probe (its loss of ~1.3 forwards is more
-    # than a forward, which even every node accepted would not save); two steps left: probed
+    assert probes[:3] == [0, 1, 2] and 2 <= len(probes[3:]) <= 3 and all(b - a >= 100 for a, b in zip(probes[2:], probes[3:]))
+    # the first probes' one-time ~10 forwards, then ~2 %
+    assert sum(forward[n] + draft.get(n, 0) for n in picked) < 400 + 3 * (draft[4] + forward[4]) + 0.03 * 400
+    # few steps left: no first probe (a quarter of the best case's saving is less than its loss), and
+    # with one step left after a regular probe's, none (its loss of ~1.3 forwards is more than a
+    # forward, which even every node accepted would not save); two steps left: probed
     picked = _run_policy(_policy(forward, draft, probe_every=4, probe_share=1.0), 5, max_new=5)
     assert picked == [0] * 5
-    assert _run_policy(_policy(forward, draft, probe_every=4, probe_share=1.0), 6, max_new=6)[4] > 0
+    assert _run_policy(_policy(forward, draft, probe_every=4, probe_share=1.0), 6, max_new=6) == [0, 0, 0, 0, 16, 0]
 
 
 # a 2-core CPU's step costs (seconds): the 1.5B target, chains of up to 5 tokens of a 0.5B draft model
@@ -196,7 +203,7 @@ def test_policy_counts_the_catch_up_of_a_probe():
                 policy.observe_trees([_chain(0, 5)])
             picks[catch_up] = _run_policy(policy, max_new, prompt=40, max_new=max_new)
         assert picks[0.03] == [0] * max_new
-        assert [i for i, n in enumerate(picks[0.0]) if n][0] == 38  # free catch-up: a probe after 38 plain steps
+        assert [i for i, n in enumerate(picks[0.0]) if n][0] == 41  # free catch-up: a probe after 41 plain steps
         last = policy.stats().last
         assert last.why == "rate" and last.catch_up_s == pytest.approx(0.03 * (40 + max_new - 1))
         assert "catch-up" in last.reason and "1 steps left" in last.reason
@@ -231,8 +238,37 @@ def test_policy_probes_early_where_drafting_is_cheap():
     drafted = [i for i, n in enumerate(picked) if n]
     # the prior's estimate: drafting pays from the first step, a 200-token catch-up included, until the
     # rejections are seen; then a probe after every 16 plain steps
-    assert drafted == [0, 1, 2, 3, 4, *range(21, 200, 17)]
+    assert drafted == [0, 1, 2, *range(19, 200, 17)]
     assert picked == _run_policy(_policy(forward, draft), 200, prompt=200, max_new=200)  # as if it were free
+
+
+# a 2-core CPU's measured costs (seconds; the warm-up's timings): the 1.5B target, chains of up to 5
+# tokens of the 0.5B draft model, catching the draft model up at ~10 ms a token
+CPU_CHAIN_FORWARD, CPU_CHAIN_DRAFT = {0: 0.31, 4: 0.62, 5: 0.66}, {4: 0.57, 5: 0.70}
+
+
+@pytest.mark.parametrize("accept", [True, False])
+def test_the_first_probe_tries_a_drafter_the_prior_alone_would_never_run(accept):
+    """By the prior's acceptance plain decoding wins (2.2 tokens per 1.4-s step against 3.2 tokens a
+    second), and a regular probe waits for more plain steps than 64 tokens have. So before anything
+    was drafted, a call with 64 tokens to go probes at once: chains accepted whole then win by rate;
+    chains rejected in the three first probes send it back to plain decoding. With 8 tokens to go
+    the best case cannot repay a probe: plain decoding throughout."""
+    picked = _run_policy(_policy(CPU_CHAIN_FORWARD, CPU_CHAIN_DRAFT, catch_up_s=0.01), 30, prompt=40, max_new=64,
+                         accept=accept)  # fmt: skip
+    if accept:
+        assert all(n > 0 for n in picked)
+    else:
+        assert all(picked[:3]) and picked[3:] == [0] * 27  # three first probes, then the verdicts rule
+    prior_only = _policy(CPU_CHAIN_FORWARD, CPU_CHAIN_DRAFT, catch_up_s=0.01)
+    prior_only.begin([40], 64)
+    assert prior_only.decide(1, 1024, 1).why == "probe"
+    assert _run_policy(_policy(CPU_CHAIN_FORWARD, CPU_CHAIN_DRAFT, catch_up_s=0.01), 8, prompt=40, max_new=8) == [0] * 8
+    # a decoder that drafted before (an earlier call) knows better than the prior: no first probe
+    seen = _policy(CPU_CHAIN_FORWARD, CPU_CHAIN_DRAFT, catch_up_s=0.01)
+    for _ in range(3):
+        seen.observe_trees([_chain(0, 5)])
+    assert _run_policy(seen, 10, prompt=40, max_new=64) == [0] * 10
 
 
 def test_policy_follows_acceptance():
@@ -278,6 +314,10 @@ def test_config_and_constructor_errors():
         BudgetConfig(memory=0)
     with pytest.raises(ValueError, match=r"prior_accept: expected a number in \(0, 1\), got 1"):
         BudgetConfig(prior_accept=1)
+    with pytest.raises(ValueError, match=r"first_probes: expected an int >= 0, got -1"):
+        BudgetConfig(first_probes=-1)
+    with pytest.raises(ValueError, match=r"first_probe_odds: expected a number in \(0, 1\], got 0"):
+        BudgetConfig(first_probe_odds=0)
     with pytest.raises(ValueError, match=r"forward_s: expected a mapping of budgets"):
         CostTable({0: -1.0}, {})
     with pytest.raises(ValueError, match=r"catch_up_s: expected seconds per token >= 0, got -0.1"):
