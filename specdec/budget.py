@@ -496,6 +496,11 @@ class BudgetPolicy:
         self._histogram, self._last, self._plain = {}, None, 0
         self._behind, self._left = list(prompt_lens), [max_new_tokens] * len(prompt_lens)
 
+    def forget_acceptance(self) -> None:
+        """Start the acceptance estimate afresh from the prior (the first probes included), keeping the
+        measured costs: for a new workload, or after calls that only warmed the decoder."""
+        self.acceptance = RankAcceptance(self.config.prior_accept, self.config.prior_weight, self.config.memory)
+
     def decide(self, batch: int, capacity: int, active: int) -> BudgetDecision:
         """The next step's budget for ``batch`` sequences (``active`` of them unfinished) over a cache
         of ``capacity`` slots per sequence."""

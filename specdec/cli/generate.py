@@ -13,9 +13,11 @@ decision's costs and acceptance estimate are in ``--json``'s ``budget_reason``.)
 
 The summary shows measured numbers only. ``--baseline`` also decodes the prompt with the target
 alone (same engine, no drafter) and adds the measured speedup (and, greedy, whether the two texts
-are identical; they must be); before the two timed calls each decoder makes one short untimed
-call, so that neither pays the process's first-touch costs (weight pages read from disk, buffer
-allocation, CUDA-graph capture) inside its timing::
+are identical; they must be); before the two timed calls the decoders make a short untimed call
+(on a CPU only the target alone: the decoders share the target, and the speculative decoder's first
+steps measure the budgets' costs as they would without ``--baseline``), so that neither pays the
+process's first-touch costs (weight pages read from disk, buffer allocation, CUDA-graph capture)
+inside its timing::
 
     ... | target alone 6.20 s: measured speedup 2.00x (identical text)
 
@@ -258,10 +260,17 @@ def run_generate(
     kwargs = dict(do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p, eos_token_id=eos or None)
 
     plain = SpecDecoder(target_model, None, attn_impl=attn_impl) if baseline else None
-    if baseline:  # a fair comparison: both decoders warm (first-touch weight pages, capture / allocation)
-        for warm in (decoder, plain):
+    if baseline:
+        # A fair comparison: both decoders warm (first-touch weight pages, capture / allocation), and the timed
+        # call as it would run without --baseline. With dynamic shapes (a CPU) the speculative decoder has
+        # nothing to capture: only the target is warmed (the decoders share it), so that its first steps
+        # measure the budgets' costs on the real prompt as they would; else its acceptance estimate is
+        # started afresh after its warm call.
+        for warm in (decoder, plain) if decoder.static_shapes else (plain,):
             warm.generate(ids, _BASELINE_WARMUP_TOKENS, generator=torch.Generator(device=dev).manual_seed(seed),
                           **kwargs)  # fmt: skip
+        if decoder.budget is not None:
+            decoder.budget.forget_acceptance()
     streamer = _Streamer(tokenizer, out) if stream else None
     first_token: list[float] = []
 

@@ -269,6 +269,8 @@ def test_the_first_probe_tries_a_drafter_the_prior_alone_would_never_run(accept)
     for _ in range(3):
         seen.observe_trees([_chain(0, 5)])
     assert _run_policy(seen, 10, prompt=40, max_new=64) == [0] * 10
+    seen.forget_acceptance()  # a new workload: the prior again, and its first probes
+    assert seen.acceptance.steps == 0 and _run_policy(seen, 1, prompt=40, max_new=64)[0] > 0
 
 
 def test_policy_follows_acceptance():
