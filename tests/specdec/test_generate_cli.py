@@ -12,7 +12,16 @@ from specdec import cli, models
 from specdec.cli.generate import encode, run_generate
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fp32_default")
+
+
+@pytest.fixture
+def fp32_default(monkeypatch):
+    """The tests compare against float32 references: the CPU default is fp32 whatever this CPU does
+    in bf16 (``test_the_cpu_default_dtype_follows_native_bf16`` checks that choice)."""
+    import specdec.cli.generate as generate
+
+    monkeypatch.setattr(generate, "cpu_bf16_native", lambda: False)
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +168,41 @@ def test_cpu_default_is_the_measured_chain_under_the_auto_budget(tiny_dirs):
     res = run_generate("def add(a, b):", target=str(target), draft=str(draft), tree_size=12, max_new_tokens=12,
                        device="cpu", chat=False, attn_impl="torch", progress=False, out=io.StringIO())  # fmt: skip
     assert max(n for s in res.output.steps for n in s.nodes_proposed) > CPU_CHAIN
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_cpu_default_dtype_follows_native_bf16(tiny_dirs, monkeypatch, native):
+    """On a CPU that multiplies bf16 natively the default dtype is bf16 (about twice as fast as fp32
+    there), elsewhere fp32; an explicit --dtype wins."""
+    import specdec.cli.generate as generate
+
+    target, draft, _ = tiny_dirs
+    seen = []
+    real = models.load_model
+    monkeypatch.setattr(generate, "cpu_bf16_native", lambda: native)
+    monkeypatch.setattr(models, "load_model", lambda *a, dtype, **kw: seen.append(dtype) or real(*a, dtype=dtype, **kw))
+    for dtype in (None, "fp32"):
+        seen.clear()
+        res = run_generate("def add(a, b):", target=str(target), draft=str(draft), tree_size=4, max_new_tokens=4,
+                           device="cpu", dtype=dtype, chat=False, attn_impl="torch", progress=False, out=io.StringIO())
+        want = torch.bfloat16 if native and dtype is None else torch.float32
+        assert seen == [want, want] and len(res.token_ids) == 4
+
+
+def test_cpu_bf16_native_matches_the_cpu_flags(monkeypatch):
+    """oneDNN's answer agrees with the CPU's own flags (Linux), and a torch without oneDNN's query says no."""
+    from pathlib import Path
+
+    import specdec.dtypes as dtypes
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = set(cpuinfo.read_text().split())
+        assert dtypes.cpu_bf16_native() == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+    class NoQuery:
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", NoQuery())
+    assert dtypes.cpu_bf16_native() is False
