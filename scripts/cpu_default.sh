@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Which `specdec generate` configuration pays on a CPU: each candidate decodes each prompt
-# with --baseline (the target alone, same process, right after), greedy, fp32, 64 new tokens, and
+# with --baseline (the target alone, same process, right after), greedy, generate's default dtype
+# (bf16 on a CPU with native bf16, else fp32; add --dtype to a config to pin it), 64 new tokens, and
 # writes one JSON per run into OUT (default docs/runs/<date>-cpu). Prompts: the README's, plus two
 # MBPP tasks (training data; never APPS / HumanEval). Run on an otherwise idle machine.
 #   bash scripts/cpu_default.sh [OUT]      (CONFIGS="name:flags;name:flags" replaces the candidates)
