@@ -483,7 +483,8 @@ class BudgetPolicy:
         #: the step costs, kept across calls
         self.costs = StepCosts(config.costs)
         #: the acceptance estimate, kept across calls
-        self.acceptance = RankAcceptance(config.prior_accept, config.prior_weight, config.memory)
+        self.acceptance: RankAcceptance
+        self.forget_acceptance()
         self._histogram: dict[int, int] = {}
         self._last: BudgetDecision | None = None
         self._plain = 0  # plain steps in a row
@@ -531,10 +532,9 @@ class BudgetPolicy:
                     left: int) -> bool:
         """Whether to probe at candidate ``i`` (index 0: plain decoding) now: among the decoder's first
         ``first_probes`` drafted steps, when ``first_probe_odds`` of the best case's saving repays its
-        expected loss; else after
-        ``probe_every`` plain steps and more while its expected loss, ``catch_up`` included, exceeds
-        ``probe_share`` of their time, and unless the ``left`` steps could not repay the loss even if
-        every drafted node were accepted."""
+        expected loss; else after ``probe_every`` plain steps and more while its expected loss,
+        ``catch_up`` included, exceeds ``probe_share`` of their time, and unless the ``left`` steps
+        could not repay the loss even if every drafted node were accepted."""
         first = self.acceptance.steps < self.config.first_probes
         if not first and self._plain < self.config.probe_every:
             return False

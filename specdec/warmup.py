@@ -5,8 +5,9 @@ the prompt-prefill forward, the tree forward (compiled and / or captured) and, f
 the forwards over a batch-1 prompt cache; then the drafter's own ``warmup``. It reports what each
 took (``WarmupReport``), device synchronized. With ``tree_size="auto"`` it makes the tree forward of
 every candidate budget and times each (``BUDGET_TIMING_RUNS`` runs, the median; one run where
-forwards have dynamic shapes, as on a CPU: nothing is captured or compiled, so a second and third run
-only add seconds -- the calls' own steps refine the costs) for the decoder's cost model (``specdec.budget.StepCosts.record_forward``), and, after the drafter's ``warmup``, a
+forwards have dynamic shapes, as on a CPU: nothing is captured or compiled, so more runs only add
+seconds -- the calls' own steps refine the costs) for the decoder's cost model
+(``specdec.budget.StepCosts.record_forward``), and, after the drafter's ``warmup``, a
 drafter that reads no hidden states: catching up on a dummy prompt of up to ``DRAFT_TIMING_PROMPT``
 tokens, then a step's drafting at every positive budget (``StepCosts.record_draft``).
 """

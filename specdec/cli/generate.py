@@ -13,7 +13,7 @@ decision's costs and acceptance estimate are in ``--json``'s ``budget_reason``.)
 
 The summary shows measured numbers only. ``--baseline`` also decodes the prompt with the target
 alone (same engine, no drafter) and adds the measured speedup (and, greedy, whether the two texts
-are identical; they must be); before the two timed calls the decoders make a short untimed call
+are identical; in fp32 they must be); before the two timed calls the decoders make a short untimed call
 (on a CPU only the target alone: the decoders share the target, and the speculative decoder's first
 steps measure the budgets' costs as they would without ``--baseline``), so that neither pays the
 process's first-touch costs (weight pages read from disk, buffer allocation, CUDA-graph capture)
@@ -189,7 +189,7 @@ def run_generate(
 ) -> GenerateResult:
     """Decode ``prompt`` speculatively; print the completion to ``out`` (streamed if ``stream``).
 
-    ``temperature == 0`` is greedy decoding (identical to the target's own greedy output);
+    ``temperature == 0`` is greedy decoding (the target's own greedy output; see ``dtype``);
     ``temperature > 0`` samples (with ``top_p``) losslessly. ``device`` defaults to cuda when
     available, else cpu; ``dtype`` (fp32 / bf16 / fp16) to bf16 on cuda and on a CPU that multiplies
     bf16 natively (``specdec.dtypes.cpu_bf16_native``: about twice as fast as fp32 there), else fp32.

@@ -503,6 +503,13 @@ def test_warmup_builds_and_times_every_budget_then_generate_builds_nothing():
     # the drafter timed: a catch-up on a dummy prompt of 60 - 16 - 3 * 3 - 1 = 34 tokens, then 3 steps per budget
     assert [(a, n, k) for a, n, _, k in costs.catch_ups] == [(1, 4, 33)] and costs.catch_up_s(10) > 0
     assert drafter.asked == [4] * 4 + [8] * 3 + [16] * 3 and all(costs.draft_s(1, n) > 0 for n in (4, 8, 16))
+    # dynamic shapes (a CPU's default): nothing to capture, so one timed run per budget, the first
+    dynamic = SpecDecoder(prepared_tiny_model(), _Counting(refs), "auto", max_tree_size=16, attn_impl="torch")
+    assert not dynamic.static_shapes
+    dynamic.warmup((1,), max_len=60, log=None)
+    assert dynamic.drafter.asked == [4, 4, 8, 16]  # the catch-up on 60 - 16 - 3 - 1 = 40 tokens, then one a budget
+    assert [(a, n, k) for a, n, _, k in dynamic.budget.costs.catch_ups] == [(1, 4, 39)]
+    assert {n for (_, _, n) in dynamic.budget.costs.warm} == {0, 4, 8, 16}
     reading = SpecDecoder(prepared_tiny_model(), _Counting(refs, hidden=HIDDEN_ALL), "auto", max_tree_size=16,
                           attn_impl="torch")  # fmt: skip
     reading.warmup((1,), max_len=60, log=None)  # a drafter reading hidden states: measured by the calls
