@@ -196,7 +196,8 @@ def test_cpu_bf16_native_matches_the_cpu_flags(monkeypatch):
     import specdec.dtypes as dtypes
 
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
+    limited = any(os.environ.get(v) for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"))  # oneDNN told to use less
+    if cpuinfo.exists() and not limited:
         flags = set(cpuinfo.read_text().split())
         assert dtypes.cpu_bf16_native() == bool(flags & {"avx512_bf16", "amx_bf16"})
 
