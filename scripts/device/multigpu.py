@@ -103,23 +103,16 @@ def _one_shot_on(target) -> bool:
 
 def _end(rank: int, world: int, device: torch.device, release) -> None:
     """A clean exit: every CUDA graph that captured a collective freed before the group goes (NCCL
-    waits for them when it destroys the communicator), then a barrier, then the group destroyed."""
+    waits for them when it destroys the communicator), then ``end_tensor_parallel`` (garbage
+    collected, a barrier, the group destroyed)."""
     if world <= 1:
         return
-    import gc
-
-    import torch.distributed as dist
+    from specdec.distributed import end_tensor_parallel
 
     t_end = time.perf_counter()
     release()
-    gc.collect()  # graphs held in reference cycles
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    print(f"rank {rank}: released in {time.perf_counter() - t_end:.2f} s", flush=True)
-    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
-    print(f"rank {rank}: barrier passed at {time.perf_counter() - t_end:.2f} s", flush=True)
-    dist.destroy_process_group()
-    print(f"rank {rank}: process group destroyed at {time.perf_counter() - t_end:.2f} s", flush=True)
+    end_tensor_parallel()
+    print(f"rank {rank}: released, process group destroyed at {time.perf_counter() - t_end:.2f} s", flush=True)
 
 
 def _forward(ns) -> None:

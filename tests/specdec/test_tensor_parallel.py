@@ -81,6 +81,31 @@ def test_a_sharded_model_and_decoder_hold_no_process_group(tmp_path):
         tensor_parallel_group(model)
 
 
+def test_end_tensor_parallel_releases_then_destroys_the_group(tmp_path):
+    import torch.distributed as dist
+
+    from specdec.distributed import end_tensor_parallel
+
+    class Decoder:
+        released = 0
+
+        def release(self):
+            self.released += 1
+
+    dec = Decoder()
+    end_tensor_parallel(dec)  # no process group: the decoders are released, nothing else
+    assert dec.released == 1
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable, or a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    model = tiny_model("qwen2")
+    shard_model(model)
+    end_tensor_parallel(dec)
+    assert dec.released == 2 and not dist.is_initialized()
+    with pytest.raises(ValueError, match="destroyed"):
+        tensor_parallel_group(model)
+
+
 def test_split_errors(one_rank_group, monkeypatch):
     model = tiny_model("qwen2")
     shard_model(model)

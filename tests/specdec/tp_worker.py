@@ -144,7 +144,7 @@ def reference(models_dir: Path) -> dict:
 def main(models_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from specdec.distributed import tensor_parallel_group
+    from specdec.distributed import end_tensor_parallel, tensor_parallel_group
     from specdec.engine import SpecDecoder
 
     models = load(Path(models_dir), tp=True)
@@ -173,30 +173,16 @@ def main(models_dir: str, out_dir: str) -> None:
         res["prompts"] = str(e)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
     del models
-    _end(dist)
-
-
-def _end(dist) -> None:
-    """A run's end: garbage collected (whatever still holds tensors a collective touched goes while the
-    interpreter is whole), a barrier, the group destroyed, collected again. Without the first
-    collection a rank aborted now and then at interpreter exit ("terminate called without an active
-    exception", from C++ teardown with no Python frame): 4 of 19 runs while the sharded modules held
-    the group, about 1 in 60 after they kept its name, none in 30 with it."""
-    import gc
-
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    gc.collect()
+    end_tensor_parallel()
 
 
 def teardown(models_dir: str, out_dir: str) -> None:
-    """A distributed run's end, in the order scripts/device/multigpu.py keeps: decode on the sharded
-    target, release the decoder, a barrier, destroy the process group; then write
+    """A distributed run's end as scripts/device/multigpu.py ends one: decode on the sharded target,
+    then ``specdec.distributed.end_tensor_parallel`` (release, collect, barrier, destroy); then write
     ``OUT/teardown{r}.json`` (the new tokens, and whether a process group is still initialized)."""
     import torch.distributed as dist
 
-    from specdec.distributed import load_tensor_parallel
+    from specdec.distributed import end_tensor_parallel, load_tensor_parallel
     from specdec.engine import SpecDecoder
 
     target = load_tensor_parallel(Path(models_dir) / "target")
@@ -204,9 +190,8 @@ def teardown(models_dir: str, out_dir: str) -> None:
     dec = SpecDecoder(target, _lookup(), tree_size=8, attn_impl="torch")  # (not Triton's CPU interpreter: seconds)
     tokens = dec.generate(torch.tensor(PROMPTS[0]), NEW_TOKENS).new_tokens().tolist()
     synced = dec.rank_sync is not None
-    dec.release()
-    del dec, target
-    _end(dist)
+    del target
+    end_tensor_parallel(dec)
     res = {"rank": rank, "tokens": tokens, "rank_sync": synced, "initialized": dist.is_initialized()}
     Path(out_dir, f"teardown{rank}.json").write_text(json.dumps(res))
 
