@@ -427,7 +427,7 @@ def end_tensor_parallel(*decoders: Any) -> None:
     if not dist.is_available() or not dist.is_initialized():
         return
     gc.collect()
-    if torch.cuda.is_available() and str(dist.get_backend()).lower().find("nccl") >= 0:
+    if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower():
         device = torch.cuda.current_device()
         torch.cuda.synchronize(device)
         dist.barrier(device_ids=[device])
