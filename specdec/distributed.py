@@ -353,9 +353,9 @@ def _unpack_states(gens: Sequence[torch.Generator], packed: torch.Tensor) -> Non
 def tensor_parallel_group(model):
     """The process group ``model`` is split over (``specdec.tensor_parallel.shard_model``), or None.
 
-    Raises ValueError when that group has been destroyed, and for a model whose parameters are DTensors (transformers' own TP plan,
-    ``from_pretrained(tp_plan=...)``): its unfused, hooked projections are not what the engine runs;
-    load it with :func:`load_tensor_parallel` instead.
+    Raises ValueError when that group has been destroyed, and for a model whose parameters are
+    DTensors (transformers' own TP plan, ``from_pretrained(tp_plan=...)``): its unfused, hooked
+    projections are not what the engine runs; load it with :func:`load_tensor_parallel` instead.
     """
     import torch.distributed as dist
 
@@ -407,7 +407,6 @@ def load_tensor_parallel(path: str | os.PathLike[str], dtype: torch.dtype | None
         if cuda:
             torch.cuda.empty_cache()  # the other ranks' shards, read whole above
     return model.eval()
-
 
 
 def end_tensor_parallel(*decoders: Any) -> None:

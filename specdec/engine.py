@@ -114,13 +114,13 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
             shared layout where True would give it, the copy layout where True would raise. Calls
             with several prompts always use the copy layout.
         decode_chunk: plain decoding (no drafter, ``tree_size=0``, or steps at budget 0 with
-            ``tree_size="auto"``; a drafter that reads hidden states gets each step's rows) with static shapes runs
-            this many steps per ``specdec.decode_chunk.DecodeChunk`` (default ``DEFAULT_DECODE_CHUNK`` =
+            ``tree_size="auto"``; a drafter that reads hidden states gets each step's rows) with
+            static shapes runs this many steps per ``specdec.decode_chunk.DecodeChunk`` (default ``DEFAULT_DECODE_CHUNK`` =
             8): one replay and one device-to-host copy per chunk instead of a host round trip per
             token, while every unfinished sequence has at least that many tokens to go. Greedy: the
             same tokens as one step at a time; sampling: draws from the same distributions with
-            other random numbers. 0: one step per forward. Ignored with dynamic shapes (a
-            tensor-parallel target's ranks compare one token fingerprint per chunk).
+            other random numbers. 0: one step per forward. Ignored with dynamic shapes. A
+            tensor-parallel target's ranks compare one token fingerprint per chunk.
         profile: end every timed phase of a step (``StepStats``: draft, verify, forward, commit;
             ``GenerationOutput.prefill_s``) with a device synchronize, so each phase holds the
             device work it queued. Default False: the phases are host wall time and ``generate``

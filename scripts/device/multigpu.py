@@ -101,7 +101,7 @@ def _one_shot_on(target) -> bool:
     return any(isinstance(m, RowParallelLinear) and m.slot is not None for m in target.modules())
 
 
-def _end(rank: int, world: int, device: torch.device, release) -> None:
+def _end(rank: int, world: int, release) -> None:
     """A clean exit: every CUDA graph that captured a collective freed before the group goes (NCCL
     waits for them when it destroys the communicator), then ``end_tensor_parallel`` (garbage
     collected, a barrier, the group destroyed)."""
@@ -158,7 +158,7 @@ def _forward(ns) -> None:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(json.dumps(res, indent=1))
     del g
-    _end(rank, world, device, graphs.clear)
+    _end(rank, world, graphs.clear)
 
 
 def _run(ns) -> None:
@@ -230,7 +230,7 @@ def _run(ns) -> None:
         print(f"{ns.out}: world {world} {ns.dtype} drafter={ns.drafter} t={dec.tree_size} graphs={dec.cuda_graphs}: "
               f"{new} tokens in {secs:.2f} s = {new / secs:.1f} tok/s (bs 1), "
               f"{res['max_memory_gib']:.1f} GiB on rank 0")  # fmt: skip
-    _end(rank, world, device, dec.release)
+    _end(rank, world, dec.release)
 
 
 def _compare(ns) -> int:
