@@ -104,13 +104,19 @@ def _one_shot_on(target) -> bool:
 def _end(rank: int, world: int, release) -> None:
     """A clean exit: every CUDA graph that captured a collective freed before the group goes (NCCL
     waits for them when it destroys the communicator), then ``end_tensor_parallel`` (garbage
-    collected, a barrier, the group destroyed)."""
+    collected, a barrier, the group destroyed). A watchdog bounds the teardown and the interpreter's
+    exit: after ``EXIT_WATCHDOG_S`` seconds (default 60) it prints every thread's stack and ends the
+    rank with exit status 1, so a hang shows where it is instead of running into the call's limit."""
     if world <= 1:
         return
+    import faulthandler
+
     from specdec.distributed import end_tensor_parallel
 
+    faulthandler.dump_traceback_later(float(os.environ.get("EXIT_WATCHDOG_S", "60")), exit=True)
     t_end = time.perf_counter()
     release()
+    print(f"rank {rank}: graphs released at {time.perf_counter() - t_end:.2f} s", flush=True)
     end_tensor_parallel()
     print(f"rank {rank}: released, process group destroyed at {time.perf_counter() - t_end:.2f} s", flush=True)
 
@@ -206,7 +212,8 @@ def _run(ns) -> None:
         lines = []
         for key in ("self_cuda_time_total", "cpu_time_total"):
             lines.append(prof.key_averages().table(sort_by=key, row_limit=25))
-        Path(ns.trace).write_text("\n\n".join(lines))
+        trace = Path(ns.trace)  # one file per world size: a one-GPU run and a TP run may share the argument
+        trace.with_name(f"{trace.stem}-world{world}{trace.suffix}").write_text("\n\n".join(lines))
     elif ns.trace:
         dec.generate(prompts[0], ns.new)  # the other ranks run the same call (collectives)
     for p in prompts:
@@ -292,7 +299,8 @@ def main(argv=None) -> int:
     r.add_argument("--prompts-file", help="JSONL with a 'description' per line (APPS), with --tokenizer")
     r.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
     r.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True): the layer-wise compile")
-    r.add_argument("--trace", help="write a torch.profiler table of one call (rank 0) to this file")
+    r.add_argument("--trace", help="write a torch.profiler table of one call (rank 0) to this file, "
+                   "'-world{W}' added to its name")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--one-shot", choices=["auto", "off"], default="auto",
                    help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto) or NCCL only")

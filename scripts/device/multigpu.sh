@@ -14,7 +14,8 @@
 #               plain decoding, prompt lookup and the draft model (replicated per rank), one GPU vs TP=2.
 #   forward     the captured verify forward at 1, 16, 64 nodes, bf16, compiled: one GPU, then TP=2 with
 #               one-shot all-reduces (where they work) and with NCCL only (after build).
-#   tp-bf16     plain decoding, bf16, compiled, 3 prompts x 256 tokens: one GPU, then TP=2 (after build).
+#   tp-bf16     plain decoding, bf16, compiled, 3 prompts x 256 tokens: one GPU, then TP=2 (after build);
+#               a profiler table of one call of each (tp-bf16-trace-world{1,2}.txt).
 #   sharded-humaneval, sharded-apps
 #               (c) the evaluation sharded over 2 GPUs (data parallel, `sweep --shard auto` under torchrun,
 #               merged by `--report-only --shards 2`) against one GPU on the same problems: plain decoding
@@ -74,7 +75,7 @@ for s in ${@:-build llama qwen}; do
       done
       grep -E "nodes|failed" "$out/forward.log" ;;
     tp-bf16)
-      pair tp-bf16 --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 ;;
+      pair tp-bf16 --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 --trace "$out/tp-bf16-trace.txt" ;;
     sharded-humaneval|sharded-apps)
       ds=${s#sharded-}
       data=(); [ "$ds" = apps ] && data=(--data .evaldata/apps_selected150.jsonl)
