@@ -350,10 +350,11 @@ class EvalConfig:
             references on a stated subset, every other method on all problems). Default: all.
             With ``shard`` the first n problems are those of the whole (unsharded) problem list.
         shard: ``(rank, world)``: run only shard ``rank`` of ``world`` of the chosen problems
-            (``eval.shard.shard``, by problem id, after ``problems`` / ``difficulty`` pick them) and
-            write to ``eval.shard.shard_path(out, rank, world)`` (:attr:`results_path`), resuming from
-            that file. None or world 1: every problem, into ``out``. Not part of the configuration
-            key: the shard files of a run merge (``eval.shard.merge``) into what one process writes.
+            (``eval.shard.shard``, by position: every ``world``-th problem from the ``rank``-th, after
+            ``problems`` / ``difficulty`` pick them) and write to ``eval.shard.shard_path(out, rank,
+            world)`` (:attr:`results_path`), skipping what any shard file of the run holds. None or
+            world 1: every problem, into ``out``. Not part of the configuration key: the shard files
+            of a run merge (``eval.shard.merge``) into what one process writes.
     """
 
     dataset: str = "apps"

@@ -26,9 +26,11 @@ fixed-shape forward compiled / captured for the run's longest request), then eve
 is timed and written as a ``"kind": "warmup"`` record (first-call latency, ``eval.latency``).
 
 With ``cfg.shard = (rank, world)`` (world > 1) the run keeps only its shard of the chosen problems
-(``eval.shard``, by problem id) and writes / resumes ``cfg.results_path`` (the shard's file);
-``method_problems`` limits and each record's ``problem_index`` count in the whole problem list, so
-the shards' records together are the records of one unsharded run.
+(``eval.shard``, by position: every world-th problem from the rank-th) and writes
+``cfg.results_path`` (the shard's file); it skips what any shard file of the run holds (a changed
+problem list can move a problem to another shard than the one that ran it), so that each record is
+made once, in one file. ``method_problems`` limits and each record's ``problem_index`` count in the
+whole problem list, so the shards' records together are the records of one unsharded run.
 """
 
 from __future__ import annotations
@@ -307,8 +309,9 @@ def _answer_earlier_turns(session: Session, problems: Sequence[Any], side: Seque
     """The problems whose prompt follows the target's own answer to an earlier turn (Spec-Bench's
     second turns, ``ChatProblem.context``) with that answer filled in: the target's greedy answer
     (``Session.answer``, at most ``max_new_tokens``, untimed), written once per earlier turn as a
-    ``"kind": "context"`` side record and reused from ``side`` (this configuration's side records)
-    on resume, so every method and every rerun sees the same second-turn prompt."""
+    ``"kind": "context"`` side record and reused from ``side`` (this configuration's side records;
+    a shard's include those of the run's other shard files) on resume, so every method and every
+    rerun sees the same second-turn prompt."""
     import torch
 
     from eval.datasets import prompt_ids
@@ -377,6 +380,22 @@ def run_eval(
     prev_warmups = [r for r in previous if not is_timed(r)]
     previous = [r for r in previous if is_timed(r)]
     done = {record_key(r): r for r in previous if not r.get("error")}
+    contexts = [r for r in prev_warmups if is_context(r)]
+    if cfg.sharded:
+        # What the run's other shard files hold is done too (a changed problem list can move a problem
+        # to another shard than the one that ran it) but stays in those files: this shard writes only
+        # what it runs (an error there is redone here, and eval.shard.merge prefers the redo), and an
+        # error of its own that another shard has redone no longer counts in its result. Read once,
+        # now, without repair: their ranks may be appending (an incomplete last line is dropped, the
+        # file left as it is).
+        from eval.shard import shard_paths
+
+        others = [r for path in shard_paths(cfg.out, cfg.shard[1]) if path != out_path
+                  for r in load_records(path) if r.get("config_key") == key]  # fmt: skip
+        elsewhere = {record_key(r): r for r in others if is_timed(r) and not r.get("error")}
+        previous = [r for r in previous if not (r.get("error") and record_key(r) in elsewhere)]
+        done = {**elsewhere, **done}
+        contexts += [r for r in others if is_context(r)]
 
     if problems is None:
         problems, pool = load_eval_problems(cfg)
@@ -385,12 +404,12 @@ def run_eval(
     indices = list(range(len(problems)))  # places in the whole list (method_problems, problem_index)
     every = problems  # the caches are sized for all of them, so that a shard decodes as the whole run does
     if cfg.sharded:
-        from eval.shard import shard_of
+        from eval.shard import shard
 
         rank, world = cfg.shard
         total = len(problems)
-        picked = [(i, p) for i, p in enumerate(problems) if shard_of(str(p.id), world) == rank]
-        indices, problems = [i for i, _ in picked], [p for _, p in picked]
+        indices = shard(range(total), rank, world)
+        problems = [problems[i] for i in indices]
         _say(f"shard {rank}/{world}: {len(problems)} of {total} problem(s) -> {out_path}")
         if not problems:
             return finalize(EvalResult(records=list(previous), warmups=list(prev_warmups)))
@@ -422,7 +441,7 @@ def run_eval(
         "seed": cfg.seed, "pad_prompt_to": cfg.pad_prompt_to, "attn_impl": cfg.attn_impl, "compile": cfg.compile,
     }  # fmt: skip
     if any(getattr(p, "needs_answer", False) for p in problems):
-        problems = _answer_earlier_turns(session, problems, prev_warmups, out_path, common)
+        problems = _answer_earlier_turns(session, problems, contexts, out_path, common)
     prompts = [prompt_ids(p, tokenizer) for p in problems]
     # Cache sizes from every problem of the run, the other shards' too: a static cache's capacity sets
     # the attention's split of the KV, so in bf16 a shard sized for its own prompts alone rounded

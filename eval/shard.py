@@ -4,15 +4,20 @@ and how the shards' records become one result set again.
 Every function here is pure (no collectives, no files written): a launcher (``torchrun
 --nproc-per-node N -m specdec.cli sweep ...``) starts N processes, each reads its place from the
 environment (``shard_env``), runs ``shard(problems, shard, num_shards)`` into
-``shard_path(out, shard, num_shards)`` (resuming from that file as a single process resumes from
-``out``), and afterwards ``merge(shard_paths(out, num_shards))`` gives the records a single
-process would have written (as a set; in a fixed order).
+``shard_path(out, shard, num_shards)`` (resuming as a single process resumes from ``out``, with
+the records of every shard file of the run counting as done), and afterwards
+``merge(shard_paths(out, num_shards))`` gives the records a single process would have written (as
+a set; in a fixed order).
 
-Assignment is a function of the problem id and the shard count only (a hash of ``str(id)``), not of
-the list it came in or of which problems are done: a problem always lands on the same shard for a
-given count, so a resumed or extended run (more problems, a different ``--problems`` subset) finds
-each problem's earlier records in its own shard file. The price is statistical balance: shard sizes
-follow a binomial spread (150 problems over 8 shards: about 19 +- 4 each), not an exact split.
+Assignment is by position: problem ``i`` of the run's problem list (after the dataset's selection,
+the same list in every process of the run) goes to shard ``i % world``. Shard sizes differ by at
+most one (164 problems over 2 shards: 82 / 82), and neighbouring problems, often of similar cost,
+spread over the shards. A problem's shard therefore depends on the list: a resumed run whose list
+changed (more problems, another ``--problems`` or ``--difficulty``) may give a problem to another
+shard than the one whose file holds its earlier records. So a shard resumes from every shard file
+of its run (``shard_paths``): a record in any of them counts as done, and only new records go into
+its own file; ``merge`` takes each key from the file that holds it (an error record yields to its
+redo, which the problem's new shard made in its own file).
 
 With a tensor-parallel target the processes of one TP group decode the same problem together: the
 shard is the data-parallel index, ``rank // tp_size`` of ``world // tp_size`` shards
@@ -21,7 +26,6 @@ shard is the data-parallel index, ``rank // tp_size`` of ``world // tp_size`` sh
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -33,7 +37,6 @@ __all__ = [
     "merge",
     "shard",
     "shard_env",
-    "shard_of",
     "shard_path",
     "shard_paths",
 ]
@@ -48,27 +51,21 @@ def _check_place(rank, world, rank_name: str = "rank", world_name: str = "world"
         raise ValueError(f"{rank_name}: expected an int in [0, {world}) ({world_name} = {world}), got {rank!r}")
 
 
-def shard_of(problem_id: Any, world: int) -> int:
-    """The shard (0 .. world - 1) problem ``problem_id`` belongs to: a hash of ``str(problem_id)``
-    (so ``5`` and ``"5"`` agree, as record keys do), the same in every process and Python version."""
-    _check_place(0, world)
-    digest = hashlib.blake2b(str(problem_id).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % world
-
-
 def shard(problem_ids: Iterable[Any], rank: int, world: int) -> list[Any]:
-    """The problems of shard ``rank`` of ``world``, in their given order.
+    """The problems of shard ``rank`` of ``world``: those at positions ``rank, rank + world, ...``
+    of ``problem_ids``, in their given order.
 
     Over ``rank = 0 .. world - 1`` the shards are disjoint and together hold every given problem;
-    which shard a problem lands in depends on its id and ``world`` only (``shard_of``).
+    their sizes differ by at most one (``len(problem_ids) < world``: the last shards are empty).
 
     Raises:
-        ValueError: ``world`` is not an int >= 1, or ``rank`` not in ``[0, world)``.
+        ValueError: ``world`` is not an int >= 1, ``rank`` not in ``[0, world)``, or ``problem_ids``
+        is a string.
     """
     _check_place(rank, world)
     if isinstance(problem_ids, (str, bytes)):
         raise ValueError(f"problem_ids: expected an iterable of problem ids, got a {type(problem_ids).__name__}")
-    return [p for p in problem_ids if shard_of(p, world) == rank]
+    return list(problem_ids)[rank::world]
 
 
 def shard_path(out: str | os.PathLike[str], rank: int, world: int) -> Path:
@@ -150,10 +147,13 @@ def merge(paths: Sequence[str | os.PathLike[str]],
     """The records of several shard files as one result set.
 
     Within one file the last record of a key wins (a retried error replaced by its redo, as a
-    resumed single-process run keeps its latest). Across files a key may appear in several only
-    with identical records (the same file given twice, a copied record); records whose key is None
-    (side records under the default key) are all kept. Missing files count as empty (a shard
-    with no problems writes nothing).
+    resumed single-process run keeps its latest). Across files a key may appear in several with
+    identical records (the same file given twice, a copied record), or as an error record (one
+    with ``"error"``) in one file and a record without one in another, which wins: a problem whose
+    record was an error moved to another shard when a resumed run's problem list changed, and that
+    shard redid it into its own file. Among error records only, the first file's (by path) is kept.
+    Records whose key is None (side records under the default key) are all kept. Missing files
+    count as empty (a shard with no problems writes nothing).
 
     Args:
         paths: the shard files (``shard_paths(out, world)``), any order.
@@ -164,8 +164,9 @@ def merge(paths: Sequence[str | os.PathLike[str]],
         keyed ones sorted by their key: the same list whatever order ``paths`` come in.
 
     Raises:
-        ValueError: naming ``paths`` when two files hold different records of one key (overlapping
-        shards: e.g. files of runs with different shard counts), or a file is not JSON lines.
+        ValueError: naming ``paths`` when two files hold different records of one key, neither an
+        error (overlapping shards: e.g. files of runs with different shard counts), or a file is
+        not JSON lines.
     """
     from eval.records import load_records
 
@@ -185,8 +186,9 @@ def merge(paths: Sequence[str | os.PathLike[str]],
                 latest.pop(ck, None)
                 latest[ck] = rec
         for ck, rec in latest.items():
-            if ck in keyed and keyed[ck][0] != rec:
+            if ck not in keyed or (keyed[ck][0].get("error") and not rec.get("error")):
+                keyed[ck] = (rec, path)
+            elif keyed[ck][0] != rec and not rec.get("error"):
                 raise ValueError(f"paths: {keyed[ck][1]} and {path} hold different records for the key {ck} "
                                  f"(overlapping shards: files of runs with different shard counts?)")  # fmt: skip
-            keyed.setdefault(ck, (rec, path))
     return unkeyed + [keyed[ck][0] for ck in sorted(keyed)]

@@ -32,15 +32,17 @@ Distributed (data-parallel) evaluation, one whole model per process (``eval.shar
 ``--shard auto`` reads this process's place from the launcher's environment (torchrun / accelerate:
 ``RANK`` / ``WORLD_SIZE``, else ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``; none: a single process);
 ``--shard RANK/WORLD`` gives it by hand (e.g. two runs one after the other, or on two machines).
-With WORLD > 1 the process evaluates only its shard of the problems (by problem id,
-``eval.shard.shard``) into ``eval.shard.shard_path(OUT, RANK, WORLD)`` (``OUT.rank0-of-2.jsonl``),
-resuming from that file; ``sweep`` then prints its own partial table only (no attention timings,
-CSV, summary or plot). Under ``--shard auto`` with more than one process and a CUDA device given
-without an index (``--device cuda`` or the default), each process takes ``cuda:$LOCAL_RANK`` (also
-made the current device); ``--shard R/W`` leaves the device as given (pick it with ``--device
-cuda:N`` or ``CUDA_VISIBLE_DEVICES``). Merging is explicit: ``sweep --report-only --shards WORLD``
-merges ``eval.shard.shard_paths(OUT, WORLD)`` (``eval.shard.merge``) and writes the one table, CSV,
-summary and plot next to OUT as a single process would.
+With WORLD > 1 the process evaluates only its shard of the problems (by position: problem i of the
+run's list goes to shard i % WORLD, ``eval.shard.shard``) into ``eval.shard.shard_path(OUT, RANK,
+WORLD)`` (``OUT.rank0-of-2.jsonl``), skipping what any of the run's shard files next to it holds (a
+changed problem list can move a problem to another shard; shards run on two machines see each
+other's records only once the files are copied together); ``sweep`` then prints its own partial
+table only (no attention timings, CSV, summary or plot). Under ``--shard auto`` with more than one
+process and a CUDA device given without an index (``--device cuda`` or the default), each process
+takes ``cuda:$LOCAL_RANK`` (also made the current device); ``--shard R/W`` leaves the device as
+given (pick it with ``--device cuda:N`` or ``CUDA_VISIBLE_DEVICES``). Merging is explicit: ``sweep
+--report-only --shards WORLD`` merges ``eval.shard.shard_paths(OUT, WORLD)`` (``eval.shard.merge``)
+and writes the one table, CSV, summary and plot next to OUT as a single process would.
 """
 
 from __future__ import annotations
@@ -165,9 +167,10 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
 
     add_limit_arguments(p, prefix="check-")
     p.add_argument("--shard", type=shard_arg, default=None, metavar="auto|RANK/WORLD",
-                   help="evaluate one shard of the problems into OUT.rankR-of-W.jsonl (resumable): 'auto' from the "
-                   "launcher's environment (torchrun: RANK / WORLD_SIZE; each process on cuda:LOCAL_RANK), or "
-                   "RANK/WORLD by hand; default: no sharding"
+                   help="evaluate one shard of the problems (every W-th from the R-th) into OUT.rankR-of-W.jsonl "
+                   "(resumable: skips what any shard file of OUT holds): 'auto' from the launcher's environment "
+                   "(torchrun: RANK / WORLD_SIZE; each process on cuda:LOCAL_RANK), or RANK/WORLD by hand; "
+                   "default: no sharding"
                    + ("; merge with --report-only --shards WORLD" if sweep else ""))  # fmt: skip
     if sweep:
         p.add_argument("--shards", type=cliargs.int_at_least(1), default=None, metavar="WORLD",

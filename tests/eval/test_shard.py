@@ -1,14 +1,13 @@
-"""eval.shard: disjoint, complete, stable problem shards; shard file names; merging shard files."""
+"""eval.shard: disjoint, complete, balanced problem shards by position; shard file names; merging shard files."""
 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
 from eval.records import record_key
-from eval.shard import merge, shard, shard_env, shard_of, shard_path, shard_paths
+from eval.shard import merge, shard, shard_env, shard_path, shard_paths
 
 
 def _ids(n: int, kind: str) -> list:
@@ -28,40 +27,34 @@ def test_shards_are_disjoint_complete_and_ordered(n, world, kind):
     flat = [p for part in parts for p in part]
     assert sorted(flat, key=str) == sorted(ids, key=str)  # complete, nothing twice
     assert len(set(map(str, flat))) == len(flat)  # disjoint
-    for part in parts:  # each keeps the given order
+    for r, part in enumerate(parts):  # each keeps the given order: positions r, r + world, ...
         assert part == [p for p in ids if p in set(part)]
+        assert part == [ids[i] for i in range(r, n, world)]
     if world == 1:
         assert parts[0] == ids
 
 
-def test_large_shards_are_roughly_balanced():
-    ids = _ids(8000, "apps")
-    sizes = [len(shard(ids, r, 8)) for r in range(8)]
-    assert min(sizes) > 800 and max(sizes) < 1200  # 1000 +- 4 sigma (sigma ~ 30)
+@pytest.mark.parametrize("world", range(1, 14))
+def test_shard_sizes_differ_by_at_most_one(world):
+    for n in [*range(0, 3 * world + 2), 164, 1000]:
+        sizes = [len(shard(range(n), r, world)) for r in range(world)]
+        assert sum(sizes) == n and max(sizes) - min(sizes) <= 1, (n, sizes)
+        assert sizes == sorted(sizes, reverse=True)  # the first n % world shards hold the one more
+        if n < world:  # one problem each on the first n shards, none on the rest
+            assert sizes == [1] * n + [0] * (world - n)
 
 
-@pytest.mark.parametrize("world", [2, 3, 8])
-def test_assignment_is_stable_under_resume_and_reordering(world):
-    ids = _ids(300, "apps")
-    full = {r: shard(ids, r, world) for r in range(world)}
-    rng = random.Random(0)
-    done = set(rng.sample(ids, 120))
-    remaining = [p for p in ids if p not in done]
-    shuffled = remaining[:]
-    rng.shuffle(shuffled)
-    for r in range(world):
-        # the remaining problems of a shard are its full share minus what is done, whatever the list
-        assert shard(remaining, r, world) == [p for p in full[r] if p not in done]
-        assert set(shard(shuffled, r, world)) == set(full[r]) - done
-        # a larger run (more problems) keeps every earlier problem on its shard
-        assert set(full[r]) <= set(shard(ids + _ids(50, "humaneval"), r, world))
-    for p in ids:
-        assert p in full[shard_of(p, world)]
-        assert shard_of(p, world) == shard_of(str(p), world)
+def test_humaneval_splits_evenly_and_neighbours_spread():
+    ids = _ids(164, "humaneval")
+    assert [len(shard(ids, r, 2)) for r in range(2)] == [82, 82]
+    assert shard(ids, 1, 8)[:3] == ["HumanEval/1", "HumanEval/9", "HumanEval/17"]
+    assert [len(shard(ids, r, 8)) for r in range(8)] == [21] * 4 + [20] * 4
 
 
-def test_int_and_str_ids_agree():
-    assert [shard_of(i, 5) for i in range(50)] == [shard_of(str(i), 5) for i in range(50)]
+def test_any_iterable_of_problems():
+    assert shard(iter("abcde"), 1, 2) == ["b", "d"]
+    assert shard((p for p in range(5)), 0, 3) == [0, 3]
+    assert shard(range(10), 2, 4) == [2, 6]
 
 
 @pytest.mark.parametrize("rank, world, match", [(0, 0, "world"), (2, 2, "rank"), (-1, 2, "rank"), (0, 1.5, "world"),
@@ -170,6 +163,23 @@ def test_merge_conflict_raises_naming_paths(tmp_path):
     _write(b, [_record("0001", tokens=[1, 3])])
     with pytest.raises(ValueError, match=r"paths: .*rank0-of-2.*rank1-of-2.*0001"):
         merge([a, b])
+
+
+def test_merge_prefers_a_redo_in_another_file_to_an_error(tmp_path):
+    """A problem whose record was an error moved to another shard (the problem list changed) and was
+    redone there into that shard's file: the redo wins, whichever file comes first."""
+    a, b, c = (tmp_path / f"out.rank{r}-of-3.jsonl" for r in range(3))
+    _write(a, [_record("0001", tokens=None, error="RuntimeError: boom"), _record("0002")])
+    _write(b, [_record("0001", tokens=[5, 6]), _record("0003", tokens=None, error="RuntimeError: again")])
+    _write(c, [_record("0003", tokens=None, error="RuntimeError: first")])
+    for paths in ([a, b, c], [c, b, a]):
+        got = {r["problem_id"]: r for r in merge(paths)}
+        assert sorted(got) == ["0001", "0002", "0003"]
+        assert got["0001"]["tokens"] == [5, 6] and "error" not in got["0001"]
+        assert got["0003"]["error"] == "RuntimeError: again"  # errors only: the first file's (by path)
+    _write(c, [_record("0001", tokens=[5, 7])])  # two different records without an error still conflict
+    with pytest.raises(ValueError, match=r"paths: .*rank1-of-3.*rank2-of-3.*0001"):
+        merge([a, b, c])
 
 
 def test_merge_identical_duplicates_and_missing_files(tmp_path):
