@@ -370,6 +370,7 @@ def run_eval(
 
     from eval.datasets import prompt_ids
     from specdec.models import load_model, load_tokenizer
+    from specdec.timing import since_process_start
 
     device = cfg.resolved_device()
     dtype_name = cfg.resolved_dtype()
@@ -429,6 +430,7 @@ def run_eval(
             draft = load_model(cfg.draft, dtype=dtype, device=device, home=cfg.home, progress=cfg.progress)
     else:
         target, tokenizer, draft = models
+    loaded_s = since_process_start()
 
     methods = _select_methods(cfg, extra_methods, draft is not None)
     if cfg.pad_prompt_to:
@@ -465,6 +467,7 @@ def run_eval(
     bar = _tqdm(total=len(items), desc=f"{cfg.dataset} generations", unit="call", disable=not cfg.progress,
                 file=sys.stderr)  # fmt: skip
     was_frozen = gc.get_freeze_count() > 0
+    first_s = None  # when this process started its first generation (a shard's timeline)
     try:
         with open(out_path, "a", encoding="utf-8") as sink:
             keys = [_item_key(common, p, m, s, t, cfg) for _, p, m, s, t in items]
@@ -483,6 +486,8 @@ def run_eval(
                     result.skipped += 1
                     bar.update(1)
                     continue
+                if first_s is None:
+                    first_s = since_process_start()
                 ids = prompts[p_index]
                 prompt = torch.tensor([ids], dtype=torch.int64, device=session.device)
                 session.drafter = spec
@@ -543,4 +548,8 @@ def run_eval(
         bar.close()
         if cfg.gc_freeze and not was_frozen:  # a caller's own frozen objects stay frozen
             gc.unfreeze()
+    if cfg.sharded:  # where a shard's wall time went: what the shards pay once each, against the problems
+        first = "no generation" if first_s is None else f"first generation at {first_s:.1f} s"
+        _say(f"shard {cfg.shard[0]}/{cfg.shard[1]}: models loaded at {loaded_s:.1f} s, {first}, "
+             f"done at {since_process_start():.1f} s after the process start")  # fmt: skip
     return finalize(result)
