@@ -288,7 +288,10 @@ class Warmup:
         a reset on a dummy prompt of P = min(``DRAFT_TIMING_PROMPT``, ``max_len`` - the largest budget
         - ``BUDGET_TIMING_RUNS`` * budgets - 1) tokens and a first proposal at the smallest positive
         budget (catching up on P - 1 tokens), then ``_timing_runs`` proposals per positive
-        budget, each after one more committed token (the median), device synchronized. Skipped for a
+        budget, each after one more committed token (the median), device synchronized. With static
+        shapes the timed catch-up is a second one, after a reset: the first proposal of a sequence
+        captures the draft's forwards (seconds, once), which the budget rule would otherwise read as
+        a per-token catch-up cost and never draft after a plain step (an H200 once: 75 ms a token). Skipped for a
         drafter that reads the target's hidden states (the calls measure it) and when P < 2. The
         next ``generate`` resets the drafter."""
         positive = [n for n in self.tree_budgets if n > 0]
@@ -307,6 +310,9 @@ class Warmup:
             self._sync()
             return time.perf_counter() - t0
 
+        if self.static_shapes:  # a sequence's first proposal makes what later ones replay (the draft's
+            self.drafter.reset([tokens.clone()])  # prefill and loop captures): one-time, not a catch-up cost
+            timed(positive[0])
         self.drafter.reset([tokens.clone()])
         caught_up = timed(positive[0])
         for budget in positive:

@@ -16,6 +16,8 @@ import dataclasses
 import itertools
 import math
 
+import time
+
 import pytest
 import torch
 
@@ -471,6 +473,28 @@ def _costed(forward, draft, refs, static=False):
     return dec, drafter
 
 
+class _SlowFirst(_Counting):
+    """A drafter whose first proposal after its construction takes ``first_s`` longer (a capture)."""
+
+    def __init__(self, refs, first_s):
+        super().__init__(refs)
+        self.first_s = first_s
+
+    def propose(self, ctx: DraftContext):
+        if not self.asked:
+            time.sleep(self.first_s)
+        return super().propose(ctx)
+
+
+def test_warmup_times_the_catch_up_apart_from_the_first_proposals_captures():
+    refs = [list(greedy_reference(9, 0, NEW))]
+    dec = SpecDecoder(prepared_tiny_model(), _SlowFirst(refs, 0.5), "auto", max_tree_size=16, static_shapes=True,
+                      attn_impl="torch", cache_buckets=(96,))  # fmt: skip
+    dec.warmup((1,), max_len=60, log=None)
+    # the capture's 0.5 s spread over 33 tokens would read as 15 ms a token: more than the whole catch-up takes
+    assert dec.budget.costs.catch_up_s(33) < 0.25
+
+
 def test_injected_costs_switch_between_plain_and_drafting():
     refs = [list(greedy_reference(9, 0, NEW))]
     prompt = random_prompt(9, 0)
@@ -500,9 +524,10 @@ def test_warmup_builds_and_times_every_budget_then_generate_builds_nothing():
     costs = dec.budget.costs
     assert set(costs.warm) == {(b, 96, n) for b in (1, 2) for n in (0, 4, 8, 16)}
     assert all(s > 0 for s in costs.warm.values())
-    # the drafter timed: a catch-up on a dummy prompt of 60 - 16 - 3 * 3 - 1 = 34 tokens, then 3 steps per budget
+    # the drafter timed: a catch-up on a dummy prompt of 60 - 16 - 3 * 3 - 1 = 34 tokens (the second one: the
+    # first makes the captures), then 3 steps per budget
     assert [(a, n, k) for a, n, _, k in costs.catch_ups] == [(1, 4, 33)] and costs.catch_up_s(10) > 0
-    assert drafter.asked == [4] * 4 + [8] * 3 + [16] * 3 and all(costs.draft_s(1, n) > 0 for n in (4, 8, 16))
+    assert drafter.asked == [4] * 5 + [8] * 3 + [16] * 3 and all(costs.draft_s(1, n) > 0 for n in (4, 8, 16))
     # dynamic shapes (a CPU's default): nothing to capture, so one timed run per budget, the first
     dynamic = SpecDecoder(prepared_tiny_model(), _Counting(refs), "auto", max_tree_size=16, attn_impl="torch")
     assert not dynamic.static_shapes
