@@ -11,7 +11,8 @@
 #               outputs must be identical; tokens/s side by side.
 #   llama-bf16  the same in bf16 (speed only: bf16 rounds differently in a sharded matmul).
 #   qwen        (b) the real pair (after setup_models.sh): Qwen2.5-Coder-1.5B target, 0.5B draft, fp32,
-#               plain decoding, prompt lookup and the draft model (replicated per rank), one GPU vs TP=2.
+#               plain decoding, prompt lookup and the draft model (replicated per rank), one GPU vs TP=2;
+#               QWEN="model" (or any of plain lookup model) runs only those pairs.
 #   forward     the captured verify forward at 1, 16, 64 nodes, bf16, compiled: one GPU, then TP=2 with
 #               one-shot all-reduces (where they work) and with NCCL only (after build).
 #   tp-bf16     plain decoding, bf16, compiled, 3 prompts x 256 tokens: one GPU, then TP=2 (after build);
@@ -62,9 +63,14 @@ for s in ${@:-build llama qwen}; do
       t=$SPECDEC_HOME/models/qwen2.5-coder-1.5b/hf d=$SPECDEC_HOME/models/qwen2.5-coder-0.5b/hf
       [ -f "$t/config.json" ] || { echo "qwen: no converted target in $t (run setup_models.sh first)"; continue; }
       data=(); [ -f .evaldata/apps_selected150.jsonl ] && data=(--prompts-file .evaldata/apps_selected150.jsonl)
-      pair qwen-plain --model "$t" --tokenizer "${data[@]}" --new 128 --num-prompts 3
-      pair qwen-lookup --model "$t" --tokenizer "${data[@]}" --drafter lookup --tree-size 32 --new 128 --num-prompts 3
-      pair qwen-model --model "$t" --tokenizer "${data[@]}" --drafter model --draft "$d" --tree-size 32 --new 128 --num-prompts 3 ;;
+      for q in ${QWEN:-plain lookup model}; do  # fp32 on an H200: ~2 min a pair (33 ms a token, a ~55-s warm-up)
+        case $q in
+          plain) pair qwen-plain --model "$t" --tokenizer "${data[@]}" --new 128 --num-prompts 3 ;;
+          lookup) pair qwen-lookup --model "$t" --tokenizer "${data[@]}" --drafter lookup --tree-size 32 --new 128 --num-prompts 3 ;;
+          model) pair qwen-model --model "$t" --tokenizer "${data[@]}" --drafter model --draft "$d" --tree-size 32 --new 128 --num-prompts 3 ;;
+          *) echo "qwen: unknown pair $q (plain, lookup, model)" >&2 ;;
+        esac
+      done ;;
     forward)
       CUDA_VISIBLE_DEVICES=0 timeout 300 "${py[@]}" forward --model $mg/llama8b --compile --out "$out/forward-1gpu.json" \
         > "$out/forward.log" 2>&1 || echo "forward: the one-GPU run failed (exit $?)" >> "$out/forward.log"

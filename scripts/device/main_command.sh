@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# On a GPU device machine, after setup_models.sh: the README's main command with --baseline, the
+# defaults (draft model, node budget "auto") twice -- cold, then with the compile cache warm (the
+# first-token bar) -- and at a fixed t = 64. Each run's summary line and --json go to $OUT.
+#   bash scripts/device/main_command.sh        (~100 s on an H200; at most LIMIT_S seconds, default 380)
+export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+out=${OUT:-/tmp}
+t0=$(date +%s)
+prompt="Write a Python function is_prime(n) with a docstring and tests."
+run() {  # name, generate arguments...: one process, its own time limit within LIMIT_S
+  local name=$1 left; shift
+  left=$(( ${LIMIT_S:-380} - ($(date +%s) - t0) ))
+  [ $left -gt 20 ] || { echo "$name: no time left"; return; }
+  timeout $(( left < 200 ? left : 200 )) python3 -m specdec.cli generate "$@" --baseline --no-progress \
+    --json "$out/$name.json" > "$out/$name.log" 2>&1
+  echo "$name: exit $?"; tail -1 "$out/$name.log"
+}
+run auto-1 "$prompt" --max-new-tokens 256
+run auto-2 "$prompt" --max-new-tokens 256
+run t64 "$prompt" --max-new-tokens 256 --tree-size 64
