@@ -252,10 +252,12 @@ def run_generate(
     ids = torch.tensor(encode(tokenizer, prompt, chat), dtype=torch.int64)
     load_s = time.perf_counter() - t_load
     t_warm = time.perf_counter()
-    if decoder.budget is not None and decoder.static_shapes:
-        # the forwards the call will replay, captured / compiled, and the step costs the budget rule starts
-        # from; with dynamic shapes (a CPU) there is nothing to build, and the call's first steps measure
-        # each budget (drafting there, on the real prompt, also tells the rule how much is accepted)
+    if decoder.static_shapes:
+        # the forwards the call will replay, captured / compiled, caches (the drafter's too) sized for the
+        # whole call, and with "auto" the step costs the budget rule starts from. Without it a fixed tree
+        # size's draft cache grew inside the timed call and recaptured its loop there (0.7 s on an H200).
+        # With dynamic shapes (a CPU) there is nothing to build, and the call's first steps measure each
+        # budget (drafting there, on the real prompt, also tells the rule how much is accepted)
         need = len(ids) + max_new_tokens
         decoder.warmup((1,), max_len=need, min_len=need, log=None)
     eos = hf.eos_token_ids(target_model, tokenizer)
