@@ -4,7 +4,8 @@
 # 1.5B target (and for `model` the 0.5B draft) staged and converted (scripts/device/setup_models.sh)
 # and .evaldata/{mbpp.jsonl,apps_selected150.jsonl} carried; results go to /tmp/results (resumable)
 # and the logs / summaries to $OUT.
-#   bash scripts/device/train_and_sweep.sh setup | tests | profile | distill | train | medusa | apps | humaneval | cascade
+#   bash scripts/device/train_and_sweep.sh setup | tests | profile | distill | train | userfile | user | medusa | apps |
+#                                          humaneval | specbench | cascade
 # (steps run in the given order: `setup train medusa` converts the models, then trains one head after the other;
 # two trainings side by side ran out of GPU memory in the 2026-11-24 run `d7af2d9`)
 # The full sweep is the same apps / humaneval steps with every drafter and baseline, e.g.
@@ -81,8 +82,23 @@ for s in "$@"; do
       timeout 580 python3 -m specdec.cli train-eagle "${train[@]}" \
         --time-budget "${BUDGET:-300}" > "$out/train_eagle.log" 2>&1
       cp "$head/eagle_config.json" "$out/" ;;
-    apps|humaneval)  # the drafters at each t vs HF static, every problem of the dataset (none used for tuning)
-      data=$([ "$s" = apps ] && echo .evaldata/apps_selected150.jsonl || echo "")
+    userfile)  # a 1,000-prompt user file (the train-on-your-prompts bar): MBPP's 974 task texts and the first 26
+               # of the package's general seed prompts, as {"prompt": ...} lines in /tmp/user1000.jsonl
+      python3 -c 'import json, sys
+rows = [json.loads(l)["text"] for l in open(".evaldata/mbpp.jsonl")]
+rows += [json.loads(l)["prompt"] for l in open("training/data/general_seeds.jsonl")]
+sys.stdout.writelines(json.dumps({"prompt": p}) + "\n" for p in rows[:1000])' > /tmp/user1000.jsonl
+      wc -l /tmp/user1000.jsonl >> "$out/steps.log" ;;
+    user)  # train-eagle on the user file alone, data generation included, timed (bar: 10 minutes on one GPU)
+      t0=$(date +%s)
+      timeout 580 python3 -m specdec.cli train-eagle --prompts /tmp/user1000.jsonl --out "$head" --max-new-tokens 192 \
+        --gen-batch-size "${GEN:-120}" ${TRAIN_ARGS:-} --time-budget "${BUDGET:-240}" --no-progress > "$out/train_user.log" 2>&1
+      echo "train-eagle on /tmp/user1000.jsonl: exit $?, $(( $(date +%s) - t0 )) s from the start to the saved head" \
+        | tee -a "$out/train_user.log" >> "$out/steps.log"
+      cp "$head/eagle_config.json" "$out/" ;;
+    apps|humaneval|specbench)  # the drafters at each t vs the baselines, every problem of the dataset (none used for
+                               # tuning); specbench: the first turns of Spec-Bench's 480 questions (.evaldata/specbench.jsonl)
+      data=$(case $s in apps) echo .evaldata/apps_selected150.jsonl ;; specbench) echo .evaldata/specbench.jsonl ;; esac)
       # rows of an earlier machine (carried in .evaldata/results/, gzipped or not) are kept: its baselines are reused
       [ -f "/tmp/results/$s-$tag.jsonl" ] || cp ".evaldata/results/$s-$tag.jsonl" /tmp/results/ 2>/dev/null \
         || zcat ".evaldata/results/$s-$tag.jsonl.gz" > "/tmp/results/$s-$tag.jsonl" 2>/dev/null \
