@@ -16,6 +16,15 @@ for the other parts called on that same tensor; unarmed, every part runs its own
 view, as the original module did. So the model's own ``forward`` / ``generate`` (the baselines) run the
 same GEMMs as before fusing.
 
+**The layers' RMSNorms as one op** (``fuse_norms``, after ``fuse_projections``). Eagerly, a stock
+RMSNorm (``x.float()``, square, mean, add, rsqrt, multiply, cast, scale) launches about eight
+kernels; inside a CUDA graph each costs its launch slot whatever its size, and a decoder layer runs
+two norms. A layer's RMSNorm children whose map is ``F.rms_norm``'s (checked numerically when
+fused, so a variant such as Gemma's ``1 + weight`` scale is left alone) run as one
+``F.rms_norm(x, weight.shape, weight, eps)`` in specdec's forwards (armed with the layer's groups),
+their own code otherwise. Only the rounding differs: the weight scales in float32 before the one cast
+to the input's dtype (the stock code casts first, then scales in that dtype).
+
 Not fused: groups whose modules are not plain ``nn.Linear`` (quantized layers), carry hooks (tensor
 parallelism, accelerate offloading), live on the meta device or differ in input size, dtype, device or
 bias presence. ``unfuse_projections(model)`` restores plain ``nn.Linear`` modules with weights of their
@@ -31,7 +40,8 @@ from torch import nn
 
 from specdec.attention import STATE_KWARG
 
-__all__ = ["GROUPS", "FusedPart", "fuse_projections", "fused_groups", "unfuse_projections"]
+__all__ = ["GROUPS", "FusedNorm", "FusedPart", "fuse_norms", "fuse_projections", "fused_groups", "fused_norms",
+           "unfuse_projections"]
 
 #: The sibling projections fused, by child name, in output order.
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -136,20 +146,74 @@ def _fusable(linears: list) -> bool:
     return True
 
 
+class FusedNorm(nn.Module):
+    """What ``fuse_norms`` mixes into an RMSNorm's class (``FusedNorm`` first, the norm's own class
+    after it): ``forward(x)`` ``[..., H] -> [..., H]`` is one ``F.rms_norm`` while armed (a specdec
+    forward), the class's own ``forward`` otherwise, and for float64 inputs (stock norms compute in
+    float32 at most, ``F.rms_norm`` would in float64: references stay the model's). State-dict keys,
+    parameters and ``repr`` stay the norm's; ``specdec_eps`` is its epsilon."""
+
+    specdec_armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.specdec_armed and x.dtype != torch.float64:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.specdec_eps)
+        return super().forward(x)
+
+
+_NORM_CLASSES: dict[type, type] = {}
+
+
+def _fused_norm_class(base: type) -> type:
+    """``FusedNorm`` mixed into ``base`` (one class per base, so copies and isinstance checks agree)."""
+    cls = _NORM_CLASSES.get(base)
+    if cls is None:
+        cls = _NORM_CLASSES[base] = type(base.__name__, (FusedNorm, base), {"__module__": base.__module__})
+    return cls
+
+
+@torch.no_grad()
+def _rms_norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of ``module`` when it is an RMSNorm whose map is ``F.rms_norm(x, [H], weight, eps)``
+    (checked on a fixed random float32 input, its own forward against ``F.rms_norm``), else None."""
+    if isinstance(module, FusedNorm) or not type(module).__name__.endswith("RMSNorm"):
+        return None
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or weight.device.type == "meta":
+        return None
+    if not isinstance(eps, float) or module._forward_hooks or module._forward_pre_hooks:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, weight.shape[0], generator=gen).to(weight.device)
+    want = module(x).float()
+    got = F.rms_norm(x, weight.shape, weight.float(), eps)
+    return eps if want.shape == got.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5) else None
+
+
 def _layer_groups(layer: nn.Module) -> list[_Group]:
     return [m for m in layer.modules() if isinstance(m, _Group)]
 
 
+def _layer_norms(layer: nn.Module) -> list[FusedNorm]:
+    return [m for m in layer.children() if isinstance(m, FusedNorm)]
+
+
 def _arm(layer, args, kwargs):
-    """Forward pre-hook of a layer holding fused groups: arm them for a specdec forward only."""
+    """Forward pre-hook of a layer holding fused groups: arm them (and its fused norms) for a specdec
+    forward only."""
     on = kwargs.get(STATE_KWARG) is not None
     for g in _layer_groups(layer):
         g.arm(on)
+    for norm in _layer_norms(layer):
+        norm.specdec_armed = on
 
 
 def _disarm(layer, args, *rest):
     for g in _layer_groups(layer):
         g.arm(False)
+    for norm in _layer_norms(layer):
+        norm.specdec_armed = False
 
 
 # The hooks are module-level functions that find the groups from the layer they are called on (no
@@ -204,20 +268,50 @@ def fuse_projections(model: nn.Module) -> int:
     return sum(len(g) for g in by_layer.values())
 
 
+@torch.no_grad()
+def fuse_norms(model: nn.Module) -> int:
+    """Run the RMSNorms of every layer that ``fuse_projections`` fused (its direct children) as one
+    ``F.rms_norm`` in specdec's forwards (idempotent; see the module docstring).
+
+    Returns the number of norms fused by this call.
+    """
+    count = 0
+    for layer in model.modules():
+        if not _hooked(layer):
+            continue
+        for child in layer.children():
+            eps = _rms_norm_eps(child)
+            if eps is not None:
+                child.__class__ = _fused_norm_class(type(child))
+                child.specdec_eps = eps
+                count += 1
+    return count
+
+
 def fused_groups(model: nn.Module) -> list[_Group]:
     """The fused groups inside ``model`` (in module order)."""
     return [m for m in model.modules() if isinstance(m, _Group)]
 
 
+def fused_norms(model: nn.Module) -> list[FusedNorm]:
+    """The fused norms inside ``model`` (in module order)."""
+    return [m for m in model.modules() if isinstance(m, FusedNorm)]
+
+
 @torch.no_grad()
 def unfuse_projections(model: nn.Module) -> int:
-    """Undo ``fuse_projections``: plain ``nn.Linear`` modules with weights of their own, hooks removed.
+    """Undo ``fuse_projections`` and ``fuse_norms``: plain ``nn.Linear`` modules with weights of their
+    own, the norms' own classes, hooks removed.
 
     Returns the number of groups restored.
     """
     count = 0
     for module in list(model.modules()):
         _unhook(module)
+        if isinstance(module, FusedNorm):
+            module.__class__ = type(module).__bases__[1]
+            del module.specdec_eps
+            module.__dict__.pop("specdec_armed", None)
         for key, child in list(module.named_children()):
             if isinstance(child, FusedPart):
                 plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention import STATE_KWARG, MaskedState, layer_index, masked_attention, on_device, tree_visibility
-from specdec.fused import fuse_projections
+from specdec.fused import fuse_norms, fuse_projections
 from specdec.kv import KVCache, store
 from treeattn import TreeMask, tree_attention
 from treeattn.cascade import cascade_tree_attention, cascade_tree_attention_op
@@ -129,9 +129,10 @@ def prepare_model(model, name: str = "model", fuse: bool = True) -> str:
     e.g. flash attention, is replaced by ``sdpa``, or ``eager`` where the model has no sdpa) when no
     ``specdec_state`` is passed.
 
-    ``fuse``: also give each layer's q / k / v and gate / up projections one GEMM in specdec's
-    forwards (``specdec.fused.fuse_projections``: in place, no extra memory, the model's own calls
-    unchanged). The first call decides; a later one on a prepared model changes nothing.
+    ``fuse``: also give each layer's q / k / v and gate / up projections one GEMM and its RMSNorms one
+    op each in specdec's forwards (``specdec.fused.fuse_projections``, ``fuse_norms``: in place, no
+    extra memory, the model's own calls unchanged). The first call decides; a later one on a
+    prepared model changes nothing.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -142,6 +143,7 @@ def prepare_model(model, name: str = "model", fuse: bool = True) -> str:
         return current
     if fuse:
         fuse_projections(model)
+        fuse_norms(model)
     base = current if current in _BASES else ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
     target = attention_name(base)
     AttentionInterface.register(target, _make_attention(base))

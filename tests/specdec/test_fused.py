@@ -1,10 +1,12 @@
-"""``specdec.fused``: one GEMM per q / k / v and gate / up group in specdec's forwards.
+"""``specdec.fused``: one GEMM per q / k / v and gate / up group, one ``F.rms_norm`` per RMSNorm, in
+specdec's forwards.
 
 CPU (CI): the state dict is unchanged by fusing (keys, shapes, values, no extra storage); specdec's
 forwards run 4 GEMMs a layer instead of 7 and the model's own forward still 7; logits of both paths
 equal the unfused model's in fp32 (tolerance of a different GEMM blocking) on shapes no block divides;
 the engine's greedy output equals HF greedy with the fused model, eager and through ``torch.compile``;
-``unfuse_projections`` restores plain ``nn.Linear`` modules; what is not fused (hooks, mixed biases).
+``unfuse_projections`` restores plain ``nn.Linear`` modules and the norms' classes; what is not fused
+(hooks, mixed biases, a norm whose map is not ``F.rms_norm``'s).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec import KVCache, SpecDecoder, hf
-from specdec.fused import FusedPart, fuse_projections, fused_groups, unfuse_projections
+from specdec import fused
+from specdec.fused import FusedNorm, FusedPart, fuse_projections, fused_groups, fused_norms, unfuse_projections
 from tests.specdec.helpers import OracleDrafter, hf_greedy, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,6 +86,55 @@ def test_specdec_forward_runs_one_gemm_per_group(family):
     assert not any(g.armed for g in fused_groups(model))  # disarmed after the call
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma2"])
+def test_specdec_forward_runs_each_rms_norm_as_one_op(family, monkeypatch):
+    """A layer's RMSNorms run as one ``F.rms_norm`` each in specdec's forwards, their own code in the
+    model's forward; Gemma 2's norms scale by ``1 + weight`` (not ``F.rms_norm``'s map): left alone.
+    The logits agree with the unfused model's either way."""
+    ref, model = _fused_copy(family, seed=3)
+    layers = ref.config.num_hidden_layers
+    fused_per_layer = 0 if family == "gemma2" else 2
+    assert len(fused_norms(model)) == fused_per_layer * layers
+    calls = []
+    rms_norm = fused.F.rms_norm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return rms_norm(*args, **kwargs)
+
+    monkeypatch.setattr(fused.F, "rms_norm", counting)
+    ids = torch.randint(3, ref.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expect = ref(ids).logits
+        torch.testing.assert_close(model(ids).logits, expect, rtol=0, atol=0)  # its own code, unchanged
+        assert not calls
+        logits = hf.run_state(model, ids, torch.arange(11).expand(2, 11), _dense_state(model, ids))
+        assert len(calls) == fused_per_layer * layers
+        torch.testing.assert_close(logits, expect, rtol=1e-4, atol=1e-4)
+    assert not any(n.specdec_armed for n in fused_norms(model))  # disarmed after the call
+
+
+def test_a_norm_with_another_map_is_not_fused():
+    """An RMSNorm-named module whose map is not ``F.rms_norm``'s (here Gemma's ``1 + weight`` scale)
+    keeps its class; the layer's stock norm next to it is fused."""
+
+    class OffsetRMSNorm(nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(hidden) * 0.1)
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    model = tiny_model("qwen2")
+    layer = model.model.layers[0]
+    layer.input_layernorm = OffsetRMSNorm(model.config.hidden_size)
+    hf.prepare_model(model)
+    assert type(layer.input_layernorm) is OffsetRMSNorm
+    assert isinstance(layer.post_attention_layernorm, FusedNorm)
+
+
 def _dense_state(model, ids: torch.Tensor):
     """specdec's state for a causal forward of ``ids`` from an empty cache (a prefill)."""
     B, m = ids.shape
@@ -111,7 +163,8 @@ def test_engine_greedy_with_fused_model_equals_hf(compile, tree_size):
 def test_unfuse_restores_plain_linears():
     ref, model = _fused_copy("qwen2")
     assert unfuse_projections(model) == 2 * ref.config.num_hidden_layers
-    assert not fused_groups(model)
+    assert not fused_groups(model) and not fused_norms(model)
+    assert type(model.model.layers[0].input_layernorm) is type(ref.model.layers[0].input_layernorm)
     assert type(model.model.layers[1].mlp.up_proj) is nn.Linear
     a, b = ref.state_dict(), model.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -165,6 +218,7 @@ def test_deep_copy_of_a_fused_model_fuses_its_own_groups():
     attn = twin.model.layers[0].self_attn
     assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.q_proj.group.weight.untyped_storage().data_ptr()
     assert attn.q_proj.group is not model.model.layers[0].self_attn.q_proj.group
+    assert len(fused_norms(twin)) == 2 * twin.config.num_hidden_layers  # its norms fused too, its own weights
     with torch.no_grad():  # a perturbed copy: the in-place update reaches the copy's fused GEMMs only
         for p in twin.parameters():
             p.add_(0.01)
