@@ -41,7 +41,7 @@ from torch import nn
 from specdec.attention import STATE_KWARG
 
 __all__ = ["GROUPS", "FusedNorm", "FusedPart", "fuse_norms", "fuse_projections", "fused_groups", "fused_norms",
-           "unfuse_projections"]
+           "unfuse_norms", "unfuse_projections"]
 
 #: The sibling projections fused, by child name, in output order.
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -288,6 +288,17 @@ def fuse_norms(model: nn.Module) -> int:
     return count
 
 
+def unfuse_norms(model: nn.Module) -> int:
+    """Undo ``fuse_norms``: every fused norm back to its own class (its own code in every forward).
+    Returns the number of norms restored."""
+    norms = fused_norms(model)
+    for norm in norms:
+        norm.__class__ = type(norm).__bases__[1]
+        del norm.specdec_eps
+        norm.__dict__.pop("specdec_armed", None)
+    return len(norms)
+
+
 def fused_groups(model: nn.Module) -> list[_Group]:
     """The fused groups inside ``model`` (in module order)."""
     return [m for m in model.modules() if isinstance(m, _Group)]
@@ -306,12 +317,9 @@ def unfuse_projections(model: nn.Module) -> int:
     Returns the number of groups restored.
     """
     count = 0
+    unfuse_norms(model)
     for module in list(model.modules()):
         _unhook(module)
-        if isinstance(module, FusedNorm):
-            module.__class__ = type(module).__bases__[1]
-            del module.specdec_eps
-            module.__dict__.pop("specdec_armed", None)
         for key, child in list(module.named_children()):
             if isinstance(child, FusedPart):
                 plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,

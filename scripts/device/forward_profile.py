@@ -6,6 +6,9 @@ against the weight-streaming floor.
     python scripts/device/forward_profile.py --config llama3-8b --prompt 1024 --nodes 1 65 --out $OUT/fp-8b.json
     python scripts/device/forward_profile.py --config qwen2.5-1.5b --prompt 1024 --nodes 1 65 --out $OUT/fp-15.json
 
+``--compile none`` profiles the eager body captured (what ``specdec generate`` replays; ``--no-fuse-norms``:
+with the stock RMSNorms, the A/B of ``specdec.fused.fuse_norms``).
+
 On a CPU (inductor's C++ code; the check column compares the compiled forward with the uncompiled one):
 
     python scripts/device/forward_profile.py --config qwen2.5-1.5b --layers 8 --prompt 256 --nodes 65 --device cpu --reps 2 --profile-reps 1 --out fp-cpu.json
@@ -23,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from specdec import hf  # noqa: E402
+from specdec.fused import fused_norms, unfuse_norms  # noqa: E402
 from specdec.cli.bench.common import Timer, median_ms, random_tree  # noqa: E402
 from specdec.cli.bench.config import SCALE_CONFIGS  # noqa: E402
 from specdec.cli.bench.floor import forward_floors  # noqa: E402
@@ -43,10 +47,13 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth-gbs", type=float, default=3000.0)
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test, nothing captured)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers instead of the config's (a CPU check at the real widths)")
-    p.add_argument("--compile", choices=["model", "layers"], default="layers",
+    p.add_argument("--compile", choices=["model", "layers", "none"], default="layers",
                    help="each decoder layer compiled once for all (compile='layers', what compile=True does; the "
-                        "default since PERF.md v20) or the whole forward (compile='inductor')")
-    p.add_argument("--no-fuse", action="store_true", help="separate q / k / v and gate / up GEMMs (the A/B of specdec.fused)")
+                        "default since PERF.md v20), the whole forward (compile='inductor') or none (the eager "
+                        "body captured, what specdec generate runs)")
+    p.add_argument("--no-fuse", action="store_true", help="separate q / k / v and gate / up GEMMs and stock norms "
+                   "(the A/B of specdec.fused)")
+    p.add_argument("--no-fuse-norms", action="store_true", help="the stock RMSNorms, fused GEMMs (the A/B of fuse_norms)")
     p.add_argument("--inductor", nargs="+", default=[], metavar="NAME=VALUE",
                    help="torch._inductor.config settings for this run (a Python literal each), e.g. combo_kernels=True")
     p.add_argument("--out", required=True)
@@ -57,6 +64,8 @@ def main(argv=None) -> int:
     cap = -(-(args.prompt + max(args.nodes) + 8) // 256) * 256
     model = build_scale_model(args.config, device, torch.bfloat16, max_positions=cap, layers=args.layers)
     hf.prepare_model(model, fuse=not args.no_fuse)
+    if args.no_fuse_norms:
+        unfuse_norms(model)
     gen = torch.Generator().manual_seed(0)
     vocab = hf.vocab_size(model)
     prompt = torch.randint(0, vocab, (args.prompt,), generator=gen)
@@ -66,12 +75,12 @@ def main(argv=None) -> int:
     layers = hf.num_layers(model)
     floors = forward_floors(model, prefix, {"flag_gbs": args.bandwidth_gbs, "measured_gbs": args.bandwidth_gbs})
     timer = Timer(device)
-    res = {"config": args.config, "fused": not args.no_fuse, "compile": args.compile, "inductor": inductor, "prompt": args.prompt, "capacity": cap, "layers": layers,
+    res = {"config": args.config, "fused": not args.no_fuse, "fused_norms": len(fused_norms(model)), "compile": args.compile, "inductor": inductor, "prompt": args.prompt, "capacity": cap, "layers": layers,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "floors": floors, "rows": []}  # fmt: skip
     for n in args.nodes:
         tree = random_tree(n, int(prompt[-1]), vocab, gen)
         g = GraphedForward(model, cache, 1, n, capture=device.type == "cuda",
-                           compile="inductor" if args.compile == "model" else "layers")
+                           compile={"model": "inductor", "layers": "layers", "none": False}[args.compile])
         g.load([tree], [prefix])
         g.forward()  # compiles and captures
         for _ in range(3):

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec import KVCache, SpecDecoder, hf
 from specdec import fused
-from specdec.fused import FusedNorm, FusedPart, fuse_projections, fused_groups, fused_norms, unfuse_projections
+from specdec.fused import (FusedNorm, FusedPart, fuse_projections, fused_groups, fused_norms, unfuse_norms,
+                           unfuse_projections)
 from tests.specdec.helpers import OracleDrafter, hf_greedy, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,6 +134,8 @@ def test_a_norm_with_another_map_is_not_fused():
     hf.prepare_model(model)
     assert type(layer.input_layernorm) is OffsetRMSNorm
     assert isinstance(layer.post_attention_layernorm, FusedNorm)
+    assert unfuse_norms(model) == 2 * model.config.num_hidden_layers - 1 and not fused_norms(model)
+    assert type(layer.post_attention_layernorm).__name__ == "Qwen2RMSNorm" and len(fused_groups(model)) == 4
 
 
 def _dense_state(model, ids: torch.Tensor):
