@@ -110,7 +110,7 @@ from drafters.eagle_head import (ATTENTION_NAME, CONFIG_NAME, VOCAB_NAME, WEIGHT
 from specdec import hf
 from specdec.attention import MaskedState, TreeState
 from specdec.drafting import BaseDrafter, DraftContext
-from specdec.fused import fuse_projections
+from specdec.fused import fuse_norms, fuse_projections
 from specdec.graphs import compile_fixed_shapes
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig
@@ -294,9 +294,11 @@ class EagleDrafter(BaseDrafter):
         if cuda_graphs and static_shapes is False:
             raise ValueError("cuda_graphs: True needs static_shapes, got static_shapes=False")
         self.head = head.to(self.device).eval()
-        # q / k / v and gate / up as one GEMM each in the head's forwards (in place, no extra memory; the
-        # head's state dict is unchanged): at a few rows each GEMM only streams its weights
+        # q / k / v and gate / up as one GEMM each and the layer's RMSNorms as one op each in the head's
+        # forwards (in place, no extra memory; the head's state dict is unchanged): at a few rows each GEMM
+        # only streams its weights and each small kernel costs its launch
         fuse_projections(self.head)
+        fuse_norms(self.head)
         #: the target layers whose outputs the head reads (in the engine's ``DraftContext.hidden``; None: the final
         #: feature)
         self.feature_layers = head.config.feature_layers

@@ -186,7 +186,10 @@ def _rms_norm_eps(module: nn.Module) -> float | None:
         return None
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, weight.shape[0], generator=gen).to(weight.device)
-    want = module(x).float()
+    try:
+        want = module(x).float()
+    except (RuntimeError, TypeError, ValueError):  # a norm that takes no float32 input: not checked, not fused
+        return None
     got = F.rms_norm(x, weight.shape, weight.float(), eps)
     return eps if want.shape == got.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-5) else None
 
