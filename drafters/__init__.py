@@ -166,6 +166,7 @@ def _make_merged(name: str, common: dict[str, Any], tree_size: int | None, optio
     if bad or len(set(parts)) != len(parts):
         raise ValueError(f"name: expected distinct names of {DRAFTERS} joined by '+', got {name!r}")
     caps = options.pop("caps", None)
+    split = options.pop("split", "priority")
     per: dict[str, dict[str, Any]] = {p: {} for p in parts}
     for key, val in options.items():
         part, dot, sub = key.partition(".")
@@ -179,7 +180,7 @@ def _make_merged(name: str, common: dict[str, Any], tree_size: int | None, optio
             raise ValueError(f"options: no part of {name!r} takes {key!r}")
         for p in takers:
             per[p][key] = val
-    if caps is None and tree_size is not None:
+    if caps is None and tree_size is not None and split == "priority":
         caps = [max(1, tree_size // 4)] * (len(parts) - 1) + [None]
     drafters = [make_drafter(p, **{**common, "tree_size": None, **per[p]}) for p in parts]
-    return MergedDrafter(drafters, caps=caps, tree_size=tree_size)
+    return MergedDrafter(drafters, caps=caps, tree_size=tree_size, split=split)

@@ -12,6 +12,16 @@ already proposed cost nothing). ``caps[i] = None``: whatever remains. A part's n
 depth-first order, so the merged tree is ancestor-closed and keeps every part's sibling order; the
 earlier part's children of a node come first.
 
+**Split by yield** (``split="yield"``). With ``"priority"`` (the default) the caps above are fixed.
+With ``"yield"`` each step's budget is split between the parts by their recent yield: the accepted
+drafted tokens each part proposed (a token two parts proposed counts for both), summed over the
+last ``YIELD_WINDOW`` updates. Part i's cap is ``ceil(budget * (y_i + e) / sum_j (y_j + e))`` with
+``e = YIELD_EXPLORE * (1 + sum_j y_j) / parts`` (every part keeps some share), its fixed cap still
+applying; a part whose share rounds below one node is not asked at all that step (its drafting
+costs nothing; it catches up when next asked), except every ``YIELD_PROBE_EVERY``-th step, when it
+gets one node's worth so its yield is measured again. Shares depend only on earlier steps' verdicts,
+so a step's tree is still a fixed set of deterministic children when it is verified.
+
 **Sampling.** Merging is lossless under stochastic verification only for deterministic children
 (``proposal="topk"``: prompt lookup, EAGLE, Medusa, the draft model with ``proposal="topk"``): the
 verifier's rule for such trees holds for any fixed set of distinct children. A part that samples
@@ -29,6 +39,7 @@ who proposed what); ``last_phase_s`` is the first profiling part's (e.g. ``Eagle
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -39,16 +50,26 @@ from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, BaseDrafter, DraftContext,
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
 
-__all__ = ["MergedDrafter"]
+__all__ = ["SPLITS", "YIELD_EXPLORE", "YIELD_PROBE_EVERY", "YIELD_WINDOW", "MergedDrafter"]
+
+#: How a step's budget is divided between the parts: fixed caps in priority order, or by recent yield.
+SPLITS = ("priority", "yield")
+#: ``split="yield"``: the updates whose accepted tokens make a part's yield
+YIELD_WINDOW = 16
+#: ``split="yield"``: each part's share of the yields added to every part (exploration)
+YIELD_EXPLORE = 0.05
+#: ``split="yield"``: a part left without a node is asked again (one node) every this many steps
+YIELD_PROBE_EVERY = 8
 
 
 @dataclass
 class _Merged:
-    """The last merged tree of a sequence: per part, merged node (depth-first index) -> part node or -1."""
+    """The last merged tree of a sequence: per part, merged node (depth-first index) -> part node or -1
+    (None for a part not asked that step)."""
 
     n: int
-    to_part: list[list[int]]
-    parts: list[TokenTree]
+    to_part: list[list[int] | None]
+    parts: list[TokenTree | None]
 
 
 class MergedDrafter(BaseDrafter):
@@ -59,10 +80,12 @@ class MergedDrafter(BaseDrafter):
         caps: per part, the most nodes it may propose per step (None: whatever budget remains);
             default None for every part.
         tree_size: optional cap on the merged tree's nodes per step (the engine's budget applies anyway).
+        split: ``"priority"`` (default: ``caps``, fixed) or ``"yield"`` (each step's budget split by
+            the parts' recent yield, ``caps`` still capping; see the module doc).
     """
 
     def __init__(self, drafters: Sequence, caps: Sequence[int | None] | None = None,
-                 tree_size: int | None = None) -> None:  # fmt: skip
+                 tree_size: int | None = None, split: str = "priority") -> None:  # fmt: skip
         parts = list(drafters) if isinstance(drafters, Sequence) else None
         if not parts:
             raise ValueError(f"drafters: expected a non-empty sequence of drafters, got {drafters!r}")
@@ -77,6 +100,12 @@ class MergedDrafter(BaseDrafter):
                 raise ValueError(f"caps[{i}]: expected None or an int >= 0, got {c!r}")
         if tree_size is not None and (not isinstance(tree_size, int) or isinstance(tree_size, bool) or tree_size < 0):
             raise ValueError(f"tree_size: expected None or an int >= 0, got {tree_size!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+        self.split = split
+        #: ``split="yield"``: per recent update, each part's accepted drafted tokens
+        self.yields: list[tuple[int, ...]] = []
+        self._steps = 0
         vocabs = {v for v in (getattr(d, "vocab_size", None) for d in parts) if v is not None}
         if len(vocabs) > 1:
             raise ValueError(f"drafters: expected one vocabulary size, got {sorted(vocabs)}")
@@ -108,6 +137,24 @@ class MergedDrafter(BaseDrafter):
         for d in self.drafters:
             d.reset(input_ids)
 
+    def part_caps(self, budget: int) -> list[int | None]:
+        """Each part's most nodes this step (``split="yield"``: from the recent yields, 0 = not asked;
+        ``"priority"``: the fixed ``caps``). Advances the probe clock when splitting by yield."""
+        if self.split == "priority":
+            return list(self.caps)
+        self._steps += 1
+        n = len(self.drafters)
+        totals = [sum(y[i] for y in self.yields) for i in range(n)]
+        explore = YIELD_EXPLORE * (1 + sum(totals)) / n
+        weights = [t + explore for t in totals]
+        probe = self._steps % YIELD_PROBE_EVERY == 0
+        caps: list[int | None] = []
+        for i, w in enumerate(weights):
+            share = budget * w / sum(weights)
+            cap = math.ceil(share) if share >= 1 else (1 if probe and budget > 0 else 0)
+            caps.append(cap if self.caps[i] is None else min(cap, self.caps[i]))
+        return caps
+
     def _context(self, context: DraftContext, part: int, budget: int) -> DraftContext:
         want, hidden = self._wants[part], context.hidden
         if want is None:
@@ -121,12 +168,17 @@ class MergedDrafter(BaseDrafter):
         budget = context.tree_size if self.tree_size is None else min(self.tree_size, context.tree_size)
         tok, par = [root], [-1]
         kids: list[dict[int, int]] = [{}]  # merged node -> {token: child}
-        maps: list[list[int]] = []  # per part: part node -> merged node (creation order)
-        trees: list[TokenTree] = []
+        maps: list[list[int] | None] = []  # per part: part node -> merged node (creation order); None: not asked
+        trees: list[TokenTree | None] = []
         self.last_part_nodes, self.last_phase_s = [], None
-        for i, d in enumerate(self.drafters):
+        for i, (d, part_cap) in enumerate(zip(self.drafters, self.part_caps(budget))):
             room = max(budget - (len(tok) - 1), 0)
-            cap = room if self.caps[i] is None else min(self.caps[i], room)
+            cap = room if part_cap is None else min(part_cap, room)
+            if self.split == "yield" and part_cap == 0:  # not asked: no drafting, no update; it catches up later
+                self.last_part_nodes.append(0)
+                trees.append(None)
+                maps.append(None)
+                continue
             tree = d.propose(self._context(context, i, cap))
             if self.last_phase_s is None:
                 self.last_phase_s = getattr(d, "last_phase_s", None)
@@ -153,14 +205,14 @@ class MergedDrafter(BaseDrafter):
             maps.append(where)
         if len(tok) == 1:
             tree = root_only(root)
-            to_part = [[0] for _ in trees]
+            to_part = [None if where is None else [0] for where in maps]
         else:
             tree, order = make_tree(tok, par)
             new_of = {old: new for new, old in enumerate(order)}
             to_part = []
             for where in maps:
-                row = [-1] * tree.n
-                for v, m in enumerate(where):
+                row = None if where is None else [-1] * tree.n
+                for v, m in enumerate(where or ()):
                     row[new_of[m]] = v
                 to_part.append(row)
         self._last[context.seq] = _Merged(tree.n, to_part, trees)
@@ -171,11 +223,18 @@ class MergedDrafter(BaseDrafter):
         if last is None or last.n != tree.n:
             return
         emitted = verdict.new_tokens(tree)  # the accepted drafted tokens, then the bonus
+        accepted = []
         for i, d in enumerate(self.drafters):
             row, path = last.to_part[i], [0]
+            if row is None:  # not asked this step
+                accepted.append(0)
+                continue
             for node in verdict.path[1:]:
                 if row[node] < 0:
                     break
                 path.append(row[node])
+            accepted.append(len(path) - 1)
             d.update(self._context(context, i, context.tree_size), last.parts[i],
                      Verdict(tuple(path), emitted[len(path) - 1]))
+        if self.split == "yield":
+            self.yields = [*self.yields[1 - YIELD_WINDOW :], tuple(accepted)]

@@ -85,7 +85,11 @@ CASES = {
     "merge": {"lookup+eagle": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
                                                      EagleDrafter(tiny_target(), _eagle_head(), depth=3, topk=3)], caps=[3, None]),
               "lookup+model": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
-                                                     DraftModelDrafter(tiny_draft(), sampling_proposal="topk")], caps=[3, None])},
+                                                     DraftModelDrafter(tiny_draft(), sampling_proposal="topk")], caps=[3, None]),
+              # the budget split by the parts' recent yield: shares change between steps, from earlier verdicts only
+              "lookup+model-yield": lambda: MergedDrafter([LookupDrafter(max_ngram=2, max_depth=4),
+                                                           DraftModelDrafter(tiny_draft(), sampling_proposal="topk")],
+                                                          split="yield")},
 }
 #: Cases whose drafts come (partly) from prompt lookup: they sample after LOOKUP_PROMPT, where n-grams match.
 _LOOKUP_CASES = ("lookup", "merge")

@@ -246,3 +246,68 @@ def test_bad_arguments_raise_value_errors_naming_them():
     with pytest.raises(ValueError, match=r"drafters\[1\]: merging needs deterministic children"):
         merged.propose(ctx)
     merged.propose(DraftContext(torch.tensor([9, 8, 7]), 10))  # greedy: any proposal kind merges
+
+
+class _Chain(BaseDrafter):
+    """A chain of ``depth`` tokens: the target's greedy continuation (``right``) or tokens it never
+    takes there; records the budgets it was asked with."""
+
+    def __init__(self, references: list[list[int]], right: bool, depth: int = 4) -> None:
+        self.references, self.right, self.depth = references, right, depth
+        self.budgets: list[int] = []
+        self.vocab_size = VOCAB
+
+    def propose(self, context: DraftContext) -> TokenTree:
+        self.budgets.append(context.tree_size)
+        at = len(context.tokens)
+        truth = self.references[context.seq][at : at + min(self.depth, context.tree_size)]
+        toks = truth if self.right else [(t + 1) % VOCAB for t in truth]
+        return TokenTree.from_any_order(torch.tensor([int(context.tokens[-1])] + toks),
+                                        torch.arange(-1, len(toks)), proposal="topk")  # fmt: skip
+
+    def update(self, context, tree, verdict):
+        pass
+
+
+def test_split_by_yield_gives_the_budget_to_the_part_that_is_accepted():
+    """``split="yield"``: a part that is never accepted drops to no node (not asked) but for a one-node
+    probe every YIELD_PROBE_EVERY steps, the accepted part gets the budget; greedy output is HF's."""
+    from drafters.merge import YIELD_PROBE_EVERY
+
+    target = _target()
+    prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(2))
+    new = 90
+    ref = hf_greedy(target, prompt, new)
+    wrong, right = _Chain([ref], right=False), _Chain([ref], right=True)
+    merged = MergedDrafter([wrong, right], split="yield")
+    dec = SpecDecoder(target, merged, tree_size=8, static_shapes=False, attn_impl="torch")
+    out = dec.generate(prompt, new)
+    assert out.sequences[0, : len(ref)].tolist() == ref
+    steps = len(out.steps)
+    assert steps > 2 * YIELD_PROBE_EVERY and len(right.budgets) == steps
+    assert wrong.budgets[0] == right.budgets[0] == 4  # no yield yet: an even split of 8
+    # then the rejected part only on the probe steps, one node each; the accepted part all the rest
+    assert wrong.budgets[1:] == [1] * (steps // YIELD_PROBE_EVERY)
+    assert min(right.budgets[1:]) == 7 and right.budgets.count(8) == steps - 1 - steps // YIELD_PROBE_EVERY
+
+
+def test_split_by_yield_caps_from_synthetic_yields():
+    def make():
+        return MergedDrafter([_Fixed(0), _Fixed(1), _Fixed(2)], split="yield", caps=[None, 2, None])
+
+    assert make().part_caps(12) == [4, 2, 4]  # no yields: even shares; the fixed cap still applies
+    merged = make()
+    merged.yields = [(6, 0, 2)] * 4  # totals 24 / 0 / 8: the second part's share is under a node
+    caps = [merged.part_caps(16) for _ in range(8)]
+    assert all(c[0] == 12 and c[2] == 5 for c in caps)
+    assert [c[1] for c in caps] == [0] * 7 + [1]  # a one-node probe every eighth step
+    assert merged.part_caps(0) == [0, 0, 0]
+    assert MergedDrafter([_Fixed(0), _Fixed(1)], caps=[3, None]).part_caps(16) == [3, None]  # "priority"
+
+
+def test_split_errors_and_the_factory():
+    with pytest.raises(ValueError, match="split: expected one of"):
+        MergedDrafter([_Fixed(0)], split="even")
+    drafter = make_drafter("lookup+eagle", target=_target(), heads=_head(), tree_size=16, split="yield")
+    assert drafter.split == "yield" and drafter.caps == [None, None]  # no default caps when splitting by yield
+    assert make_drafter("lookup+eagle", target=_target(), heads=_head(), tree_size=16).caps == [4, None]
