@@ -18,8 +18,9 @@ drafted tokens each part proposed (a token two parts proposed counts for both), 
 last ``YIELD_WINDOW`` updates. Part i's cap is ``ceil(budget * (y_i + e) / sum_j (y_j + e))`` with
 ``e = YIELD_EXPLORE * (1 + sum_j y_j) / parts`` (every part keeps some share), its fixed cap still
 applying; a part whose share rounds below one node is not asked at all that step (its drafting
-costs nothing; it catches up when next asked), except every ``YIELD_PROBE_EVERY``-th step, when it
-gets one node's worth so its yield is measured again. Shares depend only on earlier steps' verdicts,
+costs nothing; it catches up when next asked, a part reading the target's features getting the rows
+of the steps it sat out), except every ``YIELD_PROBE_EVERY``-th step, when it gets one node's worth
+so its yield is measured again. Shares depend only on earlier steps' verdicts,
 so a step's tree is still a fixed set of deterministic children when it is verified.
 
 **Sampling.** Merging is lossless under stochastic verification only for deterministic children
@@ -122,6 +123,8 @@ class MergedDrafter(BaseDrafter):
         #: the target layers whose outputs the feature-reading parts get (None: the final feature)
         self.feature_layers = layers.pop() if layers else None
         self._last: dict[int, _Merged] = {}
+        #: (sequence, part) -> the target's rows a feature-reading part has not seen (steps it sat out)
+        self._pending: dict[tuple[int, int], torch.Tensor] = {}
         self.last_part_nodes: list[int] = []
         self.last_phase_s: dict[str, float] | None = None
 
@@ -134,6 +137,7 @@ class MergedDrafter(BaseDrafter):
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
         self._last = {}
+        self._pending = {}
         for d in self.drafters:
             d.reset(input_ids)
 
@@ -161,7 +165,17 @@ class MergedDrafter(BaseDrafter):
             hidden = None
         elif want == HIDDEN_LAST and hidden is not None and hidden.dim() == 2:
             hidden = hidden[-1:]
+        elif want == HIDDEN_ALL and (pending := self._pending.pop((context.seq, part), None)) is not None:
+            hidden = pending if hidden is None else torch.cat([pending, hidden])  # the rows of steps it sat out
         return replace(context, tree_size=budget, hidden=hidden)
+
+    def _sit_out(self, context: DraftContext, part: int) -> None:
+        """Part ``part`` is not asked this step: keep the target's rows it would have read (every
+        committed token's, ``HIDDEN_ALL``) for the step it is asked next."""
+        if self._wants[part] == HIDDEN_ALL and context.hidden is not None and context.hidden.dim() == 2:
+            key = (context.seq, part)
+            kept = self._pending.get(key)
+            self._pending[key] = context.hidden if kept is None else torch.cat([kept, context.hidden])
 
     def propose(self, context: DraftContext) -> TokenTree:
         root = int(context.tokens[-1])
@@ -175,6 +189,7 @@ class MergedDrafter(BaseDrafter):
             room = max(budget - (len(tok) - 1), 0)
             cap = room if part_cap is None else min(part_cap, room)
             if self.split == "yield" and part_cap == 0:  # not asked: no drafting, no update; it catches up later
+                self._sit_out(context, i)
                 self.last_part_nodes.append(0)
                 trees.append(None)
                 maps.append(None)

@@ -311,3 +311,49 @@ def test_split_errors_and_the_factory():
     drafter = make_drafter("lookup+eagle", target=_target(), heads=_head(), tree_size=16, split="yield")
     assert drafter.split == "yield" and drafter.caps == [None, None]  # no default caps when splitting by yield
     assert make_drafter("lookup+eagle", target=_target(), heads=_head(), tree_size=16).caps == [4, None]
+
+
+class _Reading(_Chain):
+    """A wrong chain that reads every committed token's target feature (``needs_hidden_states="all"``):
+    records, per ask, how many tokens the context holds and how many feature rows came with it."""
+
+    needs_hidden_states = "all"
+
+    def __init__(self, references: list[list[int]]) -> None:
+        super().__init__(references, right=False)
+        self.asks: list[tuple[int, int]] = []
+
+    def propose(self, context: DraftContext) -> TokenTree:
+        self.asks.append((len(context.tokens), 0 if context.hidden is None else context.hidden.shape[0]))
+        return super().propose(context)
+
+
+def test_a_feature_reading_part_that_sat_out_gets_the_rows_it_missed():
+    """Skipped steps (``split="yield"``) do not lose the target's features for a part that reads them:
+    on each ask it gets one row per token committed since its previous ask (positions L-1-m .. L-2)."""
+    target = _target()
+    prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(4))
+    ref = hf_greedy(target, prompt, 100)
+    reading = _Reading([ref])
+    dec = SpecDecoder(target, MergedDrafter([reading, _Chain([ref], right=True)], split="yield"), tree_size=8,
+                      static_shapes=False, attn_impl="torch")  # fmt: skip
+    out = dec.generate(prompt, 100)
+    assert out.sequences[0, : len(ref)].tolist() == ref
+    assert len(reading.asks) >= 3  # the first step and the probes
+    assert reading.asks[0][1] == reading.asks[0][0] - 1  # the prompt's rows but the root's
+    for (before, _), (now, rows) in zip(reading.asks, reading.asks[1:]):
+        assert rows == now - before  # every token since its last ask, none twice
+
+
+def test_lookup_and_eagle_split_by_yield_equal_hf_greedy():
+    """The real parts under ``split="yield"`` (EAGLE's catch-up reading the rows of steps it sat out):
+    token for token the target's greedy output."""
+    target = _target()
+    prompts = [torch.randint(3, VOCAB, (L,), generator=torch.Generator().manual_seed(s)) for L, s in ((9, 5), (5, 6))]
+    refs = [hf_greedy(target, p, 70) for p in prompts]
+    drafter = make_drafter("lookup+eagle", target=target, heads=_head(), split="yield", **{"lookup.max_depth": 4})
+    dec = SpecDecoder(target, drafter, tree_size=12, static_shapes=False, attn_impl="torch")
+    out = dec.generate(prompts, 70)
+    for b, ref in enumerate(refs):
+        assert out.sequences[b, : len(ref)].tolist() == ref
+    assert len(drafter.yields) == 16  # the split ran: a full window of per-part yields
