@@ -184,6 +184,7 @@ def run_generate(
     attn_impl: str = "auto",
     depth: int | None = None,
     topk: int | None = None,
+    split: str | None = None,
     progress: bool = True,
     out: TextIO | None = None,
 ) -> GenerateResult:
@@ -201,7 +202,8 @@ def run_generate(
     first steps measure them), up to ``max_tree_size``: default 64 on cuda and 16 on cpu,
     except for the draft-model drafter on a CPU: chains of up to ``CPU_CHAIN`` tokens (``depth`` =
     ``CPU_CHAIN``, ``topk`` 1; measured faster than the target alone there, unlike trees).
-    ``depth`` / ``topk`` tune the draft-model drafter.
+    ``depth`` / ``topk`` tune the draft-model drafter; ``split`` (``"priority"`` / ``"yield"``) how a
+    merged drafter divides each step's budget (``drafters.merge.MergedDrafter``).
     """
     import torch
 
@@ -222,6 +224,8 @@ def run_generate(
         raise ValueError(f"drafter: one --heads DIR serves one of medusa / eagle, got {drafter!r}")
     if not temperature >= 0:
         raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature!r}")
+    if split is not None and len(parts) == 1:
+        raise ValueError(f"split: divides a merged drafter's budget (names joined by '+'), got it with --drafter {drafter}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or ("bf16" if dev.type == "cuda" or cpu_bf16_native() else "fp32")
     torch_dtype = parse_dtype(dtype)
@@ -245,6 +249,8 @@ def run_generate(
         draft_model = models.load_model(draft, dtype=torch_dtype, device=dev, progress=progress)
         prefix = "" if drafter == "model" else "model."
         options = {prefix + k: v for k, v in (("depth", depth), ("topk", topk)) if v is not None}
+    if split is not None:
+        options["split"] = split
     made = make_drafter(drafter, target=target_model, draft_model=draft_model, heads=heads, device=dev,
                         dtype=torch_dtype, **options)  # fmt: skip
     decoder = SpecDecoder(target_model, made, attn_impl=attn_impl, **sizes)
@@ -366,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"to {CPU_CHAIN} for --drafter model, else 16)")
     parser.add_argument("--depth", type=cliargs.int_at_least(1), default=None, help=f"draft-model tree depth (default 3; {CPU_CHAIN} on cpu)")
     parser.add_argument("--topk", type=cliargs.int_at_least(1), default=None, help="draft-model frontier width (default 8; 1 on cpu)")
+    parser.add_argument("--split", choices=["priority", "yield"], default=None,
+                        help="how a merged drafter (names joined by '+') divides each step's budget: fixed caps in "
+                             "order (priority, the default) or by the parts' recent yield")
     parser.add_argument("--max-new-tokens", type=cliargs.int_at_least(1), default=256)
     parser.add_argument("--temperature", type=cliargs.float_in(0.0), default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     parser.add_argument("--top-p", type=cliargs.float_in(0.0, 1.0, low_open=True), default=1.0,
@@ -394,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tree_size=ns.max_tree_size,
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed,
         device=ns.device, dtype=ns.dtype, chat=ns.chat, stream=ns.stream, baseline=ns.baseline,
-        attn_impl=ns.attn_impl, depth=ns.depth, topk=ns.topk, progress=not ns.no_progress,
+        attn_impl=ns.attn_impl, depth=ns.depth, topk=ns.topk, split=ns.split, progress=not ns.no_progress,
     )  # fmt: skip
     print(result.summary(), file=sys.stderr)
     if ns.json_out:

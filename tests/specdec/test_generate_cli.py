@@ -238,3 +238,17 @@ def test_cpu_bf16_native_matches_the_cpu_flags(monkeypatch):
 
     monkeypatch.setattr(torch.ops, "mkldnn", NoQuery())
     assert dtypes.cpu_bf16_native() is False
+
+
+def test_split_by_yield_for_a_merged_drafter(tiny_dirs):
+    """``--split yield`` reaches a merged drafter; greedy output is the target's; with one drafter it is
+    a one-line error naming split."""
+    target, draft, _ = tiny_dirs
+    ids = encode(models.load_tokenizer(str(target), progress=False), "def add(a, b):", False)
+    res = run_generate("def add(a, b):", target=str(target), draft=str(draft), drafter="lookup+model", split="yield",
+                       tree_size=8, max_new_tokens=20, device="cpu", chat=False, attn_impl="torch", progress=False,
+                       out=io.StringIO())  # fmt: skip
+    assert res.token_ids == _target_greedy(target, ids, 20)[: len(res.token_ids)]
+    with pytest.raises(ValueError, match="split: divides a merged drafter's budget"):
+        run_generate("x", target=str(target), draft=str(draft), drafter="model", split="yield", device="cpu",
+                     progress=False, out=io.StringIO())  # fmt: skip
