@@ -84,12 +84,6 @@ class LookupDrafter(BaseDrafter):
         self._extend(idx, tokens)
         return idx
 
-    def continuations(self, tokens: list[int]) -> list[list[int]]:
-        """Candidate continuations of ``tokens`` in priority order (not deduplicated, uncapped)."""
-        idx = self._new_index()
-        self._extend(idx, tokens)
-        return list(self._candidates(idx, tokens))
-
     def _candidates(self, idx: _Index, tokens: list[int]):
         length = len(tokens)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
