@@ -271,17 +271,17 @@ def run_generate(
     kwargs = dict(do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p, eos_token_id=eos or None)
 
     plain = SpecDecoder(target_model, None, attn_impl=attn_impl) if baseline else None
-    if baseline:
-        # A fair comparison: both decoders warm (first-touch weight pages, capture / allocation), and the timed
-        # call as it would run without --baseline. With dynamic shapes (a CPU) the speculative decoder has
-        # nothing to capture: only the target is warmed (the decoders share it), so that its first steps
-        # measure the budgets' costs on the real prompt as they would; else its acceptance estimate is
-        # started afresh after its warm call.
-        for warm in (decoder, plain) if decoder.static_shapes else (plain,):
-            warm.generate(ids, _BASELINE_WARMUP_TOKENS, generator=torch.Generator(device=dev).manual_seed(seed),
-                          **kwargs)  # fmt: skip
-        if decoder.budget is not None:
-            decoder.budget.forget_acceptance()
+
+    def warm_plain() -> None:
+        plain.generate(ids, _BASELINE_WARMUP_TOKENS, generator=torch.Generator(device=dev).manual_seed(seed), **kwargs)
+
+    # A fair comparison, and the speculative call (its first token included) as it runs without --baseline:
+    # both decoders warm before their timed calls. With static shapes the warm-up above made the speculative
+    # decoder's (and touched the target's weights); the target alone is warmed after the speculative call,
+    # before its own. With dynamic shapes (a CPU) nothing is captured: the target is warmed first (its
+    # first-touch weight pages serve both), and the speculative call's first steps measure the budgets.
+    if plain is not None and not decoder.static_shapes:
+        warm_plain()
     streamer = _Streamer(tokenizer, out) if stream else None
     first_token: list[float] = []
 
@@ -309,6 +309,8 @@ def run_generate(
 
     base_s = base_text = None
     if plain is not None:
+        if decoder.static_shapes:
+            warm_plain()
         gen = torch.Generator(device=dev).manual_seed(seed)
         _sync(dev)
         t0 = time.perf_counter()

@@ -194,7 +194,9 @@ def test_static_shapes_warm_every_cache_before_the_call(tiny_dirs, monkeypatch, 
     target, draft, _ = tiny_dirs
     prompt = "def add(a, b):"
     res = run_generate(prompt, target=str(target), draft=str(draft), tree_size=tree_size, max_new_tokens=300,
-                       device="cpu", chat=False, attn_impl="torch", progress=False, out=io.StringIO())  # fmt: skip
+                       device="cpu", chat=False, attn_impl="torch", progress=False, baseline=True,
+                       out=io.StringIO())  # fmt: skip
+    assert res.baseline_text == res.text  # the target alone (warmed after the speculative call) agrees
     # the warm-up sized the draft cache for the prompt and all 300 tokens, so no step grows it
     (drafter,) = made
     ids = encode(models.load_tokenizer(str(target), progress=False), prompt, False)
