@@ -208,16 +208,33 @@ class DraftModelDrafter(BaseDrafter):
                                         prefill=prev.prefill if prev is not None else None,
                                         loops=prev.loops if prev is not None else {})  # fmt: skip
 
-    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None) -> None:
+    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None,
+               tree_sizes: Sequence[int] = ()) -> None:  # fmt: skip
         """Size the draft caches for requests of up to ``max_len`` tokens per sequence (prompt and new
         tokens; called by ``SpecDecoder.warmup``): a cache that grows mid-run drops its device loops,
         so their captures (and, with ``compile``, the level forward's compile for the new capacity)
-        would come back inside a timed call. ``batch_sizes`` and ``log`` are not used."""
+        would come back inside a timed call. With static shapes and ``tree_sizes`` (the budgets the
+        engine will ask with), each sequence slot of up to ``max(batch_sizes)`` also makes, on a dummy
+        prompt of up to 64 tokens, a first and a later greedy proposal at each size: the chunked
+        prefill and the device loops a call's steps replay (sampled calls make their own loops on
+        first use). The next ``reset`` starts every slot afresh, keeping them. ``log`` is not used."""
         if max_len is not None:
             self._min_cache = max(self._min_cache, max_len + self.topk * self.depth + 2)
             for b, st in list(self._states.items()):
                 if st.cache.capacity < self._min_cache:
                     self._states[b] = _SeqState(self._new_cache(self._min_cache), [], [])
+        sizes = [n for n in tree_sizes if n > 0]
+        prompt = min(64, (max_len or 0) - max(sizes, default=0) - 2)
+        if not (self.static_shapes and sizes and prompt >= 2):
+            return
+        rows = max(batch_sizes)
+        tokens = torch.zeros(prompt, dtype=torch.int64)
+        self.reset([tokens.clone() for _ in range(rows)])
+        for b in range(rows):
+            for n in sizes:
+                for seen in (tokens, torch.cat([tokens, tokens.new_zeros(1)])):  # a first step, then a later one
+                    self.propose(DraftContext(seen, n, b))
+        self.reset([tokens.clone() for _ in range(rows)])
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:

@@ -40,6 +40,7 @@ who proposed what); ``last_phase_s`` is the first profiling part's (e.g. ``Eagle
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -128,12 +129,15 @@ class MergedDrafter(BaseDrafter):
         self.last_part_nodes: list[int] = []
         self.last_phase_s: dict[str, float] | None = None
 
-    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None) -> None:
-        """Each part's ``warmup`` where it has one (``SpecDecoder.warmup`` calls this)."""
+    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None,
+               tree_sizes: Sequence[int] = ()) -> None:  # fmt: skip
+        """Each part's ``warmup`` where it has one (``SpecDecoder.warmup`` calls this), ``tree_sizes``
+        to the parts that take it."""
         for d in self.drafters:
             part = getattr(d, "warmup", None)
             if callable(part):
-                part(batch_sizes=batch_sizes, max_len=max_len, log=log)
+                sizes = {"tree_sizes": tree_sizes} if "tree_sizes" in inspect.signature(part).parameters else {}
+                part(batch_sizes=batch_sizes, max_len=max_len, log=log, **sizes)
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
         self._last = {}

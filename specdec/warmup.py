@@ -38,6 +38,16 @@ BUDGET_TIMING_RUNS = 3
 DRAFT_TIMING_PROMPT = 64
 
 
+def _takes_tree_sizes(method: Callable) -> bool:
+    """Whether a drafter's ``warmup`` takes the ``tree_sizes`` keyword (an optional part of the protocol)."""
+    import inspect
+
+    try:
+        return "tree_sizes" in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -168,7 +178,8 @@ class Warmup:
         decoding at ``tree_size=0``, run the former too; prompts of any length, the latter).
         The dummy KV is never read: every ``generate`` prefills its prompts from slot 0. Then, if
         the drafter has a ``warmup`` method, ``drafter.warmup(batch_sizes=..., max_len=..., log=...)``
-        is called (e.g. to capture a draft model's forwards); with ``tree_size="auto"``, a drafter
+        is called, with ``tree_sizes=`` (the positive budgets its proposals will get) where it takes
+        that keyword (e.g. to capture a draft model's forwards for every sequence slot); with ``tree_size="auto"``, a drafter
         that reads no hidden states is then timed at batch 1 (``_time_drafter``). A later ``generate`` within these
         batch sizes and ``max_len`` makes no new forward (no capture, no compile; for a shared
         prompt, see step 3). With dynamic shapes there are no fixed-shape forwards (and no kept
@@ -268,7 +279,8 @@ class Warmup:
         if callable(drafter_warmup):
             say(f"specdec warmup: the drafter ({type(self.drafter).__name__})")
             t0 = time.perf_counter()
-            drafter_warmup(batch_sizes=tuple(batch_sizes), max_len=max_len, log=log)
+            sizes = {"tree_sizes": tuple(n for n in self.tree_budgets if n > 0)} if _takes_tree_sizes(drafter_warmup) else {}
+            drafter_warmup(batch_sizes=tuple(batch_sizes), max_len=max_len, log=log, **sizes)
             self._sync()
             drafter_s = time.perf_counter() - t0
         self._time_drafter(max(capacities) if max_len is None else max_len, say)

@@ -788,3 +788,22 @@ def test_warmup_sizes_the_draft_caches_so_that_no_later_call_grows_them():
     first = fresh._states[0].cache
     fresh.propose(DraftContext(torch.cat([long, _prompt(60, 2)]), 12))
     assert first.capacity == 256 and fresh._states[0].cache.capacity == 512  # without the warm-up: grown
+
+
+@pytest.mark.parametrize("prefill_width", [256, 0])
+def test_warmup_makes_every_slots_loops_and_generate_makes_none(prefill_width):
+    """``SpecDecoder.warmup`` hands the drafter the tree sizes it will be asked with: with static shapes
+    each sequence slot makes its prefill and device loops there (its CUDA graphs on a GPU), so a call
+    at a fixed tree size makes none (before, a call's first step captured them); output stays greedy."""
+    prompts = [_prompt(10, 0), _prompt(3, 8)]
+    drafter = DraftModelDrafter(_draft(), depth=3, topk=3, static_shapes=True, prefill_width=prefill_width)
+    dec = SpecDecoder(_target(), drafter, tree_size=12, static_shapes=True, attn_impl="torch", cache_buckets=(96,))
+    dec.warmup((2,), max_len=60, log=None)
+    made = {b: dict(st.loops) for b, st in drafter._states.items()}
+    prefills = {b: st.prefill for b, st in drafter._states.items()}
+    assert sorted(made) == [0, 1] and all(len(loops) == (1 if prefill_width else 2) for loops in made.values())
+    out = dec.generate(prompts, NEW)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(_target(), p, NEW)
+    assert {b: dict(st.loops) for b, st in drafter._states.items()} == made  # the same loops, none new
+    assert {b: st.prefill for b, st in drafter._states.items()} == prefills
