@@ -110,6 +110,10 @@ class Drafter(Protocol):
     ``propose_batch(contexts) -> list[TokenTree]`` (optional): the trees of several sequences of one
     step at once, equal to ``[propose(c) for c in contexts]``; the engine calls it for batches of
     two or more (``propose_all``).
+
+    ``warmup(batch_sizes, max_len, log[, tree_sizes])`` (optional): called by ``SpecDecoder.warmup``
+    to make what later calls use (caches sized for ``max_len``, captures); ``tree_sizes``, where the
+    method takes it, are the positive budgets its proposals will get.
     """
 
     vocab_size: int | None
