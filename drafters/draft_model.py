@@ -234,7 +234,6 @@ class DraftModelDrafter(BaseDrafter):
             for n in sizes:
                 for seen in (tokens, torch.cat([tokens, tokens.new_zeros(1)])):  # a first step, then a later one
                     self.propose(DraftContext(seen, n, b))
-        self.reset([tokens.clone() for _ in range(rows)])
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:

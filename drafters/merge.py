@@ -40,7 +40,6 @@ who proposed what); ``last_phase_s`` is the first profiling part's (e.g. ``Eagle
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -48,7 +47,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from drafters._build import make_tree, root_only
-from specdec.drafting import HIDDEN_ALL, HIDDEN_LAST, BaseDrafter, DraftContext, hidden_states_request
+from specdec.drafting import (HIDDEN_ALL, HIDDEN_LAST, BaseDrafter, DraftContext, hidden_states_request,
+                              warm_up_drafter)
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
 
@@ -134,10 +134,7 @@ class MergedDrafter(BaseDrafter):
         """Each part's ``warmup`` where it has one (``SpecDecoder.warmup`` calls this), ``tree_sizes``
         to the parts that take it."""
         for d in self.drafters:
-            part = getattr(d, "warmup", None)
-            if callable(part):
-                sizes = {"tree_sizes": tree_sizes} if "tree_sizes" in inspect.signature(part).parameters else {}
-                part(batch_sizes=batch_sizes, max_len=max_len, log=log, **sizes)
+            warm_up_drafter(d, batch_sizes, max_len, log, tree_sizes)
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
         self._last = {}

@@ -44,6 +44,7 @@ Contract of ``propose``:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from specdec.verify import Verdict
 
 __all__ = ["HIDDEN_ALL", "HIDDEN_LAST", "DraftContext", "Drafter", "BaseDrafter", "feature_layers_request",
-           "hidden_states_request", "propose_all"]
+           "hidden_states_request", "propose_all", "warm_up_drafter"]
 
 #: ``needs_hidden_states`` value: the feature that predicted the root only (``hidden`` is ``[1, H]``).
 HIDDEN_LAST = "last"
@@ -141,6 +142,21 @@ def propose_all(drafter, contexts: Sequence[DraftContext]) -> list[TokenTree]:
         raise ValueError(f"drafter: expected propose_batch to return {len(contexts)} trees (one per context), "
                          f"got {len(trees)}")
     return trees
+
+
+def warm_up_drafter(drafter, batch_sizes: Sequence[int], max_len: int | None, log,
+                    tree_sizes: Sequence[int] = ()) -> None:  # fmt: skip
+    """Call ``drafter.warmup(batch_sizes=..., max_len=..., log=...)`` where the drafter has one (an
+    optional method), with ``tree_sizes=`` where that method takes the keyword."""
+    warmup = getattr(drafter, "warmup", None)
+    if not callable(warmup):
+        return
+    try:
+        takes = "tree_sizes" in inspect.signature(warmup).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        takes = False
+    sizes = {"tree_sizes": tuple(tree_sizes)} if takes else {}
+    warmup(batch_sizes=tuple(batch_sizes), max_len=max_len, log=log, **sizes)
 
 
 class BaseDrafter:

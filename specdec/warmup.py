@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdec import hf
-from specdec.drafting import DraftContext, hidden_states_request
+from specdec.drafting import DraftContext, hidden_states_request, warm_up_drafter
 from specdec.graphs import configure_compile_cache, uses_inductor
 from specdec.kv import KVCache
 from specdec.outputs import WarmupEntry, WarmupReport
@@ -36,16 +36,6 @@ __all__ = ["BUDGET_TIMING_RUNS", "DRAFT_TIMING_PROMPT", "Warmup"]
 BUDGET_TIMING_RUNS = 3
 #: ``tree_size="auto"``: the most tokens of the dummy prompt the drafter's catch-up is timed on
 DRAFT_TIMING_PROMPT = 64
-
-
-def _takes_tree_sizes(method: Callable) -> bool:
-    """Whether a drafter's ``warmup`` takes the ``tree_sizes`` keyword (an optional part of the protocol)."""
-    import inspect
-
-    try:
-        return "tree_sizes" in inspect.signature(method).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin)
-        return False
 
 
 def _stderr(message: str) -> None:
@@ -275,12 +265,10 @@ class Warmup:
                 say(f"  B={batch} S={rows_cap} n={n} shared prompt C={prompt_cap}: "
                     f"{_shared_entry_line(entry, bool(self.compile), self.static_shapes)}")
         drafter_s = 0.0
-        drafter_warmup = getattr(self.drafter, "warmup", None)
-        if callable(drafter_warmup):
+        if callable(getattr(self.drafter, "warmup", None)):
             say(f"specdec warmup: the drafter ({type(self.drafter).__name__})")
             t0 = time.perf_counter()
-            sizes = {"tree_sizes": tuple(n for n in self.tree_budgets if n > 0)} if _takes_tree_sizes(drafter_warmup) else {}
-            drafter_warmup(batch_sizes=tuple(batch_sizes), max_len=max_len, log=log, **sizes)
+            warm_up_drafter(self.drafter, batch_sizes, max_len, log, [n for n in self.tree_budgets if n > 0])
             self._sync()
             drafter_s = time.perf_counter() - t0
         self._time_drafter(max(capacities) if max_len is None else max_len, say)

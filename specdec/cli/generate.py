@@ -13,11 +13,13 @@ decision's costs and acceptance estimate are in ``--json``'s ``budget_reason``.)
 
 The summary shows measured numbers only. ``--baseline`` also decodes the prompt with the target
 alone (same engine, no drafter) and adds the measured speedup (and, greedy, whether the two texts
-are identical; in fp32 they must be); before the two timed calls the decoders make a short untimed call
-(on a CPU only the target alone: the decoders share the target, and the speculative decoder's first
-steps measure the budgets' costs as they would without ``--baseline``), so that neither pays the
-process's first-touch costs (weight pages read from disk, buffer allocation, CUDA-graph capture)
-inside its timing::
+are identical; in fp32 they must be). Neither timed call pays the process's first-touch costs
+(weight pages read from disk, buffer allocation, CUDA-graph capture): on a GPU the speculative
+decoder's warm-up makes what its call replays, and the target alone makes a short untimed call
+after the speculative call, before its own (so the speculative call and its first token are what
+they are without ``--baseline``); on a CPU the target alone makes that call first (the decoders
+share the target, and the speculative decoder's first steps measure the budgets' costs as they
+would without ``--baseline``)::
 
     ... | target alone 6.20 s: measured speedup 2.00x (identical text)
 
