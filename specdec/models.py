@@ -555,6 +555,22 @@ def resolve_model(name_or_path: str | os.PathLike[str], home: str | os.PathLike[
     return str(out)
 
 
+@contextlib.contextmanager
+def _transformers_bars(progress: bool):
+    """transformers' own progress bars (``from_pretrained``'s "Loading weights") off inside when
+    ``progress`` is False; the process's previous setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was and not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not progress:
+            hf_logging.enable_progress_bar()
+
+
 def _from_pretrained(cls: Any, path: str, **kwargs: Any) -> Any:
     """``cls.from_pretrained`` on a resolved path; a ``.gguf`` file loads through ``gguf_file=``.
 
@@ -727,7 +743,8 @@ def load_model(
             weights are read straight onto it instead of into host memory first (transformers
             needs ``accelerate`` for any ``device_map``: why it is a dependency).
         home: cache root for default names.
-        progress: show tqdm bars while fetching/converting a default model (and writing its copy).
+        progress: show tqdm bars while fetching/converting a default model (and writing its copy), and
+            transformers' own "Loading weights" bar (False: no bar at all).
         dtype_copy: for a default model loaded in ``torch.bfloat16`` / ``torch.float16``: read the
             weights from a copy in that dtype beside the float32 file (``ensure_dtype_copy``:
             written by the first such load, rewritten when the float32 file changed; the same
@@ -753,7 +770,8 @@ def load_model(
             kwargs = {**kwargs, "variant": dtype_name}  # from_pretrained reads model.<dtype>.safetensors
     if device is not None and torch.device(device).type != "cpu" and "device_map" not in kwargs:
         kwargs = {**kwargs, "device_map": torch.device(device)}
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32 if dtype is None else dtype, **kwargs)
+    with _transformers_bars(progress):
+        model = _from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32 if dtype is None else dtype, **kwargs)
     if device is not None:
         model = model.to(device)
     return model.eval()

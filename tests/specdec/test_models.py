@@ -357,6 +357,22 @@ def test_a_device_load_goes_through_device_map_which_needs_accelerate(tmp_path, 
     assert {p.device.type for p in cpu.parameters()} == {"cpu"}
 
 
+def test_progress_false_silences_transformers_loading_bar(tmp_path, capfd):
+    """``progress=False`` (the CLIs' ``--no-progress``) leaves no "Loading weights" bar of transformers'
+    in the output, shows it with ``progress=True``, and leaves the process's setting as it found it."""
+    from transformers.utils import logging as hf_logging
+
+    out = _fake_converted(tmp_path)
+    capfd.readouterr()
+    models.load_model(out, progress=False)
+    quiet = capfd.readouterr()
+    assert "Loading weights" not in quiet.err + quiet.out
+    assert hf_logging.is_progress_bar_enabled()
+    models.load_model(out, progress=True)
+    loud = capfd.readouterr()
+    assert "Loading weights" in loud.err + loud.out
+
+
 def test_dtype_copy_is_what_loads(tmp_path, monkeypatch):
     """The load reads model.bfloat16.safetensors (not the float32 file): a copy whose values were
     changed behind its stamp's back loads as changed."""
