@@ -118,6 +118,11 @@ class EagleTrainConfig:
         batch_size: sequences per step.
         unroll: unrolled steps U of the training-time test (1 = plain EAGLE-1 teacher forcing).
         max_positions: at most this many positions per unrolled step enter the cross-entropy.
+        max_len: training sequences (prompt + answer) longer than this many tokens are left out
+            (``train_eagle`` prints how many): a batch is padded to its longest sequence, and the
+            head's unrolled attention keeps ``[B, heads, T, T]`` float32 scores per unrolled step
+            (one 3,965-token MBPP answer made that 6 GB a step in a batch of 8 and ran an H100 out of
+            memory at ``unroll=4``).
         reg_weight, ce_weight: weights of the feature regression (smooth L1) and the
             cross-entropy (EAGLE-1: 1.0 and 0.1).
         step_decay: unrolled step s is weighted ``step_decay ** (s - 1)``.
@@ -140,6 +145,7 @@ class EagleTrainConfig:
     batch_size: int = 8
     unroll: int = 3
     max_positions: int = 2048
+    max_len: int = 2048
     reg_weight: float = 1.0
     ce_weight: float = 0.1
     step_decay: float = 0.8
@@ -151,7 +157,7 @@ class EagleTrainConfig:
     train_vocab: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "unroll", "max_positions"):
+        for name in ("steps", "batch_size", "unroll", "max_positions", "max_len"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
@@ -414,6 +420,13 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
     """
     if not examples:
         raise ValueError("examples: expected at least one training sequence, got none")
+    long = [len(e.ids) for e in examples if len(e.ids) > config.max_len]
+    if long:
+        examples = [e for e in examples if len(e.ids) <= config.max_len]
+        print(f"left out {len(long)} training sequence(s) longer than max_len = {config.max_len} tokens (the longest "
+              f"{max(long)}); {len(examples)} left")  # fmt: skip
+        if not examples:
+            raise ValueError(f"examples: expected sequences of at most max_len = {config.max_len} tokens, got none")
     if time_budget is not None and not time_budget > 0:
         raise ValueError(f"time_budget: expected seconds > 0 or None, got {time_budget!r}")
     device = target.get_input_embeddings().weight.device
@@ -524,7 +537,7 @@ class EagleRun:
         cache: the self-distillation cache (None: ``OUT/selfdistill.jsonl``; a ``train-medusa``
             cache made with the same settings is reused).
         steps: optimizer steps (0: no training, the untrained head is saved).
-        lr, batch_size, unroll, max_positions, train_vocab, reg_weight, ce_weight, seed:
+        lr, batch_size, unroll, max_positions, max_len, train_vocab, reg_weight, ce_weight, seed:
             :class:`EagleTrainConfig`'s.
         num_prompts: use only the first N MBPP problems, and the first N prompts of ``prompts``
             (None: all).
@@ -567,6 +580,7 @@ class EagleRun:
     batch_size: int = EagleTrainConfig.batch_size
     unroll: int = EagleTrainConfig.unroll
     max_positions: int = EagleTrainConfig.max_positions
+    max_len: int = EagleTrainConfig.max_len
     train_vocab: int | None = None
     reg_weight: float = EagleTrainConfig.reg_weight
     ce_weight: float = EagleTrainConfig.ce_weight
@@ -595,7 +609,7 @@ class EagleRun:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        check_run_fields(self, ("batch_size", "unroll", "max_positions", "max_new_tokens", "gen_batch_size",
+        check_run_fields(self, ("batch_size", "unroll", "max_positions", "max_len", "max_new_tokens", "gen_batch_size",
                                 "answers_per_prompt"), ("steps", "exercises"))  # fmt: skip
         check_source_fields(self)
         check_feature_spec(self.feature_layers)
@@ -648,8 +662,8 @@ def run_eagle(run: EagleRun) -> None:
     progress = run.progress
     sources = read_sources(run)  # a bad prompt row fails here, before any model loads
     cfg = EagleTrainConfig(steps=max(run.steps, 1), lr=run.lr, batch_size=run.batch_size, unroll=run.unroll,
-                           max_positions=run.max_positions, reg_weight=run.reg_weight, ce_weight=run.ce_weight,
-                           seed=run.seed, train_vocab=run.train_vocab)  # fmt: skip
+                           max_positions=run.max_positions, max_len=run.max_len, reg_weight=run.reg_weight,
+                           ce_weight=run.ce_weight, seed=run.seed, train_vocab=run.train_vocab)  # fmt: skip
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -157,6 +157,9 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=cliargs.int_at_least(1), default=d.batch_size)
     parser.add_argument("--unroll", type=cliargs.int_at_least(1), default=d.unroll, help="unrolled steps of the training-time test")
     parser.add_argument("--max-positions", type=cliargs.int_at_least(1), default=d.max_positions, help="positions per unrolled step in the cross-entropy")
+    parser.add_argument("--max-len", type=cliargs.int_at_least(1), default=d.max_len,
+                        help=f"leave out training sequences longer than this many tokens (default {d.max_len}): a batch "
+                             "pads to its longest, and the head's attention scores grow with its square")
     parser.add_argument("--train-vocab", type=cliargs.int_at_least(1), default=None, metavar="N",
                         help="cross-entropy over the N most frequent answer tokens only (default: the whole vocabulary)")
     parser.add_argument("--reg-weight", type=cliargs.float_in(0.0), default=d.reg_weight, help="smooth-L1 feature loss weight")

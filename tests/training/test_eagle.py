@@ -39,6 +39,35 @@ def test_time_budget_cuts_the_steps_and_rescales_the_schedule():
         train_eagle(target, EagleHead(target), examples, cfg, progress=False, time_budget=0.0)
 
 
+def test_sequences_longer_than_max_len_are_left_out_and_reported(capsys, monkeypatch):
+    """max_len: longer training sequences never reach a batch (their padding made the unrolled attention's
+    [B, heads, T, T] scores run an H100 out of memory); the run says how many it left out; none left: a
+    ValueError naming max_len."""
+    from training.distill import Example
+
+    target = tiny_model("qwen2")
+    examples = _examples(target, 5)
+    short = max(len(e.ids) for e in examples)
+    long = Example(tuple(examples[0].ids) * 3, examples[0].prompt_len)
+    seen = []
+    step_terms = eagle_train._step_terms
+
+    def spy(target, head, parts, batch, *args, **kwargs):
+        seen.extend(len(e.ids) for e in batch)
+        return step_terms(target, head, parts, batch, *args, **kwargs)
+
+    monkeypatch.setattr(eagle_train, "_step_terms", spy)
+    cfg = EagleTrainConfig(steps=40, batch_size=3, unroll=2, max_len=short)
+    losses = train_eagle(target, EagleHead(target), [*examples, long], cfg, progress=False)
+    assert len(losses) == 40 and seen and max(seen) == short
+    assert f"left out 1 training sequence(s) longer than max_len = {short} tokens (the longest {len(long.ids)}); 5 left" \
+        in capsys.readouterr().out
+    with pytest.raises(ValueError, match=rf"examples: expected sequences of at most max_len = 4 tokens, got none"):
+        train_eagle(target, EagleHead(target), examples, EagleTrainConfig(steps=2, max_len=4), progress=False)
+    with pytest.raises(ValueError, match=r"max_len: expected an int >= 1, got 0"):
+        EagleTrainConfig(max_len=0)
+
+
 @pytest.mark.parametrize("layers", [None, (0, 1)])
 def test_cached_target_features_train_like_the_per_batch_forward(capsys, layers):
     """cache_features=True: the target runs once over every sequence before the first step; the
