@@ -53,7 +53,7 @@ import torch
 
 from drafters import draft_sampling
 from drafters._build import NodePool, best_first as _best_first, expanded_path, make_tree, root_only
-from drafters.draft_model_loop import ATTENTIONS, DeviceLoop
+from drafters.draft_model_loop import ATTENTIONS, DeviceLoop, layer_wise
 from drafters.draft_sampling import SAMPLING_PROPOSALS
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
@@ -104,8 +104,12 @@ class DraftModelDrafter(BaseDrafter):
         cuda_graphs: replay the device loop (or those fixed-shape forwards) as CUDA graphs (one
             capture per sequence, cache size and loop shape); default True when ``static_shapes``
             and the draft is on one CUDA device, unless the environment sets ``SPECDEC_CUDA_GRAPHS=0``.
-        compile: run the device loop (or those fixed-shape forwards) through ``torch.compile``
-            before their capture (True: inductor, or a backend name; needs static shapes). Default False.
+        compile: run the device loop's forwards (or those fixed-shape forwards) through
+            ``torch.compile`` before their capture (needs static shapes): True (inductor) or a backend
+            name compiles each forward of the draft as one function; ``"layers"`` (or
+            ``"layers:BACKEND"``; the device loop with ``attention="tree"`` only) compiles one forward
+            per decoder-layer kind shared by all its layers, as the engine's ``compile=True`` does for
+            the target (a fraction of the compile time; fused kernels per layer). Default False.
         device_loop: run each proposal in ``DeviceLoop`` (default: catch-up chain and every depth
             in one CUDA graph, one host sync per step); False = the host-driven loop (one forward,
             masks built on the host and one host sync per depth), kept as the reference the device
@@ -185,6 +189,9 @@ class DraftModelDrafter(BaseDrafter):
         self.device_loop = device_loop
         #: the device loop's attention in effect ("auto" resolved)
         self.attention = pick_attention(attention, draft_model, self.device)
+        if layer_wise(self.compile) and not (device_loop and self.attention == "tree"):
+            raise ValueError(f"compile: {self.compile!r} (each decoder layer compiled) needs the device loop with "
+                             f"attention='tree', got device_loop={device_loop!r}, attention={self.attention!r}")  # fmt: skip
         self.prefill_width = prefill_width
         #: draft forwards run by the last ``propose`` (catch-up included; for tests and accounting)
         self.last_forwards = 0

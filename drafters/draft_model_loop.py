@@ -3,7 +3,9 @@
 ``DeviceLoop`` runs one proposal's forwards, top-k / draws, scores and next frontiers in device
 tensors with fixed shapes, one device-to-host copy at the end; captured as one CUDA graph per
 sequence and shape on CUDA. Its attention: ``GroupedMaskedState`` (explicit masks, query heads
-folded into rows) or ``TreeState`` (the tree-attention kernel over the draft cache).
+folded into rows) or ``TreeState`` (the tree-attention kernel over the draft cache); with the
+layer-wise compile (``compile="layers"``) the same kernel through ``hf.ForwardState``, whose
+``layer_backend`` runs each decoder layer through one compiled forward (``hf.compile_layers``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from drafters.draft_sampling import SAMPLING_PROPOSALS
 from drafters.selection import best_k, row_topk
 from specdec import hf
 from specdec.attention import MaskedState, TreeState
-from specdec.graphs import Replayed, compile_fixed_shapes
+from specdec.graphs import LAYERS, Replayed, compile_fixed_shapes, compile_plan
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
-from treeattn.layout import pack_bits
+from treeattn.layout import TreeMask, pack_bits
 
-__all__ = ["ATTENTIONS", "DeviceLoop", "GroupedMaskedState"]
+__all__ = ["ATTENTIONS", "DeviceLoop", "GroupedMaskedState", "layer_wise"]
 
 #: How the device loop's draft forwards attend: SDPA under a dense mask over the whole cache, or treeattn's kernel.
 ATTENTIONS = ("sdpa", "tree")
@@ -73,6 +75,12 @@ class GroupedMaskedState(MaskedState):
         return out.reshape(batch, heads, m, dim).transpose(1, 2), None
 
 
+def layer_wise(compile: bool | str) -> bool:
+    """Whether a draft ``compile=`` option is the layer-wise compile (``"layers"`` / ``"layers:BACKEND"``;
+    for the draft, True is the per-forward compile)."""
+    return isinstance(compile, str) and (compile == LAYERS or compile.startswith(LAYERS + ":"))
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_run_state(backend: bool | str):
     """``hf.run_state`` through ``torch.compile`` (True: inductor; or a backend name), fixed shapes:
@@ -117,7 +125,17 @@ class DeviceLoop(Replayed):
     copy; ``probs`` (sampled proposals) stays on the device. Inputs, updated in place by ``load``:
     the chain (one pinned host-to-device copy) or ``root_logits``, ``base`` (the root's slot),
     ``budget``, the uniforms; the proposal kind, sampling transform and shapes are fixed per
-    instance. Attention: ``GroupedMaskedState`` (explicit masks over the whole cache).
+    instance. Attention: ``GroupedMaskedState`` (explicit masks over the whole cache) or, with
+    ``attention="tree"``, treeattn's kernel (``TreeState``).
+
+    ``compile``: False; a torch.compile backend (True: inductor) for each forward of the draft as one
+    compiled function (``hf.run_state`` through ``compile_fixed_shapes``); or ``"layers"`` /
+    ``"layers:BACKEND"`` (needs ``attention="tree"``): every decoder layer through one forward
+    compiled for all layers of its kind, the target's layer-wise compile (``hf.compile_layers``; its
+    compiled code is shared with any model of the same layer class, one variant per shape). The
+    catch-up and the levels then attend through ``hf.ForwardState`` (the tree kernel, as ``TreeState``),
+    which hands each layer its ``LayerState``; a catch-up chain too long for the tree layout stays
+    uncompiled.
     """
 
     def __init__(self, model, cache: KVCache, *, topk: int, width: int, depth: int, proposal: str = "topk",
@@ -126,8 +144,15 @@ class DeviceLoop(Replayed):
         # the model forward of one level (and of the catch-up) goes through torch.compile, not the whole
         # body: compiling the loop unrolled (depth x the draft's layers in one graph) took over 7 minutes
         # for the 0.5B at depth 4 on an H100; per forward, every level shares one compile
-        super().__init__(model, cache, 1, topk, capture=capture, warmup=warmup, compile=False, n_name="topk")
-        self._run_state = _compiled_run_state(compile) if compile else hf.run_state
+        per_layer = layer_wise(compile)
+        if per_layer and attention != "tree":
+            raise ValueError(f"compile: {compile!r} (each decoder layer compiled) needs attention='tree', "
+                             f"got attention={attention!r}")  # fmt: skip
+        super().__init__(model, cache, 1, topk, capture=capture, warmup=warmup, compile=compile if per_layer else False,
+                         n_name="topk")  # fmt: skip
+        #: the layers' torch.compile backend with the layer-wise compile, else None
+        self.layer_backend = compile_plan(compile)[0] if per_layer else None
+        self._run_state = _compiled_run_state(compile) if compile and not per_layer else hf.run_state
         for name, val in (("width", width), ("depth", depth)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
@@ -170,7 +195,8 @@ class DeviceLoop(Replayed):
             self.words = pack_bits(torch.eye(e - 1, dtype=torch.bool, device=dev))[None]  # [1, E - 1, nw]
             #: per level d, the rows whose logits the level's forward keeps (its K frontier rows)
             self._level_rows = {d: (d - 1) * k + torch.arange(k, **i64) for d in range(1, depth)}
-            self.state = TreeState(cache, self.tree_slots, self.tree_prefix, self.words, self._exp_depth[None, 1:])
+            self.state = self._tree_state(self.tree_slots, self.tree_positions, self.tree_prefix, self.words,
+                                          self._exp_depth[None, 1:])  # fmt: skip
         else:
             self.state = GroupedMaskedState(cache, self.slots, self.positions, self.visible, self.key_positions)
         #: the catch-up through the tree kernel: the chain's padding rows write the slots after the root
@@ -186,8 +212,8 @@ class DeviceLoop(Replayed):
             if self._chain_tree:  # causal words: row j sees chain rows 0..j (padding rows included)
                 self.chain_prefix = torch.zeros(1, **i64)
                 causal = torch.ones(chain, chain, dtype=torch.bool, device=dev).tril()
-                self.chain_state = TreeState(cache, self.chain_slots, self.chain_prefix,
-                                              pack_bits(causal)[None], self._chain_ids[None])
+                self.chain_state = self._tree_state(self.chain_slots, self.chain_positions, self.chain_prefix,
+                                                    pack_bits(causal)[None], self._chain_ids[None])  # fmt: skip
             else:
                 self.chain_state = GroupedMaskedState(cache, self.chain_slots, self.chain_positions,
                                                        self.chain_visible, self.key_positions)  # fmt: skip
@@ -213,6 +239,15 @@ class DeviceLoop(Replayed):
             own = torch.zeros(k, e, dtype=torch.bool)
             own[torch.arange(k), 1 + (d - 1) * k + torch.arange(k)] = True
             self._own[d] = own.to(dev)
+
+    def _tree_state(self, slots, positions, prefix_lens, words, depth):
+        """The attention state of a forward through the tree kernel (all tensors updated in place):
+        ``TreeState``, or with the layer-wise compile the ``hf.ForwardState`` that runs the same kernel
+        and hands each compiled layer its buffers."""
+        if self.layer_backend is None:
+            return TreeState(self.cache, slots, prefix_lens, words, depth)
+        return hf.ForwardState(self.cache, slots, positions, TreeMask(words, depth), prefix_lens,
+                               layer_backend=self.layer_backend)  # fmt: skip
 
     def expanded_index(self, level: int, row: int) -> int:
         """Expanded index (slot ``base + index``) of frontier row ``row`` chosen at ``level``."""
@@ -296,7 +331,8 @@ class DeviceLoop(Replayed):
                                                     self._slot_ids[None] == cap - 1))  # fmt: skip
         self.chain_slots[0].copy_(slots)
         self.chain_positions[0].copy_(torch.where(live, slots, 0))
-        self.chain_state.clear()
+        if not self._chain_tree:  # the mask changed (the tree states read their tensors as they are)
+            self.chain_state.clear()
         logits = self._run_state(self.model, self.chain_in[None, :wc], self.chain_positions, self.chain_state)[0]
         return logits.to(self.device).index_select(0, count - 1)
 

@@ -258,6 +258,45 @@ def test_static_shapes_greedy_equals_target_generate_in_a_batch(family, compile)
     assert [st.loops for st in drafter._states.values()] == loops
 
 
+def test_layer_wise_compile_of_the_device_loop_proposes_the_uncompiled_trees(monkeypatch):
+    """``compile="layers:aot_eager"`` (the layer-wise compile; aot_eager on the CPU) with the tree kernel:
+    the catch-up and every level attend through ``hf.ForwardState``s that carry the backend, every
+    decoder layer of the draft runs the compiled forward, and the trees equal the uncompiled loop's
+    step by step; fp32 greedy output = the target's."""
+    from specdec import hf
+
+    calls = []
+    compiled = hf._compiled_forward
+
+    def counting(cls, backend):
+        fn = compiled(cls, backend)
+        return lambda *a, **k: calls.append(backend) or fn(*a, **k)
+
+    monkeypatch.setattr(hf, "_compiled_forward", counting)
+    prompt = _prompt(11, 3)
+    draft = _draft()
+    layered = DraftModelDrafter(draft, depth=3, topk=3, static_shapes=True, compile="layers:aot_eager", attention="tree")
+    plain = DraftModelDrafter(draft, depth=3, topk=3, static_shapes=True, attention="tree")
+    cmp = _Compare(layered, plain, draft, reference_every=0)
+    out = SpecDecoder(_target(), cmp, tree_size=13, attn_impl="torch").generate(prompt, 12)
+    assert out.sequences[0, : out.lengths[0]].tolist() == hf_greedy(_target(), prompt, 12)
+    assert cmp.steps > 2
+    loops = list(layered._states[0].loops.values())
+    assert loops and all(isinstance(lp.state, hf.ForwardState) and lp.state.layer_backend == "aot_eager"
+                         for lp in loops)  # fmt: skip
+    assert any(lp.chain and isinstance(lp.chain_state, hf.ForwardState) for lp in loops)
+    layers = hf.num_layers(draft)
+    assert calls and set(calls) == {"aot_eager"} and len(calls) % layers == 0
+
+
+def test_layer_wise_compile_needs_the_device_loop_with_the_tree_kernel():
+    with pytest.raises(ValueError, match=r"compile: 'layers' \(each decoder layer compiled\) needs the device loop "
+                                         r"with attention='tree', got device_loop=True, attention='sdpa'"):
+        DraftModelDrafter(_draft(), static_shapes=True, compile="layers", attention="sdpa")
+    with pytest.raises(ValueError, match=r"got device_loop=False, attention='tree'"):
+        DraftModelDrafter(_draft(), static_shapes=True, compile="layers", attention="tree", device_loop=False)
+
+
 def test_argument_errors():
     with pytest.raises(ValueError, match=r"static_shapes: expected None, True or False, got 1"):
         DraftModelDrafter(_draft(), static_shapes=1)
