@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU device machine, after setup_models.sh: the README's main command with --baseline, the
 # defaults (draft model, node budget "auto") twice -- cold, then with the compile cache warm (the
-# first-token bar) -- at a fixed t = 64, and prompt lookup merged with the draft model, the budget split by
-# yield. Each run's summary line and --json go to $OUT.
-#   bash scripts/device/main_command.sh        (~130 s on an H200; at most LIMIT_S seconds, default 380)
+# first-token bar) --, the same with --compile twice (the target and the draft's loop compiled layer-wise:
+# the first process compiles, the second loads the kernels from the on-disk cache), at a fixed t = 64, and
+# prompt lookup merged with the draft model, the budget split by yield. Each run's summary line and --json go
+# to $OUT.
+#   bash scripts/device/main_command.sh        (~90 s without the compiled runs on an H100; at most LIMIT_S
+#                                                seconds, default 380)
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 out=${OUT:-/tmp}
 t0=$(date +%s)
@@ -18,5 +21,7 @@ run() {  # name, generate arguments...: one process, its own time limit within L
 }
 run auto-1 "$prompt" --max-new-tokens 256
 run auto-2 "$prompt" --max-new-tokens 256
+run compiled-1 "$prompt" --max-new-tokens 256 --compile
+run compiled-2 "$prompt" --max-new-tokens 256 --compile
 run t64 "$prompt" --max-new-tokens 256 --tree-size 64
 run lookup-model-yield "$prompt" --max-new-tokens 256 --drafter lookup+model --split yield

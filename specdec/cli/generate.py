@@ -187,6 +187,7 @@ def run_generate(
     depth: int | None = None,
     topk: int | None = None,
     split: str | None = None,
+    compile: bool = False,
     progress: bool = True,
     out: TextIO | None = None,
 ) -> GenerateResult:
@@ -205,7 +206,11 @@ def run_generate(
     except for the draft-model drafter on a CPU: chains of up to ``CPU_CHAIN`` tokens (``depth`` =
     ``CPU_CHAIN``, ``topk`` 1; measured faster than the target alone there, unlike trees).
     ``depth`` / ``topk`` tune the draft-model drafter; ``split`` (``"priority"`` / ``"yield"``) how a
-    merged drafter divides each step's budget (``drafters.merge.MergedDrafter``).
+    merged drafter divides each step's budget (``drafters.merge.MergedDrafter``). ``compile`` (CUDA only):
+    the target's forwards through the layer-wise compile (``SpecDecoder(compile=True)``, the target alone
+    of ``baseline`` too), the draft model's device loop likewise (``compile="layers"``) and the EAGLE
+    head's expansion (``compile_head``): inductor's kernels cached on disk, so the first process pays the
+    compile in its warm-up and later ones load it.
     """
     import torch
 
@@ -229,6 +234,8 @@ def run_generate(
     if split is not None and len(parts) == 1:
         raise ValueError(f"split: divides a merged drafter's budget (names joined by '+'), got it with --drafter {drafter}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if compile and dev.type != "cuda":
+        raise ValueError(f"compile: needs a CUDA device (the compiled forwards are captured with fixed shapes), got {dev}")
     dtype = dtype or ("bf16" if dev.type == "cuda" or cpu_bf16_native() else "fp32")
     torch_dtype = parse_dtype(dtype)
     tree_size = "auto" if tree_size is None else tree_size
@@ -251,11 +258,15 @@ def run_generate(
         draft_model = models.load_model(draft, dtype=torch_dtype, device=dev, progress=progress)
         prefix = "" if drafter == "model" else "model."
         options = {prefix + k: v for k, v in (("depth", depth), ("topk", topk)) if v is not None}
+        if compile:
+            options[prefix + "compile"] = "layers"
+    if compile and "eagle" in parts:
+        options["compile_head" if drafter == "eagle" else "eagle.compile_head"] = True
     if split is not None:
         options["split"] = split
     made = make_drafter(drafter, target=target_model, draft_model=draft_model, heads=heads, device=dev,
                         dtype=torch_dtype, **options)  # fmt: skip
-    decoder = SpecDecoder(target_model, made, attn_impl=attn_impl, **sizes)
+    decoder = SpecDecoder(target_model, made, attn_impl=attn_impl, compile=compile, **sizes)
 
     ids = torch.tensor(encode(tokenizer, prompt, chat), dtype=torch.int64)
     load_s = time.perf_counter() - t_load
@@ -272,7 +283,7 @@ def run_generate(
     sample = temperature > 0
     kwargs = dict(do_sample=sample, temperature=temperature if sample else 1.0, top_p=top_p, eos_token_id=eos or None)
 
-    plain = SpecDecoder(target_model, None, attn_impl=attn_impl) if baseline else None
+    plain = SpecDecoder(target_model, None, attn_impl=attn_impl, compile=compile) if baseline else None
 
     def warm_plain() -> None:
         plain.generate(ids, _BASELINE_WARMUP_TOKENS, generator=torch.Generator(device=dev).manual_seed(seed), **kwargs)
@@ -393,6 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", action="store_true", help="also decode with the target alone; report the measured speedup")
     parser.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto",
                         help="tree attention implementation (auto: Triton on CUDA)")
+    parser.add_argument("--compile", action="store_true",
+                        help="cuda only: compile the target's forwards layer-wise (the target alone of --baseline too), "
+                             "the draft model's loop likewise and the EAGLE head's expansion; the first run's warm-up "
+                             "compiles, later runs load the kernels from the on-disk cache")
     parser.add_argument("--no-progress", action="store_true", help="no model fetch/convert progress bars")
     parser.add_argument("--json", type=cliargs.output_file, default=None, dest="json_out",
                         help="also write the run's numbers (settings, tokens, seconds, tokens/step, target-alone "
@@ -407,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_tree_size=ns.max_tree_size,
         max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed,
         device=ns.device, dtype=ns.dtype, chat=ns.chat, stream=ns.stream, baseline=ns.baseline,
-        attn_impl=ns.attn_impl, depth=ns.depth, topk=ns.topk, split=ns.split, progress=not ns.no_progress,
+        attn_impl=ns.attn_impl, depth=ns.depth, topk=ns.topk, split=ns.split, compile=ns.compile,
+        progress=not ns.no_progress,
     )  # fmt: skip
     print(result.summary(), file=sys.stderr)
     if ns.json_out:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import types
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def test_help_lists_the_options(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--target", "--draft", "--drafter", "--tree-size", "--max-tree-size", "--max-new-tokens", "--temperature", "--top-p",
-                 "--seed", "--device", "--dtype", "--stream", "--chat", "--no-chat", "--heads"):
+                 "--seed", "--device", "--dtype", "--stream", "--chat", "--no-chat", "--heads", "--compile"):
         assert flag in text
     assert "lookup+eagle" in text and all(name in text for name in ("model", "medusa", "lookup", "eagle"))
 
@@ -124,6 +125,44 @@ def test_argument_errors(tiny_dirs):
             run_generate("x", target=str(target), drafter=bad, progress=False)
     with pytest.raises(SystemExit):
         cli.main(["generate", "x", "--drafter", "lookup+nope"])
+
+
+@pytest.mark.parametrize("drafter,want", [("model", {"compile": "layers"}),
+                                           ("lookup+eagle", {"eagle.compile_head": True}),
+                                           ("model+eagle", {"model.compile": "layers", "eagle.compile_head": True})])
+def test_compile_reaches_the_target_the_baseline_and_the_drafters(tiny_dirs, monkeypatch, drafter, want):
+    """``compile=True`` (``--compile``): both decoders get ``compile=True``, the draft model its layer-wise
+    loop compile, EAGLE its compiled expansion; on a CPU a ValueError naming compile. The models load on
+    the CPU here (a spy), and the decoders are recorded instead of run."""
+    import drafters
+    import specdec.engine as engine
+
+    target, draft, _ = tiny_dirs
+    with pytest.raises(ValueError, match=r"compile: needs a CUDA device .* got cpu"):
+        run_generate("x", target=str(target), compile=True, device="cpu", progress=False)
+    load = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda name, dtype=None, device=None, progress=True: load(name, progress=False))
+    options, decoders = [], []
+    made = object()
+    monkeypatch.setattr(drafters, "make_drafter", lambda name, **kw: options.append(kw) or made)
+
+    class Recorded(Exception):
+        pass
+
+    def record(target, drafter, **kw):
+        decoders.append((drafter, kw))
+        if len(decoders) == 2:  # the target alone of --baseline: recorded, nothing runs
+            raise Recorded
+        return types.SimpleNamespace(static_shapes=False)
+
+    monkeypatch.setattr(engine, "SpecDecoder", record)
+    with pytest.raises(Recorded):
+        run_generate("x", target=str(target), draft=str(draft), drafter=drafter, heads="h", compile=True, device="cuda",
+                     baseline=True, progress=False)  # fmt: skip
+    (kw,) = options
+    assert {k: v for k, v in kw.items() if "compile" in k} == want
+    assert [d[1]["compile"] for d in decoders] == [True, True]
+    assert decoders[0][0] is made and decoders[1][0] is None  # the speculative decoder, then the target alone
 
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
