@@ -15,6 +15,7 @@ from drafters import make_drafter
 from drafters._build import NodePool, best_first, make_tree
 from drafters.eagle import (
     AUTO_DRAFT_VOCAB,
+    AUTO_PROMPT_ROOM,
     CONFIG_NAME,
     DRAFT_PHASES,
     FUSED_CATCH_UP,
@@ -1090,15 +1091,17 @@ def test_token_frequencies_round_trip_and_draft_vocab_errors(tmp_path):
     for bad in (0, True, 2.0, "8"):
         with pytest.raises(ValueError, match=r"draft_vocab: expected 'auto', None or an int >= 1, got"):
             EagleDrafter(target, _ranked_head(), draft_vocab=bad)
-    # "auto" (the default): the whole vocabulary for a small one or a head without frequencies, else
-    # AUTO_DRAFT_VOCAB of the ranked tokens
+    # "auto" (the default): the whole vocabulary for a small one or a head without frequencies, else the
+    # seen tokens plus AUTO_PROMPT_ROOM, rounded up to 1,024, at most AUTO_DRAFT_VOCAB of the ranked tokens
     assert EagleDrafter(target, _ranked_head()).draft_vocab is None
     assert EagleDrafter(target, _random_head()).draft_vocab is None
     big = _ranked_head()
-    big.token_ids, big.token_counts = torch.arange(AUTO_DRAFT_VOCAB + 7), torch.ones(AUTO_DRAFT_VOCAB + 7)
-    assert auto_draft_vocab(big) == AUTO_DRAFT_VOCAB
-    big.token_ids = big.token_ids[:AUTO_DRAFT_VOCAB]
-    assert auto_draft_vocab(big) is None
+    for seen, want in ((6018, 8192), (1, 3072), (30000, AUTO_DRAFT_VOCAB), (40000, AUTO_DRAFT_VOCAB)):
+        big.token_ids = torch.arange(151936)
+        big.token_counts = torch.cat([torch.ones(seen, dtype=torch.int64), torch.zeros(151936 - seen, dtype=torch.int64)])
+        assert auto_draft_vocab(big) == want == min(AUTO_DRAFT_VOCAB, -(-(seen + AUTO_PROMPT_ROOM) // 1024) * 1024)
+    big.token_ids, big.token_counts = big.token_ids[:3072], torch.ones(3072, dtype=torch.int64)
+    assert auto_draft_vocab(big) is None  # no smaller than the vocabulary
     with pytest.raises(ValueError, match=r"profile: expected True or False, got 'yes'"):
         EagleDrafter(target, _ranked_head(), profile="yes")
     with pytest.raises(ValueError, match=rf"counts: expected {VOCAB} counts >= 0"):
