@@ -185,10 +185,11 @@ class DrafterSpec:
     def compile(self) -> bool | str:
         """The ``compile=`` option: this drafter's engine through ``torch.compile`` (true; or
         ``max-autotune``: inductor timing GEMM templates; ``specdec.graphs.compile_fixed_shapes``), and
-        the drafter's own forwards where its constructor takes ``compile`` (the draft-model drafter)."""
+        the drafter's own forwards where its constructor takes ``compile`` (the draft-model drafter: true
+        compiles each of its forwards whole, ``layers`` each decoder layer as the engine's true does)."""
         val = dict(self.options).get(COMPILE_OPTION, False)
-        if not isinstance(val, bool) and val != "max-autotune":
-            raise ValueError(f"drafters: expected compile=true, compile=false or compile=max-autotune, "
+        if not isinstance(val, bool) and val not in ("max-autotune", "layers"):
+            raise ValueError(f"drafters: expected compile=true, compile=false, compile=layers or compile=max-autotune, "
                              f"got {val!r} in {self.key!r}")  # fmt: skip
         return val
 

@@ -39,12 +39,16 @@ def test_parse_drafter_specs():
     assert mc.drafter_options() == {"depth": 4, "compile": True}
     assert C.parse_drafter_spec("lookup:compile=true").drafter_options() == {}
     assert C.parse_drafter_spec("model:depth=4").drafter_options() == {"depth": 4}
+    # compile=layers: the draft model's layers compiled as the engine's (the engine's compile is layer-wise anyway)
+    ml = C.parse_drafter_spec("model:compile=layers")
+    assert ml.compile == "layers" and ml.drafter_options() == {"compile": "layers"}
 
 
 @pytest.mark.parametrize("text, match", [
     ("nope", "--drafters: unknown drafter 'nope'; expected one of model, medusa, lookup, eagle \\(or several joined "
              "by '\\+': a merged tree\\) or module:function"),
-    ("lookup:compile=yes", "--drafters: expected compile=true, compile=false or compile=max-autotune, got 'yes'"),
+    ("lookup:compile=yes", "--drafters: expected compile=true, compile=false, compile=layers or compile=max-autotune, "
+                           "got 'yes'"),
     ("lookup+nope", "--drafters: unknown drafter 'lookup\\+nope'"),
     ("lookup+eagle:a.b.c=1", "--drafters: malformed option .a.b.c=1."),
     ("model:depth", "--drafters: malformed option 'depth' in 'model:depth'; expected KEY=VALUE"),
