@@ -3,7 +3,8 @@
 # defaults (draft model, node budget "auto") twice -- cold, then with the compile cache warm (the
 # first-token bar) --, the same with --compile twice (the target and the draft's loop compiled layer-wise:
 # the first process compiles, the second loads the kernels from the on-disk cache), prompt lookup alone
-# (predicted ~1.5x there: ~1.7 tokens a step at a ~3.3-ms verify, PERF v30), a fixed t = 64, and prompt
+# (predicted ~1.4x there: 1.65 tokens a step at t = 16 measured on a CPU, a ~3.4-ms step against 2.9 ms a
+# target token, PERF v30), a fixed t = 64, and prompt
 # lookup merged with the draft model, the budget split by yield. Each run's summary line and --json go
 # to $OUT.
 #   bash scripts/device/main_command.sh        (~90 s without the compiled runs on an H100; at most LIMIT_S
