@@ -344,6 +344,28 @@ def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family, refer
     assert graphed._states[0].loops == loops  # the captures serve later generate calls
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_cuda_layer_wise_compiled_draft_loop_gives_the_targets_greedy_output(family):
+    """CUDA: ``compile="layers"`` (inductor) -- the draft's layers compiled inside its captured loop, through
+    the tree kernel -- gives the target's fp32 greedy tokens, every loop's states carry the backend, and
+    a second call reuses the captured loops."""
+    target = tiny_model(family).to("cuda")
+    draft = perturbed_copy(tiny_model(family), 0.05, seed=1).to("cuda")
+    prompt = _prompt(10, 0)
+    ids = prompt[None].to("cuda")
+    ref = target.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+    drafter = DraftModelDrafter(draft, depth=3, topk=4, compile="layers")
+    assert drafter.cuda_graphs and drafter.attention == "tree"
+    out = SpecDecoder(target, drafter, tree_size=20).generate(prompt, NEW)
+    assert out.sequences[0].tolist() == ref
+    loops = dict(drafter._states[0].loops)
+    assert loops and all(lp.captured and lp.layer_backend == "inductor" for lp in loops.values())
+    assert SpecDecoder(target, drafter, tree_size=20).generate(prompt, NEW).sequences[0].tolist() == ref
+    assert drafter._states[0].loops == loops
+
+
 # --------------------------------------------------------------------------- recorded trees
 #
 # Trees proposed by the host-driven drafter of commit c74be21 (one host sync per depth, Python-built
