@@ -312,6 +312,17 @@ def test_argument_errors():
         DraftModelDrafter(object())
 
 
+def _cuda_pair(family: str):
+    """A tiny target and a perturbed draft on CUDA, a prompt, and the target's greedy tokens from HF."""
+    target = tiny_model(family).to("cuda")
+    draft = perturbed_copy(tiny_model(family), 0.05, seed=1).to("cuda")
+    prompt = _prompt(10, 0)
+    ids = prompt[None].to("cuda")
+    ref = target.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+    return target, draft, prompt, ref
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("reference", [dict(static_shapes=False), dict(device_loop=False)],
                          ids=["eager-device-loop", "host-loop-graphed"])
@@ -321,12 +332,7 @@ def test_cuda_graph_draft_forwards_equal_eager_and_target_generate(family, refer
     """CUDA default: each proposal's device loop (catch-up chain + every level) replayed as one graph;
     the same trees as the device loop run eagerly, and as the host-driven loop (one graph per depth).
     With ``attention="tree"`` the graphed loop attends through treeattn's Triton kernel."""
-    target = tiny_model(family).to("cuda")
-    draft = perturbed_copy(tiny_model(family), 0.05, seed=1).to("cuda")
-    prompt = _prompt(10, 0)
-    ids = prompt[None].to("cuda")
-    ref = target.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+    target, draft, prompt, ref = _cuda_pair(family)
     graphed = DraftModelDrafter(draft, depth=3, topk=4, attention=attention)
     assert graphed.static_shapes and graphed.cuda_graphs
     eager = DraftModelDrafter(draft, depth=3, topk=4, **reference)
@@ -350,12 +356,7 @@ def test_cuda_layer_wise_compiled_draft_loop_gives_the_targets_greedy_output(fam
     """CUDA: ``compile="layers"`` (inductor) -- the draft's layers compiled inside its captured loop, through
     the tree kernel -- gives the target's fp32 greedy tokens, every loop's states carry the backend, and
     a second call reuses the captured loops."""
-    target = tiny_model(family).to("cuda")
-    draft = perturbed_copy(tiny_model(family), 0.05, seed=1).to("cuda")
-    prompt = _prompt(10, 0)
-    ids = prompt[None].to("cuda")
-    ref = target.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+    target, draft, prompt, ref = _cuda_pair(family)
     drafter = DraftModelDrafter(draft, depth=3, topk=4, compile="layers")
     assert drafter.cuda_graphs and drafter.attention == "tree"
     out = SpecDecoder(target, drafter, tree_size=20).generate(prompt, NEW)
