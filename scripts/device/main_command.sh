@@ -7,7 +7,7 @@
 # target token, PERF v30), a fixed t = 64, and prompt
 # lookup merged with the draft model, the budget split by yield. Each run's summary line and --json go
 # to $OUT.
-#   bash scripts/device/main_command.sh        (~90 s without the compiled runs on an H100; at most LIMIT_S
+#   [RUNS="compiled-1 compiled-2 lookup"] bash scripts/device/main_command.sh        (~90 s without the compiled runs on an H100; at most LIMIT_S
 #                                                seconds, default 560)
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 out=${OUT:-/tmp}
@@ -21,10 +21,14 @@ run() {  # name, generate arguments...: one process, its own time limit within L
     --json "$out/$name.json" > "$out/$name.log" 2>&1
   echo "$name: exit $?"; tail -1 "$out/$name.log"
 }
-run auto-1 "$prompt" --max-new-tokens 256
-run auto-2 "$prompt" --max-new-tokens 256
-run compiled-1 "$prompt" --max-new-tokens 256 --compile
-run compiled-2 "$prompt" --max-new-tokens 256 --compile
-run lookup "$prompt" --max-new-tokens 256 --drafter lookup
-run t64 "$prompt" --max-new-tokens 256 --tree-size 64
-run lookup-model-yield "$prompt" --max-new-tokens 256 --drafter lookup+model --split yield
+# RUNS: which runs, in this order (default: all of them as listed below)
+for r in ${RUNS:-auto-1 auto-2 compiled-1 compiled-2 lookup t64 lookup-model-yield}; do
+  case $r in
+    auto-*) run "$r" "$prompt" --max-new-tokens 256 ;;
+    compiled-*) run "$r" "$prompt" --max-new-tokens 256 --compile ;;
+    lookup) run lookup "$prompt" --max-new-tokens 256 --drafter lookup ;;
+    t64) run t64 "$prompt" --max-new-tokens 256 --tree-size 64 ;;
+    lookup-model-yield) run "$r" "$prompt" --max-new-tokens 256 --drafter lookup+model --split yield ;;
+    *) echo "unknown run $r" >&2 ;;
+  esac
+done

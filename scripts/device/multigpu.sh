@@ -20,7 +20,8 @@
 #   sharded-humaneval, sharded-apps
 #               (c) the evaluation sharded over 2 GPUs (data parallel, `sweep --shard auto` under torchrun,
 #               merged by `--report-only --shards 2`) against one GPU on the same problems: plain decoding
-#               and prompt lookup (t=32), bf16, 128 tokens; wall times and a token comparison per record.
+#               and prompt lookup (t=32; TREES="32 64" for more tree sizes: a longer sweep, where each process's
+#               fixed load weighs less), bf16, 128 tokens; wall times and a token comparison per record.
 # Every TP run goes with CUDA graphs first (the NCCL all-reduces captured in the tree forward's graph);
 # if that fails it is rerun eagerly (SPECDEC_CUDA_GRAPHS=0) and the log says so.
 set -uo pipefail
@@ -86,7 +87,7 @@ for s in ${@:-build llama qwen}; do
       ds=${s#sharded-}
       data=(); [ "$ds" = apps ] && data=(--data .evaldata/apps_selected150.jsonl)
       common=(sweep --dataset "$ds" "${data[@]}" --problems 0 --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda
-              --no-progress --no-attn --methods specdec specdec-plain --drafters l=lookup --tree-sizes 32 --draft ""
+              --no-progress --no-attn --methods specdec specdec-plain --drafters l=lookup --tree-sizes ${TREES:-32} --draft ""
               --method-problems hf=0 --calibrate 0)
       mkdir -p /tmp/results; rm -f /tmp/results/$ds-1gpu.* /tmp/results/$ds-dp2.*
       t0=$(date +%s.%N)
