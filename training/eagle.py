@@ -47,10 +47,12 @@ Pipeline (:func:`run_eagle`, ``specdec train-eagle``):
 restricts the cross-entropy to the N most frequent answer tokens (``EagleTrainConfig.train_vocab``;
 not yet compared on a GPU).
 
-Budget: with the defaults (974 MBPP problems, 192-token answers generated 120 at a time, 1500
-steps of 8 sequences and 3 unrolled steps) the run is sized to take about 6 minutes on one H100
-for Qwen2.5-Coder-1.5B in bf16, data generation included (an estimate from ``train-medusa``'s ~4
-minutes for the same data and 1000 steps of a similar LM-head cost; not yet measured).
+Budget: by default the head trains about ``AUTO_PASSES`` passes over its training sequences (batches of
+8, 4 unrolled steps; ``EagleTrainConfig.steps`` None). Measured on one H200 with Qwen2.5-Coder-1.5B
+in bf16 (docs/RESULTS.md 2026-11-28, 07a2607): 3,686 MBPP sequences, 4,574 steps (~10 passes) at 70 ms
+in 315 s gave held-out top-1 0.876 / 0.852 / 0.839 / 0.831 at unrolled steps 1-4 and τ 5.10 on
+HumanEval, where 1,500 steps at 3 unrolled steps (~3 passes) gave 0.833 / 0.797 / 0.767 and τ 4.13;
+a 1,000-prompt file took 169 s from the start to the saved head, its 952 answers' generation included.
 On CUDA the target's features of every training sequence are computed once before the first
 step and kept on the device when they take at most a quarter of its free memory
 (``EagleTrainConfig.cache_features``; ~4 GB for the default data with Qwen2.5-Coder-1.5B, k + 1 times
@@ -113,7 +115,8 @@ class EagleTrainConfig:
     """Optimization settings of :func:`train_eagle`.
 
     Attributes:
-        steps: optimizer steps.
+        steps: optimizer steps; None (default): ``auto_steps`` of the training sequences left after
+            ``max_len`` (about ``AUTO_PASSES`` passes).
         lr: peak learning rate (AdamW).
         batch_size: sequences per step.
         unroll: unrolled steps U of the training-time test (1 = plain EAGLE-1 teacher forcing).
@@ -140,10 +143,10 @@ class EagleTrainConfig:
             reduced vocabulary at training time: an N-row LM-head read instead of V rows.
     """
 
-    steps: int = 1500
+    steps: int | None = None
     lr: float = 5e-4
     batch_size: int = 8
-    unroll: int = 3
+    unroll: int = 4
     max_positions: int = 2048
     max_len: int = 2048
     reg_weight: float = 1.0
@@ -159,8 +162,10 @@ class EagleTrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "unroll", "max_positions", "max_len"):
             val = getattr(self, name)
+            if name == "steps" and val is None:
+                continue
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {val!r}")
+                raise ValueError(f"{name}: expected an int >= 1{' or None (auto)' * (name == 'steps')}, got {val!r}")
         for name in ("lr", "grad_clip", "step_decay"):
             val = getattr(self, name)
             if not (val > 0 and math.isfinite(val)):
@@ -192,6 +197,21 @@ def check_feature_spec(spec: str, name: str = "feature_layers") -> str:
         raise ValueError(f"{name}: expected 'final' or comma-separated layer indices or low / mid / high, got "
                          f"{spec!r}")  # fmt: skip
     return spec
+
+
+#: ``EagleTrainConfig.steps`` None: this many passes over the training sequences, within
+#: [AUTO_MIN_STEPS, AUTO_MAX_STEPS] steps (the module docstring has the measurement behind it).
+AUTO_PASSES = 10
+AUTO_MIN_STEPS = 1500
+AUTO_MAX_STEPS = 6000
+
+
+def auto_steps(sequences: int, batch_size: int) -> int:
+    """Optimizer steps for ``AUTO_PASSES`` passes over ``sequences`` training sequences at ``batch_size``,
+    clamped to [``AUTO_MIN_STEPS``, ``AUTO_MAX_STEPS``]."""
+    if sequences < 1 or batch_size < 1:
+        raise ValueError(f"sequences, batch_size: expected ints >= 1, got {sequences!r}, {batch_size!r}")
+    return min(AUTO_MAX_STEPS, max(AUTO_MIN_STEPS, -(-AUTO_PASSES * sequences // batch_size)))
 
 
 #: Steps timed (after 3 warm-up steps) before a ``time_budget`` fixes the number of steps.
@@ -435,7 +455,8 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
     parts = TargetParts.of(target)
     head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    total_steps = config.steps  # lowered once by the time budget (the schedule reads it each step)
+    steps = auto_steps(len(examples), config.batch_size) if config.steps is None else config.steps
+    total_steps = steps  # lowered once by the time budget (the schedule reads it each step)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, total_steps, config.warmup))
     gen = torch.Generator().manual_seed(config.seed)
     vocab = None
@@ -449,7 +470,7 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
     cache_start = time.perf_counter()
     features = _feature_cache(target, head, examples, device, amp) if cache else None
     losses: list[float] = []
-    bar = tqdm(total=config.steps, desc="train eagle", unit="step", disable=not progress)
+    bar = tqdm(total=steps, desc="train eagle", unit="step", disable=not progress)
     if features is not None:
         gib = sum(t.numel() * t.element_size() for pair in features for t in pair if t is not None) / 2**30
         bar.write(f"target features cached: {len(features)} sequences, {gib:.2f} GiB, "
@@ -470,7 +491,7 @@ def train_eagle(target, head: EagleHead, examples: Sequence[Example], config: Ea
                 bar.reset(total=fit)
                 bar.update(step)
                 bar.write(f"time budget {time_budget:.0f} s at {per_step * 1e3:.0f} ms/step: {fit} of "
-                          f"{config.steps} steps")  # fmt: skip
+                          f"{steps} steps")  # fmt: skip
         pick = torch.randint(len(examples), (config.batch_size,), generator=gen).tolist()
         opt.zero_grad(set_to_none=True)
         total = None
@@ -536,7 +557,7 @@ class EagleRun:
         data: MBPP jsonl (None: ``eval.datasets.default_mbpp_path``).
         cache: the self-distillation cache (None: ``OUT/selfdistill.jsonl``; a ``train-medusa``
             cache made with the same settings is reused).
-        steps: optimizer steps (0: no training, the untrained head is saved).
+        steps: optimizer steps (0: no training, the untrained head is saved; None: ``auto_steps``).
         lr, batch_size, unroll, max_positions, max_len, train_vocab, reg_weight, ce_weight, seed:
             :class:`EagleTrainConfig`'s.
         num_prompts: use only the first N MBPP problems, and the first N prompts of ``prompts``
@@ -575,7 +596,7 @@ class EagleRun:
     target: str = "qwen2.5-coder-1.5b"
     data: str | None = None
     cache: str | None = None
-    steps: int = EagleTrainConfig.steps
+    steps: int | None = EagleTrainConfig.steps
     lr: float = EagleTrainConfig.lr
     batch_size: int = EagleTrainConfig.batch_size
     unroll: int = EagleTrainConfig.unroll
@@ -609,8 +630,9 @@ class EagleRun:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        counts = ("exercises",) if self.steps is None else ("steps", "exercises")  # steps None: auto_steps
         check_run_fields(self, ("batch_size", "unroll", "max_positions", "max_len", "max_new_tokens", "gen_batch_size",
-                                "answers_per_prompt"), ("steps", "exercises"))  # fmt: skip
+                                "answers_per_prompt"), counts)  # fmt: skip
         check_source_fields(self)
         check_feature_spec(self.feature_layers)
         styles = self.prompt_styles
@@ -661,7 +683,8 @@ def run_eagle(run: EagleRun) -> None:
     clock = {"start": time.perf_counter()}
     progress = run.progress
     sources = read_sources(run)  # a bad prompt row fails here, before any model loads
-    cfg = EagleTrainConfig(steps=max(run.steps, 1), lr=run.lr, batch_size=run.batch_size, unroll=run.unroll,
+    steps = None if run.steps is None else max(run.steps, 1)
+    cfg = EagleTrainConfig(steps=steps, lr=run.lr, batch_size=run.batch_size, unroll=run.unroll,
                            max_positions=run.max_positions, max_len=run.max_len, reg_weight=run.reg_weight,
                            ce_weight=run.ce_weight, seed=run.seed, train_vocab=run.train_vocab)  # fmt: skip
     out = Path(run.out)
@@ -713,7 +736,7 @@ def run_eagle(run: EagleRun) -> None:
                                f"the outputs of the target's layers {list(layers)} (of {hf.num_layers(target)}), "
                                f"fused {len(layers)}H -> H"))  # fmt: skip
     before = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout else []
-    losses = train_eagle(target, head, train, cfg, progress=progress, time_budget=run.time_budget) if run.steps > 0 else []
+    losses = train_eagle(target, head, train, cfg, progress=progress, time_budget=run.time_budget) if run.steps != 0 else []
     after = evaluate_eagle(target, head, heldout, cfg.unroll) if heldout and losses else before
     clock["train"] = time.perf_counter()
     counts = answer_token_counts(train, head.config.vocab_size)

@@ -1,6 +1,7 @@
 """``specdec generate``: speculative decoding of one prompt from the command line.
 
-Loads the target (and the draft for ``--drafter model``) through the model store
+Loads the target (and the draft for ``--drafter model``, the default on a CPU; on a GPU prompt lookup
+with the target compiled is: ``device_defaults``) through the model store
 (``specdec.models``: default names are fetched and converted on first use, with progress bars),
 builds the drafter with ``drafters.make_drafter``, decodes with ``SpecDecoder`` and prints the
 completion (token by token as steps are accepted with ``--stream``) followed by a one-line
@@ -59,6 +60,18 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
 
+def device_defaults(device_type: str) -> tuple[str, bool]:
+    """The drafter and the ``compile`` setting ``run_generate`` uses when not given, on ``device_type``.
+
+    On a GPU: prompt lookup with the target compiled layer-wise. The main command measured 1.32x the
+    (compiled) target alone there, its first token 20.0 s after the process start with a warm compile
+    cache, where the 0.5B draft model gave 1.02x uncompiled and 1.17x compiled (first token 45.8 s): the
+    draft's forward costs too large a share of the 1.5B's (2 x H200, docs/RESULTS.md 2026-11-28, 07a2607).
+    On a CPU: the draft model's chains, uncompiled (1.39-1.89x the target alone in bf16 on 2 cores).
+    """
+    return ("lookup", True) if device_type == "cuda" else ("model", False)
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     """What ``run_generate`` produced.
@@ -77,6 +90,8 @@ class GenerateResult:
             ``baseline=True``, both decoders' untimed calls (None: not measured).
         first_token_s: seconds from the process's start to the timed call's first new token (None:
             not measured).
+        drafter, compiled: the drafter and the compile setting that ran (``device_defaults`` where
+            not given; None: not recorded).
     """
 
     text: str
@@ -90,12 +105,15 @@ class GenerateResult:
     load_s: float | None = None
     warmup_s: float | None = None
     first_token_s: float | None = None
+    drafter: str | None = None
+    compiled: bool | None = None
 
     def numbers(self) -> dict[str, Any]:
         """The measured numbers as JSON-ready values (``--json``)."""
         base = self.baseline_seconds
         budget = self.output.budget
         return {
+            "drafter": self.drafter, "compile": self.compiled,
             "budget_steps": None if budget is None else {str(n): k for n, k in budget.histogram.items()},
             "budget_reason": None if budget is None else budget.reason,
             "new_tokens": len(self.token_ids), "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
@@ -170,7 +188,7 @@ def run_generate(
     *,
     target: str = DEFAULT_TARGET,
     draft: str = DEFAULT_DRAFT,
-    drafter: str = "model",
+    drafter: str | None = None,
     heads: str | None = None,
     tree_size: int | str | None = None,
     max_tree_size: int | None = None,
@@ -187,7 +205,7 @@ def run_generate(
     depth: int | None = None,
     topk: int | None = None,
     split: str | None = None,
-    compile: bool = False,
+    compile: bool | None = None,
     progress: bool = True,
     out: TextIO | None = None,
 ) -> GenerateResult:
@@ -205,6 +223,8 @@ def run_generate(
     first steps measure them), up to ``max_tree_size``: default 64 on cuda and 16 on cpu,
     except for the draft-model drafter on a CPU: chains of up to ``CPU_CHAIN`` tokens (``depth`` =
     ``CPU_CHAIN``, ``topk`` 1; measured faster than the target alone there, unlike trees).
+    ``drafter`` / ``compile``: None takes ``device_defaults`` (prompt lookup, compiled, on a GPU; the
+    draft model on a CPU).
     ``depth`` / ``topk`` tune the draft-model drafter; ``split`` (``"priority"`` / ``"yield"``) how a
     merged drafter divides each step's budget (``drafters.merge.MergedDrafter``). ``compile`` (CUDA only):
     the target's forwards through the layer-wise compile (``SpecDecoder(compile=True)``, the target alone
@@ -220,6 +240,10 @@ def run_generate(
     from specdec.timing import since_process_start
 
     out = sys.stdout if out is None else out
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    default_drafter, default_compile = device_defaults(dev.type)
+    drafter = default_drafter if drafter is None else drafter
+    compile = default_compile if compile is None else compile
     parts = _drafter_parts(drafter)
     if parts is None:
         raise ValueError(f"drafter: expected one of {DRAFTERS} or distinct ones joined by '+' (a merged tree, e.g. "
@@ -233,7 +257,6 @@ def run_generate(
         raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature!r}")
     if split is not None and len(parts) == 1:
         raise ValueError(f"split: divides a merged drafter's budget (names joined by '+'), got it with --drafter {drafter}")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if compile and dev.type != "cuda":
         raise ValueError(f"compile: needs a CUDA device (the compiled forwards are captured with fixed shapes), got {dev}")
     dtype = dtype or ("bf16" if dev.type == "cuda" or cpu_bf16_native() else "fp32")
@@ -333,7 +356,7 @@ def run_generate(
         base_text = tokenizer.decode(ref.new_tokens(0).tolist(), skip_special_tokens=True)
     return GenerateResult(text, new, result, seconds, len(new) / seconds if seconds > 0 else float("nan"),
                           result.mean_accepted, base_s, base_text, load_s, warmup_s,
-                          first_token[0] if first_token else None)  # fmt: skip
+                          first_token[0] if first_token else None, drafter, compile)  # fmt: skip
 
 
 def _sync(device) -> None:
@@ -373,9 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the prompt (a user message when the chat template is used)")  # fmt: skip
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"default model name, HF id or local dir (default {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for --drafter model (default {DEFAULT_DRAFT})")
-    parser.add_argument("--drafter", type=_drafter_name, default="model",
-                        help="model: draft LM tree (default), medusa: Medusa heads (--heads), lookup: prompt lookup, "
-                             "eagle: EAGLE heads (--heads); several joined by '+' merge their trees (lookup+eagle)")
+    parser.add_argument("--drafter", type=_drafter_name, default=None,
+                        help="model: draft LM tree, medusa: Medusa heads (--heads), lookup: prompt lookup, eagle: EAGLE "
+                             "heads (--heads); several joined by '+' merge their trees (lookup+eagle). Default: lookup "
+                             "on cuda (with --compile), model on cpu: what measured fastest there")
     parser.add_argument("--heads", type=cliargs.existing_path, default=None,
                         help="Medusa / EAGLE heads directory (specdec train-medusa / train-eagle --out)")
     parser.add_argument("--tree-size", type=cliargs.tree_size(0), default="auto",
@@ -404,10 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", action="store_true", help="also decode with the target alone; report the measured speedup")
     parser.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto",
                         help="tree attention implementation (auto: Triton on CUDA)")
-    parser.add_argument("--compile", action="store_true",
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="cuda only: compile the target's forwards layer-wise (the target alone of --baseline too), "
                              "the draft model's loop likewise and the EAGLE head's expansion; the first run's warm-up "
-                             "compiles, later runs load the kernels from the on-disk cache")
+                             "compiles, later runs load the kernels from the on-disk cache (default: on with cuda, off "
+                             "on cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no model fetch/convert progress bars")
     parser.add_argument("--json", type=cliargs.output_file, default=None, dest="json_out",
                         help="also write the run's numbers (settings, tokens, seconds, tokens/step, target-alone "

@@ -136,7 +136,7 @@ def _feature_spec(text: str) -> str:
 def main_eagle(argv: Sequence[str] | None = None) -> int:
     """``specdec train-eagle``: self-distill the target on its training prompts and train an EAGLE head."""
     from training.distill import PROMPT_STYLES
-    from training.eagle import EagleRun, EagleTrainConfig, run_eagle
+    from training.eagle import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PASSES, EagleRun, EagleTrainConfig, run_eagle
 
     d = EagleTrainConfig()
     parser = cliargs.ArgumentParser(
@@ -152,7 +152,9 @@ def main_eagle(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache", type=cliargs.output_file, default=None,
                         help="self-distillation cache (default OUT/selfdistill.jsonl; a train-medusa cache made with "
                              "the same settings is reused)")  # fmt: skip
-    parser.add_argument("--steps", type=cliargs.int_at_least(0), default=d.steps)
+    parser.add_argument("--steps", type=cliargs.int_at_least(0), default=d.steps,
+                        help=f"optimizer steps, 0: the data only (default: about {AUTO_PASSES} passes over the training "
+                             f"sequences, {AUTO_MIN_STEPS}-{AUTO_MAX_STEPS} steps)")  # fmt: skip
     parser.add_argument("--lr", type=cliargs.float_in(0.0, low_open=True), default=d.lr)
     parser.add_argument("--batch-size", type=cliargs.int_at_least(1), default=d.batch_size)
     parser.add_argument("--unroll", type=cliargs.int_at_least(1), default=d.unroll, help="unrolled steps of the training-time test")

@@ -387,7 +387,7 @@ def test_training_lowers_the_loss_and_round_trips_through_save_load(tmp_path):
     torch.manual_seed(0)
     head = EagleHead(target)
     before = evaluate_eagle(target, head, train[:6])
-    losses = train_eagle(target, head, train, EagleTrainConfig(steps=150, lr=3e-3, batch_size=4, ce_weight=1.0),
+    losses = train_eagle(target, head, train, EagleTrainConfig(steps=150, lr=3e-3, batch_size=4, unroll=3, ce_weight=1.0),
                          progress=False)  # fmt: skip
     after = evaluate_eagle(target, head, train[:6])
     assert len(before) == len(after) == 3

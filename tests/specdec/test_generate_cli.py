@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdec import cli, models
+from specdec.cli import generate as cli_generate
 from specdec.cli.generate import encode, run_generate
 
 
@@ -127,42 +128,74 @@ def test_argument_errors(tiny_dirs):
         cli.main(["generate", "x", "--drafter", "lookup+nope"])
 
 
-@pytest.mark.parametrize("drafter,want", [("model", {"compile": "layers"}),
-                                           ("lookup+eagle", {"eagle.compile_head": True}),
-                                           ("model+eagle", {"model.compile": "layers", "eagle.compile_head": True})])
-def test_compile_reaches_the_target_the_baseline_and_the_drafters(tiny_dirs, monkeypatch, drafter, want):
-    """``compile=True`` (``--compile``): both decoders get ``compile=True``, the draft model its layer-wise
-    loop compile, EAGLE its compiled expansion; on a CPU a ValueError naming compile. The models load on
-    the CPU here (a spy), and the decoders are recorded instead of run."""
+class _Recorded(Exception):
+    """Raised by the spied ``SpecDecoder`` at the second decoder (the target alone of ``baseline``)."""
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Spies for ``run_generate`` with the models on the CPU: ``make_drafter``'s calls (name, options) and
+    the ``SpecDecoder``s built (drafter, options) are recorded instead of run; the second decoder raises
+    ``_Recorded``."""
     import drafters
     import specdec.engine as engine
 
-    target, draft, _ = tiny_dirs
-    with pytest.raises(ValueError, match=r"compile: needs a CUDA device .* got cpu"):
-        run_generate("x", target=str(target), compile=True, device="cpu", progress=False)
     load = models.load_model
     monkeypatch.setattr(models, "load_model", lambda name, dtype=None, device=None, progress=True: load(name, progress=False))
-    options, decoders = [], []
-    made = object()
-    monkeypatch.setattr(drafters, "make_drafter", lambda name, **kw: options.append(kw) or made)
-
-    class Recorded(Exception):
-        pass
+    calls = types.SimpleNamespace(drafters=[], decoders=[], made=object())
+    monkeypatch.setattr(drafters, "make_drafter", lambda name, **kw: calls.drafters.append((name, kw)) or calls.made)
 
     def record(target, drafter, **kw):
-        decoders.append((drafter, kw))
-        if len(decoders) == 2:  # the target alone of --baseline: recorded, nothing runs
-            raise Recorded
+        calls.decoders.append((drafter, kw))
+        if len(calls.decoders) == 2:
+            raise _Recorded
         return types.SimpleNamespace(static_shapes=False)
 
     monkeypatch.setattr(engine, "SpecDecoder", record)
-    with pytest.raises(Recorded):
+    return calls
+
+
+@pytest.mark.parametrize("drafter,want", [("model", {"compile": "layers"}),
+                                           ("lookup+eagle", {"eagle.compile_head": True}),
+                                           ("model+eagle", {"model.compile": "layers", "eagle.compile_head": True})])
+def test_compile_reaches_the_target_the_baseline_and_the_drafters(tiny_dirs, recorded, drafter, want):
+    """``compile=True`` (``--compile``): both decoders get ``compile=True``, the draft model its layer-wise
+    loop compile, EAGLE its compiled expansion; on a CPU a ValueError naming compile. The models load on
+    the CPU here (a spy), and the decoders are recorded instead of run."""
+    target, draft, _ = tiny_dirs
+    with pytest.raises(ValueError, match=r"compile: needs a CUDA device .* got cpu"):
+        run_generate("x", target=str(target), compile=True, device="cpu", progress=False)
+    with pytest.raises(_Recorded):
         run_generate("x", target=str(target), draft=str(draft), drafter=drafter, heads="h", compile=True, device="cuda",
                      baseline=True, progress=False)  # fmt: skip
-    (kw,) = options
+    ((_, kw),) = recorded.drafters
     assert {k: v for k, v in kw.items() if "compile" in k} == want
-    assert [d[1]["compile"] for d in decoders] == [True, True]
-    assert decoders[0][0] is made and decoders[1][0] is None  # the speculative decoder, then the target alone
+    assert [d[1]["compile"] for d in recorded.decoders] == [True, True]
+    assert recorded.decoders[0][0] is recorded.made and recorded.decoders[1][0] is None  # speculative, then alone
+
+
+@pytest.mark.parametrize("device,drafter,compiled", [("cuda", "lookup", True), ("cpu", "model", False)])
+def test_defaults_by_device(tiny_dirs, recorded, device, drafter, compiled):
+    """Without ``drafter`` / ``compile``: prompt lookup and the compiled target on a GPU, the draft model
+    uncompiled on a CPU (``device_defaults``); given ones win (``--drafter model --no-compile`` on a GPU)."""
+    from specdec.cli.generate import device_defaults
+
+    assert device_defaults(device) == (drafter, compiled)
+    target, draft, _ = tiny_dirs
+    with pytest.raises(_Recorded):
+        run_generate("x", target=str(target), draft=str(draft), device=device, baseline=True, progress=False)
+    assert recorded.drafters[-1][0] == drafter
+    assert [d[1]["compile"] for d in recorded.decoders] == [compiled, compiled]
+    if device == "cuda":
+        recorded.decoders.clear()
+        with pytest.raises(_Recorded):
+            run_generate("x", target=str(target), draft=str(draft), drafter="model", compile=False, device=device,
+                         baseline=True, progress=False)  # fmt: skip
+        assert recorded.drafters[-1][0] == "model" and "compile" not in recorded.drafters[-1][1]
+        assert [d[1]["compile"] for d in recorded.decoders] == [False, False]
+    ns = cli_generate.build_parser().parse_args(["x", "--no-compile"])
+    assert ns.compile is False and ns.drafter is None
+    assert cli_generate.build_parser().parse_args(["x"]).compile is None
 
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"

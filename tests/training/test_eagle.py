@@ -279,3 +279,17 @@ def test_run_settings_name_the_field_out_of_range(kw, match):
             MedusaRun(out="x", **kw)
     with pytest.raises(ValueError, match="table_ranks: expected an int >= 1, got 0"):
         MedusaRun(out="x", table_ranks=0)
+
+
+def test_auto_steps_are_about_ten_passes_within_bounds():
+    """``EagleTrainConfig.steps`` None: ``AUTO_PASSES`` passes at the batch size, clamped; the default."""
+    from training.eagle import AUTO_MAX_STEPS, AUTO_MIN_STEPS, AUTO_PASSES, auto_steps
+
+    assert EagleTrainConfig().steps is None and EagleTrainConfig().unroll == 4
+    assert auto_steps(3686, 8) == -(-AUTO_PASSES * 3686 // 8) == 4608  # the MBPP data: ~the measured 4,574
+    assert auto_steps(952, 8) == AUTO_MIN_STEPS  # a 1,000-prompt file: 1,190 steps would be 10 passes
+    assert auto_steps(100_000, 8) == AUTO_MAX_STEPS
+    with pytest.raises(ValueError, match="sequences, batch_size"):
+        auto_steps(0, 8)
+    with pytest.raises(ValueError, match=r"steps: expected an int >= 1 or None \(auto\), got 0"):
+        EagleTrainConfig(steps=0)
