@@ -5,7 +5,8 @@ Qwen2.5-Coder-1.5B's) and a random EAGLE head on it, then decodes ``--prompts`` 
 ``SpecDecoder(profile=True)`` and ``EagleDrafter(profile=True)`` (each phase ends in a device sync:
 the phase times are device time, and the step is slower than unprofiled) and prints per-step medians:
 the engine's draft / forward / verify / commit and the drafter's catch_up / expand / copy / host_tree /
-update. Plain decoding of the same target runs first for the forward's cost alone. ``--trace FILE``
+update, and apart the same for a call's first step (the head's catch-up on the whole prompt,
+``--prompt-len`` tokens). ``--inductor NAME=VALUE`` sets ``torch._inductor.config`` first. Plain decoding of the same target runs first for the forward's cost alone. ``--trace FILE``
 writes a ``torch.profiler`` table of one unprofiled call (kernels and host ops). Random heads accept
 almost nothing: this measures what a step costs, not how many tokens it yields.
 
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     from drafters.eagle import DRAFT_PHASES, EagleDrafter, EagleHead
     from drafters.eagle_head import parse_feature_layers
     from specdec import SpecDecoder
+    from specdec.cli.bench.common import set_inductor_options
     from specdec.cli.bench.config import SCALE_CONFIGS
     from specdec.cli.bench.scale import build_scale_model
 
@@ -100,7 +102,11 @@ def main(argv=None) -> int:
     p.add_argument("--trace", help="write a torch.profiler table of one unprofiled call here")
     p.add_argument("--expansion-kernels", help="write the kernels of one replay of the expansion's CUDA graph here "
                    "(name, launches and device µs per replay) and add its device time to --out")
+    p.add_argument("--inductor", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="torch._inductor.config settings for this run (a Python literal each), e.g. "
+                        "max_autotune_gemm=True: the head's GEMMs from inductor's autotuned Triton templates")
     ns = p.parse_args(argv)
+    inductor = set_inductor_options(ns.inductor)
     device = torch.device(ns.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cap = ns.prompt_len + ns.new + ns.tree_size + 64
@@ -121,7 +127,7 @@ def main(argv=None) -> int:
     res: dict = {"config": ns.config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "tree_size": ns.tree_size, "depth": ns.depth, "topk": ns.topk, "draft_vocab": ns.draft_vocab,
                  "compile": ns.compile, "attention": ns.attention, "rerank": ns.rerank,
-                 "feature_layers": ns.feature_layers}  # fmt: skip
+                 "feature_layers": ns.feature_layers, "inductor": inductor, "prompt_len": ns.prompt_len}  # fmt: skip
 
     plain = SpecDecoder(target, None, 0, compile=ns.compile)
     plain.generate(prompts[0], 16)
@@ -159,17 +165,24 @@ def main(argv=None) -> int:
     drafter.propose, drafter.update = recording_propose, recording_update
     for v in phases.values():
         v.clear()
-    steps = []
+    steps, firsts, first_phases = [], [], []
     t = time.perf_counter()
     new = 0
     for prompt in prompts:
+        marks = {k: len(v) for k, v in phases.items()}
         out = dec.generate(prompt, ns.new)
         steps += out.steps
+        firsts.append(out.steps[0])
+        first_phases.append({k: v[marks[k]] for k, v in phases.items() if len(v) > marks[k]})
         new += len(out.new_tokens())
     sync()
+    engine = ("draft", "forward", "verify", "commit")
     res["profiled_ms_per_token"] = round(1e3 * (time.perf_counter() - t) / max(1, new), 4)
-    res["engine_ms"] = {k: _median_ms(getattr(s, f"{k}_s") for s in steps) for k in ("draft", "forward", "verify", "commit")}
+    res["engine_ms"] = {k: _median_ms(getattr(s, f"{k}_s") for s in steps) for k in engine}
     res["drafter_ms"] = {k: _median_ms(v) for k, v in phases.items()}
+    # a call's first step: the head catches up on the whole prompt (--prompt-len tokens) before it drafts
+    res["first_step_ms"] = {"engine": {k: _median_ms(getattr(s, f"{k}_s") for s in firsts) for k in engine},
+                            "drafter": {k: _median_ms(f.get(k) for f in first_phases) for k in phases}}
     res["steps"] = len(steps)
     res["mean_accepted"] = round(sum(sum(s.tokens_accepted) for s in steps) / max(1, len(steps)), 3)
 

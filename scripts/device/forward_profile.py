@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from specdec import hf  # noqa: E402
 from specdec.fused import fused_norms, unfuse_norms  # noqa: E402
-from specdec.cli.bench.common import Timer, median_ms, random_tree  # noqa: E402
+from specdec.cli.bench.common import Timer, median_ms, random_tree, set_inductor_options  # noqa: E402
 from specdec.cli.bench.config import SCALE_CONFIGS  # noqa: E402
 from specdec.cli.bench.floor import forward_floors  # noqa: E402
 from specdec.cli.bench.kernels import profile_kernels, summarize_kernels  # noqa: E402
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                    help="torch._inductor.config settings for this run (a Python literal each), e.g. combo_kernels=True")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    inductor = _set_inductor_options(args.inductor)
+    inductor = set_inductor_options(args.inductor)
     device = torch.device(args.device)
     torch.set_grad_enabled(False)  # the uncaptured body (``_run``) is called here, outside ``forward``'s no_grad
     cap = -(-(args.prompt + max(args.nodes) + 8) // 256) * 256
@@ -106,33 +106,6 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return 0
-
-
-def _set_inductor_options(items: list[str]) -> dict:
-    """Set each ``NAME=VALUE`` of ``--inductor`` on ``torch._inductor.config`` (dotted names reach its
-    sub-configs, e.g. ``triton.cudagraphs``); returns them as set. Raises SystemExit naming a bad item."""
-    import ast
-
-    import torch._inductor.config as config
-
-    out = {}
-    for item in items:
-        name, sep, text = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--inductor: expected NAME=VALUE, got {item!r}")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"--inductor {name}: expected a Python literal, got {text!r}") from None
-        *path, leaf = name.split(".")
-        target = config
-        for part in path:
-            target = getattr(target, part, None)
-        if target is None or not hasattr(target, leaf):
-            raise SystemExit(f"--inductor: torch._inductor.config has no setting {name!r}")
-        setattr(target, leaf, value)
-        out[name] = value
-    return out
 
 
 def _check_against_uncompiled(model, cache, logits, tree, prefix: int) -> dict:

@@ -408,3 +408,23 @@ def test_bench_engine_new_sections_on_cuda(tiny, medusa_dir, tmp_path):
     sc = res["scale"]
     assert all("error" not in r and r["captured"] for r in sc["decode"] + sc["verify"])
     assert sc["bars"][0]["verify_t64_x_t0"] > 0
+
+
+def test_inductor_options_are_set_and_bad_ones_name_themselves():
+    """``--inductor NAME=VALUE`` of the device profilers: literals set on ``torch._inductor.config``
+    (dotted names reach sub-configs); a missing '=', a non-literal or an unknown name exits naming it."""
+    import torch._inductor.config as config
+
+    from specdec.cli.bench.common import set_inductor_options
+
+    saved = (config.max_autotune_gemm, config.triton.cudagraphs)
+    try:
+        got = set_inductor_options(["max_autotune_gemm=True", "triton.cudagraphs=False"])
+        assert got == {"max_autotune_gemm": True, "triton.cudagraphs": False}
+        assert config.max_autotune_gemm is True and config.triton.cudagraphs is False
+    finally:
+        config.max_autotune_gemm, config.triton.cudagraphs = saved
+    for bad, message in (("max_autotune_gemm", "expected NAME=VALUE"), ("max_autotune_gemm=yes", "Python literal"),
+                         ("no_such_setting=1", "no setting 'no_such_setting'")):  # fmt: skip
+        with pytest.raises(SystemExit, match=message):
+            set_inductor_options([bad])

@@ -1,5 +1,6 @@
-"""Helpers shared by the ``bench-engine`` sections: timing, random trees, freeing device memory
-between cells, error rows, and the number formats of the tables."""
+"""Helpers shared by the ``bench-engine`` sections and the device profilers (``scripts/device``): timing,
+random trees, freeing device memory between cells, error rows, the number formats of the tables, and
+``--inductor NAME=VALUE`` settings."""
 
 from __future__ import annotations
 
@@ -112,3 +113,30 @@ def num(val, width: int = 0) -> str:
         return "-".rjust(width)
     text = f"{val:.2f}" if 0.01 <= abs(val) < 1e4 or val == 0 else f"{val:.3g}"
     return text.rjust(width)
+
+
+def set_inductor_options(items: list[str]) -> dict:
+    """Set each ``NAME=VALUE`` of ``--inductor`` on ``torch._inductor.config`` (dotted names reach its
+    sub-configs, e.g. ``triton.cudagraphs``); returns them as set. Raises SystemExit naming a bad item."""
+    import ast
+
+    import torch._inductor.config as config
+
+    out = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--inductor: expected NAME=VALUE, got {item!r}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--inductor {name}: expected a Python literal, got {text!r}") from None
+        *path, leaf = name.split(".")
+        target = config
+        for part in path:
+            target = getattr(target, part, None)
+        if target is None or not hasattr(target, leaf):
+            raise SystemExit(f"--inductor: torch._inductor.config has no setting {name!r}")
+        setattr(target, leaf, value)
+        out[name] = value
+    return out
