@@ -27,12 +27,19 @@ for s in "$@"; do
         --plain-methods "${PLAIN_METHODS:-engine-compiled,engine-compiled-step,hf-static}" --dtype bf16 --device cuda \
         --problems 4 --max-new-tokens 128 "${apps[@]}" ${PLAIN_ARGS:-} --out "$out/plain${TAG:-}.json" \
         > "$out/plain${TAG:-}.log" 2>&1 ;;
-    batch)  # (Qwen) throughput at bs $BATCH (default 1 2 4 8 16), Medusa t = 64 compiled (heads in /tmp/medusa:
-            # train_and_sweep.sh medusa) vs HF static; each batch size compiles both (~2 min): split the sizes over calls
-      sizes=${BATCH:-1 2 4 8 16}
-      timeout 580 python3 -m specdec.cli bench-engine --sections batch --batch-drafter medusa --medusa-heads /tmp/medusa \
-        --batch-mode compiled --dtype bf16 --device cuda --problems 8 --max-new-tokens 128 "${apps[@]}" \
-        --batch-sizes $sizes --out "$out/batch-${sizes// /-}.json" > "$out/batch-${sizes// /-}.log" 2>&1 ;;
+    batch)  # (Qwen) throughput at bs $BATCH (default 1 2 4 8 16), $DRAFTER (default medusa: heads in /tmp/medusa from
+            # train_and_sweep.sh medusa; eagle: /tmp/eagle) at the budgets $TREES (default 64; e.g. "0 16 32 64 auto":
+            # specdec-plain, fixed t, auto, and the summary of auto against both), compiled, vs HF static
+            # (NO_HF=1: without); MODE=graph: captured, not compiled (each batch size compiles every budget: split the
+            # sizes over calls)
+      sizes=${BATCH:-1 2 4 8 16} heads=()
+      [[ ${DRAFTER:-medusa} == *medusa* ]] && heads+=(--medusa-heads /tmp/medusa)
+      [[ ${DRAFTER:-medusa} == *eagle* ]] && heads+=(--eagle-heads "${HEAD:-/tmp/eagle}")
+      timeout 580 python3 -m specdec.cli bench-engine --sections batch --batch-drafter "${DRAFTER:-medusa}" \
+        "${heads[@]}" --batch-tree-sizes ${TREES:-64} \
+        ${NO_HF:+--batch-skip-hf} --batch-mode "${MODE:-compiled}" --dtype bf16 --device cuda --problems 8 --max-new-tokens 128 \
+        "${apps[@]}" --batch-sizes $sizes --out "$out/batch${TAG:-}-${sizes// /-}.json" \
+        > "$out/batch${TAG:-}-${sizes// /-}.log" 2>&1 ;;
     stalls)  # (Qwen) 50 APPS problems after warm-up, compiled, HF static alongside (cold compile cache)
       timeout 560 python3 -m specdec.cli bench-stalls --device cuda --dtype bf16 --compile --problems 50 --hf-static \
         "${apps[@]}" --out "$out/stalls.json" > "$out/stalls.log" 2>&1 ;;

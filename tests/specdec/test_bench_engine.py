@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from specdec import cli
 from specdec.cli import bench
@@ -166,6 +167,42 @@ def test_bench_engine_batch_section(tiny, medusa_dir, tmp_path, capsys):
         else:
             assert r["mode"] == "graph" and r["tree_size"] == 5 and r["steps"] > 0 and r["step_ms"] > 0
             assert 1.0 <= r["tokens_per_step"] == pytest.approx(1.0 + r["accepted_per_step"])
+
+
+def test_bench_engine_batch_table_with_plain_fixed_and_auto_budgets(tiny, tmp_path, capsys):
+    """``--batch-tree-sizes 0 4 auto``: specdec-plain once per batch size, then each drafter (prompt lookup and
+    an EAGLE head) at t = 4 and auto; every row the target's fp32 greedy tokens; the auto rows carry their
+    budgets, and the summary puts auto against plain and the best fixed t of its batch size."""
+    from drafters.eagle import EagleHead
+    from transformers import AutoModelForCausalLM
+
+    target, _, _ = tiny
+    torch.manual_seed(0)
+    heads = tmp_path / "eagle"
+    EagleHead(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)).save(heads, target=str(target))
+    out = tmp_path / "batch.json"
+    argv = _tiny_argv(tiny, out, "--sections", "batch", "--problems", "3", "--max-new-tokens", "6",
+                      "--batch-sizes", "1", "2", "--batch-drafter", "lookup,eagle", "--eagle-heads", str(heads),
+                      "--batch-tree-sizes", "0", "4", "auto", "--batch-skip-hf")  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    rows = res["batch"]
+    assert [(r["method"], r["batch"], r["tree_size"]) for r in rows] == [
+        ("specdec-plain", 1, 0), ("specdec-plain", 2, 0),
+        *[(d, b, t) for d in ("lookup", "eagle") for b in (1, 2) for t in (4, "auto")]]  # fmt: skip
+    for r in rows:
+        assert "error" not in r, r
+        assert r["reference"] == "specdec-plain B=1" and r["identical"] == r["rows"]  # fp32 greedy
+        assert (r["budget_steps"] is not None) == (r["tree_size"] == "auto")
+    summary = res["batch_summary"]
+    assert [(s["drafter"], s["batch"]) for s in summary] == [("lookup", 1), ("lookup", 2), ("eagle", 1), ("eagle", 2)]
+    by = {(r["method"], r["batch"], r["tree_size"]): r["tokens_per_s"] for r in rows}
+    for s in summary:
+        assert s["best_fixed_tree_size"] == 4
+        assert s["vs_plain"] == pytest.approx(by[(s["drafter"], s["batch"], "auto")] / by[("specdec-plain", s["batch"], 0)])
+        assert s["vs_best_fixed"] == pytest.approx(by[(s["drafter"], s["batch"], "auto")] / by[(s["drafter"], s["batch"], 4)])
+    assert "the adaptive budget (t = auto) against specdec-plain" in printed
 
 
 def test_bench_engine_profile_section(tiny, tmp_path, capsys):
@@ -344,7 +381,9 @@ def test_summarize_kernels_categories_and_names():
     [
         (["--sections", "batch"], "medusa_heads: the batch section's 'medusa' drafter needs trained heads"),
         (["--batch-sizes", "0"], "argument --batch-sizes: expected an int >= 1, got 0"),
-        (["--batch-drafter", "model"], "argument --batch-drafter: expected some of medusa, lookup, got model"),
+        (["--batch-drafter", "model"], "argument --batch-drafter: expected some of medusa, lookup, eagle, got model"),
+        (["--sections", "batch", "--batch-drafter", "eagle"], "eagle_heads: the batch section's 'eagle' drafter needs"),
+        (["--batch-tree-sizes", "-1"], "argument --batch-tree-sizes: expected 'auto' or an int >= 0, got -1"),
         (["--medusa-heads", "/nonexistent/heads"], "argument --medusa-heads: no such file or directory"),
         (["--bandwidth-gbs", "0"], r"argument --bandwidth-gbs: expected a number in (0, inf), got 0"),
         (["--scale-config", "gpt"], "argument --scale-config: invalid choice: 'gpt'"),

@@ -82,8 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-sizes", type=cliargs.int_at_least(1), nargs="+", default=[1, 2, 4, 8, 16],
                    help="batch sizes (default 1 2 4 8 16); rows cycle through the --problems prompts")
     g.add_argument("--batch-drafter", type=_csv(str, BATCH_DRAFTERS), default=("medusa",),
-                   help="comma list of medusa, lookup (default medusa: needs --medusa-heads)")
+                   help="comma list of medusa, lookup, eagle (default medusa: needs --medusa-heads; eagle --eagle-heads)")
+    g.add_argument("--batch-tree-sizes", type=cliargs.tree_size(0), nargs="+", default=None,
+                   help="node budgets of the batch rows: ints (0: specdec-plain, the engine without a drafter, once "
+                        "per batch size) and auto (every step's budget); default: --spec-tree-size")
     g.add_argument("--medusa-heads", type=_medusa_dir, default=None, help="Medusa heads directory (specdec train-medusa --out)")
+    g.add_argument("--eagle-heads", type=cliargs.existing_path, default=None,
+                   help="EAGLE head directory (specdec train-eagle --out) for --batch-drafter eagle")
     g.add_argument("--batch-mode", choices=SPEC_MODES, default="graph", help="engine mode of the batch rows (default graph)")
     g.add_argument("--batch-skip-hf", action="store_true", help="leave out the HF static-cache rows (they compile per batch size)")
     g = p.add_argument_group("(e) kernel profile (--sections profile)")
@@ -133,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         reps=ns.reps, seed=ns.seed,
         device=ns.device, dtype=ns.dtype, attn_impl=ns.attn_impl, fuse=not ns.no_fuse, progress=not ns.no_progress, out=ns.out,
         batch_sizes=tuple(ns.batch_sizes), batch_drafters=tuple(ns.batch_drafter), batch_mode=ns.batch_mode,
-        batch_skip_hf=ns.batch_skip_hf, medusa_heads=ns.medusa_heads, profile_tree_size=ns.profile_tree_size,
+        batch_skip_hf=ns.batch_skip_hf, batch_tree_sizes=tuple(ns.batch_tree_sizes or ()),
+        medusa_heads=ns.medusa_heads, eagle_heads=ns.eagle_heads, profile_tree_size=ns.profile_tree_size,
         profile_modes=tuple(ns.profile_modes), profile_reps=ns.profile_reps, profile_top=ns.profile_top,
         scale_config=ns.scale_config, scale_prompts=None if ns.scale_prompts is None else tuple(ns.scale_prompts),
         scale_new_tokens=ns.scale_new_tokens, scale_tree_sizes=tuple(ns.scale_tree_sizes),

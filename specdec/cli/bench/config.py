@@ -17,7 +17,7 @@ PLAIN_METHODS = ("hf", "hf-static", "engine-eager", "engine-graph", "engine-comp
 DEFAULT_PLAIN_METHODS = PLAIN_METHODS[:5]
 DRAFTERS = ("model", "lookup")
 SPEC_MODES = ("eager", "graph", "compiled")  # compiled: the graphed forwards compiled by inductor first
-BATCH_DRAFTERS = ("medusa", "lookup")
+BATCH_DRAFTERS = ("medusa", "lookup", "eagle")
 PROFILE_MODES = ("graph", "compiled")
 SCALE_PARTS = ("engine-graph", "engine-compiled", "engine-inductor", "engine-compiled-step", "hf-static", "verify")
 DTYPES = DTYPE_NAMES
@@ -78,7 +78,11 @@ class BenchConfig:
     batch_drafters: tuple[str, ...] = ("medusa",)
     batch_mode: str = "graph"
     batch_skip_hf: bool = False
+    #: the batch rows' node budgets per drafter and batch size: ints (0: ``specdec-plain``, the engine
+    #: without a drafter, once per batch size) or ``"auto"`` (every step's budget); () = (spec_tree_size,)
+    batch_tree_sizes: tuple[int | str, ...] = ()
     medusa_heads: str | None = None
+    eagle_heads: str | None = None
     # (e) profile
     profile_tree_size: int = 64
     profile_modes: tuple[str, ...] = PROFILE_MODES
@@ -125,6 +129,13 @@ class BenchConfig:
         if "batch" in self.sections:
             if not self.batch_drafters and self.batch_skip_hf:
                 raise ValueError("batch_drafters: expected at least one drafter when the HF rows are skipped, got none")
+            bad = [t for t in self.batch_tree_sizes
+                   if t != "auto" and (not isinstance(t, int) or isinstance(t, bool) or t < 0)]  # fmt: skip
+            if bad:
+                raise ValueError(f"batch_tree_sizes: expected 'auto' or ints >= 0 (0: specdec-plain), got {bad}")
+            if "eagle" in self.batch_drafters and not self.eagle_heads:
+                raise ValueError("eagle_heads: the batch section's 'eagle' drafter needs a trained head (--eagle-heads "
+                                 "DIR, e.g. from specdec train-eagle), got none")  # fmt: skip
             if "medusa" in self.batch_drafters and not self.medusa_heads:
                 raise ValueError("medusa_heads: the batch section's 'medusa' drafter needs trained heads (--medusa-heads "
                                  "DIR, e.g. from specdec train-medusa), got none; or use --batch-drafter lookup")  # fmt: skip

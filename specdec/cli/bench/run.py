@@ -102,20 +102,27 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
             result["spec"] = rows
             print("\n(c) speculative decoding per step\n" + spec.format_spec(rows), flush=True)
         if "batch" in cfg.sections:
-            log(f"(d) batch throughput, B = {list(cfg.batch_sizes)}, t = {cfg.spec_tree_size}")
+            sizes = batch.batch_tree_sizes(cfg)
+            log(f"(d) batch throughput, B = {list(cfg.batch_sizes)}, t = {list(sizes)}")
             ref_name, ref = reference_tokens(setup)
             if ref is not None:
                 batch_ref = {"name": ref_name, "tokens": dict(enumerate(ref))}
             rows = result["batch"] = []
             if "medusa" in cfg.batch_drafters:
                 batch.load_medusa(setup)
-            for name in cfg.batch_drafters:
-                for size in cfg.batch_sizes:
-                    guarded(rows, {"method": name, "batch": size},
-                            lambda: batch.run_batch(setup, name, size, batch_ref, log), log)  # fmt: skip
-                    _write(cfg.out, result)
+            # specdec-plain (t = 0) once per batch size, then each drafter at every other budget
+            cells = [(batch.PLAIN, b, 0) for b in cfg.batch_sizes if 0 in sizes]
+            cells += [(name, b, t) for name in cfg.batch_drafters for b in cfg.batch_sizes for t in sizes if t != 0]
+            for name, size, t in cells:
+                guarded(rows, {"method": name, "batch": size, "tree_size": t},
+                        lambda: batch.run_batch(setup, name, size, batch_ref, log, tree_size=t), log)  # fmt: skip
+                _write(cfg.out, result)
+            result["batch_summary"] = batch.batch_summary(rows)
+            _write(cfg.out, result)
             print("\n(d) batch throughput" + (" (HF static cache rows at the end)" if not cfg.batch_skip_hf else "")
                   + "\n" + batch.format_batch(rows), flush=True)  # fmt: skip
+            if result["batch_summary"]:
+                print("\n" + batch.format_batch_summary(result["batch_summary"]), flush=True)
         if "profile" in cfg.sections:
             log(f"(e) kernel profile of a verify forward, t = {cfg.profile_tree_size}, modes {list(cfg.profile_modes)}")
             _one_result(result, "profile", "(e) kernel profile of one verify forward",
