@@ -8,7 +8,9 @@
   cached as JSONL keyed by the settings that made them (:func:`save_examples`,
   :func:`load_examples`), so a rerun -- or the other loop, with the same settings -- skips the
   generation. :func:`distill_cached` also writes every finished batch to ``CACHE.partial`` as it
-  goes: an interrupted generation resumes from what it wrote. Prompts from a user's file or
+  goes: an interrupted generation resumes from what it wrote; and a greedy cache made for another
+  prompt list (MBPP alone, then MBPP with ``--mix general``) lends the answers of the prompts the two
+  lists share (:func:`_greedy_answers`). Prompts from a user's file or
   written by the target come through ``training.sources`` (chat conversations:
   :func:`encode_messages`).
 * **Batches and features**: right-padded batches (:func:`padded_batch`) and the target's final
@@ -256,6 +258,33 @@ def _read_partial(path: Path, meta: dict[str, Any], total: int) -> dict[int, Exa
     return done
 
 
+#: the cache settings a greedy answer depends on besides its prompt (the rest of a cache's ``meta``
+#: describes its prompt list)
+ANSWER_KEYS = ("target", "dtype", "max_new_tokens", "temperature", "chat")
+
+
+def _greedy_answers(cache: Path, meta: dict[str, Any]) -> dict[tuple[int, ...], Example]:
+    """Prompt ids -> example of a greedy ``cache`` made for another prompt list with the same
+    :data:`ANSWER_KEYS` as ``meta`` ({} when sampled, absent or made otherwise). Greedy answers depend
+    on the prompt alone: the target's answer to the same ids (up to the rounding of another batch's
+    padding in 16-bit dtypes)."""
+    if meta.get("temperature") != 0 or not cache.is_file():
+        return {}
+    with open(cache) as f:
+        try:
+            head = json.loads(f.readline() or "{}").get("meta") or {}
+        except json.JSONDecodeError:
+            return {}
+        if any(head.get(k) != meta.get(k) for k in ANSWER_KEYS):
+            return {}
+        out = {}
+        for line in f:
+            r = json.loads(line)
+            ex = Example(tuple(r["ids"]), int(r["prompt_len"]))
+            out[ex.ids[: ex.prompt_len]] = ex
+        return out
+
+
 def distill_cached(target, prompts: Sequence[Sequence[int]], cache: str | os.PathLike[str], meta: dict[str, Any], *,
                    max_new_tokens: int, batch_size: int, eos_token_id=None, pad_token_id: int = 0,
                    temperature: float = 0.0, seed: int = 0, progress: bool = True,
@@ -275,6 +304,11 @@ def distill_cached(target, prompts: Sequence[Sequence[int]], cache: str | os.Pat
     done = _read_partial(partial, meta, len(prompts))
     if done:
         print(f"{desc}: resuming with {len(done)} of {len(prompts)} answers already in {partial}")
+    lent = _greedy_answers(cache, meta)
+    reused = {i: lent[tuple(p)] for i, p in enumerate(prompts) if i not in done and tuple(p) in lent}
+    if reused:
+        done.update(reused)
+        print(f"{desc}: {len(reused)} of {len(prompts)} answers from {cache} (greedy, made for another prompt list)")
     missing = [i for i in range(len(prompts)) if i not in done]
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial.with_name(partial.name + ".tmp")

@@ -157,6 +157,28 @@ def test_an_interrupted_data_generation_resumes_from_what_it_wrote(target, tmp_p
     assert _cache(out / "selfdistill.jsonl") == _cache(whole / "selfdistill.jsonl")  # greedy: the same answers
 
 
+def test_a_greedy_cache_for_another_prompt_list_lends_the_shared_answers(target, tmp_path, capsys, monkeypatch):
+    """A greedy cache made for prompts A serves a run on A plus two new prompts (as MBPP's answers serve
+    MBPP with ``--mix general``): only the new ones are generated, the shared ones are A's answers, and
+    the cache is rewritten for the new list; a sampled run reuses nothing."""
+    out = tmp_path / "eagle"
+    first = _jsonl(tmp_path / "a.jsonl", ROWS[:4])
+    assert train_cli.main_eagle(_argv(target, out, "--prompts", str(first), "--heldout", "1", "--steps", "1")) == 0
+    _, before = _cache(out / "selfdistill.jsonl")
+    real, calls = distill._generate, []
+    monkeypatch.setattr(distill, "_generate", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    more = _jsonl(tmp_path / "b.jsonl", ROWS[:6])
+    assert train_cli.main_eagle(_argv(target, out, "--prompts", str(more), "--heldout", "1", "--steps", "1")) == 0
+    assert calls == [2]  # the two new prompts, one batch
+    assert "4 of 6 answers from" in capsys.readouterr().out
+    meta, after = _cache(out / "selfdistill.jsonl")
+    assert meta["prompts"] == 6 and after[:4] == before
+    calls.clear()
+    assert train_cli.main_eagle(_argv(target, out, "--prompts", str(more), "--heldout", "1", "--steps", "1",
+                                      "--temperature", "0.7")) == 0  # fmt: skip
+    assert sum(calls) == 6  # sampled answers are drawn anew
+
+
 def test_seed_prompts_the_target_writes_more_prompts_in_their_style(target, tmp_path, capsys, monkeypatch):
     """--seed-prompts FILE --self-prompts N: N writing requests, each with seeds of one category;
     the kept prompts are saved as a prompt file and answered. A tiny random target writes no
