@@ -718,7 +718,9 @@ def run_eagle(run: EagleRun) -> None:
         train = train + distill_cached(target, train_prompts, extra_cache, extra_meta, temperature=run.sample_temperature,
                                        seed=run.seed + k, desc=f"sampled answers {k}", **gen)  # fmt: skip
     split = data.split
-    exercises = _exercise_examples(target, tok, data.rows[:split], run, meta, cache, eos, pad) if run.exercises else []
+    # the exercises come from the MBPP rows alone: their cache outlives other prompts joining (--mix, a file)
+    ex_base = {k: v for k, v in meta.items() if k not in data.key}
+    exercises = _exercise_examples(target, tok, data.rows[:split], run, ex_base, cache, eos, pad) if run.exercises else []
     parts = [f"{split} problems x {len(styles)} prompt styles ({', '.join(styles)})"] if sources.rows else []
     general = sum(not h for h in held[data.mbpp_prompts :])  # training prompts of the file / written by the target
     if general:

@@ -99,3 +99,10 @@ def test_cli_exercises_are_written_answered_cached_and_counted(tmp_path, capsys,
     assert train_cli.main_eagle(argv) == 0  # reused: nothing written again
     assert seen == [3] and cache.stat().st_mtime_ns == mtime
     assert "self-written exercises: 3 cached answers" in capsys.readouterr().out
+    # more prompts beside MBPP (a file here, --mix general alike): the exercises and MBPP's answers stay
+    extra = tmp_path / "more.jsonl"
+    extra.write_text('{"prompt": "Name a color."}\n{"prompt": "Count to three."}\n')
+    assert train_cli.main_eagle([*argv, "--prompts", str(extra)]) == 0
+    text = capsys.readouterr().out
+    assert seen == [3] and "self-written exercises: 3 cached answers" in text
+    assert "5 of 7 answers from" in text  # MBPP's five; the file's two are new
