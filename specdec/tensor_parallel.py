@@ -11,7 +11,10 @@
 
 Small all-reduces (up to ``ONE_SHOT_MAX_BYTES``: decoding and verify forwards) run as one-shot kernels
 over symmetric memory on the current stream where the GPUs can map each other's memory
-(:func:`one_shot_slots`; probed at load time, NCCL otherwise); prefill-sized ones through NCCL.
+(:func:`one_shot_slots`; probed at load time, NCCL otherwise); prefill-sized ones through NCCL. With
+``one_shot="push"`` they run as push all-reduces instead (:func:`push_slots`,
+``treeattn.allreduce``: each rank writes its partial product into every peer's slot and sums what
+arrived, no barrier round trip).
 
 The column-parallel projections stay plain ``nn.Linear`` modules holding plain tensors (not DTensors,
 no hooks), so ``specdec.fused`` fuses each rank's q / k / v and gate / up shards into one GEMM as on
@@ -40,8 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeattn.allreduce import SLOT_DTYPES
+
 __all__ = ["ONE_SHOT_MAX_BYTES", "RowParallelLinear", "VocabParallelHead", "one_shot_all_reduce", "one_shot_slots",
-           "shard_model", "tensor_parallel_group"]  # fmt: skip
+           "push_all_reduce", "push_slots", "shard_model", "tensor_parallel_group"]  # fmt: skip
 
 #: Child names of the projections split by output rows (column-parallel) and by input columns (row-parallel).
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -75,6 +80,22 @@ def _(x: torch.Tensor, slot: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("specdec::push_all_reduce", mutates_args=())
+def push_all_reduce(x: torch.Tensor, slots: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """``[...]`` -> ``[...]``: the sum of ``x`` (bfloat16 or float32) over the ranks by
+    ``treeattn.allreduce.push_all_reduce``: ``slots[p]`` is rank p's slot of one projection as this
+    rank maps it (:func:`push_slots`), ``rank`` this rank's index. Opaque to ``torch.compile``: the
+    slots reach the kernel as the very tensors that map the peers' memory (they come back clean)."""
+    from treeattn.allreduce import push_all_reduce as push
+
+    return push(x, slots, rank)
+
+
+@push_all_reduce.register_fake
+def _(x: torch.Tensor, slots: list[torch.Tensor], rank: int) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _all_gather_last(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     """``[..., n]`` on each rank -> ``[..., world * n]``: the ranks' tensors side by side in rank order."""
     ops = torch.ops._c10d_functional
@@ -91,6 +112,8 @@ class RowParallelLinear(nn.Linear):
     (:func:`one_shot_slots`): a partial product of at most ``slot.numel()`` bytes is then summed by
     a one-shot kernel on the current stream instead of an NCCL all-reduce (which runs on NCCL's own
     stream: inside a CUDA graph each one adds two cross-stream dependencies).
+    ``push``: None, or this projection's slot on every rank (:func:`push_slots`): a partial product
+    of its dtype that fits is then summed by a push all-reduce (before ``slot`` is considered).
     """
 
     def __init__(self, linear: nn.Linear, rank: int, world: int, group_name: str) -> None:
@@ -98,7 +121,9 @@ class RowParallelLinear(nn.Linear):
         cols = linear.in_features // world
         self.in_features, self.out_features = cols, linear.out_features
         self.group_name = group_name
+        self.rank, self.world = rank, world
         self.slot: torch.Tensor | None = None
+        self.push: list[torch.Tensor] | None = None
         self.weight = nn.Parameter(linear.weight[:, rank * cols : (rank + 1) * cols].contiguous(),
                                    requires_grad=False)  # fmt: skip
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -106,7 +131,11 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = F.linear(x, self.weight)
         nbytes = part.numel() * part.element_size()
-        if self.slot is not None and nbytes <= self.slot.numel():
+        push = self.push
+        if (push is not None and SLOT_DTYPES.get(part.dtype) == push[0].dtype
+                and part.numel() * self.world <= push[0].numel()):  # fmt: skip
+            out = push_all_reduce(part, push, self.rank)
+        elif self.slot is not None and nbytes <= self.slot.numel():
             out = one_shot_all_reduce(part, self.slot, self.group_name)
         else:
             out = _all_reduce(part, self.group_name)
@@ -168,15 +197,16 @@ def shard_model(model: nn.Module, group=None, one_shot: bool | str = "auto") -> 
     split. ``group``: a ``torch.distributed`` process group (default: the world). ``one_shot``: give
     the row-parallel projections symmetric-memory slots for one-shot all-reduces
     (:func:`one_shot_slots`): ``"auto"`` where the model is on CUDA and a probe passes on every rank,
-    True (raise if it cannot), False (NCCL only).
+    True (raise if it cannot), False (NCCL only); ``"push"``: slots for push all-reduces instead
+    (:func:`push_slots`; raise if they cannot be made).
 
     Raises ValueError when the model is already sharded or fused (``specdec.fused``: shard first), has
     no q / k / v / o and gate / up / down projections, or head counts that do not divide by N.
     """
     import torch.distributed as dist
 
-    if one_shot not in (True, False, "auto"):
-        raise ValueError(f"one_shot: expected True, False or 'auto', got {one_shot!r}")
+    if one_shot not in (True, False, "auto", "push"):
+        raise ValueError(f"one_shot: expected True, False, 'auto' or 'push', got {one_shot!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: expected an initialized torch.distributed process group, got none "
                          "(run under torchrun, or call torch.distributed.init_process_group first)")  # fmt: skip
@@ -207,8 +237,11 @@ def shard_model(model: nn.Module, group=None, one_shot: bool | str = "auto") -> 
     head = model.get_output_embeddings()
     if type(head) is nn.Linear and head.out_features % world == 0:
         model.set_output_embeddings(VocabParallelHead(head, rank, world, group.group_name))
-    if one_shot:
-        rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    if one_shot == "push":
+        for m, slots in zip(rows, push_slots(group, rows[0].weight.device, len(rows), rows[0].weight.dtype)):
+            m.push = slots
+    elif one_shot:
         slots = one_shot_slots(group, rows[0].weight.device, len(rows), required=one_shot is True)
         for m, slot in zip(rows, slots or ()):
             m.slot = slot
@@ -265,6 +298,70 @@ def one_shot_slots(group, device: torch.device, count: int, nbytes: int = ONE_SH
     if not int(agreed.item()):
         return unavailable(why or "a failed probe on another rank")
     return [buf[i * nbytes : (i + 1) * nbytes] for i in range(count)]
+
+
+def push_slots(group, device: torch.device, count: int, dtype: torch.dtype,
+               nbytes: int = ONE_SHOT_MAX_BYTES) -> list[list[torch.Tensor]]:  # fmt: skip
+    """``count`` push all-reduce slots for partial products of up to ``nbytes`` bytes of ``dtype``
+    (bfloat16 or float32), in one symmetric-memory buffer of ``group``: for each projection the list
+    of every rank's slot as this rank maps it (``treeattn.allreduce``; ``world * nbytes`` bytes a
+    slot on each rank, filled with the sentinel before any rank's first push). A collective: every
+    rank calls it with the same arguments. A probe (a push all-reduce, eager and replayed from a CUDA
+    graph, against NCCL's sum) must pass on every rank.
+
+    Raises ValueError where they cannot be made: not CUDA, another dtype, a torch without symmetric
+    memory, or a failed probe on any rank.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    from treeattn.allreduce import SENTINELS, slot_dtype
+
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"device: push all-reduces need CUDA, got {torch.device(device).type}")
+    sd = slot_dtype(dtype)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    per = world * (nbytes // sd.itemsize)  # elements of one projection's slot
+    ok, why, views = True, "", []
+    try:
+        buf = symm_mem.empty(count * per, dtype=sd, device=device)
+        handle = symm_mem.rendezvous(buf, group)
+        buf.fill_(SENTINELS[sd])
+        views = [buf if p == rank else handle.get_buffer(p, (count * per,), sd) for p in range(world)]
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every slot at the sentinel before any rank pushes
+        ok, why = _probe_push([v[:per] for v in views], rank, group, device, dtype)
+    except Exception as e:  # noqa: BLE001 - reported through the ValueError below
+        ok, why = False, f"{type(e).__name__}: {e}"
+    agreed = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if not int(agreed.item()):
+        raise ValueError(f"one_shot: expected push all-reduce slots, got {why or 'a failed probe on another rank'}")
+    return [[v[i * per : (i + 1) * per] for v in views] for i in range(count)]
+
+
+def _probe_push(slots: list[torch.Tensor], rank: int, group, device, dtype: torch.dtype) -> tuple[bool, str]:
+    """A push all-reduce of small integers (exact in bf16), eager and from a CUDA graph, against NCCL's
+    all-reduce of the same values: (all equal, what differed). The slots come back clean."""
+    import torch.distributed as dist
+
+    x = (torch.arange(96, device=device) % 7 + rank).to(dtype).view(1, 2, 48)
+    want = x.clone()
+    dist.all_reduce(want, group=group)
+    eager = push_all_reduce(x, slots, rank)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = push_all_reduce(x, slots, rank)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    del graph
+    if not torch.equal(eager, want) or not torch.equal(captured, want):
+        return False, "a push all-reduce that disagreed with NCCL's"
+    return True, ""
 
 
 def _probe(slot: torch.Tensor, group, device) -> tuple[bool, str]:

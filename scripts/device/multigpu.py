@@ -86,7 +86,7 @@ def _load(ns):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()  # without: a CPU smoke test of this script (gloo under torchrun)
     if world > 1:
-        target = load_tensor_parallel(ns.model, dtype=dtype, one_shot={"auto": "auto", "off": False}[ns.one_shot])
+        target = load_tensor_parallel(ns.model, dtype=dtype, one_shot={"auto": "auto", "off": False, "push": "push"}[ns.one_shot])
         rank = int(os.environ["RANK"])
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     else:
@@ -95,10 +95,14 @@ def _load(ns):
     return target, rank, world, device
 
 
-def _one_shot_on(target) -> bool:
+def _one_shot_on(target) -> bool | str:
+    """How the TP target's small all-reduces run: "push" (push all-reduces), True (one-shot), False (NCCL)."""
     from specdec.tensor_parallel import RowParallelLinear
 
-    return any(isinstance(m, RowParallelLinear) and m.slot is not None for m in target.modules())
+    rows = [m for m in target.modules() if isinstance(m, RowParallelLinear)]
+    if any(m.push is not None for m in rows):
+        return "push"
+    return any(m.slot is not None for m in rows)
 
 
 def _end(rank: int, world: int, release) -> None:
@@ -302,8 +306,9 @@ def main(argv=None) -> int:
     r.add_argument("--trace", help="write a torch.profiler table of one call (rank 0) to this file, "
                    "'-world{W}' added to its name")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--one-shot", choices=["auto", "off"], default="auto",
-                   help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto) or NCCL only")
+    r.add_argument("--one-shot", choices=["auto", "off", "push"], default="auto",
+                   help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto), NCCL "
+                        "only (off), or push all-reduces (push: each rank writes into its peers' slots)")
     f = sub.add_parser("forward", help="time one captured tree (verify) forward per node count (TP under torchrun)")
     f.add_argument("--model", required=True)
     f.add_argument("--out", required=True)
@@ -313,8 +318,9 @@ def main(argv=None) -> int:
     f.add_argument("--reps", type=int, default=30)
     f.add_argument("--compile", action="store_true", help="the layer-wise compile (what compile=True does)")
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--one-shot", choices=["auto", "off"], default="auto",
-                   help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto) or NCCL only")
+    f.add_argument("--one-shot", choices=["auto", "off", "push"], default="auto",
+                   help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto), NCCL "
+                        "only (off), or push all-reduces (push)")
     c = sub.add_parser("compare", help="compare two run JSONs (outputs, tokens/s)")
     c.add_argument("one")
     c.add_argument("other")

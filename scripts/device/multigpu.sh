@@ -14,9 +14,11 @@
 #               plain decoding, prompt lookup and the draft model (replicated per rank), one GPU vs TP=2;
 #               QWEN="model" (or any of plain lookup model) runs only those pairs.
 #   forward     the captured verify forward at 1, 16, 64 nodes, bf16, compiled: one GPU, then TP=2 with
-#               one-shot all-reduces (where they work) and with NCCL only (after build).
+#               push all-reduces, one-shot all-reduces (where they work) and NCCL only (after build;
+#               ONE_SHOT="push auto off" picks which).
 #   tp-bf16     plain decoding, bf16, compiled, 3 prompts x 256 tokens: one GPU, then TP=2 (after build);
-#               a profiler table of one call of each (tp-bf16-trace-world{1,2}.txt).
+#               a profiler table of one call of each (tp-bf16-trace-world{1,2}.txt); TP_ALLREDUCE=push (or
+#               off) for the TP run's small all-reduces (default: one-shot where they work).
 #   sharded-humaneval, sharded-apps
 #               (c) the evaluation sharded over 2 GPUs (data parallel, `sweep --shard auto` under torchrun,
 #               merged by `--report-only --shards 2`) against one GPU on the same problems: plain decoding
@@ -75,14 +77,15 @@ for s in ${@:-build llama qwen}; do
     forward)
       CUDA_VISIBLE_DEVICES=0 timeout 300 "${py[@]}" forward --model $mg/llama8b --compile --out "$out/forward-1gpu.json" \
         > "$out/forward.log" 2>&1 || echo "forward: the one-GPU run failed (exit $?)" >> "$out/forward.log"
-      for os in auto off; do  # one-shot all-reduces where they work, then NCCL only
+      for os in ${ONE_SHOT:-push auto off}; do  # push all-reduces, one-shot ones where they work, NCCL only
         timeout 240 torchrun --standalone --nproc-per-node 2 scripts/device/multigpu.py forward --model $mg/llama8b \
           --compile --one-shot $os --out "$out/forward-tp2-$os.json" >> "$out/forward.log" 2>&1 \
           || echo "forward: the TP=2 run (one-shot $os) exited $?" >> "$out/forward.log"
       done
       grep -E "nodes|failed" "$out/forward.log" ;;
     tp-bf16)
-      pair tp-bf16 --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 --trace "$out/tp-bf16-trace.txt" ;;
+      pair tp-bf16${TP_ALLREDUCE:+-$TP_ALLREDUCE} --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 \
+        --trace "$out/tp-bf16${TP_ALLREDUCE:+-$TP_ALLREDUCE}-trace.txt" ${TP_ALLREDUCE:+--one-shot $TP_ALLREDUCE} ;;
     sharded-humaneval|sharded-apps)
       ds=${s#sharded-}
       data=(); [ "$ds" = apps ] && data=(--data .evaldata/apps_selected150.jsonl)

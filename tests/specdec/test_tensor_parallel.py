@@ -181,5 +181,34 @@ def test_one_shot_slots_need_cuda(one_rank_group):
     assert one_shot_slots(one_rank_group, torch.device("cpu"), 4) is None
     with pytest.raises(ValueError, match="one_shot: expected symmetric memory for one-shot all-reduces, got a model on cpu"):
         one_shot_slots(one_rank_group, torch.device("cpu"), 4, required=True)
-    with pytest.raises(ValueError, match="one_shot: expected True, False or 'auto'"):
+    with pytest.raises(ValueError, match="one_shot: expected True, False, 'auto' or 'push'"):
         shard_model(tiny_model("qwen2"), one_shot="yes")
+    with pytest.raises(ValueError, match="device: push all-reduces need CUDA, got cpu"):
+        shard_model(tiny_model("qwen2"), one_shot="push")
+
+
+def test_small_partial_products_take_the_push_all_reduce(one_rank_group, monkeypatch):
+    """With push slots (symmetric memory on GPUs; plain tensors of a one-rank world here), a partial
+    product that fits goes through the push all-reduce kernel (Triton's interpreter on a CPU), which
+    leaves its slot clean; a larger one through the functional all-reduce. One rank: the identity."""
+    import specdec.tensor_parallel as tp
+    from treeattn.allreduce import SENTINELS, new_slot
+
+    model = tiny_model("qwen2")
+    ids = random_prompt(5, 3)[None]
+    with torch.no_grad():
+        want = model(ids).logits
+    shard_model(model, one_shot=False)
+    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    hidden = model.config.hidden_size
+    for m in rows:
+        m.push = [new_slot(1, 5 * hidden, torch.float32)]  # 5 fp32 rows
+    calls = []
+    real = tp.push_all_reduce
+    monkeypatch.setattr(tp, "push_all_reduce", lambda x, slots, rank: calls.append(x.shape[-2]) or real(x, slots, rank))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert calls == [5] * len(rows)
+        model(random_prompt(6, 4)[None])  # 6 rows > 5: the functional all-reduce
+    assert len(calls) == len(rows)
+    assert all(bool((m.push[0] == SENTINELS[torch.int32]).all()) for m in rows)
