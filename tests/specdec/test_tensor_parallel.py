@@ -141,20 +141,26 @@ def test_split_needs_a_process_group():
         shard_model(tiny_model("qwen2"))
 
 
-def test_small_partial_products_take_the_one_shot_slot(one_rank_group, monkeypatch):
-    """With slots (symmetric memory on a GPU; plain tensors here), a partial product that fits its
-    projection's slot goes through the one-shot op, with the slot as its scratch; a larger one
-    through the functional all-reduce. In a one-rank group both are the identity."""
-    import specdec.tensor_parallel as tp
-
+def _split_without_slots():
+    """A tiny model split over the one-rank group with NCCL-style all-reduces only: (model, a 5-token
+    prompt ``[1, 5]``, its logits before the split, the row-parallel projections, the hidden size)."""
     model = tiny_model("qwen2")
     ids = random_prompt(5, 3)[None]
     with torch.no_grad():
         want = model(ids).logits
     shard_model(model, one_shot=False)
     rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
-    assert all(m.slot is None for m in rows)
-    hidden = model.config.hidden_size
+    assert all(m.slot is None and m.push is None for m in rows)
+    return model, ids, want, rows, model.config.hidden_size
+
+
+def test_small_partial_products_take_the_one_shot_slot(one_rank_group, monkeypatch):
+    """With slots (symmetric memory on a GPU; plain tensors here), a partial product that fits its
+    projection's slot goes through the one-shot op, with the slot as its scratch; a larger one
+    through the functional all-reduce. In a one-rank group both are the identity."""
+    import specdec.tensor_parallel as tp
+
+    model, ids, want, rows, hidden = _split_without_slots()
     for m in rows:
         m.slot = torch.zeros(5 * hidden * 4, dtype=torch.uint8)  # 5 fp32 rows
     seen = []
@@ -194,13 +200,7 @@ def test_small_partial_products_take_the_push_all_reduce(one_rank_group, monkeyp
     import specdec.tensor_parallel as tp
     from treeattn.allreduce import SENTINELS, new_slot
 
-    model = tiny_model("qwen2")
-    ids = random_prompt(5, 3)[None]
-    with torch.no_grad():
-        want = model(ids).logits
-    shard_model(model, one_shot=False)
-    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
-    hidden = model.config.hidden_size
+    model, ids, want, rows, hidden = _split_without_slots()
     for m in rows:
         m.push = [new_slot(1, 5 * hidden, torch.float32)]  # 5 fp32 rows
     calls = []
