@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# On a GPU device machine, after setup_models.sh: the README's main command with --baseline, the
-# defaults (draft model, node budget "auto") twice -- cold, then with the compile cache warm (the
-# first-token bar) --, the same with --compile twice (the target and the draft's loop compiled layer-wise:
-# the first process compiles, the second loads the kernels from the on-disk cache), prompt lookup alone
-# (predicted ~1.4x there: 1.65 tokens a step at t = 16 measured on a CPU, a ~3.4-ms step against 2.9 ms a
-# target token, PERF v30), a fixed t = 64, and prompt
-# lookup merged with the draft model, the budget split by yield. Each run's summary line and --json go
-# to $OUT.
-#   [RUNS="compiled-1 compiled-2 lookup"] bash scripts/device/main_command.sh        (~90 s without the compiled runs on an H100; at most LIMIT_S
-#                                                seconds, default 560)
+# On a GPU device machine, after setup_models.sh: the README's main command with --baseline. Runs (RUNS,
+# in its order; default all): auto-1, auto-2 -- the defaults (on a GPU prompt lookup with the target
+# compiled, node budget "auto"), cold, then with the compile cache warm (the first-token bar); model-1,
+# model-2 -- the draft model, compiled in its loop; model-eager -- the draft model, nothing compiled
+# (the GPU default before 2026-11-28); lookup-eager -- prompt lookup uncompiled; t64 -- the defaults at
+# a fixed t = 64; lookup-model-yield -- prompt lookup merged with the draft model, the budget split by
+# yield. Each run's summary line and --json go to $OUT.
+#   [RUNS="auto-1 auto-2"] bash scripts/device/main_command.sh     (at most LIMIT_S seconds, default 560)
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 out=${OUT:-/tmp}
 t0=$(date +%s)
@@ -22,11 +20,12 @@ run() {  # name, generate arguments...: one process, its own time limit within L
   echo "$name: exit $?"; tail -1 "$out/$name.log"
 }
 # RUNS: which runs, in this order (default: all of them as listed below)
-for r in ${RUNS:-auto-1 auto-2 compiled-1 compiled-2 lookup t64 lookup-model-yield}; do
+for r in ${RUNS:-auto-1 auto-2 model-1 model-2 model-eager lookup-eager t64 lookup-model-yield}; do
   case $r in
     auto-*) run "$r" "$prompt" --max-new-tokens 256 ;;
-    compiled-*) run "$r" "$prompt" --max-new-tokens 256 --compile ;;
-    lookup) run lookup "$prompt" --max-new-tokens 256 --drafter lookup ;;
+    model-eager) run "$r" "$prompt" --max-new-tokens 256 --drafter model --no-compile ;;
+    model-*) run "$r" "$prompt" --max-new-tokens 256 --drafter model ;;
+    lookup-eager) run "$r" "$prompt" --max-new-tokens 256 --drafter lookup --no-compile ;;
     t64) run t64 "$prompt" --max-new-tokens 256 --tree-size 64 ;;
     lookup-model-yield) run "$r" "$prompt" --max-new-tokens 256 --drafter lookup+model --split yield ;;
     *) echo "unknown run $r" >&2 ;;
