@@ -301,6 +301,10 @@ def run_generate(
         # With dynamic shapes (a CPU) there is nothing to build, and the call's first steps measure each
         # budget (drafting there, on the real prompt, also tells the rule how much is accepted)
         need = len(ids) + max_new_tokens
+        if progress:  # a quiet stretch otherwise: a first compile takes about a minute
+            what = "compiling and capturing" if compile else "capturing"
+            print(f"specdec generate: warming up ({what} every node budget's forward; a first compile on this "
+                  f"machine takes about a minute, later runs load its kernels from disk)", file=sys.stderr, flush=True)  # fmt: skip
         decoder.warmup((1,), max_len=need, min_len=need, log=None)
     eos = hf.eos_token_ids(target_model, tokenizer)
     sample = temperature > 0

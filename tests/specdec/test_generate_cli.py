@@ -198,6 +198,32 @@ def test_defaults_by_device(tiny_dirs, recorded, device, drafter, compiled):
     assert cli_generate.build_parser().parse_args(["x"]).compile is None
 
 
+def test_a_warm_up_says_what_it_does_unless_quiet(tiny_dirs, monkeypatch, capsys):
+    """With static shapes (a GPU) the warm-up before the timed call gets one line on stderr (a first
+    compile is a minute of silence otherwise); ``progress=False`` (``--no-progress``) keeps it quiet."""
+    import drafters
+    import specdec.engine as engine
+
+    target, _, _ = tiny_dirs
+    warmed = []
+
+    class Stop(Exception):
+        pass
+
+    def warmup(*args, **kwargs):
+        warmed.append(kwargs)
+        raise Stop  # what follows the warm-up is not this test's
+
+    monkeypatch.setattr(drafters, "make_drafter", lambda name, **kw: object())
+    monkeypatch.setattr(engine, "SpecDecoder", lambda *a, **kw: types.SimpleNamespace(static_shapes=True, warmup=warmup))
+    for progress in (True, False):
+        with pytest.raises(Stop):
+            run_generate("x", target=str(target), drafter="lookup", device="cpu", progress=progress)
+        err = capsys.readouterr().err
+        assert ("specdec generate: warming up (capturing every node budget's forward" in err) == progress
+    assert len(warmed) == 2
+
+
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
