@@ -451,25 +451,21 @@ class EagleDrafter(BaseDrafter):
         if st is None:
             st = self._states[context.seq] = _SeqState(self._new_cache(n_tok + 64))
         st.last = None
-        real = self._real_features(context.hidden, n_tok)
+        real = self._real_features(context.hidden, n_tok)  # rows for positions first .. n_tok - 2
         # The settled pairs still valid: those of a common token prefix (another history resets).
         c = min(len(st.tokens), n_tok - 1)
         if not np.array_equal(st.tokens[:c], tokens[:c]):
             c = int(np.flatnonzero(st.tokens[:c] != tokens[:c])[0])
         predicted = st.feats if c == len(st.tokens) else {}
-        root_feat = real.get(root_pos - 1, predicted.get(root_pos - 1))
-        if budget <= 0 or root_feat is None:
+        has_root = real is not None or (root_pos - 1) in predicted
+        if budget <= 0 or not has_root:
             self._mark("catch_up")
             return root_only(root)
 
         # 1. catch up: pairs from `start` on are (re)computed, real features first
-        start = min([c] + [q + 1 for q in real])
+        start = c if real is None else min(c, real[0] + 1)
         keep = bisect.bisect_left(st.slot_pos, start)
-        pending = []  # (position, feature)
-        for p in range(max(start, 1), n_tok):
-            f = real.get(p - 1, predicted.get(p - 1))
-            if f is not None:
-                pending.append((p, f))
+        positions, feats = self._pending(real, predicted, start, n_tok)
         # the expansion's shape: a budget below topk expands like topk (then keeps its best `budget`
         # nodes), so the budgets of an adaptive decoder (tree_size="auto": 4, 8, 16, ...) share one
         # expansion and its captured graph instead of capturing (and compiling) one mid-call
@@ -479,17 +475,17 @@ class EagleDrafter(BaseDrafter):
         expanded_max = 1 + frontier_width * (depth - 1)
         width = min(self.draft_vocab or self.vocab_size, max(frontier_width, math.ceil(shaped / expanded_max)))
         plan = ExpansionPlan.make(frontier_width, width, depth)
-        base = keep + len(pending) - 1  # slot of the root's pair
+        base = keep + len(positions) - 1  # slot of the root's pair
         self._ensure_capacity(st, keep, base + expanded_max + int(self.static_shapes))  # + the scratch slot
         # a chain of at most FUSED_CATCH_UP pairs runs inside the expansion (its graph); a longer one
         # (a long prompt) or dynamic shapes run it here first
-        fused = self._fused_width(len(pending))
+        fused = self._fused_width(len(positions))
         if fused:
-            catch_up, root_out = self._catch_up_inputs(st, tokens, pending, keep, base, fused), None
+            catch_up, root_out = self._catch_up_inputs(st, tokens, positions, feats, keep, base, fused), None
         else:
-            catch_up, root_out = None, self._catch_up(st, tokens, pending, keep, base)[-1]
+            catch_up, root_out = None, self._catch_up(st, tokens, positions, feats, keep, base)[-1]
         del st.slot_pos[keep:]
-        st.slot_pos += [p for p, _ in pending[:-1]]
+        st.slot_pos += positions[:-1]
         st.tokens = tokens[:-1].copy()
         st.feats = {}
         st.cache.lengths = [base]
@@ -568,18 +564,38 @@ class EagleDrafter(BaseDrafter):
         """Token ids of the columns ``idx`` of ``_draft_logits`` (a device gather with ``draft_vocab``)."""
         return idx if self._vocab_ids is None else self._vocab_ids[idx]
 
-    def _real_features(self, hidden: torch.Tensor | None, n_tok: int) -> dict[int, torch.Tensor]:
-        """Position -> the head's input feature of the target's feature there, from ``DraftContext.hidden``
-        (``[F]`` or ``[m, F]``, F = ``head.feature_width``; fused to ``[H]`` rows by ``head.fuse_features``)."""
+    def _real_features(self, hidden: torch.Tensor | None, n_tok: int) -> tuple[int, torch.Tensor] | None:
+        """``(first, rows [m, H])``: the head's input features of the target's features at positions
+        ``first .. n_tok - 2`` (the last: the root's predictor), from ``DraftContext.hidden`` (``[F]`` or
+        ``[m, F]``, F = ``head.feature_width``; fused to ``[H]`` rows by ``head.fuse_features``); None
+        without ``hidden``."""
         if hidden is None:
-            return {}
+            return None
         h = self.head.feature_width
         rows = hidden[None] if hidden.dim() == 1 else hidden
         if rows.dim() != 2 or rows.shape[1] != h or not 1 <= rows.shape[0] <= n_tok - 1:
             raise ValueError(f"hidden: expected [{h}] or [m, {h}] with 1 <= m <= {n_tok - 1}, "
                              f"got {tuple(hidden.shape)}")
-        first = n_tok - 1 - rows.shape[0]
-        return {first + i: row for i, row in enumerate(self.head.fuse_features(rows.to(self.device)).unbind(0))}
+        return n_tok - 1 - rows.shape[0], self.head.fuse_features(rows.to(self.device))
+
+    def _pending(self, real: tuple[int, torch.Tensor] | None, predicted: dict[int, torch.Tensor], start: int,
+                 n_tok: int) -> tuple[list[int], torch.Tensor]:  # fmt: skip
+        """The pairs to (re)compute, positions ``max(start, 1) .. n_tok - 1`` that have a feature:
+        ``(positions, feats [m, H])`` in the head's dtype. Pair p reads the feature at p - 1: the
+        target's real one (``real``'s rows, contiguous up to the root's predictor) where there is one,
+        else the head's own prediction (``predicted``: what the last step kept); pairs with neither are
+        left out. Built from slices of the real rows, not row by row (a long prompt's first step)."""
+        lo = max(start, 1)
+        first = n_tok - 1 if real is None else real[0]  # pairs p <= first read predicted features only
+        early = [q + 1 for q in sorted(predicted) if lo <= q + 1 <= min(first, n_tok - 1)]
+        dtype = self.head.fc.weight.dtype
+        parts = [torch.stack([predicted[p - 1] for p in early]).to(dtype)] if early else []
+        positions = early
+        if real is not None:
+            a = max(lo, first + 1)
+            positions = early + list(range(a, n_tok))
+            parts.append(real[1][a - 1 - first :].to(dtype))
+        return positions, torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _new_cache(self, need: int) -> KVCache:
         """A one-layer cache of at least ``need`` slots (a power of two >= 256 and >= the warmed size)."""
@@ -596,9 +612,10 @@ class EagleDrafter(BaseDrafter):
             k, v = old.buffers(0)
             st.cache.write(0, k[:, :, :keep], v[:, :, :keep], torch.arange(keep, device=k.device)[None])
 
-    def _catch_up(self, st: _SeqState, tokens: np.ndarray, pending: list[tuple[int, torch.Tensor]], keep: int,
+    def _catch_up(self, st: _SeqState, tokens: np.ndarray, positions: list[int], feats: torch.Tensor, keep: int,
                   base: int) -> torch.Tensor:  # fmt: skip
-        """One causal forward of the ``pending`` pairs (position, feature) into slots ``keep .. base``.
+        """One causal forward of the pending pairs (``positions``, their features ``feats [m, H]``,
+        ``_pending``) into slots ``keep .. base``.
 
         Each pair attends to the committed slots ``[0, keep)`` and to the pending pairs up to itself
         (``_catch_up_visible``). Inputs go to the device in one asynchronous copy; the mask is built
@@ -607,25 +624,21 @@ class EagleDrafter(BaseDrafter):
         ``Expansion._catch_up_body``).
         Returns the ``[m, H]`` output features (the last one: the root's).
         """
-        positions = [p for p, _ in pending]
         ids = tokens[positions].tolist()
-        feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
         ints = to_device(torch.tensor([ids, positions, list(range(keep, base + 1))], dtype=torch.int64), self.device)
-        m = len(pending)
+        m = len(positions)
         visible = self._catch_up_visible(keep, m, m, base + 1, padded=False, device=self.device)
         out = self._forward(st.cache, ints[0], feats, ints[1:2], ints[2], visible)
         self.last_forwards += 1
         return out
 
-    def _catch_up_inputs(self, st: _SeqState, tokens: np.ndarray, pending: list[tuple[int, torch.Tensor]], keep: int,
-                         base: int, width: int) -> CatchUp:  # fmt: skip
+    def _catch_up_inputs(self, st: _SeqState, tokens: np.ndarray, positions: list[int], feats: torch.Tensor,
+                         keep: int, base: int, width: int) -> CatchUp:  # fmt: skip
         """The padded catch-up's inputs: ``width`` (``_fused_width(m)``) rows; padding rows (token 0,
         position 0) write and attend to the scratch slot (the cache's last) only."""
-        m, pad, scratch = len(pending), width - len(pending), st.cache.capacity - 1
-        positions = [p for p, _ in pending]
+        m, pad, scratch = len(positions), width - len(positions), st.cache.capacity - 1
         ints = (tokens[positions].tolist() + [0] * pad + positions + [0] * pad
                 + list(range(keep, base + 1)) + [scratch] * pad)  # fmt: skip
-        feats = torch.stack([f.to(self.head.fc.weight.dtype) for _, f in pending])
         return CatchUp(width, ints, feats, keep, m)
 
     def _fused_width(self, m: int) -> int:
