@@ -263,26 +263,16 @@ def _read_partial(path: Path, meta: dict[str, Any], total: int) -> dict[int, Exa
 ANSWER_KEYS = ("target", "dtype", "max_new_tokens", "temperature", "chat")
 
 
-def _greedy_answers(cache: Path, meta: dict[str, Any]) -> dict[tuple[int, ...], Example]:
-    """Prompt ids -> example of a greedy ``cache`` made for another prompt list with the same
-    :data:`ANSWER_KEYS` as ``meta`` ({} when sampled, absent or made otherwise). Greedy answers depend
-    on the prompt alone: the target's answer to the same ids (up to the rounding of another batch's
-    padding in 16-bit dtypes)."""
-    if meta.get("temperature") != 0 or not cache.is_file():
+def _greedy_answers(cached: tuple[dict[str, Any] | None, list[Example]] | None,
+                    meta: dict[str, Any]) -> dict[tuple[int, ...], Example]:  # fmt: skip
+    """Prompt ids -> example of a greedy cache (``_read_examples``' meta and examples) made for another
+    prompt list with the same :data:`ANSWER_KEYS` as ``meta`` ({} when sampled, absent or made
+    otherwise). Greedy answers depend on the prompt alone: the target's answer to the same ids (up to
+    the rounding of another batch's padding in 16-bit dtypes)."""
+    if (meta.get("temperature") != 0 or cached is None or cached[0] is None
+            or any(cached[0].get(k) != meta.get(k) for k in ANSWER_KEYS)):  # fmt: skip
         return {}
-    with open(cache) as f:
-        try:
-            head = json.loads(f.readline() or "{}").get("meta") or {}
-        except json.JSONDecodeError:
-            return {}
-        if any(head.get(k) != meta.get(k) for k in ANSWER_KEYS):
-            return {}
-        out = {}
-        for line in f:
-            r = json.loads(line)
-            ex = Example(tuple(r["ids"]), int(r["prompt_len"]))
-            out[ex.ids[: ex.prompt_len]] = ex
-        return out
+    return {ex.ids[: ex.prompt_len]: ex for ex in cached[1]}
 
 
 def distill_cached(target, prompts: Sequence[Sequence[int]], cache: str | os.PathLike[str], meta: dict[str, Any], *,
@@ -296,7 +286,8 @@ def distill_cached(target, prompts: Sequence[Sequence[int]], cache: str | os.Pat
     written atomically (:func:`save_examples`) and the partial file removed. A resumed sampled
     generation draws other samples for the rest than an uninterrupted one would (greedy: the same)."""
     cache = Path(cache)
-    examples = load_examples(cache, meta)
+    cached = _read_examples(cache)
+    examples = cached[1] if cached is not None and cached[0] == meta else None
     if examples is not None and len(examples) == len(prompts):
         print(f"{desc}: {len(examples)} cached answers from {cache}")
         return examples
@@ -304,7 +295,7 @@ def distill_cached(target, prompts: Sequence[Sequence[int]], cache: str | os.Pat
     done = _read_partial(partial, meta, len(prompts))
     if done:
         print(f"{desc}: resuming with {len(done)} of {len(prompts)} answers already in {partial}")
-    lent = _greedy_answers(cache, meta)
+    lent = _greedy_answers(cached, meta)
     reused = {i: lent[tuple(p)] for i, p in enumerate(prompts) if i not in done and tuple(p) in lent}
     if reused:
         done.update(reused)
@@ -344,16 +335,20 @@ def save_examples(examples: Sequence[Example], path: str | os.PathLike[str], met
     os.replace(tmp, p)
 
 
-def load_examples(path: str | os.PathLike[str], meta: dict[str, Any]) -> list[Example] | None:
-    """Examples cached by :func:`save_examples`, or None if absent or made with other settings."""
+def _read_examples(path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, list[Example]] | None:
+    """A cache written by :func:`save_examples`: its meta (None when it has none) and examples; None if absent."""
     p = Path(path)
     if not p.is_file():
         return None
     with open(p) as f:
         head = json.loads(f.readline() or "{}")
-        if head.get("meta") != meta:
-            return None
-        return [Example(tuple(r["ids"]), int(r["prompt_len"])) for r in map(json.loads, f) if r]
+        return head.get("meta"), [Example(tuple(r["ids"]), int(r["prompt_len"])) for r in map(json.loads, f) if r]
+
+
+def load_examples(path: str | os.PathLike[str], meta: dict[str, Any]) -> list[Example] | None:
+    """Examples cached by :func:`save_examples`, or None if absent or made with other settings."""
+    cached = _read_examples(path)
+    return cached[1] if cached is not None and cached[0] == meta else None
 
 
 @torch.no_grad()
