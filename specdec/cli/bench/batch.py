@@ -53,7 +53,7 @@ def _make_drafter(setup: Setup, method: str, tree_size: int | str, compiled: boo
     if method == "eagle":
         return make_drafter("eagle", target=setup.target, heads=setup.cfg.eagle_heads, device=setup.device,
                             dtype=setup.dtype, compile_head=compiled)  # fmt: skip
-    return make_drafter(method, tree_size=64 if tree_size == "auto" else tree_size)
+    return make_drafter(method, tree_size=None if tree_size == "auto" else tree_size)  # auto: each step's budget caps it
 
 
 def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], log: Callable[[str], None],
