@@ -587,7 +587,7 @@ class EagleDrafter(BaseDrafter):
         left out. Built from slices of the real rows, not row by row (a long prompt's first step)."""
         lo = max(start, 1)
         first = n_tok - 1 if real is None else real[0]  # pairs p <= first read predicted features only
-        early = [q + 1 for q in sorted(predicted) if lo <= q + 1 <= min(first, n_tok - 1)]
+        early = [q + 1 for q in sorted(predicted) if lo <= q + 1 <= first]
         dtype = self.head.fc.weight.dtype
         parts = [torch.stack([predicted[p - 1] for p in early]).to(dtype)] if early else []
         positions = early
