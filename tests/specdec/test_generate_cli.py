@@ -136,20 +136,25 @@ class _Recorded(Exception):
 def recorded(monkeypatch):
     """Spies for ``run_generate`` with the models on the CPU: ``make_drafter``'s calls (name, options) and
     the ``SpecDecoder``s built (drafter, options) are recorded instead of run; the second decoder raises
-    ``_Recorded``."""
+    ``_Recorded``. With ``static_shapes`` set true the decoders have it, and their ``warmup`` records its
+    options and raises ``_Recorded``."""
     import drafters
     import specdec.engine as engine
 
     load = models.load_model
     monkeypatch.setattr(models, "load_model", lambda name, dtype=None, device=None, progress=True: load(name, progress=False))
-    calls = types.SimpleNamespace(drafters=[], decoders=[], made=object())
+    calls = types.SimpleNamespace(drafters=[], decoders=[], warmups=[], made=object(), static_shapes=False)
     monkeypatch.setattr(drafters, "make_drafter", lambda name, **kw: calls.drafters.append((name, kw)) or calls.made)
+
+    def warmup(*args, **kwargs):
+        calls.warmups.append(kwargs)
+        raise _Recorded
 
     def record(target, drafter, **kw):
         calls.decoders.append((drafter, kw))
         if len(calls.decoders) == 2:
             raise _Recorded
-        return types.SimpleNamespace(static_shapes=False)
+        return types.SimpleNamespace(static_shapes=calls.static_shapes, warmup=warmup)
 
     monkeypatch.setattr(engine, "SpecDecoder", record)
     return calls
@@ -198,30 +203,18 @@ def test_defaults_by_device(tiny_dirs, recorded, device, drafter, compiled):
     assert cli_generate.build_parser().parse_args(["x"]).compile is None
 
 
-def test_a_warm_up_says_what_it_does_unless_quiet(tiny_dirs, monkeypatch, capsys):
+def test_a_warm_up_says_what_it_does_unless_quiet(tiny_dirs, recorded, capsys):
     """With static shapes (a GPU) the warm-up before the timed call gets one line on stderr (a first
     compile is a minute of silence otherwise); ``progress=False`` (``--no-progress``) keeps it quiet."""
-    import drafters
-    import specdec.engine as engine
-
     target, _, _ = tiny_dirs
-    warmed = []
-
-    class Stop(Exception):
-        pass
-
-    def warmup(*args, **kwargs):
-        warmed.append(kwargs)
-        raise Stop  # what follows the warm-up is not this test's
-
-    monkeypatch.setattr(drafters, "make_drafter", lambda name, **kw: object())
-    monkeypatch.setattr(engine, "SpecDecoder", lambda *a, **kw: types.SimpleNamespace(static_shapes=True, warmup=warmup))
+    recorded.static_shapes = True
     for progress in (True, False):
-        with pytest.raises(Stop):
+        recorded.decoders.clear()  # each call's speculative decoder is its first
+        with pytest.raises(_Recorded):
             run_generate("x", target=str(target), drafter="lookup", device="cpu", progress=progress)
         err = capsys.readouterr().err
         assert ("specdec generate: warming up (capturing every node budget's forward" in err) == progress
-    assert len(warmed) == 2
+    assert len(recorded.warmups) == 2
 
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
