@@ -6,7 +6,8 @@ Qwen2.5-Coder-1.5B's) and a random EAGLE head on it, then decodes ``--prompts`` 
 the phase times are device time, and the step is slower than unprofiled) and prints per-step medians:
 the engine's draft / forward / verify / commit and the drafter's catch_up / expand / copy / host_tree /
 update, and apart the same for a call's first step (the head's catch-up on the whole prompt,
-``--prompt-len`` tokens). ``--inductor NAME=VALUE`` sets ``torch._inductor.config`` first. Plain decoding of the same target runs first for the forward's cost alone. ``--trace FILE``
+``--prompt-len`` tokens). ``--inductor NAME=VALUE`` sets ``torch._inductor.config`` first. Plain
+decoding of the same target runs first for the forward's cost alone. ``--trace FILE``
 writes a ``torch.profiler`` table of one unprofiled call (kernels and host ops). Random heads accept
 almost nothing: this measures what a step costs, not how many tokens it yields.
 

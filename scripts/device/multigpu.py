@@ -95,6 +95,13 @@ def _load(ns):
     return target, rank, world, device
 
 
+def _one_shot_option(parser) -> None:
+    """``--one-shot``: how a TP target's small all-reduces run (``load_tensor_parallel``'s ``one_shot``)."""
+    parser.add_argument("--one-shot", choices=["auto", "off", "push"], default="auto",
+                        help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto), "
+                             "NCCL only (off), or push all-reduces (push: each rank writes into its peers' slots)")
+
+
 def _one_shot_on(target) -> bool | str:
     """How the TP target's small all-reduces run: "push" (push all-reduces), True (one-shot), False (NCCL)."""
     from specdec.tensor_parallel import RowParallelLinear
@@ -306,9 +313,7 @@ def main(argv=None) -> int:
     r.add_argument("--trace", help="write a torch.profiler table of one call (rank 0) to this file, "
                    "'-world{W}' added to its name")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--one-shot", choices=["auto", "off", "push"], default="auto",
-                   help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto), NCCL "
-                        "only (off), or push all-reduces (push: each rank writes into its peers' slots)")
+    _one_shot_option(r)
     f = sub.add_parser("forward", help="time one captured tree (verify) forward per node count (TP under torchrun)")
     f.add_argument("--model", required=True)
     f.add_argument("--out", required=True)
@@ -318,9 +323,7 @@ def main(argv=None) -> int:
     f.add_argument("--reps", type=int, default=30)
     f.add_argument("--compile", action="store_true", help="the layer-wise compile (what compile=True does)")
     f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--one-shot", choices=["auto", "off", "push"], default="auto",
-                   help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto), NCCL "
-                        "only (off), or push all-reduces (push)")
+    _one_shot_option(f)
     c = sub.add_parser("compare", help="compare two run JSONs (outputs, tokens/s)")
     c.add_argument("one")
     c.add_argument("other")
