@@ -369,8 +369,10 @@ class EagleDrafter(BaseDrafter):
         #: device's drafting work is included), and of any CUDA-graph capture inside it (0.0 if none)
         self.last_draft_s = 0.0
         self.last_capture_s = 0.0
-        #: running totals over ``propose`` calls since construction (``draft_s`` includes captures)
+        #: running totals over ``propose`` calls since construction (``draft_s`` includes captures;
+        #: ``captured_s``: the captures' seconds, the ``Drafter`` protocol's)
         self.draft_s = 0.0
+        self.captured_s = 0.0
         self.proposals = 0
 
     # ------------------------------------------------------------------ protocol
@@ -520,6 +522,7 @@ class EagleDrafter(BaseDrafter):
         host = exp.run(base, root_pos, root_feat, kv_lens, catch_up, budget)
         if exp.capture and not captured:
             self.last_capture_s = exp.capture_s or 0.0
+            self.captured_s += self.last_capture_s
         self.last_forwards += plan.depth - 1 + int(catch_up is not None)
         return (*exp.host_tree(host, root, budget), exp.feat)
 

@@ -47,8 +47,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from drafters._build import make_tree, root_only
-from specdec.drafting import (HIDDEN_ALL, HIDDEN_LAST, BaseDrafter, DraftContext, hidden_states_request,
-                              warm_up_drafter)
+from specdec.drafting import (HIDDEN_ALL, HIDDEN_LAST, BaseDrafter, DraftContext, captured_seconds,
+                              hidden_states_request, warm_up_drafter)
 from specdec.tree import TokenTree
 from specdec.verify import Verdict
 
@@ -128,6 +128,11 @@ class MergedDrafter(BaseDrafter):
         self._pending: dict[tuple[int, int], torch.Tensor] = {}
         self.last_part_nodes: list[int] = []
         self.last_phase_s: dict[str, float] | None = None
+
+    @property
+    def captured_s(self) -> float:
+        """The parts' captures so far, in seconds (the ``Drafter`` protocol's running total)."""
+        return sum(captured_seconds(d) for d in self.drafters)
 
     def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None,
                tree_sizes: Sequence[int] = ()) -> None:  # fmt: skip

@@ -169,7 +169,8 @@ class MethodOutput:
         wall_s: seconds of the generate call (device synchronized before and after); with
             ``samples``, of the one call that made them all.
         steps: per-step arrays (engine methods): ``nodes``, ``depth``, ``accepted``, ``emitted``,
-            ``draft_s``, ``verify_s``, ``commit_s``; ``draft_phases`` (one ``{phase: seconds}`` dict
+            ``draft_s``, ``verify_s``, ``commit_s``; ``capture_s`` where the drafter captured inside a
+            step (``StepStats.capture_s``); ``draft_phases`` (one ``{phase: seconds}`` dict
             per step, inside that step's ``draft_s``) when the drafter profiles its phases. With
             ``samples``, ``nodes`` / ``depth`` / ``accepted`` / ``emitted`` are sums over the
             sequences still decoding in that step, and ``active`` counts them.
@@ -640,6 +641,8 @@ class Session:
             "verify_s": [s.verify_s for s in out.steps],
             "commit_s": [s.commit_s for s in out.steps],
         }
+        if any(s.capture_s for s in out.steps):  # the drafter's captures inside draft_s (stalls, first calls)
+            steps["capture_s"] = [s.capture_s for s in out.steps]
         if self.samples > 1:
             steps["active"] = active
         budget = None

@@ -19,9 +19,12 @@ the drafting seconds seen at (sequences asked, n); the nearest budget's at the s
 cost barely depends on n), else another count's scaled per sequence, from the drafting steps that
 were not catching up. ``catch_up_s(k)``: the seconds a drafter needs to take in k tokens it was not
 shown -- the whole prompt at a call's first drafting, the tokens of the plain steps since the last
-drafting -- besides a step's own drafting: per token, the recent catch-ups' drafting seconds beyond
-``draft_s(n)`` over their tokens (0.0 while none was seen; without a warm-up, which runs the
-drafter's own, the decoder's first one is not counted: it may capture or compile). The warm-up also
+drafting -- besides a step's own drafting: per token, the lower median over the recent catch-ups of
+their drafting seconds beyond ``draft_s(n)`` over their tokens (0.0 while none was seen; without a
+warm-up, which runs the drafter's own, the decoder's first one is not counted: it may capture or
+compile). No step whose drafter reports a capture in it (``StepStats.capture_s``) counts, as a
+catch-up or as drafting: one capture read as a catch-up cost (a compile of tens of seconds over a
+short prompt) would price every later catch-up out of drafting, and plain steps never correct it. The warm-up also
 times a drafter that reads no hidden states at batch 1: a catch-up on a dummy prompt and each
 positive budget's drafting (``record_catch_up``, ``record_draft``). A ``CostTable``
 replaces all of this with fixed numbers (tests, or costs measured elsewhere).
@@ -339,17 +342,19 @@ class StepCosts:
         self._seen.add(("catch-up", 0, 0))
 
     def observe(self, batch: int, capacity: int, budget: int, step_s: float, asked: int, draft_s: float,
-                behind: int) -> None:
+                behind: int, captured: bool = False) -> None:
         """One step at ``budget`` of ``batch`` sequences over a cache of ``capacity`` slots: ``step_s``
         seconds for the target's side, ``draft_s`` for ``asked`` sequences' drafting, which first caught
-        the drafter up on ``behind`` tokens it was not shown (0: only the previous step's)."""
+        the drafter up on ``behind`` tokens it was not shown (0: only the previous step's); ``captured``:
+        the drafter spent part of ``draft_s`` capturing or compiling (``StepStats.capture_s``), so the
+        drafting is not counted."""
         if ("step", batch, budget) in self._seen:
             self._steps[(batch, budget)] = _average(self._steps.get((batch, budget)), step_s)
             warm = self._warm(batch, capacity, budget)
             if warm is not None:
                 self.overhead = _average(self.overhead, step_s - warm)
         self._seen.add(("step", batch, budget))
-        if budget == 0 or asked == 0:
+        if budget == 0 or asked == 0 or captured:
             return
         if behind > 0:  # ("catch-up", 0, 0) in _seen: a catch-up was seen (without a warm-up, dropped)
             if self.warm or ("catch-up", 0, 0) in self._seen:
@@ -389,13 +394,13 @@ class StepCosts:
 
     def catch_up_s(self, tokens: int) -> float:
         """Expected seconds of catching the drafter up on ``tokens`` tokens it was not shown, besides a
-        step's own drafting: the recent catch-ups' mean per token (0.0 while none was counted)."""
+        step's own drafting: the recent catch-ups' lower median per token (0.0 while none was counted)."""
         if self.fixed is not None:
             return float(self.fixed.catch_up_s) * tokens
         if tokens <= 0 or not self.catch_ups:
             return 0.0
-        per_token = [max(s - self.draft_s(a, n), 0.0) / k for a, n, s, k in self.catch_ups]
-        return tokens * sum(per_token) / len(per_token)
+        per_token = sorted(max(s - self.draft_s(a, n), 0.0) / k for a, n, s, k in self.catch_ups)
+        return tokens * per_token[(len(per_token) - 1) // 2]
 
 
 def _average(old: float | None, new: float) -> float:
@@ -565,7 +570,8 @@ class BudgetPolicy:
                     self._behind[b] = 0
                 self._behind[b] += emitted if budget == 0 else 0
                 self._left[b] = 0 if emitted == 0 else self._left[b] - emitted
-            self.costs.observe(batch, capacity, budget, s.verify_s + s.commit_s, asked, s.draft_s, behind)
+            self.costs.observe(batch, capacity, budget, s.verify_s + s.commit_s, asked, s.draft_s, behind,
+                               captured=s.capture_s > 0)
 
     def stats(self) -> BudgetStats:
         """This call's budgets so far."""

@@ -19,7 +19,7 @@ import torch
 
 from specdec import hf
 from specdec.decode_chunk import DecodeChunk
-from specdec.drafting import HIDDEN_LAST, DraftContext, propose_all
+from specdec.drafting import HIDDEN_LAST, DraftContext, captured_seconds, propose_all
 from specdec.kv import KVCache
 from specdec.outputs import StepStats
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -49,7 +49,9 @@ class Run:
         hidden: per sequence, the next ``DraftContext.hidden`` (drafters with
             ``needs_hidden_states``): ``[m, H]``, the target's final hidden states of the committed
             positions ``lens[b] - 1 - m .. lens[b] - 2`` not yet shown to the drafter (m = 1 for
-            ``"last"``), or None.
+            ``"last"``), or None; for ``"all"`` after plain steps, a list of such row blocks in order,
+            concatenated when the drafter is next asked (``_draft``): a call that stays plain copies
+            no history.
         cache: the target's KV cache (holds every committed token's KV but the root's; with
             ``shared``, only those after the shared prompt: slot s is position ``P + s``).
         sampling, generator, eos, max_new_tokens, on_tokens: ``generate``'s arguments.
@@ -62,7 +64,7 @@ class Run:
     seqs: torch.Tensor
     lens: list[int]
     done: list[bool]
-    hidden: list[torch.Tensor | None]
+    hidden: list[torch.Tensor | list[torch.Tensor] | None]
     cache: KVCache
     sampling: SamplingConfig | None
     generator: torch.Generator | None
@@ -107,8 +109,10 @@ class DecodeLoop:
         """One step over the batch at ``budget`` draft nodes per sequence (0: no drafter call):
         draft -> tree forward -> verify -> accept and commit -> drafter update."""
         timer = self._phase_timer()
+        captured = captured_seconds(self.drafter)
         with timer("draft"):
             trees, contexts = self._draft(run, budget)
+        captured = captured_seconds(self.drafter) - captured
         with timer("verify"):
             if self.rank_sync is not None:  # every rank drafted the same trees (else all raise)
                 self.rank_sync.check_trees(trees)
@@ -137,6 +141,7 @@ class DecodeLoop:
             commit_s=timer.seconds["commit"],
             forward_s=timer.seconds["forward"],
             budget=budget,
+            capture_s=captured,
         )
 
     def _draft(self, run: Run, budget: int) -> tuple[list[TokenTree], list[DraftContext | None]]:
@@ -151,6 +156,8 @@ class DecodeLoop:
                 contexts.append(None)
             else:
                 trees.append(None)  # type: ignore[arg-type] -- the drafter's, below
+                if isinstance(run.hidden[b], list):  # the rows of plain steps since the last drafting
+                    run.hidden[b] = torch.cat(run.hidden[b])
                 contexts.append(DraftContext(run.seqs[b, :n], budget, b, run.sampling, run.generator,
                                              run.hidden[b]))  # fmt: skip
         asked = [ctx for ctx in contexts if ctx is not None]
@@ -279,13 +286,16 @@ class DecodeLoop:
         """Keep sequence ``b``'s hidden rows ``[m, D]`` of this step's kept tokens (row j: the state that
         predicted its j-th token) as ``run.hidden[b]`` for the drafter's next step, copied where
         ``rows`` views a forward's output (the next forward overwrites it): ``"last"``: the last row;
-        ``"all"``: the rows, after those not shown yet when ``append`` (no drafter call since)."""
+        ``"all"``: the rows, after those not shown yet when ``append`` (no drafter call since; kept as
+        a list of blocks until the drafter is asked, see ``Run.hidden``)."""
         if self._hidden_mode == HIDDEN_LAST:
             rows = rows[-1:]
-        elif append and run.hidden[b] is not None:
-            run.hidden[b] = torch.cat([run.hidden[b], rows])
-            return
-        run.hidden[b] = rows.clone() if rows._base is not None else rows
+        rows = rows.clone() if rows._base is not None else rows
+        before = run.hidden[b]
+        if self._hidden_mode != HIDDEN_LAST and append and before is not None:
+            run.hidden[b] = [*before, rows] if isinstance(before, list) else [before, rows]
+        else:
+            run.hidden[b] = rows
 
     def _update_drafter(self, contexts: list[DraftContext | None], trees: list[TokenTree],
                         verdicts: list[Verdict | None]) -> None:  # fmt: skip

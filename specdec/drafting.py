@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from specdec.verify import Verdict
 
 __all__ = ["HIDDEN_ALL", "HIDDEN_LAST", "DraftContext", "Drafter", "BaseDrafter", "feature_layers_request",
-           "hidden_states_request", "propose_all", "warm_up_drafter"]
+           "captured_seconds", "hidden_states_request", "propose_all", "warm_up_drafter"]
 
 #: ``needs_hidden_states`` value: the feature that predicted the root only (``hidden`` is ``[1, H]``).
 HIDDEN_LAST = "last"
@@ -115,6 +115,12 @@ class Drafter(Protocol):
     ``warmup(batch_sizes, max_len, log[, tree_sizes])`` (optional): called by ``SpecDecoder.warmup``
     to make what later calls use (caches sized for ``max_len``, captures); ``tree_sizes``, where the
     method takes it, are the positive budgets its proposals will get.
+
+    ``captured_s`` (optional, default 0.0): the running total of seconds its proposals spent on
+    one-time work (CUDA-graph captures and the compiles inside them, e.g. for a prompt length not
+    seen before). The engine reports each step's share (``StepStats.capture_s``, ``captured_seconds``)
+    and the budget rule of ``tree_size="auto"`` does not take such a step's drafting time for the
+    drafter's steady cost.
     """
 
     vocab_size: int | None
@@ -142,6 +148,13 @@ def propose_all(drafter, contexts: Sequence[DraftContext]) -> list[TokenTree]:
         raise ValueError(f"drafter: expected propose_batch to return {len(contexts)} trees (one per context), "
                          f"got {len(trees)}")
     return trees
+
+
+def captured_seconds(drafter) -> float:
+    """``drafter.captured_s`` (the running total of its proposals' one-time work, see ``Drafter``),
+    or 0.0 for a drafter that keeps none (or for None)."""
+    got = getattr(drafter, "captured_s", 0.0) if drafter is not None else 0.0
+    return float(got) if isinstance(got, (int, float)) and not isinstance(got, bool) else 0.0
 
 
 def warm_up_drafter(drafter, batch_sizes: Sequence[int], max_len: int | None, log,

@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 import torch  # noqa: E402
 
+from specdec.engine import DEFAULT_DECODE_CHUNK  # noqa: E402
+
 CODE_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "# Read n integers from stdin and print their sum, then their product.\nimport sys\n\n",
@@ -206,7 +208,7 @@ def _run(ns) -> None:
     cap = max(len(p) for p in prompts) + ns.new + ns.tree_size + 64
     graphs = {"auto": None, "on": True, "off": False}[ns.cuda_graphs]
     dec = SpecDecoder(target, drafter, ns.tree_size if drafter else 0, max_cache_len=-(-cap // 256) * 256,
-                      cuda_graphs=graphs, compile=ns.compile)  # fmt: skip
+                      cuda_graphs=graphs, compile=ns.compile, decode_chunk=ns.decode_chunk)  # fmt: skip
     t0 = time.perf_counter()
     dec.warmup([1], log=None)
     dec.generate(prompts[0], 8)  # drafter warm-up, first-call costs
@@ -239,6 +241,7 @@ def _run(ns) -> None:
     res = {"model": ns.model, "world": world, "dtype": ns.dtype, "drafter": ns.drafter, "tree_size": dec.tree_size,
            "one_shot": _one_shot_on(target),
            "cuda_graphs": dec.cuda_graphs, "static_shapes": dec.static_shapes, "rank_sync": dec.rank_sync is not None,
+           "decode_chunk": dec.decode_chunk,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "warmup_s": warm_s, "new_tokens": new,
            "seconds": secs, "tokens_per_s": new / secs,
            "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "rows": rows}  # fmt: skip
@@ -310,6 +313,9 @@ def main(argv=None) -> int:
     r.add_argument("--prompts-file", help="JSONL with a 'description' per line (APPS), with --tokenizer")
     r.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
     r.add_argument("--compile", action="store_true", help="SpecDecoder(compile=True): the layer-wise compile")
+    r.add_argument("--decode-chunk", type=int, default=DEFAULT_DECODE_CHUNK,
+                   help="SpecDecoder(decode_chunk=): plain-decoding steps per replay (at TP, one token fingerprint "
+                        "checked across the ranks per chunk)")
     r.add_argument("--trace", help="write a torch.profiler table of one call (rank 0) to this file, "
                    "'-world{W}' added to its name")
     r.add_argument("--seed", type=int, default=0)

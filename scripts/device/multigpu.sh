@@ -18,7 +18,9 @@
 #               ONE_SHOT="push auto off" picks which).
 #   tp-bf16     plain decoding, bf16, compiled, 3 prompts x 256 tokens: one GPU, then TP=2 (after build);
 #               a profiler table of one call of each (tp-bf16-trace-world{1,2}.txt); TP_ALLREDUCE=push (or
-#               off) for the TP run's small all-reduces (default: one-shot where they work).
+#               off) for the TP run's small all-reduces (default: one-shot where they work); DECODE_CHUNK=k
+#               plain-decoding steps per replay in both runs (default 8; at TP each chunk checks one token
+#               fingerprint across the ranks: specdec/PERF.md v34).
 #   sharded-humaneval, sharded-apps
 #               (c) the evaluation sharded over 2 GPUs (data parallel, `sweep --shard auto` under torchrun,
 #               merged by `--report-only --shards 2`) against one GPU on the same problems: plain decoding
@@ -84,8 +86,9 @@ for s in ${@:-build llama qwen}; do
       done
       grep -E "nodes|failed" "$out/forward.log" ;;
     tp-bf16)
-      pair tp-bf16${TP_ALLREDUCE:+-$TP_ALLREDUCE} --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 \
-        --trace "$out/tp-bf16${TP_ALLREDUCE:+-$TP_ALLREDUCE}-trace.txt" ${TP_ALLREDUCE:+--one-shot $TP_ALLREDUCE} ;;
+      tag=tp-bf16${TP_ALLREDUCE:+-$TP_ALLREDUCE}${DECODE_CHUNK:+-chunk$DECODE_CHUNK}
+      pair $tag --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 --trace "$out/$tag-trace.txt" \
+        ${TP_ALLREDUCE:+--one-shot $TP_ALLREDUCE} ${DECODE_CHUNK:+--decode-chunk $DECODE_CHUNK} ;;
     sharded-humaneval|sharded-apps)
       ds=${s#sharded-}
       data=(); [ "$ds" = apps ] && data=(--data .evaldata/apps_selected150.jsonl)

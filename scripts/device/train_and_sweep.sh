@@ -15,7 +15,9 @@
 # split over calls by drafter (each call <= 10 minutes; the file resumes and its baselines are shared).
 # Environment: BUDGET (train seconds, default 300), TREES (default "32 64"), HEAD (the head's directory,
 # default /tmp/eagle; a new one gives the sweeps new drafter keys), EX (train-eagle --exercises: self-written
-# exercises, default 0), TRAIN_ARGS (more train-eagle arguments, e.g. "--train-vocab 8192"), EAGLE (drafter spec
+# exercises, default 0), CACHE (a folder of self-distillation caches, plain or gzipped, restored into HEAD instead of
+# .evaldata's MBPP ones: e.g. the --mix general data kept in docs/runs/2026-11-28-h200x2-budget/specbench-general/mix,
+# copied under .evaldata/ before docs/runs/ moves out), TRAIN_ARGS (more train-eagle arguments, e.g. "--train-vocab 8192"), EAGLE (drafter spec
 # options after heads=, default none), DRAFTERS (the whole --drafters list instead, e.g.
 # "eagle:heads=/tmp/eagle,profile=true v32k=eagle:heads=/tmp/eagle,profile=true,draft_vocab=32768"; the draft-model
 # drafter: "m=model:draft=qwen2.5-coder-0.5b,depth=4"), PROBLEMS (default 0 = all), LIMITS (--method-problems after
@@ -54,6 +56,13 @@ read -ra methods <<< "${METHODS:-specdec hf-static}"
 cache=docs/runs/2026-11-24-h100-s14/selfdistill
 restore_eagle_data() {
   mkdir -p "$head"
+  if [ -n "${CACHE:-}" ]; then  # another prompt list's caches (e.g. --mix general's) over .evaldata's, plain or gzipped
+    cp .evaldata/selfdistill*.jsonl "$head/" 2>/dev/null
+    for f in "$CACHE"/selfdistill*.jsonl*; do
+      case $f in *.gz) zcat "$f" > "$head/$(basename "$f" .gz)" ;; *) cp "$f" "$head/" ;; esac
+    done
+    return
+  fi
   cp .evaldata/selfdistill*.jsonl "$head/" 2>/dev/null && return
   for f in selfdistill.jsonl selfdistill.exercises.jsonl selfdistill.exercises.stubs.jsonl; do
     zcat "$cache/eagle.$f.gz" > "$head/$f"

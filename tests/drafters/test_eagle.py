@@ -923,7 +923,7 @@ def test_cuda_graph_options_and_draft_time_counters():
     for i in range(3):
         drafter.propose(DraftContext(tokens, 10, hidden=torch.randn(64)))
         assert drafter.proposals == i + 1 and drafter.last_draft_s > 0 and drafter.last_capture_s == 0.0
-    assert drafter.draft_s >= drafter.last_draft_s
+    assert drafter.draft_s >= drafter.last_draft_s and drafter.captured_s == 0.0  # nothing captured on a CPU
 
 
 @pytest.mark.cuda
@@ -958,6 +958,9 @@ def test_cuda_graphs_with_a_head_on_layer_features_give_the_targets_greedy_outpu
         drafter = EagleDrafter(target, head, depth=4, topk=4, cuda_graphs=graphs, compile_head=compile and graphs)
         dec = SpecDecoder(target, drafter, tree_size=24, cuda_graphs=graphs, compile=compile and graphs)
         outs.append(dec.generate(prompts, 25))
+        # the expansions' captures are the drafter's one-time work, and the steps that made them say so
+        captured = sum(s.capture_s for s in outs[-1].steps)
+        assert (captured > 0) == graphs and captured == pytest.approx(drafter.captured_s)
     for b, p in enumerate(prompts):
         ids = p[None].to("cuda")
         want = target.generate(ids, max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0,

@@ -495,6 +495,58 @@ def test_warmup_times_the_catch_up_apart_from_the_first_proposals_captures():
     assert dec.budget.costs.catch_up_s(33) < 0.25
 
 
+class _CapturingFirst(_Counting):
+    """A feature-reading drafter whose first proposal captures for ``first_s`` (and says so in
+    ``captured_s``, as ``EagleDrafter`` does): the warm-up times only the target for it."""
+
+    def __init__(self, refs, first_s):
+        super().__init__(refs, hidden=HIDDEN_ALL)
+        self.first_s = first_s
+        self.captured_s = 0.0
+
+    def propose(self, ctx: DraftContext):
+        if not self.asked:
+            time.sleep(self.first_s)
+            self.captured_s += self.first_s
+        return super().propose(ctx)
+
+
+def test_a_capture_inside_a_step_is_no_catch_up_cost():
+    """After a warm-up of the target, the first drafted step of a feature-reading drafter catches up on
+    the prompt and captures: its seconds are the capture's, not the catch-up's (read as a cost of
+    0.3 s / 8 tokens a token, every later catch-up would price drafting out, and plain steps never
+    measure it again)."""
+    refs = [list(greedy_reference(9, 0, NEW)), list(greedy_reference(9, 0, NEW))]
+    dec = SpecDecoder(prepared_tiny_model(), _CapturingFirst(refs, 0.3), "auto", max_tree_size=16,
+                      static_shapes=True, attn_impl="torch", cache_buckets=(96,))  # fmt: skip
+    dec.warmup((1,), max_len=60, log=None)
+    assert dec.budget.costs.warm and not dec.budget.costs.catch_ups  # the drafter was not timed
+    out = dec.generate(random_prompt(9, 0), NEW)
+    assert out.sequences[0].tolist() == refs[0]
+    drafted = [s for s in out.steps if s.budget]
+    assert drafted[0].capture_s == pytest.approx(0.3) and drafted[0].draft_s >= 0.3
+    assert all(s.capture_s == 0.0 for s in out.steps[1:] if s is not drafted[0])
+    assert all(seconds < 0.3 for _, _, seconds, _ in dec.budget.costs.catch_ups)
+    assert dec.budget.costs.catch_up_s(100) < 0.1
+    out = dec.generate(random_prompt(9, 0), NEW)  # the next call drafts from its first steps
+    assert out.sequences[0].tolist() == refs[1] and out.steps[0].budget > 0
+
+
+def test_step_costs_leave_out_captures_and_outlying_catch_ups():
+    costs = StepCosts()
+    costs.record_forward(1, 1024, 4, 0.3)  # a warm-up: the first catch-up would count
+    costs.observe(1, 1024, 4, 0.3, 1, 20.0, 50, captured=True)  # a compile inside: not a cost of drafting
+    assert not costs.catch_ups and costs.draft_s(1, 4) == 0.0
+    for _ in range(3):
+        costs.observe(1, 1024, 4, 0.3, 1, 0.1, 0, captured=True)
+    assert costs.draft_s(1, 4) == 0.0
+    costs.observe(1, 1024, 4, 0.3, 1, 0.5, 50)
+    costs.observe(1, 1024, 4, 0.3, 1, 9.0, 50)  # an unreported stall among the catch-ups
+    assert costs.catch_up_s(10) == pytest.approx(10 * 0.5 / 50)  # the lower median, not the mean
+    costs.observe(1, 1024, 4, 0.3, 1, 0.6, 50)
+    assert costs.catch_up_s(10) == pytest.approx(10 * 0.6 / 50)
+
+
 def test_injected_costs_switch_between_plain_and_drafting():
     refs = [list(greedy_reference(9, 0, NEW))]
     prompt = random_prompt(9, 0)

@@ -97,7 +97,8 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
     warm_s += time.perf_counter() - t0
     walls, rows = [], []
     emitted = accepted = row_steps = steps = 0
-    prefill_s = 0.0
+    prefill_s = capture_s = 0.0
+    reason = None
     for idx in groups:
         wall, (tokens, out) = setup.timer(lambda: gen(idx, new))
         walls.append(wall)
@@ -105,7 +106,9 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
         if out is not None:
             steps += len(out.steps)
             prefill_s += out.prefill_s
+            capture_s += sum(s.capture_s for s in out.steps)
             if out.budget is not None:
+                reason = out.budget.reason
                 for n, k in out.budget.histogram.items():
                     budgets[n] = budgets.get(n, 0) + k
             for s in out.steps:
@@ -137,6 +140,8 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
         "step_ms": 1e3 * (wall - prefill_s) / steps if steps else None,
         "warmup_s": warm_s,
         "budget_steps": {str(n): k for n, k in sorted(budgets.items())} if budgets else None,
+        "budget_reason": reason,  # tree_size "auto": the last call's last decision
+        "capture_s": capture_s,  # the drafter's captures inside the timed calls (StepStats.capture_s)
         "reference": reference["name"],
         "identical": sum(1 for i, tok in rows if ref.get(i) == tok),
     }
