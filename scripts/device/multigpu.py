@@ -84,6 +84,9 @@ def _load(ns):
 
     from specdec.distributed import load_tensor_parallel
 
+    from specdec.cli.bench.common import set_inductor_options
+
+    ns.inductor = set_inductor_options(ns.inductor)  # recorded as set in the results
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[ns.dtype]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()  # without: a CPU smoke test of this script (gloo under torchrun)
@@ -98,10 +101,15 @@ def _load(ns):
 
 
 def _one_shot_option(parser) -> None:
-    """``--one-shot``: how a TP target's small all-reduces run (``load_tensor_parallel``'s ``one_shot``)."""
+    """``--one-shot``: how a TP target's small all-reduces run (``load_tensor_parallel``'s ``one_shot``);
+    ``--inductor``: inductor settings for the compiled forwards."""
     parser.add_argument("--one-shot", choices=["auto", "off", "push"], default="auto",
                         help="TP: small all-reduces as one-shot kernels over symmetric memory where they work (auto), "
                              "NCCL only (off), or push all-reduces (push: each rank writes into its peers' slots)")
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="torch._inductor.config settings before any compile (a Python literal each), e.g. "
+                             "max_autotune_gemm=True: the layers' GEMMs from autotuned Triton templates instead of "
+                             "cuBLAS's split-K kernels at TP widths (specdec/PERF.md v34)")
 
 
 def _one_shot_on(target) -> bool | str:
@@ -153,6 +161,7 @@ def _forward(ns) -> None:
     hf.prefill(target, prompt[None, :prefix].to(device), cache)
     timer = Timer(device)
     res = {"model": ns.model, "world": world, "dtype": ns.dtype, "compile": ns.compile, "prompt": ns.prompt_len,
+           "inductor": ns.inductor,
            "one_shot": _one_shot_on(target),
            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "rows": []}  # fmt: skip
     graphs = []
@@ -241,7 +250,7 @@ def _run(ns) -> None:
     res = {"model": ns.model, "world": world, "dtype": ns.dtype, "drafter": ns.drafter, "tree_size": dec.tree_size,
            "one_shot": _one_shot_on(target),
            "cuda_graphs": dec.cuda_graphs, "static_shapes": dec.static_shapes, "rank_sync": dec.rank_sync is not None,
-           "decode_chunk": dec.decode_chunk,
+           "decode_chunk": dec.decode_chunk, "inductor": ns.inductor,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "warmup_s": warm_s, "new_tokens": new,
            "seconds": secs, "tokens_per_s": new / secs,
            "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, "rows": rows}  # fmt: skip

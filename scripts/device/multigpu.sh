@@ -15,7 +15,8 @@
 #               QWEN="model" (or any of plain lookup model) runs only those pairs.
 #   forward     the captured verify forward at 1, 16, 64 nodes, bf16, compiled: one GPU, then TP=2 with
 #               push all-reduces, one-shot all-reduces (where they work) and NCCL only (after build;
-#               ONE_SHOT="push auto off" picks which).
+#               ONE_SHOT="push auto off" picks which; INDUCTOR="max_autotune_gemm=True" tries inductor settings,
+#               files named -tuned).
 #   tp-bf16     plain decoding, bf16, compiled, 3 prompts x 256 tokens: one GPU, then TP=2 (after build);
 #               a profiler table of one call of each (tp-bf16-trace-world{1,2}.txt); TP_ALLREDUCE=push (or
 #               off) for the TP run's small all-reduces (default: one-shot where they work); DECODE_CHUNK=k
@@ -77,14 +78,15 @@ for s in ${@:-build llama qwen}; do
         esac
       done ;;
     forward)
-      CUDA_VISIBLE_DEVICES=0 timeout 300 "${py[@]}" forward --model $mg/llama8b --compile --out "$out/forward-1gpu.json" \
-        > "$out/forward.log" 2>&1 || echo "forward: the one-GPU run failed (exit $?)" >> "$out/forward.log"
+      CUDA_VISIBLE_DEVICES=0 timeout 300 "${py[@]}" forward --model $mg/llama8b --compile ${INDUCTOR:+--inductor $INDUCTOR} \
+        --out "$out/forward-1gpu${INDUCTOR:+-tuned}.json" \
+        > "$out/forward${INDUCTOR:+-tuned}.log" 2>&1 || echo "forward: the one-GPU run failed (exit $?)" >> "$out/forward${INDUCTOR:+-tuned}.log"
       for os in ${ONE_SHOT:-push auto off}; do  # push all-reduces, one-shot ones where they work, NCCL only
         timeout 240 torchrun --standalone --nproc-per-node 2 scripts/device/multigpu.py forward --model $mg/llama8b \
-          --compile --one-shot $os --out "$out/forward-tp2-$os.json" >> "$out/forward.log" 2>&1 \
-          || echo "forward: the TP=2 run (one-shot $os) exited $?" >> "$out/forward.log"
+          --compile --one-shot $os ${INDUCTOR:+--inductor $INDUCTOR} --out "$out/forward-tp2-$os${INDUCTOR:+-tuned}.json" >> "$out/forward${INDUCTOR:+-tuned}.log" 2>&1 \
+          || echo "forward: the TP=2 run (one-shot $os) exited $?" >> "$out/forward${INDUCTOR:+-tuned}.log"
       done
-      grep -E "nodes|failed" "$out/forward.log" ;;
+      grep -E "nodes|failed" "$out/forward${INDUCTOR:+-tuned}.log" ;;
     tp-bf16)
       tag=tp-bf16${TP_ALLREDUCE:+-$TP_ALLREDUCE}${DECODE_CHUNK:+-chunk$DECODE_CHUNK}
       pair $tag --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 --trace "$out/$tag-trace.txt" \
