@@ -570,8 +570,8 @@ class EagleRun:
         seed_prompts, self_prompts: the target first writes ``self_prompts`` new prompts in the
             style of the seed prompts (a prompt file) and answers them too (sampled at
             ``self_prompt_temperature``); MBPP then only with ``data``.
-        mix, mix_per_kind: ``"general"``: MBPP plus ``mix_per_kind`` prompts per kind written from
-            the built-in general seeds (``training.sources``; None: its default).
+        mix, mix_per_kind: ``"general"`` / ``"contest"``: MBPP plus ``mix_per_kind`` prompts per kind
+            written from the mix's built-in seeds (``training.sources.MIXES``; None: its default).
         max_new_tokens, gen_batch_size, temperature: the self-distillation's answer length,
             prompts per ``generate`` batch, sampling temperature (0 = greedy).
         answers_per_prompt: answers per training prompt: the first at ``temperature``, each further

@@ -21,6 +21,12 @@
   question -- and none taken from Spec-Bench or any other dataset): N writing requests per kind
   (:data:`DEFAULT_PER_KIND` by default), so that a drafter trained on it serves chat as well as
   code. Not combined with ``--seed-prompts``.
+* **The contest mix** (``--mix contest``): MBPP plus programs reading standard input, as contest
+  problems state them, written by the target from the built-in seeds of
+  ``training/data/contest_seeds.jsonl`` (:data:`CONTEST_SEEDS`: 24 short problem statements with
+  input and output formats and an example, written for this package, none taken from APPS or any
+  other dataset); one kind, :data:`CONTEST_PER_KIND` requests by default. MBPP's tasks are one
+  sentence long and its answers short functions; this serves longer statements and whole programs.
 
 MBPP is used when ``--data`` or ``--mix`` is given or when neither ``--prompts`` nor ``--seed-prompts``
 is; ``--data mbpp.jsonl --seed-prompts FILE --self-prompts N`` trains on both. Held out for the accuracy
@@ -40,7 +46,7 @@ from eval.datasets import ChatProblem, load_mbpp, load_prompt_file
 from training.distill import distill_cached, encode_messages, encode_prompt, prompts_digest, styled_prompts
 from training.exercises import prompt_request, seed_choices, select_prompts
 
-__all__ = ["DEFAULT_HELDOUT", "DEFAULT_PER_KIND", "GENERAL_SEEDS", "MIXES", "SELF_PROMPT_TOKENS", "Sources",
+__all__ = ["CONTEST_PER_KIND", "CONTEST_SEEDS", "DEFAULT_HELDOUT", "DEFAULT_PER_KIND", "GENERAL_SEEDS", "MIXES", "SELF_PROMPT_TOKENS", "Sources",
            "TrainPrompts", "check_source_fields", "mix_per_kind", "read_sources", "source_record",
            "training_prompts"]  # fmt: skip
 
@@ -48,17 +54,20 @@ __all__ = ["DEFAULT_HELDOUT", "DEFAULT_PER_KIND", "GENERAL_SEEDS", "MIXES", "SEL
 DEFAULT_HELDOUT = 48
 #: New-token limit of a self-written prompt (an answer cut there is dropped as unfinished).
 SELF_PROMPT_TOKENS = 256
-#: The built-in training mixes (``--mix``): ``general`` = MBPP + prompts written from :data:`GENERAL_SEEDS`.
-MIXES = ("general",)
 #: The general mix's seed prompts: a prompt file, one ``category`` per kind of task.
 GENERAL_SEEDS = Path(__file__).resolve().parent / "data" / "general_seeds.jsonl"
-#: Writing requests per kind of the general mix by default. Sizing (Qwen2.5-Coder-1.5B, bf16, one
-#: H100; an estimate, not yet measured): 80 x 13 kinds = 1040 requests of <= 256 new tokens, then
-#: answers of ``--max-new-tokens`` to the kept ones: ~2000 generations beside MBPP's 974, about 2-3
-#: minutes at the ~20 generations a second measured for train-eagle's data (docs/RESULTS.md, "The
-#: head, from nothing, in one command": ~4800 in 247 s), which keeps the whole run (~4-6 minutes
-#: with MBPP alone) under 10 minutes; the optimization's 1500 steps do not grow with the data.
+#: The contest mix's seed prompts: one ``category`` ("contest"), programs reading standard input.
+CONTEST_SEEDS = Path(__file__).resolve().parent / "data" / "contest_seeds.jsonl"
+#: Writing requests of the contest mix's one kind by default (as many as the general mix's 80 x 13).
+CONTEST_PER_KIND = 960
+#: Writing requests per kind of the general mix by default: 80 x 13 kinds = 1040 requests of <= 256
+#: new tokens, then answers of ``--max-new-tokens`` to the kept ones. Measured (Qwen2.5-Coder-1.5B,
+#: bf16, one H200, MBPP's answers cached): the data in 162 s, the whole run 428 s with a 270-s training
+#: budget (docs/RESULTS.md, "The push all-reduce at 1.40× on 2 GPUs ...").
 DEFAULT_PER_KIND = 80
+#: The built-in training mixes (``--mix``): MBPP plus prompts the target writes from a seed file,
+#: as (seed file, writing requests per kind by default).
+MIXES = {"general": (GENERAL_SEEDS, DEFAULT_PER_KIND), "contest": (CONTEST_SEEDS, CONTEST_PER_KIND)}
 
 
 def check_source_fields(run: Any) -> None:
@@ -75,7 +84,7 @@ def check_source_fields(run: Any) -> None:
         raise ValueError(f"--mix-per-kind: expected --mix too (requests per kind of a mix), got --mix-per-kind {k} "
                          "without --mix")  # fmt: skip
     if run.mix is not None and (run.seed_prompts is not None or n):
-        raise ValueError(f"--mix: the {run.mix} mix writes its prompts from its own seeds ({GENERAL_SEEDS.name}; "
+        raise ValueError(f"--mix: the {run.mix} mix writes its prompts from its own seeds ({MIXES[run.mix][0].name}; "
                          "--mix-per-kind sets how many); expected --mix or --seed-prompts FILE --self-prompts N, "
                          f"got --mix {run.mix} with --seed-prompts {run.seed_prompts!r} and --self-prompts "
                          f"{n}")  # fmt: skip
@@ -94,7 +103,7 @@ def mix_per_kind(run: Any) -> int | None:
     """Writing requests per kind of the run's mix (None without ``--mix``)."""
     if run.mix is None:
         return None
-    return DEFAULT_PER_KIND if run.mix_per_kind is None else run.mix_per_kind
+    return MIXES[run.mix][1] if run.mix_per_kind is None else run.mix_per_kind
 
 
 def uses_mbpp(run: Any) -> bool:
@@ -126,7 +135,7 @@ def read_sources(run: Any) -> Sources:
     rows = load_mbpp(run.data)[: run.num_prompts] if uses_mbpp(run) else []
     problems = load_prompt_file(run.prompts, limit=run.num_prompts) if run.prompts is not None else []
     if run.mix is not None:
-        seeds = load_prompt_file(GENERAL_SEEDS)
+        seeds = load_prompt_file(MIXES[run.mix][0])
         writes = mix_per_kind(run) * len({s.category for s in seeds})
     else:
         seeds = load_prompt_file(run.seed_prompts) if run.seed_prompts is not None else []

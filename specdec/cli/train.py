@@ -27,7 +27,7 @@ def _run_fields(ns: argparse.Namespace) -> dict:
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     """``--prompts``, ``--seed-prompts``, ``--self-prompts``, ``--self-prompt-temperature``, ``--mix``,
     ``--mix-per-kind`` and ``--heldout`` (shared by both commands; ``training.sources``)."""
-    from training.sources import DEFAULT_PER_KIND, MIXES
+    from training.sources import MIXES
 
     parser.add_argument("--prompts", type=cliargs.existing_path, default=None, metavar="FILE",
                         help="train on your own prompts: JSONL of {\"prompt\": ...} or {\"messages\": [...]} (a chat: "
@@ -41,13 +41,15 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how many prompts the target writes from --seed-prompts")
     parser.add_argument("--self-prompt-temperature", type=cliargs.float_in(0.0, low_open=True), default=0.8,
                         help="sampling temperature of the prompt writing")
-    parser.add_argument("--mix", choices=MIXES, default=None,
-                        help="a built-in training mix: general = MBPP plus prompts the target writes (as with "
-                             "--seed-prompts) from the package's own seed prompts of each Spec-Bench kind of task "
+    parser.add_argument("--mix", choices=tuple(MIXES), default=None,
+                        help="a built-in training mix: MBPP plus prompts the target writes (as with --seed-prompts) "
+                             "from the package's own seed prompts: general = of each Spec-Bench kind of task "
                              "(writing, roleplay, reasoning, math, coding, extraction, stem, humanities, translation, "
-                             "summarization, qa, math_reasoning, rag), so the drafter serves chat as well as code")
+                             "summarization, qa, math_reasoning, rag), so the drafter serves chat as well as code; "
+                             "contest = programs reading standard input, stated as contest problems")
+    defaults = ", ".join(f"{n} for {name}" for name, (_, n) in MIXES.items())
     parser.add_argument("--mix-per-kind", type=cliargs.int_at_least(1), default=None, metavar="N",
-                        help=f"writing requests per kind of --mix (default {DEFAULT_PER_KIND})")
+                        help=f"writing requests per kind of --mix (default {defaults})")
     parser.add_argument("--heldout", type=cliargs.int_at_least(0), default=None,
                         help="held out for the accuracy report: the last N MBPP problems (when MBPP is used), else the "
                              "last N prompts; default 48, at most a fifth of them")

@@ -98,6 +98,23 @@ def test_the_mix_reads_mbpp_and_the_seeds_and_asks_the_default_per_kind(tmp_path
     assert sources.mix_per_kind(EagleRun(out=str(tmp_path))) is None
 
 
+def test_the_contest_seeds_state_stdin_programs_of_one_kind(tmp_path):
+    seeds = load_prompt_file(sources.CONTEST_SEEDS)
+    assert len(seeds) == 24 and {s.category for s in seeds} == {"contest"}
+    texts = [s.last_user() for s in seeds]
+    assert len(set(texts)) == len(texts)
+    # each states its input and output and shows an example, and asks for a program on standard input
+    assert all("Input:" in t and "Output:" in t and "Example" in t and "standard input" in t for t in texts)
+    assert all(len(t) < 900 for t in texts)  # short enough to be imitated within SELF_PROMPT_TOKENS
+    data = tmp_path / "mbpp.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Task {i}.", "test_list": []}) + "\n" for i in range(10)))
+    run = EagleRun(out=str(tmp_path), data=str(data), mix="contest")
+    got = sources.read_sources(run)
+    assert len(got.rows) == 10 and [s.last_user() for s in got.seeds] == texts
+    assert sources.mix_per_kind(run) == sources.CONTEST_PER_KIND and got.writes == sources.CONTEST_PER_KIND
+    assert sources.read_sources(EagleRun(out=str(tmp_path), data=str(data), mix="contest", mix_per_kind=5)).writes == 5
+
+
 def test_the_cli_parses_the_mix_into_the_run(monkeypatch, tmp_path):
     runs = []
     monkeypatch.setattr("training.eagle.run_eagle", runs.append)
@@ -134,7 +151,7 @@ def test_bad_mix_flags_are_one_line_errors(tmp_path, capsys, extra, message):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"mix": "code"}, "mix: expected None or one of general, got 'code'"),
+    ({"mix": "code"}, "mix: expected None or one of general, contest, got 'code'"),
     ({"mix": "general", "mix_per_kind": 0}, "mix_per_kind: expected None or an int >= 1, got 0"),
     ({"mix": "general", "mix_per_kind": True}, "mix_per_kind: expected None or an int >= 1, got True"),
     ({"mix_per_kind": 5}, "--mix-per-kind: expected --mix too"),
