@@ -282,15 +282,16 @@ class DecodeLoop:
                 self._keep_hidden(run, b, rows, append=contexts[b] is None)
         return appended, paths
 
-    def _keep_hidden(self, run: Run, b: int, rows: torch.Tensor, append: bool) -> None:
+    def _keep_hidden(self, run: Run, b: int, rows: torch.Tensor, append: bool, owned: bool = False) -> None:
         """Keep sequence ``b``'s hidden rows ``[m, D]`` of this step's kept tokens (row j: the state that
         predicted its j-th token) as ``run.hidden[b]`` for the drafter's next step, copied where
-        ``rows`` views a forward's output (the next forward overwrites it): ``"last"``: the last row;
-        ``"all"``: the rows, after those not shown yet when ``append`` (no drafter call since; kept as
-        a list of blocks until the drafter is asked, see ``Run.hidden``)."""
+        ``rows`` views a forward's output (the next forward overwrites it) unless ``owned`` (a view of
+        a copy already made): ``"last"``: the last row; ``"all"``: the rows, after those not shown yet
+        when ``append`` (no drafter call since; kept as a list of blocks until the drafter is asked,
+        see ``Run.hidden``)."""
         if self._hidden_mode == HIDDEN_LAST:
             rows = rows[-1:]
-        rows = rows.clone() if rows._base is not None else rows
+        rows = rows.clone() if rows._base is not None and not owned else rows
         before = run.hidden[b]
         if self._hidden_mode != HIDDEN_LAST and append and before is not None:
             run.hidden[b] = [*before, rows] if isinstance(before, list) else [before, rows]
@@ -337,6 +338,7 @@ class DecodeLoop:
             if self.rank_sync is not None:  # every rank drew the same tokens (else all raise)
                 self.rank_sync.check_tokens(rows)
         appended: list[list[int]] = [[] for _ in range(batch)]
+        kept = None if chunk.hidden is None else chunk.hidden.clone()  # one copy for the batch: the chunk rewrites its rows
         with timer("commit"):
             for b, row in enumerate(rows):
                 if not run.done[b]:
@@ -345,8 +347,8 @@ class DecodeLoop:
                         raise ValueError(f"logits: expected target distributions with positive mass, got none (NaN or "
                                          f"all -inf logits) for sequence {b}")  # fmt: skip
                     run.cache.lengths[b] += len(appended[b])  # slots of the root and new[:-1], written by the chunk
-                    if chunk.hidden is not None and appended[b]:
-                        self._keep_hidden(run, b, chunk.hidden[b, : len(appended[b])], append=True)
+                    if kept is not None and appended[b]:
+                        self._keep_hidden(run, b, kept[b, : len(appended[b])], append=True, owned=True)
         _stream(run, appended)
         share = {phase: timer.seconds[phase] / k for phase in ("verify", "commit", "forward")}
         zeros = (0,) * batch
