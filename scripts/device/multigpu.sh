@@ -21,7 +21,9 @@
 #               a profiler table of one call of each (tp-bf16-trace-world{1,2}.txt); TP_ALLREDUCE=push (or
 #               off) for the TP run's small all-reduces (default: one-shot where they work); DECODE_CHUNK=k
 #               plain-decoding steps per replay in both runs (default 8; at TP each chunk checks one token
-#               fingerprint across the ranks: specdec/PERF.md v34).
+#               fingerprint across the ranks: specdec/PERF.md v34); TAG= a suffix of the file names, for
+#               runs under other environment settings (e.g. CUBLASLT_WORKSPACE_SIZE=0: cuBLASLt without a
+#               workspace picks no split-K GEMMs, whose reduce kernels v34 counts at TP widths).
 #   sharded-humaneval, sharded-apps
 #               (c) the evaluation sharded over 2 GPUs (data parallel, `sweep --shard auto` under torchrun,
 #               merged by `--report-only --shards 2`) against one GPU on the same problems: plain decoding
@@ -88,7 +90,7 @@ for s in ${@:-build llama qwen}; do
       done
       grep -E "nodes|failed" "$out/forward${INDUCTOR:+-tuned}.log" ;;
     tp-bf16)
-      tag=tp-bf16${TP_ALLREDUCE:+-$TP_ALLREDUCE}${DECODE_CHUNK:+-chunk$DECODE_CHUNK}
+      tag=tp-bf16${TP_ALLREDUCE:+-$TP_ALLREDUCE}${DECODE_CHUNK:+-chunk$DECODE_CHUNK}${TAG:+-$TAG}
       pair $tag --model $mg/llama8b --dtype bf16 --compile --new 256 --num-prompts 3 --trace "$out/$tag-trace.txt" \
         ${TP_ALLREDUCE:+--one-shot $TP_ALLREDUCE} ${DECODE_CHUNK:+--decode-chunk $DECODE_CHUNK} ;;
     sharded-humaneval|sharded-apps)
