@@ -24,9 +24,9 @@ their drafting seconds beyond ``draft_s(n)`` over their tokens (0.0 while none w
 warm-up, which runs the drafter's own, the decoder's first one is not counted: it may capture or
 compile). No step whose drafter reports a capture in it (``StepStats.capture_s``) counts, as a
 catch-up or as drafting: one capture read as a catch-up cost (a compile of tens of seconds over a
-short prompt) would price every later catch-up out of drafting, and plain steps never correct it. The warm-up also
-times a drafter that reads no hidden states at batch 1: a catch-up on a dummy prompt and each
-positive budget's drafting (``record_catch_up``, ``record_draft``). A ``CostTable``
+short prompt) would price every later catch-up out of drafting, and plain steps never correct it.
+The warm-up also times a drafter that reads no hidden states at batch 1: a catch-up on a dummy
+prompt and each positive budget's drafting (``record_catch_up``, ``record_draft``). A ``CostTable``
 replaces all of this with fixed numbers (tests, or costs measured elsewhere).
 
 **Acceptance** (``RankAcceptance``, kept by the decoder: a call starts from the previous one's
