@@ -7,7 +7,7 @@
 #                                                          then $OUT/bg.tgz: the jobs' logs and outputs
 # Jobs run under setsid (a plain `&` job dies with its call) from a private copy of the tree (/tmp/bg/repo, made by
 # the first start, without .stage/ and docs/runs/), so later calls' copies of the tree never change a running job's
-# files. Job NAME writes its output to /tmp/bg/NAME.log and its files under $OUT=/tmp/bg/out/NAME; its exit status
+# files; a later start copies its call's carried .evaldata/ and .ab/ into it (an earlier call may have carried none). Job NAME writes its output to /tmp/bg/NAME.log and its files under $OUT=/tmp/bg/out/NAME; its exit status
 # goes to /tmp/bg/NAME.done. Logs are tarred as they are, never edited in place (a process appending to a log
 # edited in place writes on into the unlinked file).
 # The 2026-11-28 two-GPU block ran this way: docs/runs/2026-11-28-h200x2-speculation/ (lane*.sh, progress.log).
@@ -19,6 +19,8 @@ case ${1:-} in
     name=${2:?start NAME COMMAND} cmd=${3:?start NAME COMMAND}
     if [ ! -d $bg/repo ]; then
       mkdir -p $bg/repo && tar cf - --exclude=./.stage --exclude=./docs/runs . | tar xf - -C $bg/repo
+    else  # a later call's carried folders (an earlier call may have carried none): the jobs it starts read them
+      for d in .evaldata .ab; do [ -d $d ] && cp -r $d $bg/repo/; done
     fi
     [ -e $bg/$name.log ] && { echo "job $name exists already"; exit 2; }
     mkdir -p $bg/out/$name
