@@ -57,7 +57,8 @@ from drafters.draft_model_loop import ATTENTIONS, DeviceLoop, layer_wise
 from drafters.draft_sampling import SAMPLING_PROPOSALS
 from specdec.drafting import BaseDrafter, DraftContext
 from specdec import hf
-from specdec.graphs import DEFAULT_PREFILL_WIDTH, GraphedForward, GraphedMaskedForward, prefill_chunks, replay_modes
+from specdec.graphs import (DEFAULT_PREFILL_WIDTH, GraphedForward, GraphedMaskedForward, Replayed, prefill_chunks,
+                            replay_modes)
 from specdec.kv import KVCache
 from specdec.sampling import warp_logits
 from specdec.tree import TokenTree
@@ -76,6 +77,12 @@ class _SeqState:
     prefill: GraphedForward | None = None  # the fixed-shape prompt prefill over ``cache`` (``prefill_width``)
     #: device loops over ``cache``, one per (frontier width, children, depth, proposal, sampling transform)
     loops: dict = field(default_factory=dict)
+
+
+def _build_seconds(st: _SeqState) -> float:
+    """The one-time seconds (first runs, captures) of a sequence's fixed-shape forwards so far."""
+    forwards = [st.fwd, st.prefill, *st.loops.values()]
+    return sum(f.build_s for f in forwards if isinstance(f, Replayed))
 
 
 class DraftModelDrafter(BaseDrafter):
@@ -184,6 +191,9 @@ class DraftModelDrafter(BaseDrafter):
         #: rows of the fixed-shape draft forward: a frontier, or a catch-up chain of up to depth + 1 tokens
         self.static_width = max(topk, depth + 1)
         self._states: dict[int, _SeqState] = {}
+        #: seconds its proposals spent on first runs and captures of its forwards (the ``Drafter``
+        #: protocol's running total: the budget rule leaves those steps out of its costs)
+        self.captured_s = 0.0
         #: the least capacity of a new draft cache (``warmup`` raises it to what its requests need)
         self._min_cache = 256
         self.device_loop = device_loop
@@ -244,6 +254,15 @@ class DraftModelDrafter(BaseDrafter):
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
+        st = self._states.get(context.seq)
+        before = 0.0 if st is None else _build_seconds(st)
+        try:
+            return self._propose(context)
+        finally:  # the Drafter protocol's running total of captures (and their compiles) inside proposals
+            st = self._states.get(context.seq)
+            self.captured_s += max(0.0, (0.0 if st is None else _build_seconds(st)) - before)
+
+    def _propose(self, context: DraftContext) -> TokenTree:
         tokens = context.tokens.tolist()
         root = tokens[-1]
         budget = context.tree_size if self.tree_size is None else min(self.tree_size, context.tree_size)

@@ -117,8 +117,8 @@ class Drafter(Protocol):
     method takes it, are the positive budgets its proposals will get.
 
     ``captured_s`` (optional, default 0.0): the running total of seconds its proposals spent on
-    one-time work (CUDA-graph captures and the compiles inside them, e.g. for a prompt length not
-    seen before). The engine reports each step's share (``StepStats.capture_s``, ``captured_seconds``)
+    one-time work (first runs and CUDA-graph captures of fixed-shape forwards, with the compiles
+    inside them, e.g. for a prompt length not seen before; EagleDrafter and DraftModelDrafter keep it). The engine reports each step's share (``StepStats.capture_s``, ``captured_seconds``)
     and the budget rule of ``tree_size="auto"`` does not take such a step's drafting time for the
     drafter's steady cost.
     """

@@ -318,6 +318,12 @@ class Replayed:
     def captured(self) -> bool:
         return self.graph is not None
 
+    @property
+    def build_s(self) -> float:
+        """Seconds of this forward's one-time work so far: its first run (a compile, kernel loads) and
+        its capture; 0.0 before its first run."""
+        return (self.first_run_s or 0.0) + (self.capture_s or 0.0)
+
     def _capture(self) -> None:
         """Warm up (a first forward, then ``warmup`` more on a side stream), then record ``_body`` as
         a CUDA graph.

@@ -29,9 +29,10 @@ class StepStats:
             end: the target forward itself.
         budget: the step's node budget per sequence: the decoder's ``tree_size``, or with
             ``tree_size="auto"`` the one chosen for the step (0: plain decoding, no drafter call).
-        capture_s: the part of ``draft_s`` the drafter spent on one-time work (CUDA-graph captures
-            and their compiles) by its own account (``Drafter.captured_s``); 0.0 for drafters that
-            keep none. The budget rule leaves such steps out of its cost estimates.
+        capture_s: the part of ``draft_s`` the drafter spent on one-time work (first runs and
+            CUDA-graph captures of its fixed-shape forwards, their compiles) by its own account
+            (``Drafter.captured_s``); 0.0 for drafters that keep none. The budget rule leaves such
+            steps out of its cost estimates.
 
     Timing: by default (``SpecDecoder(profile=False)``) the phases are host wall time, with no
     device synchronize: device work still queued when a phase ends is counted in the phase where

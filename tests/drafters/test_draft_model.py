@@ -251,11 +251,17 @@ def test_static_shapes_greedy_equals_target_generate_in_a_batch(family, compile)
         first, steady = (st.loops[key] for key in sorted(st.loops, key=lambda key: key[-1]))
         assert first.chain == 0 and first.calls == 1 and steady.chain == 5 and steady.calls > 3
         assert st.fwd is None
+    # the loops' first runs are the drafter's one-time work, and the steps that made them say so
+    made = sum(f.build_s for st in drafter._states.values() for f in st.loops.values())
+    assert drafter.captured_s == pytest.approx(made) and made > 0
+    assert sum(s.capture_s for s in out.steps) == pytest.approx(made)
+    assert sum(s.capture_s > 0 for s in out.steps) <= 2 * len(prompts)  # a first and a steady loop per sequence
     # a new generate call reuses each sequence's loops (no new CUDA-graph capture)
     loops = [dict(st.loops) for st in drafter._states.values()]
     out2 = SpecDecoder(_target(family), drafter, tree_size=24, attn_impl="torch").generate(prompts, NEW)
     assert out2.sequences.tolist() == out.sequences.tolist()
     assert [st.loops for st in drafter._states.values()] == loops
+    assert drafter.captured_s == pytest.approx(made) and all(s.capture_s == 0.0 for s in out2.steps)
 
 
 def test_layer_wise_compile_of_the_device_loop_proposes_the_uncompiled_trees(monkeypatch):
