@@ -98,6 +98,7 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
     walls, rows = [], []
     emitted = accepted = row_steps = steps = 0
     prefill_s = capture_s = 0.0
+    phases = {"draft": 0.0, "verify": 0.0, "commit": 0.0}  # summed StepStats seconds of the timed calls
     reason = None
     for idx in groups:
         wall, (tokens, out) = setup.timer(lambda: gen(idx, new))
@@ -107,6 +108,8 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
             steps += len(out.steps)
             prefill_s += out.prefill_s
             capture_s += sum(s.capture_s for s in out.steps)
+            for phase in phases:
+                phases[phase] += sum(getattr(s, f"{phase}_s") for s in out.steps)
             if out.budget is not None:
                 reason = out.budget.reason
                 for n, k in out.budget.histogram.items():
@@ -138,6 +141,8 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
         "accepted_per_step": accepted / row_steps if row_steps else None,
         "steps": steps if not hf_static else None,
         "step_ms": 1e3 * (wall - prefill_s) / steps if steps else None,
+        # a step's phases (host wall time, no device sync: device work lands where the host next waits)
+        **{f"{phase}_ms": 1e3 * v / steps if steps else None for phase, v in phases.items()},
         "warmup_s": warm_s,
         "budget_steps": {str(n): k for n, k in sorted(budgets.items())} if budgets else None,
         "budget_reason": reason,  # tree_size "auto": the last call's last decision
