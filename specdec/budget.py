@@ -22,9 +22,13 @@ shown -- the whole prompt at a call's first drafting, the tokens of the plain st
 drafting -- besides a step's own drafting: per token, the lower median over the recent catch-ups of
 their drafting seconds beyond ``draft_s(n)`` over their tokens (0.0 while none was seen; without a
 warm-up, which runs the drafter's own, the decoder's first one is not counted: it may capture or
-compile). No step whose drafter reports a capture in it (``StepStats.capture_s``) counts, as a
-catch-up or as drafting: one capture read as a catch-up cost (a compile of tens of seconds over a
-short prompt) would price every later catch-up out of drafting, and plain steps never correct it.
+compile). No step with one-time work in it (``StepStats.capture_s``) counts: as a catch-up or as
+drafting where the drafter captured, as a step where a plain chunk did. One capture read as a catch-up cost (a
+compile of tens of seconds over a short prompt) would price every later catch-up out of drafting, and
+plain steps never correct it. A budget's cost is only measured while it runs, so an estimate the rule
+stopped choosing stays as it was; measured target-side costs are therefore read as non-decreasing in
+the budget (a budget's is at most any larger one's: a forward over more nodes is never cheaper), so
+that a stale estimate of plain decoding cannot exceed a drafted step's.
 The warm-up also times a drafter that reads no hidden states at batch 1: a catch-up on a dummy
 prompt and each positive budget's drafting (``record_catch_up``, ``record_draft``). A ``CostTable``
 replaces all of this with fixed numbers (tests, or costs measured elsewhere).
@@ -346,8 +350,10 @@ class StepCosts:
         """One step at ``budget`` of ``batch`` sequences over a cache of ``capacity`` slots: ``step_s``
         seconds for the target's side, ``draft_s`` for ``asked`` sequences' drafting, which first caught
         the drafter up on ``behind`` tokens it was not shown (0: only the previous step's); ``captured``:
-        the drafter spent part of ``draft_s`` capturing or compiling (``StepStats.capture_s``), so the
-        drafting is not counted."""
+        the step held one-time work (``StepStats.capture_s``): at a positive budget the drafter's (its
+        drafting is not counted), at budget 0 a plain chunk's capture (the step is not counted)."""
+        if captured and budget == 0:
+            return
         if ("step", batch, budget) in self._seen:
             self._steps[(batch, budget)] = _average(self._steps.get((batch, budget)), step_s)
             warm = self._warm(batch, capacity, budget)
@@ -512,10 +518,13 @@ class BudgetPolicy:
         of ``capacity`` slots per sequence."""
         per_seq = [self.acceptance.expected_tokens(n) for n in self.budgets]
         tokens = tuple(active * e for e in per_seq)
-        seconds = []
-        for n in self.budgets:
-            step = self.costs.step_s(batch, capacity, n)
-            seconds.append(None if step is None else step + self.costs.draft_s(active, n))
+        steps = [self.costs.step_s(batch, capacity, n) for n in self.budgets]
+        if self.costs.fixed is None:  # measured: no budget's target side costs more than a larger budget's
+            low = None
+            for i in reversed(range(len(steps))):
+                if steps[i] is not None:
+                    low = steps[i] = steps[i] if low is None else min(low, steps[i])
+        seconds = [None if step is None else step + self.costs.draft_s(active, n) for n, step in zip(self.budgets, steps)]
         catch_up = self.costs.catch_up_s(sum(k for k, left in zip(self._behind, self._left) if left > 0))
         left = max(self._left, default=0)
         unknown = [n for n, s in zip(self.budgets, seconds) if s is None]

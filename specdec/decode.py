@@ -329,6 +329,7 @@ class DecodeLoop:
         split evenly (a step emits one token per sequence still going at it)."""
         timer = self._phase_timer()
         batch, k = len(run.lens), chunk.steps
+        new_graph = chunk.graph is None and chunk.forward.capture  # captured by this run (one-time work)
         with timer("verify"):
             with timer("forward"):
                 ids = run.seqs.numpy()  # a view, for reading host ints
@@ -352,6 +353,8 @@ class DecodeLoop:
         _stream(run, appended)
         share = {phase: timer.seconds[phase] / k for phase in ("verify", "commit", "forward")}
         zeros = (0,) * batch
+        capture = (chunk.capture_s or 0.0) / k if new_graph else 0.0
         return [StepStats(nodes_proposed=zeros, tokens_accepted=zeros,
                           tokens_emitted=tuple(int(j < len(new)) for new in appended), draft_s=0.0, verify_s=share["verify"],
-                          commit_s=share["commit"], forward_s=share["forward"], budget=0) for j in range(k)]  # fmt: skip
+                          commit_s=share["commit"], forward_s=share["forward"], budget=0, capture_s=capture)
+                for j in range(k)]  # fmt: skip

@@ -29,10 +29,11 @@ class StepStats:
             end: the target forward itself.
         budget: the step's node budget per sequence: the decoder's ``tree_size``, or with
             ``tree_size="auto"`` the one chosen for the step (0: plain decoding, no drafter call).
-        capture_s: the part of ``draft_s`` the drafter spent on one-time work (first runs and
-            CUDA-graph captures of its fixed-shape forwards, their compiles) by its own account
-            (``Drafter.captured_s``); 0.0 for drafters that keep none. The budget rule leaves such
-            steps out of its cost estimates.
+        capture_s: seconds of one-time work inside the step: the part of ``draft_s`` the drafter
+            spent on first runs and CUDA-graph captures of its fixed-shape forwards (their compiles)
+            by its own account (``Drafter.captured_s``; 0.0 for drafters that keep none), or a plain
+            chunk's share of its capture (``DecodeChunk.capture_s``, inside ``verify_s``). The budget
+            rule leaves such steps out of its cost estimates.
 
     Timing: by default (``SpecDecoder(profile=False)``) the phases are host wall time, with no
     device synchronize: device work still queued when a phase ends is counted in the phase where

@@ -532,11 +532,33 @@ def test_a_capture_inside_a_step_is_no_catch_up_cost():
     assert out.sequences[0].tolist() == refs[1] and out.steps[0].budget > 0
 
 
+def test_measured_step_costs_do_not_decrease_with_the_budget():
+    """A budget's measured target side is read as at most any larger budget's: an estimate of plain
+    decoding left high by one slow step (and never measured again while drafting wins) cannot make
+    plain decoding look dearer than a drafted step."""
+    config = BudgetConfig(budgets=(0, 4, 16))
+    policy = BudgetPolicy(config, config.candidates(16))
+    for n, s in ((0, 0.010), (4, 0.003), (16, 0.004)):  # plain's stale, above both drafted budgets'
+        policy.costs.record_forward(1, 1024, n, s)
+    for n in (4, 16):
+        policy.costs.record_draft(n, 0.0005)
+    policy.begin([9], 100)
+    decision = policy.decide(1, 1024, 1)
+    assert decision.seconds == pytest.approx((0.003, 0.003 + 0.0005, 0.004 + 0.0005))
+    # fixed costs are taken as given
+    fixed = _policy({0: 0.010, 4: 0.003, 16: 0.004}, {4: 0.0005, 16: 0.0005}, budgets=(0, 4, 16))
+    fixed.begin([9], 100)
+    assert fixed.decide(1, 1024, 1).seconds == pytest.approx((0.010, 0.0035, 0.0045))
+
+
 def test_step_costs_leave_out_captures_and_outlying_catch_ups():
     costs = StepCosts()
     costs.record_forward(1, 1024, 4, 0.3)  # a warm-up: the first catch-up would count
     costs.observe(1, 1024, 4, 0.3, 1, 20.0, 50, captured=True)  # a compile inside: not a cost of drafting
     assert not costs.catch_ups and costs.draft_s(1, 4) == 0.0
+    for _ in range(2):  # nor of a step: a plain chunk's capture shared by its steps
+        costs.observe(1, 1024, 0, 0.9, 0, 0.0, 0, captured=True)
+    assert costs.step_s(1, 1024, 0) is None
     for _ in range(3):
         costs.observe(1, 1024, 4, 0.3, 1, 0.1, 0, captured=True)
     assert costs.draft_s(1, 4) == 0.0

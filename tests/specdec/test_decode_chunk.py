@@ -270,6 +270,12 @@ def test_cuda_captured_chunk_equals_one_step_at_a_time(compile):
     # prompts differ, so the call ran the copy layout's chunk.
     (c,) = [c for key, c in dec._chunks.items() if key[2] == 0]
     assert c.graph is not None and c.calls == 1 + 5
+    assert all(s.capture_s == 0.0 for s in out.steps)  # captured by the warm-up, not in the call
+    # without a warm-up the call's first chunk captures: its steps carry the capture's share (the budget
+    # rule leaves them out), the later ones nothing
+    cold = SpecDecoder(model, None, decode_chunk=8, **kw).generate([p.cuda() for p in prompts], 40, eos_token_id=eos)
+    assert cold.sequences.tolist() == ref.sequences.tolist()
+    assert all(s.capture_s > 0 for s in cold.steps[:8]) and all(s.capture_s == 0.0 for s in cold.steps[8:])
 
 
 @pytest.mark.cuda
