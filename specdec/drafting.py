@@ -118,9 +118,10 @@ class Drafter(Protocol):
 
     ``captured_s`` (optional, default 0.0): the running total of seconds its proposals spent on
     one-time work (first runs and CUDA-graph captures of fixed-shape forwards, with the compiles
-    inside them, e.g. for a prompt length not seen before; EagleDrafter and DraftModelDrafter keep it). The engine reports each step's share (``StepStats.capture_s``, ``captured_seconds``)
-    and the budget rule of ``tree_size="auto"`` does not take such a step's drafting time for the
-    drafter's steady cost.
+    inside them, e.g. for a prompt length not seen before; EagleDrafter and DraftModelDrafter keep
+    it). The engine reports each step's share (``StepStats.capture_s``, ``captured_seconds``) and the
+    budget rule of ``tree_size="auto"`` does not take such a step's drafting time for the drafter's
+    steady cost.
     """
 
     vocab_size: int | None
