@@ -287,7 +287,7 @@ def distill_cached(target, prompts: Sequence[Sequence[int]], cache: str | os.Pat
     generation draws other samples for the rest than an uninterrupted one would (greedy: the same)."""
     cache = Path(cache)
     cached = _read_examples(cache)
-    examples = cached[1] if cached is not None and cached[0] == meta else None
+    examples = _made_with(cached, meta)
     if examples is not None and len(examples) == len(prompts):
         print(f"{desc}: {len(examples)} cached answers from {cache}")
         return examples
@@ -345,10 +345,15 @@ def _read_examples(path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None,
         return head.get("meta"), [Example(tuple(r["ids"]), int(r["prompt_len"])) for r in map(json.loads, f) if r]
 
 
+def _made_with(cached: tuple[dict[str, Any] | None, list[Example]] | None,
+               meta: dict[str, Any]) -> list[Example] | None:  # fmt: skip
+    """A read cache's (``_read_examples``) examples if it was made with ``meta``, else None."""
+    return cached[1] if cached is not None and cached[0] == meta else None
+
+
 def load_examples(path: str | os.PathLike[str], meta: dict[str, Any]) -> list[Example] | None:
     """Examples cached by :func:`save_examples`, or None if absent or made with other settings."""
-    cached = _read_examples(path)
-    return cached[1] if cached is not None and cached[0] == meta else None
+    return _made_with(_read_examples(path), meta)
 
 
 @torch.no_grad()
