@@ -19,10 +19,12 @@ the drafting seconds seen at (sequences asked, n); the nearest budget's at the s
 cost barely depends on n), else another count's scaled per sequence, from the drafting steps that
 were not catching up. ``catch_up_s(k)``: the seconds a drafter needs to take in k tokens it was not
 shown -- the whole prompt at a call's first drafting, the tokens of the plain steps since the last
-drafting -- besides a step's own drafting: per token, the lower median over the recent catch-ups of
-their drafting seconds beyond ``draft_s(n)`` over their tokens (0.0 while none was seen; without a
-warm-up, which runs the drafter's own, the decoder's first one is not counted: it may capture or
-compile). No step with one-time work in it (``StepStats.capture_s``) counts: as a catch-up or as
+drafting -- besides a step's own drafting: a fixed part plus a part per token, fitted robustly to the
+recent catch-ups' drafting seconds beyond ``draft_s(n)`` (``catch_up_fit``; 0.0 while none was seen;
+without a warm-up, which runs the drafter's own, the decoder's first one is not counted: it may capture
+or compile). Not per token alone: catch-ups after a few plain steps are mostly fixed launches, and
+their seconds per token times a 1,000-token prompt priced a probe at ~50x its cost (Spec-Bench, a
+general EAGLE head: one poor first call, then plain decoding for the other 479). No step with one-time work in it (``StepStats.capture_s``) counts: as a catch-up or as
 drafting where the drafter captured, as a step where a plain chunk did. One capture read as a catch-up cost (a
 compile of tens of seconds over a short prompt) would price every later catch-up out of drafting, and
 plain steps never correct it. A budget's cost is only measured while it runs, so an estimate the rule
@@ -95,6 +97,7 @@ __all__ = [
     "StepCosts",
     "best_budget",
     "budget_ladder",
+    "catch_up_fit",
 ]
 
 #: ``tree_size`` value of the per-step budget.
@@ -400,13 +403,35 @@ class StepCosts:
 
     def catch_up_s(self, tokens: int) -> float:
         """Expected seconds of catching the drafter up on ``tokens`` tokens it was not shown, besides a
-        step's own drafting: the recent catch-ups' lower median per token (0.0 while none was counted)."""
+        step's own drafting (0.0 while none was counted): ``fixed + per_token * tokens`` fitted to the
+        recent catch-ups (``catch_up_fit``), and no more than their most seconds where no catch-up of at
+        least twice as many tokens was seen to show how it grows."""
         if self.fixed is not None:
             return float(self.fixed.catch_up_s) * tokens
         if tokens <= 0 or not self.catch_ups:
             return 0.0
-        per_token = sorted(max(s - self.draft_s(a, n), 0.0) / k for a, n, s, k in self.catch_ups)
-        return tokens * per_token[(len(per_token) - 1) // 2]
+        return catch_up_fit([(k, max(s - self.draft_s(a, n), 0.0)) for a, n, s, k in self.catch_ups])(tokens)
+
+
+def _lower_median(values: Sequence[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def catch_up_fit(seen: Sequence[tuple[int, float]]):
+    """The seconds of catching up on k tokens as a function of k, from ``seen`` ``(tokens, seconds)``
+    pairs (each tokens > 0): ``a + b * k`` with robust, non-negative a and b. The slope is the lower
+    median of the slopes between catch-ups at least 2x apart in tokens (Theil-Sen, noise between
+    near-equal counts left out), at most the smallest seconds per token seen (a >= 0 bounds it); a is
+    the lower median of the residuals. Without two catch-ups 2x apart the growth is unknown: below the
+    median count, seconds in proportion to the tokens; above it, the median seconds, not extrapolated
+    (a catch-up is mostly a few fixed launches: 16 tokens in 0.2 ms need not mean 12 ms for 1,000)."""
+    slopes = [(sj - si) / (kj - ki) for ki, si in seen for kj, sj in seen if kj >= 2 * ki]
+    if not slopes:
+        k0, s0 = _lower_median([k for k, _ in seen]), _lower_median([s for _, s in seen])
+        return lambda k: s0 * min(1.0, k / k0)
+    b = min(max(_lower_median(slopes), 0.0), min(s / k for k, s in seen))
+    a = max(_lower_median([s - b * k for k, s in seen]), 0.0)
+    return lambda k: a + b * k
 
 
 def _average(old: float | None, new: float) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-
+import random
 import time
 
 import pytest
@@ -31,6 +31,7 @@ from specdec.budget import (
     StepCosts,
     best_budget,
     budget_ladder,
+    catch_up_fit,
 )
 from specdec.drafting import HIDDEN_ALL, DraftContext
 from specdec.sampling import SamplingConfig
@@ -132,10 +133,12 @@ def test_step_costs_catch_up_per_token():
     assert costs.draft_s(1, 4) == pytest.approx(0.1)
     assert costs.catch_up_s(10) == pytest.approx(10 * 1.2 / 40)  # beyond the step's own drafting
     costs.observe(1, 1024, 4, 0.3, 1, 0.7, 20)
-    assert costs.catch_up_s(10) == pytest.approx(10 * (1.2 / 40 + 0.6 / 20) / 2)  # the recent ones' mean
+    assert costs.catch_up_s(10) == pytest.approx(10 * 0.03)  # 20 and 40 tokens: 0.03 s a token, nothing fixed
+    assert costs.catch_up_s(1000) == pytest.approx(1000 * 0.03)
     for _ in range(20):
         costs.observe(1, 1024, 4, 0.3, 1, 0.1 + 0.001 * 5, 5)
-    assert costs.catch_up_s(10) == pytest.approx(0.01) and len(costs.catch_ups) == 8  # the old ones forgotten
+    assert len(costs.catch_ups) == 8  # the old ones forgotten: only 5-token catch-ups left, how they grow unknown
+    assert costs.catch_up_s(2) == pytest.approx(0.002) and costs.catch_up_s(10) == pytest.approx(0.005)
     warmed = StepCosts()
     warmed.record_forward(1, 1024, 4, 0.3)  # after a warm-up (the drafter's too) the first one counts
     warmed.observe(1, 1024, 4, 0.3, 1, 1.3, 40)
@@ -567,6 +570,55 @@ def test_step_costs_leave_out_captures_and_outlying_catch_ups():
     assert costs.catch_up_s(10) == pytest.approx(10 * 0.5 / 50)  # the lower median, not the mean
     costs.observe(1, 1024, 4, 0.3, 1, 0.6, 50)
     assert costs.catch_up_s(10) == pytest.approx(10 * 0.6 / 50)
+
+
+def test_catch_up_fit_fixed_and_per_token_parts():
+    rng = random.Random(7)
+    fixed, per_token = 2e-4, 4e-7  # launches, then each token (EAGLE's head on an H200)
+    seen = [(k, fixed + per_token * k * rng.uniform(0.9, 1.1)) for k in (16, 17, 16, 33, 500, 18, 1200, 16)]
+    fit = catch_up_fit(seen)
+    for k in (1, 16, 100, 1000, 4000):
+        assert fit(k) == pytest.approx(fixed + per_token * k, rel=0.15)
+    # noise between near-equal counts is no slope: 16-18 tokens in 0.15-0.25 ms, then a 1,000-token prompt
+    near = catch_up_fit([(16, 2.5e-4), (17, 1.5e-4), (18, 2.5e-4), (16, 1.5e-4)])
+    assert near(1000) == pytest.approx(1.5e-4) and near(8) == pytest.approx(0.75e-4)
+    # a drafter that re-reads every token (a draft model's prefill): proportional
+    assert catch_up_fit([(10, 0.1), (40, 0.4), (20, 0.2)])(400) == pytest.approx(4.0)
+    # the slope never exceeds the smallest seconds per token seen (a negative fixed part is impossible)
+    steep = catch_up_fit([(10, 0.01), (20, 0.1), (40, 0.1)])
+    assert steep(100) <= 100 * 0.1 / 40 + 1e-12 and steep(0) >= 0
+
+
+def test_a_poor_call_does_not_lock_the_next_calls_out_of_drafting():
+    """Spec-Bench with a general EAGLE head (2 x H200): the first call (a writing prompt) accepted ~0.9
+    tokens a step, about the break-even of drafting; its catch-ups after plain steps took ~0.2 ms for
+    16 tokens, mostly fixed launches. Read per token, the next call's 1,000-token prompt priced every
+    probe at ~12 ms more, and the other 479 calls never drafted. Now a probe follows probe_every plain
+    steps."""
+    costs = StepCosts()
+    costs.record_forward(1, 2048, 0, 1.9e-3)  # a warm-up of the target
+    costs.record_forward(1, 2048, 64, 2.1e-3)
+    for k in (16, 17, 16, 16, 16):
+        costs.observe(1, 2048, 64, 2.2e-3, 1, 1.65e-3 + 2e-4, k)
+    for _ in range(3):
+        costs.observe(1, 2048, 64, 2.2e-3, 1, 1.65e-3, 0)
+    assert costs.catch_up_s(1000) < 1e-3
+    policy = BudgetPolicy(BudgetConfig(budgets=(0, 64)), (0, 64))
+    policy.costs = costs
+    for k in (1, 1, 0, 1, 1, 0, 1, 1):  # the first call's acceptance: a little below break-even
+        policy.observe_trees([_chain(k, 8)])
+    policy.begin([1000], 128)  # the next call: a 1,000-token prompt the drafter was not shown
+    picked = []
+    for _ in range(40):
+        n = policy.decide(1, 2048, 1).budget
+        picked.append(n)
+        if n:
+            policy.observe_trees([_chain(0, 8)])
+        stats = specdec.StepStats((n,), (0,), (1,), 1.65e-3 if n else 0.0,
+                                  2.2e-3 if n else 1.9e-3, 0.0)  # fmt: skip
+        policy.observe_steps(n, 1, 2048, int(n > 0), [stats])
+    first = picked.index(64)  # a probe once its loss is 2 % of the plain steps' time: about 20 steps
+    assert 16 <= first < 32 and picked[:first] == [0] * first
 
 
 def test_injected_costs_switch_between_plain_and_drafting():
