@@ -40,7 +40,10 @@ step's integer inputs staged once in pinned memory (two host-to-device copies wi
 the scalars, its rows; plus the features' device copy) and one device-to-host copy of the tree or
 the record (the only sync); with CUDA graphs, one replay for the catch-up, the expansion and (on the
 device) the re-rank together; the re-rank picks the nodes the former per-depth host loop's pool and
-``best_first`` picked, so trees are identical to it. ``last_forwards`` / ``last_draft_s`` (and the
+``best_first`` picked, so trees are identical to it. At batch B the engine asks for all sequences at
+once (``propose_batch``): each sequence's expansion is launched with its copy queued behind it before
+the first tree is read, so the host's per-sequence work (catch-up inputs, the re-rank) overlaps the
+device's replays instead of waiting for each. ``last_forwards`` / ``last_draft_s`` (and the
 running ``draft_s`` / ``proposals``) let a benchmark report drafting time per step; ``profile=True``
 splits it into phases (``last_phase_s``, below).
 
@@ -94,7 +97,7 @@ import bisect
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -183,6 +186,17 @@ class _Proposal:
     exp_feat: torch.Tensor  # [E, H] output features of the expanded nodes, index 0 = the root (a reused buffer)
     base: int  # cache slot of expanded node 0 (the root's pair); expanded node e sits at base + e
     root_pos: int  # position of the root
+
+
+@dataclass
+class _Launched:
+    """One sequence's expansion, launched: ``read()`` waits for its host copy and gives the tree, each
+    tree node's expanded index and the ``[E, H]`` expanded features (``EagleDrafter._expand``)."""
+
+    st: "_SeqState"
+    read: Callable[[], "tuple[TokenTree, list[int], torch.Tensor]"]
+    base: int
+    root_pos: int
 
 
 @dataclass
@@ -408,7 +422,7 @@ class EagleDrafter(BaseDrafter):
         self.last_forwards, self.last_capture_s = 0, 0.0
         self._clock = PhaseTimer(device_sync(self.device), start) if self.profile else None
         try:
-            tree = self._propose(context)
+            tree = self._finish(self._launch(context))
             if self._clock is not None:
                 self._clock.mark("host_tree")
                 self.last_phase_s = {p: self._clock.seconds.get(p, 0.0) for p in DRAFT_PHASES}
@@ -418,6 +432,25 @@ class EagleDrafter(BaseDrafter):
         self.draft_s += self.last_draft_s
         self.proposals += 1
         return tree
+
+    @torch.no_grad()
+    def propose_batch(self, contexts: Sequence[DraftContext]) -> list[TokenTree]:
+        """``[propose(c) for c in contexts]`` (the ``Drafter`` protocol's optional method) with one wait
+        for the device, not one per sequence: every sequence's catch-up and expansion is launched,
+        each with its tree's copy to the host queued behind it, before the first tree is read, so a
+        sequence's host work overlaps the device work of those launched before it. ``last_draft_s`` /
+        ``last_forwards`` / ``last_capture_s`` then cover the whole batch. With ``profile`` (phase
+        times per proposal): one at a time."""
+        if self.profile:
+            return [self.propose(c) for c in contexts]
+        start = time.perf_counter()
+        self.last_forwards, self.last_capture_s = 0, 0.0
+        launched = [self._launch(c) for c in contexts]
+        trees = [self._finish(x) for x in launched]
+        self.last_draft_s = time.perf_counter() - start
+        self.draft_s += self.last_draft_s
+        self.proposals += len(contexts)
+        return trees
 
     def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
         """Keep the KV of the accepted path's expanded nodes; keep the last one's output feature."""
@@ -444,7 +477,9 @@ class EagleDrafter(BaseDrafter):
 
     # ------------------------------------------------------------------ internals
 
-    def _propose(self, context: DraftContext) -> TokenTree:
+    def _launch(self, context: DraftContext) -> "TokenTree | _Launched":
+        """Steps 1 and 2 of the module doc for one sequence, up to the expansion's copy to the host
+        (queued, not waited for): a root-only tree where there is nothing to expand."""
         tokens = _host_array(context.tokens)
         n_tok, root = len(tokens), int(tokens[-1])
         root_pos = n_tok - 1
@@ -493,18 +528,25 @@ class EagleDrafter(BaseDrafter):
         st.cache.lengths = [base]
         self._mark("catch_up")
 
-        # 2. expand depth by depth (EAGLE-2) on the device; 3. re-rank: the best `budget` nodes
-        tree, node_exp, exp_feat = self._expand(st, plan, context.sampling, base, root_pos, root_out, root, catch_up,
-                                                budget)  # fmt: skip
-        st.last = _Proposal(tree.n, node_exp, exp_feat, base, root_pos)
+        # 2. expand depth by depth (EAGLE-2) on the device; 3. (the re-rank) when the copy is read
+        read = self._expand(st, plan, context.sampling, base, root_pos, root_out, root, catch_up, budget)
+        return _Launched(st, read, base, root_pos)
+
+    def _finish(self, launched: "TokenTree | _Launched") -> TokenTree:
+        """Step 3 of the module doc once the expansion's copy landed: the tree of the best ``budget``
+        nodes; the proposal is kept for ``update``."""
+        if isinstance(launched, TokenTree):
+            return launched
+        tree, node_exp, exp_feat = launched.read()
+        launched.st.last = _Proposal(tree.n, node_exp, exp_feat, launched.base, launched.root_pos)
         return tree
 
     def _expand(self, st: _SeqState, plan: ExpansionPlan, sampling: SamplingConfig | None, base: int, root_pos: int,
                 root_feat: torch.Tensor | None, root: int, catch_up: "CatchUp | None",
-                budget: int) -> tuple[TokenTree, list[int], torch.Tensor]:  # fmt: skip
-        """Steps 2 and 3 of the module doc (with ``catch_up``: step 1 first, fused): the tree of the
-        best ``budget`` nodes, each tree node's expanded index (-1: never expanded) and the ``[E, H]``
-        expanded features (device).
+                budget: int) -> "Callable[[], tuple[TokenTree, list[int], torch.Tensor]]":  # fmt: skip
+        """Steps 2 and 3 of the module doc (with ``catch_up``: step 1 first, fused), launched; returns
+        ``read``: waits for the host copy and gives the tree of the best ``budget`` nodes, each tree
+        node's expanded index (-1: never expanded) and the ``[E, H]`` expanded features (device).
 
         The loop runs on the device (``Expansion``, a CUDA-graph replay with ``cuda_graphs``); with
         ``rerank="device"`` the re-rank runs after it there (``rerank_record``) and the tree comes back
@@ -519,12 +561,12 @@ class EagleDrafter(BaseDrafter):
         cap = st.cache.capacity
         kv_lens = [cap if self.static_shapes else base + plan.offsets[d] + plan.rows[d] for d in range(1, plan.depth)]
         captured = exp.graph is not None
-        host = exp.run(base, root_pos, root_feat, kv_lens, catch_up, budget)
+        done = exp.launch(base, root_pos, root_feat, kv_lens, catch_up, budget)
         if exp.capture and not captured:
-            self.last_capture_s = exp.capture_s or 0.0
-            self.captured_s += self.last_capture_s
+            self.last_capture_s += exp.capture_s or 0.0
+            self.captured_s += exp.capture_s or 0.0
         self.last_forwards += plan.depth - 1 + int(catch_up is not None)
-        return (*exp.host_tree(host, root, budget), exp.feat)
+        return lambda: (*exp.host_tree(exp.fetch(done), root, budget), exp.feat)
 
     def _mark(self, phase: str) -> None:
         """With ``profile``: the time since the last mark (device synchronized) goes to ``phase``."""

@@ -357,7 +357,7 @@ def rerank_record(plan: ExpansionPlan, index: dict[str, torch.Tensor], record: t
 class Expansion:
     """One plan's expansion over one sequence's head cache, at fixed addresses.
 
-    Inputs, refilled in place every step (``run``): ``scalars`` = (slot of the root's pair ``base``,
+    Inputs, refilled in place every step (``launch``): ``scalars`` = (slot of the root's pair ``base``,
     the root's position, the catch-up's ``keep`` and ``m``, the node budget) and ``feat[0]`` = the
     root's output feature (from the catch-up). Outputs: ``feat [E, H]`` = the output features of the
     ``E = plan.expanded`` expanded nodes (index e at cache slot ``base + e``), ``record`` (see
@@ -407,12 +407,15 @@ class Expansion:
         self.graph = None  # torch.cuda.CUDAGraph once captured
         #: seconds the capture took (warm-up forwards + recording), None before / without it
         self.capture_s: float | None = None
+        self._host: torch.Tensor | None = None  # pinned host copy of the record / ranked tree (GPU)
 
     @torch.no_grad()
-    def run(self, base: int, root_pos: int, root_feat: torch.Tensor | None, kv_lens: Sequence[int],
-            catch_up: "CatchUp | None" = None, budget: int = 0) -> torch.Tensor:  # fmt: skip
-        """Load the step's inputs, expand, return on the host (the step's one sync) the record, or
-        with ``rerank`` the re-ranked tree of ``budget`` nodes (``ranked``; read it with ``host_tree``).
+    def launch(self, base: int, root_pos: int, root_feat: torch.Tensor | None, kv_lens: Sequence[int],
+               catch_up: "CatchUp | None" = None, budget: int = 0) -> "torch.cuda.Event | None":  # fmt: skip
+        """Load the step's inputs and expand; on a GPU queue the copy of the record, or with ``rerank``
+        of the re-ranked tree of ``budget`` nodes (``ranked``), to a pinned host buffer and return an
+        event recorded behind it (None on a CPU). ``fetch`` waits for it: the step's one sync, so
+        several sequences' expansions can be launched before the first is read.
 
         ``kv_lens[d - 1]``: attention reads cache slots ``[0, kv_lens[d - 1])`` at depth d (eager
         only; a captured graph reads the whole capacity). Unfused: ``root_feat`` is the catch-up's
@@ -438,14 +441,31 @@ class Expansion:
         else:
             self._body(kv_lens)
         self.drafter._mark("expand")
-        host = (self.ranked if self.rerank else self.record).cpu()
+        out = self.ranked if self.rerank else self.record
+        if not out.is_cuda:
+            return None
+        if self._host is None:
+            self._host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        self._host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    def fetch(self, done: "torch.cuda.Event | None") -> torch.Tensor:
+        """The host copy ``launch`` queued (it returned ``done``), once it landed; read it with
+        ``host_tree`` before this expansion's next ``launch``."""
+        if done is None:  # on a CPU the same tensor (still the one copy per step the tests count)
+            host = (self.ranked if self.rerank else self.record).cpu()
+        else:
+            done.synchronize()
+            host = self._host
         self.drafter._mark("copy")
         return host
 
     def host_tree(self, host: torch.Tensor, root: int, budget: int) -> tuple[TokenTree, list[int]]:
         """The tree of ``budget`` nodes (``root`` at node 0) and each tree node's expanded index (-1:
-        never expanded) from ``run``'s host copy: ``ExpansionPlan.ranked_tree`` of the device's
-        re-rank (``rerank``; ``budget`` must be ``run``'s), else ``ExpansionPlan.tree`` of the record."""
+        never expanded) from ``fetch``'s host copy: ``ExpansionPlan.ranked_tree`` of the device's
+        re-rank (``rerank``; ``budget`` must be ``launch``'s), else ``ExpansionPlan.tree`` of the record."""
         if self.rerank:
             return self.plan.ranked_tree(host, root, budget)
         return self.plan.tree(host, root, budget)

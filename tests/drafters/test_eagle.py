@@ -278,6 +278,41 @@ def test_greedy_equals_target_generate(family, tree_size, static):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
 
 
+@pytest.mark.parametrize("static,options", [(False, {}), (True, {}), (True, {"rerank": "device"}),
+                                            (True, {"attention": "sdpa"})])
+def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options):
+    """``propose_batch`` launches every sequence's expansion before reading any tree: the same trees,
+    step after step (each update feeding the next catch-up), as ``propose`` per sequence, whose
+    drafter ran the same steps; and the engine's greedy output at batch 3 still equals the target's."""
+    target, head = _target(), _random_head()
+    make = lambda: EagleDrafter(target, head, depth=4, topk=3, static_shapes=static, **options)  # noqa: E731
+    batched, single = make(), make()
+    prompts = [_prompt(9, 0), _prompt(3, 1), _prompt(14, 2)]
+    for d in (batched, single):
+        d.reset([p.clone() for p in prompts])
+    seqs, seen = [p.clone() for p in prompts], [0, 0, 0]
+    for step in range(5):
+        budget = (12, 20, 5, 30, 12)[step]
+        ctxs = []
+        for b, tokens in enumerate(seqs):
+            feats = _features(target, tokens)[seen[b] : len(tokens) - 1]
+            seen[b] = len(tokens) - 1
+            ctxs.append(DraftContext(tokens, budget, b, hidden=feats))
+        got, want = batched.propose_batch(ctxs), [single.propose(c) for c in ctxs]
+        assert batched.proposals == single.proposals == 3 * (step + 1)
+        for b, (g, w) in enumerate(zip(got, want)):
+            assert (g.tokens.tolist(), g.parents.tolist()) == (w.tokens.tolist(), w.parents.tolist())
+            kids = g.children[0]
+            path = (0, kids[(step + b) % len(kids)]) if kids else (0,)
+            bonus = (step * 31 + b * 7 + 5) % VOCAB
+            for d in (batched, single):
+                d.update(ctxs[b], g, Verdict(path, bonus))
+            seqs[b] = torch.cat([seqs[b], torch.tensor(g.path_tokens(list(path[1:])) + [bonus])])
+    out = SpecDecoder(target, make(), tree_size=16, attn_impl="torch").generate(prompts, 20)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 20)
+
+
 @pytest.mark.parametrize("family,tree_size", [("qwen2", 8), ("llama", 40)])
 def test_greedy_equals_target_generate_with_the_device_re_rank(family, tree_size):
     """``rerank="device"`` through the engine (static shapes): the target's own greedy output."""
@@ -637,7 +672,8 @@ class _HostLoopDrafter(EagleDrafter):
             self.last_forwards += 1
             exp_feat.extend(out.unbind(0))
             logits = self.parts.logits(out)
-        return (*_pool_tree(pool, budget), torch.stack(exp_feat))
+        drawn = (*_pool_tree(pool, budget), torch.stack(exp_feat))
+        return lambda: drawn  # the drafter's read of a launched expansion
 
 
 def _pool_tree(pool: NodePool, budget: int) -> tuple:
