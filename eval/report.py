@@ -20,8 +20,9 @@ baselines (no drafter, no tree size) are shared by every drafter's rows:
   None for records made before it was kept), ``gc_full``: full collections per call;
 * ``speedup_vs_<base>``: tokens/s over the base method's tokens/s, both on the problems the two
   have in common (bases: ``hf``, ``hf-static``, ``hf-assisted``, ``specdec-plain``: the engine
-  without a drafter, what speculation itself adds); ``steady_speedup_vs_hf_static``:
-  the same over the problems where neither call was a first call or a stall;
+  without a drafter, what speculation itself adds); ``steady_speedup_vs_hf_static`` /
+  ``steady_speedup_vs_specdec_plain``: the same over the problems where neither call was a first
+  call or a stall;
   ``same_run_speedup_vs_hf_static``: the same ratio with HF static's time on each problem scaled to
   the speed of the process that ran the row's call, measured by that process's calibration records
   (``EvalConfig.calibrate``: HF static timed again there on a few problems); None unless every call
@@ -83,7 +84,7 @@ COLUMNS = (
     "load_s", "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps",
     "ttft_p50_ms", "ttft_p90_ms", "gc_ms", "gc_full", "steps", "tau", "accepted_per_step", "mean_nodes",
     "mean_depth", "verify_ms", "draft_ms", "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES),
-    "steady_speedup_vs_hf_static", "same_run_speedup_vs_hf_static", "compared", "matches", "match_rate",
+    "steady_speedup_vs_hf_static", "steady_speedup_vs_specdec_plain", "same_run_speedup_vs_hf_static", "compared", "matches", "match_rate",
     "mean_first_divergence", "checked",
     "pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_reference", "pass_at_1_diff", "pass_at_1_diff_low",
     "pass_at_1_diff_high", "pass_at_10", "pass_at_10_low", "pass_at_10_high", "pass_at_10_diff",
@@ -201,13 +202,14 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
         if t is not None and attn_rows:
             _add_attention(row, [a for a in attn_rows if a.get("tree_size") == t])
         rows.append(row)
-    base = next((r for r in rows if (r["method"], r["drafter_key"], r["tree_size"]) == ("hf-static", None, None)), None)
-    for row in rows:
-        if base is not None and row.get("_steady") is not None and base.get("_steady") is not None:
-            common = row["_steady"] & base["_steady"]
-            mine, theirs = ok.get(_key_of(row), {}), ok.get(("hf-static", None, None), {})
-            row["steady_speedup_vs_hf_static"] = _speedup({p: mine[p] for p in common},
-                                                          {p: theirs[p] for p in common})  # fmt: skip
+    for name in ("hf-static", "specdec-plain"):
+        base = next((r for r in rows if (r["method"], r["drafter_key"], r["tree_size"]) == (name, None, None)), None)
+        for row in rows:
+            if base is not None and row.get("_steady") is not None and base.get("_steady") is not None:
+                common = row["_steady"] & base["_steady"]
+                mine, theirs = ok.get(_key_of(row), {}), ok.get((name, None, None), {})
+                row[f"steady_speedup_vs_{name.replace('-', '_')}"] = _speedup({p: mine[p] for p in common},
+                                                                              {p: theirs[p] for p in common})  # fmt: skip
     static = ok.get(("hf-static", None, None), {})
     scales = _run_scales(static, calibration)
     for row in rows:
@@ -357,6 +359,7 @@ _TABLE = (  # (header, field, format)
     ("vs hf-static", "speedup_vs_hf_static", "x"), ("steady vs hf-static", "steady_speedup_vs_hf_static", "x"),
     ("vs hf-static same process", "same_run_speedup_vs_hf_static", "x"),
     ("vs assisted", "speedup_vs_hf_assisted", "x"), ("vs specdec-plain", "speedup_vs_specdec_plain", "x"),
+    ("steady vs specdec-plain", "steady_speedup_vs_specdec_plain", "x"),
     ("stalls", "stalls", "d"), ("stall s", "stall_s", ".2f"),
     ("first call s", "first_call_s", ".2f"), ("itl p50 ms", "itl_p50_ms", ".2f"), ("itl p90 ms", "itl_p90_ms", ".2f"),
     ("itl p99 ms", "itl_p99_ms", ".2f"), ("ttft p50 ms", "ttft_p50_ms", ".1f"), ("gc ms/call", "gc_ms", ".2f"),
@@ -404,7 +407,8 @@ def _cell(row: Mapping[str, Any], field: str, spec: str) -> str:
 _CATEGORY_TABLE = (
     ("category", "category", "s"), ("method", "method", "s"), ("drafter", "drafter", "s"), ("t", "tree_size", "t"),
     ("problems", "problems", "d"), ("tau", "tau", ".2f"), ("tok/s", "tokens_per_s", ".1f"),
-    ("vs specdec-plain", "speedup_vs_specdec_plain", "x"), ("vs hf-static", "speedup_vs_hf_static", "x"),
+    ("steady tok/s", "steady_tokens_per_s", ".1f"), ("vs specdec-plain", "speedup_vs_specdec_plain", "x"),
+    ("steady vs specdec-plain", "steady_speedup_vs_specdec_plain", "x"), ("vs hf-static", "speedup_vs_hf_static", "x"),
     ("stalls", "stalls", "d"), ("errors", "errors", "d"),
 )  # fmt: skip
 #: The category of the rows over every record (``category_rows``).
@@ -429,8 +433,9 @@ def category_rows(records: Iterable[Mapping[str, Any]], field: str = "difficulty
 
 
 def format_category_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A Markdown table of :func:`category_rows`: per category and row, tau, tokens/s, the speedups
-    over ``specdec-plain`` and HF static, stalls (columns without a value in any row left out)."""
+    """A Markdown table of :func:`category_rows`: per category and row, tau, tokens/s (all calls and
+    steady state), the speedups over ``specdec-plain`` (all calls and steady state) and HF static,
+    stalls (columns without a value in any row left out)."""
     cols = [c for c in _CATEGORY_TABLE
             if c[1] in ("category", "method", "tree_size") or any(r.get(c[1]) not in (None,) for r in rows)]  # fmt: skip
     head = "| " + " | ".join(name for name, _, _ in cols) + " |"

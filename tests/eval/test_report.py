@@ -263,3 +263,21 @@ def test_same_run_speedup_scales_hf_static_to_the_process_that_ran_the_row():
     assert by[("hf-static", None)]["same_run_speedup_vs_hf_static"] is None
     table = _cells(report.format_table(rows))
     assert [c["vs hf-static same process"] for c in table] == ["-", "4.00x", "4.00x", "-"]
+
+
+def test_steady_speedup_over_specdec_plain_leaves_a_stalled_call_out():
+    """A compile inside one timed call of ``auto`` (Spec-Bench, a general head: 1.98 s for a 0.25-s
+    call) is a stall: the speedup over all calls counts it, the steady one does not."""
+    recs = []
+    for p in "12345":
+        recs.append(_rec(p, "specdec-plain", wall=1.0))
+        recs.append(_rec(p, "specdec", "auto", wall=10.0 if p == "1" else 0.5, num_steps=5, drafter="e:x=1",
+                         drafter_label="e", steps=_steps([2] * 5, [1] * 5, [2] * 5, [4] * 5)))  # fmt: skip
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    auto = rows["specdec"]
+    assert auto["stalls"] == 1 and auto["stall_problems"] == ["1"]
+    assert auto["speedup_vs_specdec_plain"] == pytest.approx((50 / 12.0) / (50 / 5.0))
+    assert auto["steady_speedup_vs_specdec_plain"] == pytest.approx(2.0)
+    assert rows["specdec-plain"]["steady_speedup_vs_specdec_plain"] == pytest.approx(1.0)
+    cells = _cells(report.format_category_table([{**r, "category": "overall"} for r in rows.values()]))
+    assert [c["steady vs specdec-plain"] for c in cells] == ["1.00x", "2.00x"]
