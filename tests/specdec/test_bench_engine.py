@@ -200,6 +200,17 @@ def test_bench_engine_batch_table_with_plain_fixed_and_auto_budgets(tiny, tmp_pa
     summary = res["batch_summary"]
     assert [(s["drafter"], s["batch"]) for s in summary] == [("lookup", 1), ("lookup", 2), ("eagle", 1), ("eagle", 2)]
     by = {(r["method"], r["batch"], r["tree_size"]): r["steady_tokens_per_s"] for r in rows}
+    for r in rows:
+        if r["tree_size"] == "auto":  # each step's budget and the sequences that emitted at it, per call
+            counted = {}
+            for call in r["budget_trace"]:
+                for n, _ in call:
+                    counted[str(n)] = counted.get(str(n), 0) + 1
+            assert counted == r["budget_steps"]
+            assert sum(len(call) for call in r["budget_trace"]) == r["steps"]
+            assert all(0 < active <= r["batch"] for call in r["budget_trace"] for _, active in call)
+        else:
+            assert r["budget_trace"] is None
     for r in rows:  # captures inside the timed calls left out of the steady rate, nothing else
         assert r["steady_tokens_per_s"] == pytest.approx(r["new_tokens"] / (r["seconds"] - r["capture_s"]))
     for s in summary:

@@ -103,6 +103,7 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
     prefill_s = capture_s = 0.0
     phases = {"draft": 0.0, "verify": 0.0, "commit": 0.0}  # summed StepStats seconds of the timed calls
     reason = None
+    trace: list[list[list[int]]] = []  # tree_size "auto": per call, per step [budget, sequences still going]
     for idx in groups:
         wall, (tokens, out) = setup.timer(lambda: gen(idx, new))
         walls.append(wall)
@@ -115,6 +116,7 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
                 phases[phase] += sum(getattr(s, f"{phase}_s") for s in out.steps)
             if out.budget is not None:
                 reason = out.budget.reason
+                trace.append([[s.budget, sum(1 for e in s.tokens_emitted if e)] for s in out.steps])
                 for n, k in out.budget.histogram.items():
                     budgets[n] = budgets.get(n, 0) + k
             for s in out.steps:
@@ -150,6 +152,7 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
         "warmup_s": warm_s,
         "budget_steps": {str(n): k for n, k in sorted(budgets.items())} if budgets else None,
         "budget_reason": reason,  # tree_size "auto": the last call's last decision
+        "budget_trace": trace or None,  # tree_size "auto": per call, per step [budget, sequences emitting]
         "capture_s": capture_s,  # the drafter's captures inside the timed calls (StepStats.capture_s)
         "reference": reference["name"],
         "identical": sum(1 for i, tok in rows if ref.get(i) == tok),
