@@ -98,6 +98,10 @@ def main(argv=None) -> int:
     p.add_argument("--rerank", choices=("auto", "device", "host"), default="auto",
                    help="EagleDrafter(rerank=...): the re-rank inside the expansion's graph or on the host "
                         "(auto: device with CUDA graphs and --compile); its host side shows in copy / host_tree")
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
+                   help="also decode B prompts at once, unprofiled, for each B: the median drafting per step with "
+                        "EagleDrafter.propose_batch (every expansion launched before the first tree is read) and "
+                        "with one proposal at a time")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, help="JSON of the medians")
     p.add_argument("--trace", help="write a torch.profiler table of one unprofiled call here")
@@ -198,6 +202,23 @@ def main(argv=None) -> int:
         n_steps += len(out.steps)
     sync()
     res["unprofiled_ms_per_step"] = round(1e3 * (time.perf_counter() - t) / max(1, n_steps), 4)
+    res["batch"] = []
+    for b in ns.batch_sizes:  # drafting at batch B: the sequences' expansions overlapped, or one at a time
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        for mode in ("propose_batch", "one at a time"):
+            drafter, dec = build(False)
+            if mode != "propose_batch":
+                drafter.propose_batch = None  # the engine then asks propose per sequence
+            dec.generate(batch, ns.new)  # captures (each sequence's expansions, its catch-up widths)
+            sync()
+            out = dec.generate(batch, ns.new)
+            sync()
+            drafted = [s for s in out.steps if sum(s.nodes_proposed)]
+            res["batch"].append({"batch": b, "mode": mode, "steps": len(out.steps),
+                                 "draft_ms": _median_ms(s.draft_s for s in drafted),
+                                 "verify_ms": _median_ms(s.verify_s for s in drafted),
+                                 "capture_s": round(sum(s.capture_s for s in out.steps), 4)})  # fmt: skip
+            print(res["batch"][-1], flush=True)
     if ns.trace:
         from torch.profiler import ProfilerActivity, profile
 
