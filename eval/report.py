@@ -84,8 +84,8 @@ COLUMNS = (
     "load_s", "first_call_processes", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "latency_gaps",
     "ttft_p50_ms", "ttft_p90_ms", "gc_ms", "gc_full", "steps", "tau", "accepted_per_step", "mean_nodes",
     "mean_depth", "verify_ms", "draft_ms", "commit_ms", *(f"speedup_vs_{b.replace('-', '_')}" for b in SPEEDUP_BASES),
-    "steady_speedup_vs_hf_static", "steady_speedup_vs_specdec_plain", "same_run_speedup_vs_hf_static", "compared", "matches", "match_rate",
-    "mean_first_divergence", "checked",
+    "steady_speedup_vs_hf_static", "steady_speedup_vs_specdec_plain", "same_run_speedup_vs_hf_static", "compared",
+    "matches", "match_rate", "mean_first_divergence", "checked",
     "pass_at_1", "pass_at_1_low", "pass_at_1_high", "pass_at_1_reference", "pass_at_1_diff", "pass_at_1_diff_low",
     "pass_at_1_diff_high", "pass_at_10", "pass_at_10_low", "pass_at_10_high", "pass_at_10_diff",
     "pass_at_10_diff_low", "pass_at_10_diff_high", "attn_prompt_len", "attn_tree_us", "attn_sdpa_us", "attn_speedup",
@@ -208,8 +208,8 @@ def summarize(records: Iterable[Mapping[str, Any]], attn_rows: Sequence[Mapping[
             if base is not None and row.get("_steady") is not None and base.get("_steady") is not None:
                 common = row["_steady"] & base["_steady"]
                 mine, theirs = ok.get(_key_of(row), {}), ok.get((name, None, None), {})
-                row[f"steady_speedup_vs_{name.replace('-', '_')}"] = _speedup({p: mine[p] for p in common},
-                                                                              {p: theirs[p] for p in common})  # fmt: skip
+                field = f"steady_speedup_vs_{name.replace('-', '_')}"
+                row[field] = _speedup({p: mine[p] for p in common}, {p: theirs[p] for p in common})
     static = ok.get(("hf-static", None, None), {})
     scales = _run_scales(static, calibration)
     for row in rows:

@@ -23,9 +23,10 @@ drafting -- besides a step's own drafting: a fixed part plus a part per token, f
 recent catch-ups' drafting seconds beyond ``draft_s(n)`` (``catch_up_fit``; 0.0 while none was seen;
 without a warm-up, which runs the drafter's own, the decoder's first one is not counted: it may capture
 or compile). Not per token alone: catch-ups after a few plain steps are mostly fixed launches, and
-their seconds per token times a 1,000-token prompt priced a probe at ~50x its cost (Spec-Bench, a
-general EAGLE head: one poor first call, then plain decoding for the other 479). No step with one-time work in it (``StepStats.capture_s``) counts: as a catch-up or as
-drafting where the drafter captured, as a step where a plain chunk did. One capture read as a catch-up cost (a
+their seconds per token times a 1,000-token prompt priced a probe at ~40x its cost (Spec-Bench, a
+general EAGLE head: plain decoding in 455 of 480 calls). No step with one-time work in it
+(``StepStats.capture_s``) counts: as a catch-up or as drafting where the drafter captured, as a step
+where a plain chunk did. One capture read as a catch-up cost (a
 compile of tens of seconds over a short prompt) would price every later catch-up out of drafting, and
 plain steps never correct it. A budget's cost is only measured while it runs, so an estimate the rule
 stopped choosing stays as it was; measured target-side costs are therefore read as non-decreasing in
@@ -407,8 +408,8 @@ class StepCosts:
     def catch_up_s(self, tokens: int) -> float:
         """Expected seconds of catching the drafter up on ``tokens`` tokens it was not shown, besides a
         step's own drafting (0.0 while none was counted): ``fixed + per_token * tokens`` fitted to the
-        recent catch-ups (``catch_up_fit``), and no more than their most seconds where no catch-up of at
-        least twice as many tokens was seen to show how it grows."""
+        recent catch-ups (``catch_up_fit``; without two of them 2x apart in tokens, their median seconds,
+        in proportion below their median count)."""
         if self.fixed is not None:
             return float(self.fixed.catch_up_s) * tokens
         if tokens <= 0 or not self.catch_ups:
