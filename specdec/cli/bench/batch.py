@@ -103,7 +103,7 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
     prefill_s = capture_s = 0.0
     phases = {"draft": 0.0, "verify": 0.0, "commit": 0.0}  # summed StepStats seconds of the timed calls
     reason = None
-    trace: list[list[list[int]]] = []  # tree_size "auto": per call, per step [budget, sequences still going]
+    trace: list[list[list[int]]] = []  # tree_size "auto": per call, per step [budget, sequences that emitted]
     for idx in groups:
         wall, (tokens, out) = setup.timer(lambda: gen(idx, new))
         walls.append(wall)
@@ -152,7 +152,7 @@ def run_batch(setup: Setup, method: str, batch: int, reference: dict[str, Any], 
         "warmup_s": warm_s,
         "budget_steps": {str(n): k for n, k in sorted(budgets.items())} if budgets else None,
         "budget_reason": reason,  # tree_size "auto": the last call's last decision
-        "budget_trace": trace or None,  # tree_size "auto": per call, per step [budget, sequences emitting]
+        "budget_trace": trace or None,  # tree_size "auto": per call, per step [budget, sequences that emitted]
         "capture_s": capture_s,  # the drafter's captures inside the timed calls (StepStats.capture_s)
         "reference": reference["name"],
         "identical": sum(1 for i, tok in rows if ref.get(i) == tok),
