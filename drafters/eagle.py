@@ -262,6 +262,11 @@ class EagleDrafter(BaseDrafter):
             a few fused kernels; uncompiled, its ~80 small kernels would likely cost the graph more
             device time than the numpy re-rank costs the host), else ``"host"``. Measured on an H100
             (specdec/PERF.md v29): the step's host tree work 0.29 -> 0.08 ms, its CUDA tests passed.
+        batch_streams: at batch B, ``propose_batch`` spreads the sequences' expansions over this many
+            side CUDA streams (round robin) so that they run side by side on the device; 0 (default):
+            all on the current stream, one after another (each sequence's host work still overlaps the
+            device work before it). Each sequence's captured expansion has its own buffers and graph
+            memory, so they may run at once. Ignored off CUDA.
 
     Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
     positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
@@ -275,7 +280,8 @@ class EagleDrafter(BaseDrafter):
     def __init__(self, target, head: EagleHead, tree_size: int | None = None, depth: int = 6, topk: int = 8, *,
                  static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | str | None = "auto",
                  profile: bool = False, compile_head: bool | str = False,
-                 prompt_vocab: bool = True, attention: str = "auto", rerank: str = "auto") -> None:  # fmt: skip
+                 prompt_vocab: bool = True, attention: str = "auto", rerank: str = "auto",
+                 batch_streams: int = 0) -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -296,6 +302,8 @@ class EagleDrafter(BaseDrafter):
             raise ValueError(f"attention: expected 'auto' or one of {ATTENTIONS}, got {attention!r}")
         if rerank not in RERANKS:
             raise ValueError(f"rerank: expected one of {RERANKS}, got {rerank!r}")
+        if not isinstance(batch_streams, int) or isinstance(batch_streams, bool) or batch_streams < 0:
+            raise ValueError(f"batch_streams: expected an int >= 0, got {batch_streams!r}")
         if not isinstance(compile_head, (bool, str)) or compile_head == "":
             raise ValueError(f"compile_head: expected a bool or a torch.compile backend name, got {compile_head!r}")
         if draft_vocab == "auto":
@@ -357,6 +365,8 @@ class EagleDrafter(BaseDrafter):
         if cuda_graphs is None:
             cuda_graphs = self.static_shapes and on_cuda and os.environ.get("SPECDEC_CUDA_GRAPHS", "1") != "0"
         self.cuda_graphs = bool(cuda_graphs)
+        #: side CUDA streams ``propose_batch`` spreads the sequences' expansions over (none on other devices)
+        self._streams = [torch.cuda.Stream(self.device) for _ in range(batch_streams)] if on_cuda else []
         if compile_head and not self.static_shapes:
             raise ValueError("compile_head: needs static_shapes, got static_shapes=False")
         if attention == "tree" and not self.static_shapes:
@@ -438,14 +448,28 @@ class EagleDrafter(BaseDrafter):
         """``[propose(c) for c in contexts]`` (the ``Drafter`` protocol's optional method) with one wait
         for the device, not one per sequence: every sequence's catch-up and expansion is launched,
         each with its tree's copy to the host queued behind it, before the first tree is read, so a
-        sequence's host work overlaps the device work of those launched before it. ``last_draft_s`` /
+        sequence's host work overlaps the device work of those launched before it; with
+        ``batch_streams`` the sequences take turns over that many side streams, so their expansions
+        (each a few hundred small kernels) also run side by side on the device. ``last_draft_s`` /
         ``last_forwards`` / ``last_capture_s`` then cover the whole batch. With ``profile`` (phase
         times per proposal): one at a time."""
         if self.profile:
             return [self.propose(c) for c in contexts]
         start = time.perf_counter()
         self.last_forwards, self.last_capture_s = 0, 0.0
-        launched = [self._launch(c) for c in contexts]
+        streams = self._streams[: len(contexts)]
+        if not streams:
+            launched = [self._launch(c) for c in contexts]
+        else:  # every side stream after the work that made the contexts' features; the main one after them
+            main = torch.cuda.current_stream(self.device)
+            for side in streams:
+                side.wait_stream(main)
+            launched = []
+            for i, c in enumerate(contexts):
+                with torch.cuda.stream(streams[i % len(streams)]):
+                    launched.append(self._launch(c))
+            for side in streams:
+                main.wait_stream(side)
         trees = [self._finish(x) for x in launched]
         self.last_draft_s = time.perf_counter() - start
         self.draft_s += self.last_draft_s

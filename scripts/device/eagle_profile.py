@@ -100,8 +100,8 @@ def main(argv=None) -> int:
                         "(auto: device with CUDA graphs and --compile); its host side shows in copy / host_tree")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
                    help="also decode B prompts at once, unprofiled, for each B: the median drafting per step with "
-                        "EagleDrafter.propose_batch (every expansion launched before the first tree is read) and "
-                        "with one proposal at a time")
+                        "EagleDrafter.propose_batch (every expansion launched before the first tree is read), the "
+                        "same over 4 side streams (batch_streams=4) and with one proposal at a time")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, help="JSON of the medians")
     p.add_argument("--trace", help="write a torch.profiler table of one unprofiled call here")
@@ -143,11 +143,11 @@ def main(argv=None) -> int:
     res["plain_ms_per_token"] = round(1e3 * (time.perf_counter() - t) / max(1, len(out.new_tokens())), 4)
     plain.release()
 
-    def build(profile: bool):
+    def build(profile: bool, streams: int = 0):
         attention = {} if ns.attention == "auto" else {"attention": ns.attention}
         drafter = EagleDrafter(target, head, ns.tree_size, depth=ns.depth, topk=ns.topk, profile=profile,
                                draft_vocab=ns.draft_vocab or None, compile_head=ns.compile, rerank=ns.rerank,
-                               **attention)  # fmt: skip
+                               batch_streams=streams, **attention)  # fmt: skip
         res["rerank_resolved"] = drafter.rerank
         return drafter, SpecDecoder(target, drafter, ns.tree_size, compile=ns.compile, profile=profile)
 
@@ -205,9 +205,9 @@ def main(argv=None) -> int:
     res["batch"] = []
     for b in ns.batch_sizes:  # drafting at batch B: the sequences' expansions overlapped, or one at a time
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        for mode in ("propose_batch", "one at a time"):
-            drafter, dec = build(False)
-            if mode != "propose_batch":
+        for mode in ("propose_batch", "propose_batch, 4 streams", "one at a time"):
+            drafter, dec = build(False, streams=4 if "streams" in mode else 0)
+            if mode == "one at a time":
                 drafter.propose_batch = None  # the engine then asks propose per sequence
             dec.generate(batch, ns.new)  # captures (each sequence's expansions, its catch-up widths)
             sync()

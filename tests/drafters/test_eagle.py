@@ -278,13 +278,11 @@ def test_greedy_equals_target_generate(family, tree_size, static):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
 
 
-@pytest.mark.parametrize("static,options", [(False, {}), (True, {}), (True, {"rerank": "device"}),
-                                            (True, {"attention": "sdpa"})])
-def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options):
-    """``propose_batch`` launches every sequence's expansion before reading any tree: the same trees,
-    step after step (each update feeding the next catch-up), as ``propose`` per sequence, whose
-    drafter ran the same steps; and the engine's greedy output at batch 3 still equals the target's."""
-    target, head = _target(), _random_head()
+def _batch_against_single(device: str, static: bool, **options) -> None:
+    """Five steps of three sequences: ``propose_batch`` of one drafter against ``propose`` per sequence
+    of another (same head and steps, each update feeding the next catch-up): the same trees; then the
+    engine's greedy output at batch 3 equals the target's."""
+    target, head = _on_device("qwen2", device)
     make = lambda: EagleDrafter(target, head, depth=4, topk=3, static_shapes=static, **options)  # noqa: E731
     batched, single = make(), make()
     prompts = [_prompt(9, 0), _prompt(3, 1), _prompt(14, 2)]
@@ -295,7 +293,8 @@ def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options
         budget = (12, 20, 5, 30, 12)[step]
         ctxs = []
         for b, tokens in enumerate(seqs):
-            feats = _features(target, tokens)[seen[b] : len(tokens) - 1]
+            on = tokens.to(device)[None]
+            feats = target_hidden_states(target, on, torch.ones_like(on))[0][seen[b] : len(tokens) - 1]
             seen[b] = len(tokens) - 1
             ctxs.append(DraftContext(tokens, budget, b, hidden=feats))
         got, want = batched.propose_batch(ctxs), [single.propose(c) for c in ctxs]
@@ -308,9 +307,34 @@ def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options
             for d in (batched, single):
                 d.update(ctxs[b], g, Verdict(path, bonus))
             seqs[b] = torch.cat([seqs[b], torch.tensor(g.path_tokens(list(path[1:])) + [bonus])])
-    out = SpecDecoder(target, make(), tree_size=16, attn_impl="torch").generate(prompts, 20)
+    out = SpecDecoder(target, make(), tree_size=16, attn_impl="torch" if device == "cpu" else "auto").generate(prompts, 20)
     for b, p in enumerate(prompts):
-        assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 20)
+        ids = p[None].to(device)
+        want = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
+                               attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+        assert out.sequences[b, : out.lengths[b]].tolist() == want
+
+
+@pytest.mark.parametrize("static,options", [(False, {}), (True, {}), (True, {"rerank": "device"}),
+                                            (True, {"attention": "sdpa"}), (True, {"batch_streams": 2})])
+def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options):
+    """``propose_batch`` launches every sequence's expansion before reading any tree (off CUDA
+    ``batch_streams`` changes nothing)."""
+    _batch_against_single("cpu", static, **options)
+
+
+def test_batch_streams_must_be_a_count():
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"batch_streams: expected an int >= 0, got"):
+            EagleDrafter(_target(), _random_head(), batch_streams=bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", [{}, {"batch_streams": 2}, {"batch_streams": 3, "compile_head": True}])
+def test_propose_batch_on_cuda_draws_the_trees_of_one_proposal_at_a_time(options):
+    """On CUDA: captured expansions, their copies queued behind them (pinned buffers, events), with
+    ``batch_streams`` run side by side on side streams: the trees of one proposal at a time."""
+    _batch_against_single("cuda", True, **options)
 
 
 @pytest.mark.parametrize("family,tree_size", [("qwen2", 8), ("llama", 40)])
