@@ -59,9 +59,9 @@ stay deterministic top-k, so verification stays lossless; tokens outside the sub
 never drafted. This covers the root's children too (they come from the first depth of the expansion,
 on the catch-up's root feature). **Prompt tokens** (``prompt_vocab``, default on): the training
 answers hold few distinct tokens (about 5k for MBPP's), so a larger subset ends in never-seen ones,
-while answers copy identifiers from their prompt; every ``reset`` therefore puts the prompts' tokens
-that the subset lacks in place of its least frequent ones, regathered into the same buffers (the
-captured graphs stay valid).
+while answers copy identifiers from their prompt; each call's first proposal therefore puts the
+prompts' tokens that the subset lacks in place of its least frequent ones, regathered into the same
+buffers (the captured graphs stay valid); a call that never drafts gathers nothing.
 
 **Profiling** (``EagleDrafter(profile=True)``): ``propose`` synchronizes the device at its phase
 boundaries and keeps ``last_phase_s`` = seconds of ``catch_up`` (host preparation; an unfused
@@ -237,7 +237,7 @@ class EagleDrafter(BaseDrafter):
             training-answer tokens (``EagleHead.token_ids``; the LM-head rows of those tokens are
             gathered once, ``[N, H]`` in the LM head's dtype; see the module doc). Needs a head saved
             with token frequencies (``train-eagle``); 1 <= N <= V.
-        prompt_vocab: with ``draft_vocab``, every ``reset`` (each ``generate`` call) puts the prompts'
+        prompt_vocab: with ``draft_vocab``, each ``generate`` call's first proposal puts the prompts'
             tokens missing from the subset in place of its least frequent ones (a subset larger than
             the training answers' distinct tokens ends in never-seen ones), so that identifiers the
             answer copies from its prompt can be drafted. Default True.
@@ -340,6 +340,7 @@ class EagleDrafter(BaseDrafter):
         #: (fixed buffers: ``prompt_vocab`` regathers them in place, so captured graphs stay valid)
         self._vocab_ids = self._vocab_weight = self._vocab_bias = None
         self.prompt_vocab = prompt_vocab
+        self._vocab_prompts: list[torch.Tensor] | None = None  # the call's prompts, until its first proposal
         if draft_vocab is not None:
             lm = self.parts.lm_head
             ranked = head.token_ids[:draft_vocab].long().to(self.device)  # most frequent first
@@ -403,9 +404,9 @@ class EagleDrafter(BaseDrafter):
 
     def reset(self, input_ids: list[torch.Tensor]) -> None:
         """New ``generate`` call: forget every sequence (cache buffers and captured expansions are
-        reused); with ``draft_vocab`` and ``prompt_vocab``, the subset takes in the prompts' tokens."""
-        if self._vocab_ids is not None and self.prompt_vocab:
-            self._set_vocab(self.prompt_subset(input_ids))
+        reused); with ``draft_vocab`` and ``prompt_vocab``, the subset takes in the prompts' tokens at
+        the call's first proposal (a call that never drafts gathers nothing)."""
+        self._vocab_prompts = list(input_ids) if self._vocab_ids is not None and self.prompt_vocab else None
         old, self._states = self._states, {}
         for b in range(len(input_ids)):
             prev = old.get(b)
@@ -457,6 +458,7 @@ class EagleDrafter(BaseDrafter):
             return [self.propose(c) for c in contexts]
         start = time.perf_counter()
         self.last_forwards, self.last_capture_s = 0, 0.0
+        self._gather_prompt_vocab()  # on the current stream, before any side stream reads the subset
         streams = self._streams[: len(contexts)]
         if not streams:
             launched = [self._launch(c) for c in contexts]
@@ -504,6 +506,7 @@ class EagleDrafter(BaseDrafter):
     def _launch(self, context: DraftContext) -> "TokenTree | _Launched":
         """Steps 1 and 2 of the module doc for one sequence, up to the expansion's copy to the host
         (queued, not waited for): a root-only tree where there is nothing to expand."""
+        self._gather_prompt_vocab()
         tokens = _host_array(context.tokens)
         n_tok, root = len(tokens), int(tokens[-1])
         root_pos = n_tok - 1
@@ -611,6 +614,12 @@ class EagleDrafter(BaseDrafter):
         ranks = key[prompt]
         key[prompt] = torch.where(ranks >= n, prompt - key.numel(), ranks)
         return torch.sort(torch.topk(key, n, largest=False, sorted=False).indices).values
+
+    def _gather_prompt_vocab(self) -> None:
+        """The call's prompts' tokens into the draft vocabulary (``prompt_vocab``), once per call."""
+        if self._vocab_prompts is not None:
+            self._set_vocab(self.prompt_subset(self._vocab_prompts))
+            self._vocab_prompts = None
 
     def _set_vocab(self, ids: torch.Tensor) -> None:
         """Gather the subset ``ids`` (int64 ``[N]``, distinct) into the fixed buffers, ascending."""

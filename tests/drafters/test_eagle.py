@@ -1083,12 +1083,21 @@ def test_the_prompt_tokens_replace_the_least_frequent_ones_in_the_draft_vocab(na
     assert missing and len(allowed) == draft_vocab
     got = _run_case(spec, seed, make=_with_vocab(draft_vocab))
     assert all(set(step["tokens"][1:]) <= allowed for step in got)
-    drafter = EagleDrafter(_target(spec[0]), head, draft_vocab=draft_vocab)
+    target = _target(spec[0])
+    drafter = EagleDrafter(target, head, draft_vocab=draft_vocab)
     weight, ids = drafter._vocab_weight, drafter._vocab_ids
+
+    def first_proposal(tokens: list[int]) -> None:
+        t = torch.tensor(tokens)
+        drafter.propose(DraftContext(t, 4, hidden=_head_features(target, head, t)[:-1]))
+
     drafter.reset([torch.tensor(prompt)])
+    assert ids.tolist() == sorted(ranked)  # nothing gathered until the call's first proposal
+    first_proposal(prompt)
     assert ids.tolist() == sorted(allowed) and drafter._vocab_weight is weight
     assert torch.equal(weight, drafter.parts.lm_head.weight[ids])
-    drafter.reset([torch.tensor([ranked[0]])])  # nothing missing: the ranked subset again
+    drafter.reset([torch.tensor([ranked[0], ranked[1]])])  # nothing missing: the ranked subset again
+    first_proposal([ranked[0], ranked[1]])
     assert ids.tolist() == sorted(ranked)
     with pytest.raises(ValueError, match="prompt_vocab: expected True or False, got 1"):
         EagleDrafter(_target(spec[0]), head, draft_vocab=draft_vocab, prompt_vocab=1)
