@@ -439,9 +439,7 @@ class EagleDrafter(BaseDrafter):
                 self.last_phase_s = {p: self._clock.seconds.get(p, 0.0) for p in DRAFT_PHASES}
         finally:
             self._clock = None
-        self.last_draft_s = time.perf_counter() - start
-        self.draft_s += self.last_draft_s
-        self.proposals += 1
+        self._count(start, 1)
         return tree
 
     @torch.no_grad()
@@ -473,10 +471,14 @@ class EagleDrafter(BaseDrafter):
             for side in streams:
                 main.wait_stream(side)
         trees = [self._finish(x) for x in launched]
+        self._count(start, len(contexts))
+        return trees
+
+    def _count(self, start: float, proposals: int) -> None:
+        """The drafting counters after ``proposals`` proposals that began at ``start`` (perf_counter)."""
         self.last_draft_s = time.perf_counter() - start
         self.draft_s += self.last_draft_s
-        self.proposals += len(contexts)
-        return trees
+        self.proposals += proposals
 
     def update(self, context: DraftContext, tree: TokenTree, verdict: Verdict) -> None:
         """Keep the KV of the accepted path's expanded nodes; keep the last one's output feature."""

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from statistics import median_low
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -417,10 +418,6 @@ class StepCosts:
         return catch_up_fit([(k, max(s - self.draft_s(a, n), 0.0)) for a, n, s, k in self.catch_ups])(tokens)
 
 
-def _lower_median(values: Sequence[float]) -> float:
-    return sorted(values)[(len(values) - 1) // 2]
-
-
 def catch_up_fit(seen: Sequence[tuple[int, float]]):
     """The seconds of catching up on k tokens as a function of k, from ``seen`` ``(tokens, seconds)``
     pairs (each tokens > 0): ``a + b * k`` with robust, non-negative a and b. The slope is the lower
@@ -431,10 +428,10 @@ def catch_up_fit(seen: Sequence[tuple[int, float]]):
     (a catch-up is mostly a few fixed launches: 16 tokens in 0.2 ms need not mean 12 ms for 1,000)."""
     slopes = [(sj - si) / (kj - ki) for ki, si in seen for kj, sj in seen if kj >= 2 * ki]
     if not slopes:
-        k0, s0 = _lower_median([k for k, _ in seen]), _lower_median([s for _, s in seen])
+        k0, s0 = median_low([k for k, _ in seen]), median_low([s for _, s in seen])
         return lambda k: s0 * min(1.0, k / k0)
-    b = min(max(_lower_median(slopes), 0.0), min(s / k for k, s in seen))
-    a = max(_lower_median([s - b * k for k, s in seen]), 0.0)
+    b = min(max(median_low(slopes), 0.0), min(s / k for k, s in seen))
+    a = max(median_low([s - b * k for k, s in seen]), 0.0)
     return lambda k: a + b * k
 
 

@@ -46,9 +46,9 @@ from eval.datasets import ChatProblem, load_mbpp, load_prompt_file
 from training.distill import distill_cached, encode_messages, encode_prompt, prompts_digest, styled_prompts
 from training.exercises import prompt_request, seed_choices, select_prompts
 
-__all__ = ["CONTEST_PER_KIND", "CONTEST_SEEDS", "DEFAULT_HELDOUT", "DEFAULT_PER_KIND", "GENERAL_SEEDS", "MIXES", "SELF_PROMPT_TOKENS", "Sources",
-           "TrainPrompts", "check_source_fields", "mix_per_kind", "read_sources", "source_record",
-           "training_prompts"]  # fmt: skip
+__all__ = ["CONTEST_PER_KIND", "CONTEST_SEEDS", "DEFAULT_HELDOUT", "DEFAULT_PER_KIND", "GENERAL_SEEDS", "MIXES",
+           "SELF_PROMPT_TOKENS", "Sources", "TrainPrompts", "check_source_fields", "mix_per_kind", "read_sources",
+           "source_record", "training_prompts"]  # fmt: skip
 
 #: Held-out prompts by default (at most a fifth of those of the held-out source).
 DEFAULT_HELDOUT = 48
