@@ -28,7 +28,7 @@ import torch
 
 from drafters.selection import best_k, row_topk, stable_ranks
 from specdec.attention import TreeState
-from specdec.graphs import clear_cublas_workspaces
+from specdec.graphs import graph_capture
 from specdec.kv import KVCache
 from specdec.sampling import SamplingConfig, warp_logits
 from specdec.tree import TokenTree
@@ -523,10 +523,8 @@ class Expansion:
                 self._body(kv_lens)
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with graph_capture(graph):
                 self._body(kv_lens)
-            clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
             if list(self.cache.layer_indices) != layers:
                 raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
             torch.cuda.synchronize(dev)

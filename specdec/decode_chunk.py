@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.graphs import GraphedForward, clear_cublas_workspaces
+from specdec.graphs import GraphedForward, graph_capture
 from specdec.sampling import SamplingConfig, logits_to_probs, sample_inverse_cdf
 from specdec.tree import TokenTree
 
@@ -143,9 +143,7 @@ class DecodeChunk:
                 self._body()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            clear_cublas_workspaces()  # as GraphedForward._capture: the graph's own workspace
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with graph_capture(graph):
                 self._body()
-            clear_cublas_workspaces()
         self.graph = graph
         self.capture_s = fwd._clock() - start

@@ -56,9 +56,11 @@ compiling the same shapes loads the compiled code from disk instead of regenerat
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -74,9 +76,9 @@ __all__ = [
     "GraphedMaskedForward",
     "Replayed",
     "capture_warmup",
-    "clear_cublas_workspaces",
     "compile_fixed_shapes",
     "compile_plan",
+    "graph_capture",
     "LAYERS",
     "configure_compile_cache",
     "prefill_chunks",
@@ -372,11 +374,9 @@ class Replayed:
             torch.cuda.current_stream(device).wait_stream(side)
             self.capture_warmup_s = self._clock() - start - self.first_run_s
             graph = torch.cuda.CUDAGraph()
-            clear_cublas_workspaces()  # the capture allocates its own, inside the graph's pool
-            with torch.cuda.graph(graph, stream=side if one_stream else None, capture_error_mode="thread_local"):
+            with graph_capture(graph, stream=side if one_stream else None):
                 logits, hidden = self._run()
             torch.cuda.current_stream(device).wait_stream(side)
-            clear_cublas_workspaces()  # later eager work on this stream must not use the graph's
             if list(self.cache.layer_indices) != layers:
                 raise RuntimeError("cache: KV buffers were allocated during the CUDA-graph capture")
             self.capture_s = self._clock() - start - self.first_run_s
@@ -390,7 +390,7 @@ class Replayed:
         return time.perf_counter()
 
 
-def clear_cublas_workspaces() -> None:
+def _clear_cublas_workspaces() -> None:
     """Drop PyTorch's cached cuBLAS workspaces (one per cuBLAS handle and stream).
 
     A GEMM captured in a CUDA graph keeps the address of the workspace that was cached for the
@@ -405,6 +405,31 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: "torch.cuda.CUDAGraph", stream: "torch.cuda.Stream | None" = None) -> Iterator[None]:
+    """Record what runs inside into ``graph`` (``torch.cuda.graph``, errors of this thread only), with
+    cuBLAS's cached workspaces dropped before and after (``_clear_cublas_workspaces``: the capture
+    allocates its own, inside the graph's pool, and later eager work does not use it) and Python's
+    automatic garbage collection off.
+
+    The collector must not run during a capture: a decoder dropped in a reference cycle (a
+    ``SpecDecoder`` built per configuration in a loop) may own captured graphs, and freeing one
+    resets it, which CUDA does not permit while a stream captures: the capture is invalidated
+    (``cudaErrorStreamCaptureInvalidated``) and the process aborts at its next event. torch no
+    longer collects before a capture by default (``torch.compiler.config.force_cudagraph_gc``).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _clear_cublas_workspaces()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            yield
+        _clear_cublas_workspaces()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Copy:

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from specdec.drafting import DraftContext
 from specdec import KVCache, SpecDecoder, TokenTree
-from specdec.graphs import GraphedForward, GraphedMaskedForward, InputLayout, capture_warmup, pack_trees
+from specdec.graphs import GraphedForward, GraphedMaskedForward, InputLayout, capture_warmup, graph_capture, pack_trees
 from specdec.hf import masked_forward, prefill, prepare_model, tree_forward
 from tests.specdec.helpers import VOCAB, OracleDrafter, RandomTreeDrafter, hf_greedy, tiny_model
 from treeattn import TreeMask
@@ -963,3 +963,61 @@ def test_compile_layers_leaves_the_model_alone_outside_specdec():
         state.for_layer(0)
     with pytest.raises(ValueError, match="layer_backend: expected None or a torch.compile backend name, got ''"):
         ForwardState(KVCache(1, 16), state.slots, state.positions, layer_backend="")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_graph_capture_keeps_the_collector_off_inside(monkeypatch, enabled):
+    """Inside ``graph_capture`` automatic collection is off (a collection there may free a captured
+    graph, which invalidates the capture); after it, on success or error, it is as before."""
+    import contextlib
+    import gc
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, stream=None, capture_error_mode="global"):
+        seen.append((gc.isenabled(), capture_error_mode))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with graph_capture(object()):
+            seen.append(gc.isenabled())
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError, match="inside"):
+            with graph_capture(object()):
+                raise RuntimeError("inside")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [(False, "thread_local"), False, (False, "thread_local")]
+
+
+@pytest.mark.cuda
+def test_graph_capture_survives_garbage_graphs_on_cuda():
+    """A captured graph left in a reference cycle, and the collector's threshold at 1 (it would
+    run at the capture's first allocations): ``graph_capture`` records and replays correctly."""
+    import gc
+
+    x = torch.arange(8.0, device="cuda")
+    for _ in range(3):  # cycles owning captured graphs
+        holder: dict = {}
+        holder["self"] = holder
+        holder["graph"] = torch.cuda.CUDAGraph()
+        with graph_capture(holder["graph"]):
+            holder["out"] = x * 2
+        del holder
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph):
+            ys = [[x + i] for i in range(64)]  # Python objects: the collector would run here
+            y = torch.stack([v[0] for v in ys]).sum(0)
+    finally:
+        gc.set_threshold(*threshold)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, 64 * x + sum(range(64)))
