@@ -262,11 +262,13 @@ class EagleDrafter(BaseDrafter):
             a few fused kernels; uncompiled, its ~80 small kernels would likely cost the graph more
             device time than the numpy re-rank costs the host), else ``"host"``. Measured on an H100
             (specdec/PERF.md v29): the step's host tree work 0.29 -> 0.08 ms, its CUDA tests passed.
-        batch_streams: at batch B, ``propose_batch`` spreads the sequences' expansions over this many
-            side CUDA streams (round robin) so that they run side by side on the device; 0 (default):
-            all on the current stream, one after another (each sequence's host work still overlaps the
-            device work before it). Each sequence's captured expansion has its own buffers and graph
-            memory, so they may run at once. Ignored off CUDA.
+        batch_streams: at batch B >= 2, ``propose_batch`` spreads the sequences' expansions over this
+            many side CUDA streams (round robin) so that they run side by side on the device; 0: all on
+            the current stream, one after another (each sequence's host work still overlaps the device
+            work before it). Each sequence's captured expansion has its own buffers and graph memory,
+            so they may run at once. Default 8: drafting at the 1.5B's shapes (depth 8, H200) at B = 4 /
+            8 / 16 took 3.4 / 5.3 / 10.5 ms a step against 4.8 / 9.2 / 17.2 ms with 0 (specdec/PERF.md
+            v36). Ignored off CUDA.
 
     Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
     positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
@@ -281,7 +283,7 @@ class EagleDrafter(BaseDrafter):
                  static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | str | None = "auto",
                  profile: bool = False, compile_head: bool | str = False,
                  prompt_vocab: bool = True, attention: str = "auto", rerank: str = "auto",
-                 batch_streams: int = 0) -> None:  # fmt: skip
+                 batch_streams: int = 8) -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -457,7 +459,7 @@ class EagleDrafter(BaseDrafter):
         start = time.perf_counter()
         self.last_forwards, self.last_capture_s = 0, 0.0
         self._gather_prompt_vocab()  # on the current stream, before any side stream reads the subset
-        streams = self._streams[: len(contexts)]
+        streams = self._streams[: len(contexts)] if len(contexts) > 1 else []
         if not streams:
             launched = [self._launch(c) for c in contexts]
         else:  # every side stream after the work that made the contexts' features; the main one after them

@@ -100,8 +100,10 @@ def main(argv=None) -> int:
                         "(auto: device with CUDA graphs and --compile); its host side shows in copy / host_tree")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
                    help="also decode B prompts at once, unprofiled, for each B: the median drafting per step with "
-                        "EagleDrafter.propose_batch (every expansion launched before the first tree is read), the "
-                        "same over 4 side streams (batch_streams=4) and with one proposal at a time")
+                        "EagleDrafter.propose_batch (every expansion launched before the first tree is read) over "
+                        "each count of --batch-streams side streams, and with one proposal at a time")
+    p.add_argument("--batch-streams", type=int, nargs="+", default=[0, 4],
+                   help="the batch_streams of the --batch-sizes runs (default 0 4; 0: the current stream)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True, help="JSON of the medians")
     p.add_argument("--trace", help="write a torch.profiler table of one unprofiled call here")
@@ -205,9 +207,10 @@ def main(argv=None) -> int:
     res["batch"] = []
     for b in ns.batch_sizes:  # drafting at batch B: the sequences' expansions overlapped, or one at a time
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        for mode in ("propose_batch", "propose_batch, 4 streams", "one at a time"):
-            drafter, dec = build(False, streams=4 if "streams" in mode else 0)
-            if mode == "one at a time":
+        for streams in [*ns.batch_streams, None]:
+            mode = "one at a time" if streams is None else f"propose_batch, {streams} streams"
+            drafter, dec = build(False, streams=streams or 0)
+            if streams is None:
                 drafter.propose_batch = None  # the engine then asks propose per sequence
             dec.generate(batch, ns.new)  # captures (each sequence's expansions, its catch-up widths)
             sync()
