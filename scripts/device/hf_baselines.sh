@@ -14,14 +14,14 @@
 #       (default 0 = all; hf-assisted on the first LIMIT), into /tmp/results/<ds>-${TAG}solo.jsonl
 #       (resumable); no `hf` reference here (it ran side by side, where it lost only ~10 %).
 # tests-shared: the CUDA tests of the shared-prompt path (cascade kernel, shared-prompt graphs and warm-up) within TESTS_S seconds.
-# Environment: TAG (default s15), SHARDS (default 2), LIMIT (default 50), SWEEP_S (each process's time
+# Environment: TAG (default hf), SHARDS (default 2), LIMIT (default 50), SWEEP_S (each process's time
 # limit, default 540), CALL_S (the whole call's budget in seconds, default 570: a step never runs past it, so
 # the records are copied to $OUT before the call's 600-s limit; never wrap this script in an outer timeout).
 # Records come back gzipped, all in one archive ($OUT/results.tgz: a call returns a limited number of files).
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 MKL_NUM_THREADS=2
 out=${OUT:-/tmp}
-tag=${TAG:-s15} shards=${SHARDS:-2} limit=${LIMIT:-50}
+tag=${TAG:-hf} shards=${SHARDS:-2} limit=${LIMIT:-50}
 start=$(date +%s)
 left() {  # seconds this call has left for a step, at most $1
   local l=$(( ${CALL_S:-570} - ($(date +%s) - start) )); echo $(( l < $1 ? l : $1 ))

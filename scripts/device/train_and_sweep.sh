@@ -11,7 +11,7 @@
 # The full sweep is the same apps / humaneval steps with every drafter and baseline, e.g.
 #   METHODS="specdec hf-static hf-lookup hf-assisted hf" LIMITS="hf-assisted=50 hf=50" TREES="32 64 128 256" \
 #   DRAFTERS="l=lookup md=medusa:heads=/tmp/medusa mW=model:draft=qwen2.5-coder-0.5b,depth=4,topk=8,compile=true \
-#             ecY=eagle:heads=/tmp/eagle-s9,draft_vocab=32768,compile_head=true,compile=true" bash ... humaneval
+#             ecY=eagle:heads=/tmp/eagle-515daa7,draft_vocab=32768,compile_head=true,compile=true" bash ... humaneval
 # split over calls by drafter (each call <= 10 minutes; the file resumes and its baselines are shared).
 # Environment: BUDGET (train seconds, default 300), TREES (default "32 64"), HEAD (the head's directory,
 # default /tmp/eagle; a new one gives the sweeps new drafter keys), EX (train-eagle --exercises: self-written
@@ -53,7 +53,7 @@ sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --
 read -ra methods <<< "${METHODS:-specdec hf-static}"
 # the self-distillation data of the 2026-11-24 run `8875823` (MBPP answers of the 1.5B target and its own exercises,
 # gzipped in the repository): `distill`, `train` and `medusa` start from it unless .evaldata has a copy or FRESH=1
-cache=docs/runs/2026-11-24-h100-s14/selfdistill
+cache=docs/runs/2026-11-24-h100-8875823/selfdistill
 restore_eagle_data() {
   mkdir -p "$head"
   if [ -n "${CACHE:-}" ]; then  # another prompt list's caches (e.g. --mix general's) over .evaldata's, plain or gzipped
