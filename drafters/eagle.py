@@ -410,7 +410,7 @@ class EagleDrafter(BaseDrafter):
         the call's first proposal (a call that never drafts gathers nothing)."""
         self._vocab_prompts = list(input_ids) if self._vocab_ids is not None and self.prompt_vocab else None
         old, self._states = self._states, {}
-        for b in range(len(input_ids)):
+        for b in sorted(set(old) | set(range(len(input_ids)))):  # slots beyond this batch kept for later calls
             prev = old.get(b)
             if prev is None:
                 self._states[b] = _SeqState(self._new_cache(len(input_ids[b]) + 64))
@@ -418,16 +418,65 @@ class EagleDrafter(BaseDrafter):
                 prev.cache.reset()
                 self._states[b] = _SeqState(prev.cache, expansions=prev.expansions)
 
-    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None) -> None:
+    def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None,
+               tree_sizes: Sequence[int] = ()) -> None:  # fmt: skip
         """Size the head caches for requests of up to ``max_len`` tokens per sequence (prompt and new
         tokens; called by ``SpecDecoder.warmup``): a cache that grows mid-run drops its expansions,
         so their captures (and, with ``compile_head``, the depth loop's compile for the new
-        capacity) would come back inside a timed call. ``batch_sizes`` and ``log`` are not used."""
-        if max_len is not None:
-            self._min_cache = max(self._min_cache, max_len + self.topk * self.depth + 2)
-            for b, st in list(self._states.items()):
-                if st.cache.capacity < self._min_cache:
-                    self._states[b] = _SeqState(self._new_cache(self._min_cache))
+        capacity) would come back inside a timed call.
+
+        With static shapes and ``max_len``, each sequence slot of up to ``max(batch_sizes)`` also runs
+        once (with ``cuda_graphs``: captures) every greedy expansion such a request can use: the plan
+        of each of ``tree_sizes`` (the budgets the engine will ask with; default ``tree_size`` or
+        ``topk``) with each fused catch-up width up to the one of ``min(max_len, FUSED_CATCH_UP)``
+        pairs, and unfused beyond ``FUSED_CATCH_UP``. A call's catch-up width varies with its prompt
+        and, under ``tree_size="auto"``, with the plain steps since the last drafting: without this,
+        each new (slot, width) captured inside a call (1.7 s of one 16-sequence call, specdec/PERF.md
+        v36). The dummy inputs write slots the next call's catch-up rewrites before any read; ``reset``
+        keeps every slot's expansions. ``log``: a callable given one line (None: quiet)."""
+        if max_len is None:
+            return
+        self._min_cache = max(self._min_cache, max_len + self.topk * self.depth + 2)
+        for b, st in list(self._states.items()):
+            if st.cache.capacity < self._min_cache:
+                self._states[b] = _SeqState(self._new_cache(self._min_cache))
+        if not self.static_shapes:
+            return
+        start, made = time.perf_counter(), 0
+        top = self._fused_width(min(max_len, max(FUSED_CATCH_UP, self.static_width)))
+        widths = [self.static_width << k for k in range(top.bit_length()) if self.static_width << k <= top]
+        widths += [0] if max_len > max(FUSED_CATCH_UP, self.static_width) else []
+        budgets = sorted(set(tree_sizes)) or [self.tree_size or self.topk]
+        for b in range(max(batch_sizes, default=1)):
+            st = self._states.get(b)
+            if st is None:
+                st = self._states[b] = _SeqState(self._new_cache(self._min_cache))
+            for budget in budgets:
+                plan, _ = self._plan(budget)
+                for width in widths:
+                    if (plan, None, width) not in st.expansions:
+                        self._warm_expansion(st, plan, width, budget)
+                        made += 1
+        if made and callable(log):
+            log(f"eagle warmup: {made} expansions for {max(batch_sizes, default=1)} sequence slot(s) in "
+                f"{time.perf_counter() - start:.2f} s")
+
+    def _warm_expansion(self, st: _SeqState, plan: ExpansionPlan, width: int, budget: int) -> None:
+        """Make (with ``cuda_graphs``: capture) ``st``'s greedy expansion of ``plan`` and catch-up
+        ``width`` (0: unfused) by running it once on dummy inputs: a one-pair catch-up of token 0 at
+        position 0 into slot 0 (the root's pair), or the unfused root's zero feature."""
+        scratch = st.cache.capacity - 1
+        exp = st.expansions[(plan, None, width)] = Expansion(self, st.cache, plan, None, self.cuda_graphs, width,
+                                                             rerank=self.rerank == "device")  # fmt: skip
+        kv_lens = [st.cache.capacity] * (plan.depth - 1)
+        if width:
+            zeros = torch.zeros(1, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
+            ints = [0] * width + [0] * width + [0] + [scratch] * (width - 1)
+            done = exp.launch(0, 0, None, kv_lens, CatchUp(width, ints, zeros, 0, 1), budget)
+        else:
+            zeros = torch.zeros(self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
+            done = exp.launch(0, 0, zeros, kv_lens, None, budget)
+        exp.fetch(done)
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
@@ -534,15 +583,7 @@ class EagleDrafter(BaseDrafter):
         start = c if real is None else min(c, real[0] + 1)
         keep = bisect.bisect_left(st.slot_pos, start)
         positions, feats = self._pending(real, predicted, start, n_tok)
-        # the expansion's shape: a budget below topk expands like topk (then keeps its best `budget`
-        # nodes), so the budgets of an adaptive decoder (tree_size="auto": 4, 8, 16, ...) share one
-        # expansion and its captured graph instead of capturing (and compiling) one mid-call
-        shaped = max(budget, self.topk)
-        depth = min(self.depth, shaped)
-        frontier_width = min(self.topk, shaped)
-        expanded_max = 1 + frontier_width * (depth - 1)
-        width = min(self.draft_vocab or self.vocab_size, max(frontier_width, math.ceil(shaped / expanded_max)))
-        plan = ExpansionPlan.make(frontier_width, width, depth)
+        plan, expanded_max = self._plan(budget)  # the expansion's shape
         base = keep + len(positions) - 1  # slot of the root's pair
         self._ensure_capacity(st, keep, base + expanded_max + int(self.static_shapes))  # + the scratch slot
         # a chain of at most FUSED_CATCH_UP pairs runs inside the expansion (its graph); a longer one
@@ -562,6 +603,19 @@ class EagleDrafter(BaseDrafter):
         # 2. expand depth by depth (EAGLE-2) on the device; 3. (the re-rank) when the copy is read
         read = self._expand(st, plan, context.sampling, base, root_pos, root_out, root, catch_up, budget)
         return _Launched(st, read, base, root_pos)
+
+    def _plan(self, budget: int) -> tuple[ExpansionPlan, int]:
+        """The expansion's plan for a node budget, and its most expanded nodes (the root included).
+
+        A budget below ``topk`` expands like ``topk`` (then keeps its best ``budget`` nodes), so the
+        budgets of an adaptive decoder (``tree_size="auto"``: 4, 8, 16, ...) share one expansion and
+        its captured graph instead of capturing (and compiling) one mid-call."""
+        shaped = max(budget, self.topk)
+        depth = min(self.depth, shaped)
+        frontier_width = min(self.topk, shaped)
+        expanded_max = 1 + frontier_width * (depth - 1)
+        width = min(self.draft_vocab or self.vocab_size, max(frontier_width, math.ceil(shaped / expanded_max)))
+        return ExpansionPlan.make(frontier_width, width, depth), expanded_max
 
     def _finish(self, launched: "TokenTree | _Launched") -> TokenTree:
         """Step 3 of the module doc once the expansion's copy landed: the tree of the best ``budget``

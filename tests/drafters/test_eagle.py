@@ -967,6 +967,70 @@ def test_warmup_sizes_the_head_caches_so_that_no_later_call_grows_them():
     assert drafter._states[0].cache is cache
 
 
+def _warmed(max_len: int, batch: int, tree_sizes=()):
+    """A ``_run_case`` ``make``: the drafter, then its ``warmup`` for ``batch`` slots of ``max_len`` tokens."""
+
+    def make(*args, **options):
+        drafter = EagleDrafter(*args, **options)
+        drafter.warmup(batch_sizes=(batch,), max_len=max_len, tree_sizes=tree_sizes)
+        return drafter
+
+    return make
+
+
+@pytest.mark.parametrize("name", ["qwen2-greedy-static-all", "qwen2-topp-static"])
+def test_warmup_runs_every_expansion_of_a_request_and_changes_no_tree(name):
+    """With static shapes, ``warmup`` makes every slot's greedy expansion of each budget's plan at each
+    fused catch-up width a request of ``max_len`` tokens can use (and the unfused one beyond
+    ``FUSED_CATCH_UP``), on dummy inputs; the trees drawn afterwards are those of a drafter never warmed
+    (the dummy writes are rewritten before they are read), greedy and sampled."""
+    family, depth, topk, budget, static, sampling, hidden = _RECORD_CASES[name]
+    spec, seed = _RECORD_CASES[name], sum(map(ord, name))
+    assert _run_case(spec, seed, steps=5, make=_warmed(40, 1)) == _run_case(spec, seed, steps=5)
+    target = _target(family)
+    drafter = EagleDrafter(target, _random_head(family), depth=depth, topk=topk, static_shapes=True)
+    lines = []
+    drafter.warmup(batch_sizes=(1, 3), max_len=40, log=lines.append, tree_sizes=(budget, 2 * budget))
+    plans = {drafter._plan(budget)[0], drafter._plan(2 * budget)[0]}
+    widths = [drafter.static_width]  # doubling up to the first that holds 40 pairs
+    while widths[-1] < 40:
+        widths.append(2 * widths[-1])
+    want = {(plan, None, w) for plan in plans for w in widths}
+    assert sorted(drafter._states) == [0, 1, 2]
+    assert all(set(st.expansions) == want for st in drafter._states.values())
+    assert lines and f"{3 * len(want)} expansions for 3 sequence slot(s)" in lines[0]
+    drafter.reset([_prompt(9, 0)])  # a batch of one keeps the other slots and their expansions
+    assert sorted(drafter._states) == [0, 1, 2] and set(drafter._states[2].expansions) == want
+    with_long = EagleDrafter(target, _random_head(family), depth=depth, topk=topk, static_shapes=True)
+    with_long.warmup(max_len=FUSED_CATCH_UP + 10, tree_sizes=(budget,))
+    assert (drafter._plan(budget)[0], None, 0) in with_long._states[0].expansions  # the unfused one too
+    dynamic = EagleDrafter(target, _random_head(family), depth=depth, topk=topk)
+    dynamic.warmup(max_len=40)
+    assert dynamic._states == {}  # nothing to make without static shapes
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tree_size", [24, "auto"])
+def test_warmup_leaves_no_capture_to_the_calls_on_cuda(tree_size):
+    """On CUDA: after ``SpecDecoder.warmup`` for batch 3 and the calls' length, the calls capture no
+    expansion (every slot's catch-up widths were recorded in the warm-up), batch 3 then batch 1 then
+    batch 3 again (the slots a smaller batch leaves idle keep theirs), and decode the target's greedy
+    output."""
+    target, head = _on_device("qwen2", "cuda")
+    drafter = EagleDrafter(target, head, depth=4, topk=4)
+    dec = SpecDecoder(target, drafter, tree_size=tree_size)
+    prompts = [_prompt(10, 0), _prompt(1, 1), _prompt(37, 2)]
+    dec.warmup(batch_sizes=(1, 3), max_len=37 + 25)
+    for batch in (prompts, prompts[:1], prompts):
+        out = dec.generate(batch, 25)
+        assert sum(s.capture_s for s in out.steps) == 0.0
+        for b, p in enumerate(batch):
+            ids = p[None].to("cuda")
+            want = target.generate(ids, max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                   attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
+            assert out.sequences[b, : out.lengths[b]].tolist() == want
+
+
 def test_cuda_graph_options_and_draft_time_counters():
     target, head = _target(), _random_head()
     drafter = EagleDrafter(target, head)
