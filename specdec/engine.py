@@ -332,7 +332,8 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         It is a plain ``GraphedForward`` (chain trees are causal attention), never compiled: a
         compile per (batch size, bucket) would cost as much as the tree forward's for a forward
         run once or a few times per call. It keeps the logits of one node per sequence (nobody reads
-        them) and, for drafters with ``needs_hidden_states``, the hidden states of all nodes.
+        them) and, for drafters with ``needs_hidden_states``, the hidden states of all nodes
+        (``return_hidden="all"``: the LM head still runs on one row, not on every prompt row).
         """
         width = self.prefill_width
         if not width or width > cache.capacity:
@@ -344,8 +345,8 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
                       "not compiled); SpecDecoder.warmup() builds these before timing", batch, width, cache.capacity,
                       self.cuda_graphs)  # fmt: skip
             graphed = self._prefill_graphs[key] = GraphedForward(
-                self.target, cache, batch, width, impl=self.attn_impl, return_hidden=self._wants_hidden,
-                capture=self.cuda_graphs, compile=False, logits_to_keep=0 if self._wants_hidden else 1,
+                self.target, cache, batch, width, impl=self.attn_impl, capture=self.cuda_graphs, compile=False,
+                return_hidden="all" if self._wants_hidden else False, logits_to_keep=1,
                 feature_layers=self._feature_layers,
             )  # fmt: skip
         return graphed

@@ -499,7 +499,9 @@ class GraphedForward(Replayed):
             buffers must never be reallocated while this object is used (``KVCache`` never does).
         batch, n: the static shape: B sequences, n tree nodes each (root included).
         impl: ``treeattn.tree_attention``'s ``impl``.
-        return_hidden: also produce the final hidden states (for drafters that read them).
+        return_hidden: also produce the final hidden states (for drafters that read them): True, of
+            the nodes whose logits are kept; ``"all"``, of all n nodes whatever ``logits_to_keep``
+            keeps (a prompt prefill for a drafter that reads every prompt feature: ``hf.run_state``).
         feature_layers: with ``return_hidden``, the outputs of these decoder-layer modules
             (``hf.layers_at``) instead, concatenated: ``hidden`` is ``[B, n, k * H]`` for k layers
             (``hf.run_state``; taken inside the captured / compiled body).
@@ -522,12 +524,12 @@ class GraphedForward(Replayed):
             before the first forward (prefill it first) and, like ``cache``'s, never move.
 
     Use: ``load(trees, prefix_lens)`` then ``forward()`` (or ``run`` for both) returns
-    ``(logits [B, n, V], hidden [B, n, H] or None)`` (k rows instead of n with ``logits_to_keep``)
-    -- the same tensor objects every call.
+    ``(logits [B, n, V], hidden [B, n, H] or None)`` (k rows instead of n with ``logits_to_keep``;
+    ``hidden`` keeps all n with ``return_hidden="all"``) -- the same tensor objects every call.
     """
 
     def __init__(self, model, cache: KVCache, batch: int, n: int, *, impl: str = "auto",
-                 return_hidden: bool = False, capture: bool = False, warmup: int | None = None,
+                 return_hidden: bool | str = False, capture: bool = False, warmup: int | None = None,
                  compile: bool | str = False, logits_to_keep: int = 0, shared: KVCache | None = None,
                  feature_layers: tuple[torch.nn.Module, ...] | None = None) -> None:  # fmt: skip
         super().__init__(model, cache, batch, n, capture=capture, warmup=warmup, compile=compile)
@@ -536,7 +538,9 @@ class GraphedForward(Replayed):
         self.n = n
         #: 0 = logits of every node; k = of the last k nodes only
         self.logits_to_keep = logits_to_keep
-        self.return_hidden = bool(return_hidden)
+        if return_hidden not in (False, True, "all"):
+            raise ValueError(f"return_hidden: expected False, True or 'all', got {return_hidden!r}")
+        self.return_hidden = return_hidden
         self.feature_layers = None if feature_layers is None else tuple(feature_layers)
         #: the shared prompt's cache (None: each sequence's prompt is in ``cache``)
         self.shared = shared

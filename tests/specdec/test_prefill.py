@@ -211,7 +211,9 @@ def test_hidden_state_equals_eager_prefill():
     lens = [2 * W + 3, 1, W, W + 1, 2, 3 * W, W + 2]  # position lens - 2 at chunks' first and last nodes too
     (chunked, _, got), (_, _, want) = _both_prefills(lens, drafter_cls=_HiddenOracle)
     gf = chunked.prefill_forwards[(len(lens), 48)]
-    assert gf.return_hidden and gf.logits_to_keep == 0 and tuple(gf.hidden.shape) == (len(lens), W, 64)
+    assert gf.return_hidden == "all" and tuple(gf.hidden.shape) == (len(lens), W, 64)
+    # the LM head runs on one row a sequence: nobody reads a prompt chunk's logits
+    assert gf.logits_to_keep == 1 and gf.logits.shape[:2] == (len(lens), 1)
     for b, n in enumerate(lens):
         if n == 1:
             assert got[b] is None and want[b] is None
