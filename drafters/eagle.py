@@ -458,8 +458,8 @@ class EagleDrafter(BaseDrafter):
                         self._warm_expansion(st, plan, width, budget)
                         made += 1
         if made and callable(log):
-            log(f"specdec warmup: the EAGLE drafter made {made} expansions for {max(batch_sizes, default=1)} sequence slot(s) in "
-                f"{time.perf_counter() - start:.2f} s")
+            log(f"specdec warmup: the EAGLE drafter made {made} expansions for {max(batch_sizes, default=1)} "
+                f"sequence slot(s) in {time.perf_counter() - start:.2f} s")
 
     def _warm_expansion(self, st: _SeqState, plan: ExpansionPlan, width: int, budget: int) -> None:
         """Make (with ``cuda_graphs``: capture) ``st``'s greedy expansion of ``plan`` and catch-up
