@@ -189,6 +189,22 @@ class _Proposal:
 
 
 @dataclass
+class _Prepared:
+    """One sequence's step after its catch-up's preparation (``EagleDrafter._prepare``): what its
+    expansion needs."""
+
+    st: "_SeqState"
+    plan: ExpansionPlan
+    sampling: SamplingConfig | None
+    base: int
+    root_pos: int
+    root: int
+    root_out: torch.Tensor | None  # the unfused catch-up's output for the root; None when fused
+    catch_up: CatchUp | None  # the fused catch-up's inputs; None when unfused
+    budget: int
+
+
+@dataclass
 class _Launched:
     """One sequence's expansion, launched: ``read()`` waits for its host copy and gives the tree, each
     tree node's expanded index and the ``[E, H]`` expanded features (``EagleDrafter._expand``)."""
@@ -269,6 +285,11 @@ class EagleDrafter(BaseDrafter):
             so they may run at once. Default 8: drafting at the 1.5B's shapes (depth 8, H200) at B = 4 /
             8 / 16 took 3.4 / 5.3 / 10.5 ms a step against 4.8 / 9.2 / 17.2 ms with 0 (specdec/PERF.md
             v36). Ignored off CUDA.
+        batch_expansion: with static shapes, ``propose_batch`` draws the trees of all of a call's
+            sequences in ONE expansion where it can (every sequence asked, fused catch-ups, one plan):
+            the head's forwards, the top-k and the re-ranks of the B sequences in one body (one CUDA
+            graph), the sequences' head caches copied into its batch cache and back. The same trees
+            as one proposal at a time. Default False: not yet measured on a GPU (specdec/PERF.md v36).
 
     Needs ``DraftContext.hidden`` (``needs_hidden_states = "all"``): ``[m, H]`` = the features at
     positions ``L - 1 - m .. L - 2`` (what the engine passes: those not given before; full catch-up,
@@ -283,7 +304,7 @@ class EagleDrafter(BaseDrafter):
                  static_shapes: bool | None = None, cuda_graphs: bool | None = None, draft_vocab: int | str | None = "auto",
                  profile: bool = False, compile_head: bool | str = False,
                  prompt_vocab: bool = True, attention: str = "auto", rerank: str = "auto",
-                 batch_streams: int = 8) -> None:  # fmt: skip
+                 batch_streams: int = 8, batch_expansion: bool = False) -> None:  # fmt: skip
         hf.check_causal_lm(target, "target")
         if not isinstance(head, EagleHead):
             raise ValueError(f"head: expected a drafters.eagle.EagleHead, got {type(head).__name__}")
@@ -300,6 +321,8 @@ class EagleDrafter(BaseDrafter):
             raise ValueError(f"profile: expected True or False, got {profile!r}")
         if not isinstance(prompt_vocab, bool):
             raise ValueError(f"prompt_vocab: expected True or False, got {prompt_vocab!r}")
+        if not isinstance(batch_expansion, bool):
+            raise ValueError(f"batch_expansion: expected True or False, got {batch_expansion!r}")
         if attention != "auto" and attention not in ATTENTIONS:
             raise ValueError(f"attention: expected 'auto' or one of {ATTENTIONS}, got {attention!r}")
         if rerank not in RERANKS:
@@ -387,7 +410,16 @@ class EagleDrafter(BaseDrafter):
         #: the device re-rank (``rerank_record``) as run by every expansion: compiled with ``compile_head``
         self._rerank = compile_fixed_shapes(rerank_record, compile_head) if compile_head else rerank_record
         self.static_width = max(topk, 2)
+        #: ``propose_batch`` draws every sequence's tree in one expansion where it can (``_batchable``)
+        self.batch_expansion = batch_expansion
         self._states: dict[int, _SeqState] = {}
+        #: (plan, sampling, catch-up width, sequences) -> the one expansion of a call's sequences
+        self._batch_expansions: dict[tuple, Expansion] = {}
+        #: sequences -> (their head caches, the batch cache their expansions share)
+        self._batch_caches: dict[int, tuple[list[KVCache], KVCache]] = {}
+        self._call_batch = 0  # the sequences of the current call (``reset``)
+        #: ``propose_batch`` calls whose trees one expansion of all the sequences drew (``batch_expansion``)
+        self.batched_steps = 0
         #: the least capacity of a new head cache (``warmup`` raises it to what its requests need)
         self._min_cache = 256
         #: head forwards run by the last ``propose`` (tests and accounting)
@@ -409,6 +441,7 @@ class EagleDrafter(BaseDrafter):
         reused); with ``draft_vocab`` and ``prompt_vocab``, the subset takes in the prompts' tokens at
         the call's first proposal (a call that never drafts gathers nothing)."""
         self._vocab_prompts = list(input_ids) if self._vocab_ids is not None and self.prompt_vocab else None
+        self._call_batch = len(input_ids)
         old, self._states = self._states, {}
         for b in sorted(set(old) | set(range(len(input_ids)))):  # slots beyond this batch kept for later calls
             prev = old.get(b)
@@ -432,8 +465,10 @@ class EagleDrafter(BaseDrafter):
         pairs, and unfused beyond ``FUSED_CATCH_UP``. A call's catch-up width varies with its prompt
         and, under ``tree_size="auto"``, with the plain steps since the last drafting: without this,
         each new (slot, width) captured inside a call (1.7 s of one 16-sequence call, specdec/PERF.md
-        v36). The dummy inputs write slots the next call's catch-up rewrites before any read; ``reset``
-        keeps every slot's expansions. ``log``: a callable given one line (None: quiet)."""
+        v36). With ``batch_expansion``, also the one expansion of the first B slots for each B > 1 of
+        ``batch_sizes`` at each fused width. The dummy inputs write slots the next call's catch-up
+        rewrites before any read; ``reset`` keeps every slot's expansions. ``log``: a callable given one
+        line (None: quiet)."""
         if max_len is None:
             return
         self._min_cache = max(self._min_cache, max_len + self.topk * self.depth + 2)
@@ -457,6 +492,16 @@ class EagleDrafter(BaseDrafter):
                     if (plan, None, width) not in st.expansions:
                         self._warm_expansion(st, plan, width, budget)
                         made += 1
+        if self.batch_expansion:
+            for rows in sorted({b for b in batch_sizes if b > 1}):
+                caches = [self._states[b].cache for b in range(rows)]
+                if len({c.capacity for c in caches}) != 1 or not all(c.layer_indices for c in caches):
+                    continue
+                for budget in budgets:
+                    plan, _ = self._plan(budget)
+                    for width in (w for w in widths if w):
+                        self._warm_batch_expansion(caches, plan, width, budget)
+                        made += 1
         if made and callable(log):
             log(f"specdec warmup: the EAGLE drafter made {made} expansions for {max(batch_sizes, default=1)} "
                 f"sequence slot(s) in {time.perf_counter() - start:.2f} s")
@@ -472,10 +517,21 @@ class EagleDrafter(BaseDrafter):
         if width:
             zeros = torch.zeros(1, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
             ints = [0] * width + [0] * width + [0] + [scratch] * (width - 1)
-            done = exp.launch(0, 0, None, kv_lens, CatchUp(width, ints, zeros, 0, 1), budget)
+            done = exp.launch([0], [0], None, kv_lens, [CatchUp(width, ints, zeros, 0, 1)], [budget])
         else:
             zeros = torch.zeros(self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
-            done = exp.launch(0, 0, zeros, kv_lens, None, budget)
+            done = exp.launch([0], [0], [zeros], kv_lens, None, [budget])
+        exp.fetch(done)
+
+    def _warm_batch_expansion(self, caches: list[KVCache], plan: ExpansionPlan, width: int, budget: int) -> None:
+        """Make (with ``cuda_graphs``: capture) the greedy expansion of the sequences of ``caches`` at
+        catch-up ``width`` by running it once on ``_warm_expansion``'s dummy inputs in every row."""
+        exp = self._batch_expansion(caches, plan, None, width)
+        zeros = torch.zeros(1, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
+        ints = [0] * width + [0] * width + [0] + [caches[0].capacity - 1] * (width - 1)
+        rows = len(caches)
+        done = exp.launch([0] * rows, [0] * rows, None, [caches[0].capacity] * (plan.depth - 1),
+                          [CatchUp(width, ints, zeros, 0, 1)] * rows, [budget] * rows)  # fmt: skip
         exp.fetch(done)
 
     @torch.no_grad()
@@ -509,7 +565,14 @@ class EagleDrafter(BaseDrafter):
         self.last_forwards, self.last_capture_s = 0, 0.0
         self._gather_prompt_vocab()  # on the current stream, before any side stream reads the subset
         streams = self._streams[: len(contexts)] if len(contexts) > 1 else []
-        if not streams:
+        if self.batch_expansion and self.static_shapes and len(contexts) > 1:
+            preps = [self._prepare(c) for c in contexts]
+            if self._batchable(contexts, preps):
+                trees = self._expand_batch(preps)
+                self._count(start, len(contexts))
+                return trees
+            launched = [self._launch_prepared(p) for p in preps]  # on the current stream
+        elif not streams:
             launched = [self._launch(c) for c in contexts]
         else:  # every side stream after the work that made the contexts' features; the main one after them
             main = torch.cuda.current_stream(self.device)
@@ -559,6 +622,21 @@ class EagleDrafter(BaseDrafter):
     def _launch(self, context: DraftContext) -> "TokenTree | _Launched":
         """Steps 1 and 2 of the module doc for one sequence, up to the expansion's copy to the host
         (queued, not waited for): a root-only tree where there is nothing to expand."""
+        return self._launch_prepared(self._prepare(context))
+
+    def _launch_prepared(self, prep: "TokenTree | _Prepared") -> "TokenTree | _Launched":
+        """Step 2 of the module doc for a prepared sequence (``_prepare``): expand depth by depth
+        (EAGLE-2) on the device, step 3 (the re-rank) when the copy is read."""
+        if isinstance(prep, TokenTree):
+            return prep
+        read = self._expand(prep.st, prep.plan, prep.sampling, prep.base, prep.root_pos, prep.root_out, prep.root,
+                            prep.catch_up, prep.budget)  # fmt: skip
+        return _Launched(prep.st, read, prep.base, prep.root_pos)
+
+    def _prepare(self, context: DraftContext) -> "TokenTree | _Prepared":
+        """Step 1 of the module doc for one sequence: its catch-up's inputs when it runs fused inside
+        the expansion (else the catch-up itself), the expansion's inputs, the sequence's state moved
+        on to them; a root-only tree where there is nothing to expand."""
         self._gather_prompt_vocab()
         tokens = _host_array(context.tokens)
         n_tok, root = len(tokens), int(tokens[-1])
@@ -599,10 +677,65 @@ class EagleDrafter(BaseDrafter):
         st.feats = {}
         st.cache.lengths = [base]
         self._mark("catch_up")
+        return _Prepared(st, plan, context.sampling, base, root_pos, root, root_out, catch_up, budget)
 
-        # 2. expand depth by depth (EAGLE-2) on the device; 3. (the re-rank) when the copy is read
-        read = self._expand(st, plan, context.sampling, base, root_pos, root_out, root, catch_up, budget)
-        return _Launched(st, read, base, root_pos)
+    def _batchable(self, contexts: Sequence[DraftContext], preps: "list[TokenTree | _Prepared]") -> bool:
+        """Whether one expansion of all the call's sequences can draw this step's trees (``propose_batch``):
+        static shapes, at least two sequences, every one of the call's asked and expanding (none
+        finished or root-only), each catch-up fused, one plan and sampling, head caches written and of
+        one capacity."""
+        if not self.static_shapes or len(preps) < 2 or len(preps) != self._call_batch:
+            return False
+        if sorted(c.seq for c in contexts) != list(range(len(preps))):
+            return False
+        if not all(isinstance(p, _Prepared) and p.catch_up is not None for p in preps):
+            return False
+        first = preps[0]
+        return all(p.plan == first.plan and p.sampling == first.sampling and p.st.cache.layer_indices
+                   and p.st.cache.capacity == first.st.cache.capacity for p in preps)  # fmt: skip
+
+    def _batch_expansion(self, caches: list[KVCache], plan: ExpansionPlan, sampling: SamplingConfig | None,
+                         width: int) -> Expansion:  # fmt: skip
+        """The one expansion of the sequences whose head caches are ``caches`` (made on first use, again
+        when a cache changed), in a batch cache shared by every such expansion of those caches."""
+        key = (plan, sampling, width, len(caches))
+        exp = self._batch_expansions.get(key)
+        if exp is None or any(a is not b for a, b in zip(exp.sources, caches)):
+            room = self._batch_caches.get(len(caches))
+            if room is None or any(a is not b for a, b in zip(room[0], caches)):  # a cache was replaced (grown)
+                self._batch_expansions = {k: v for k, v in self._batch_expansions.items() if k[3] != len(caches)}
+                cache = KVCache(len(caches), caches[0].capacity, num_layers=1)
+                cache.allocate_like(caches[0])
+                room = self._batch_caches[len(caches)] = (list(caches), cache)
+            exp = self._batch_expansions[key] = Expansion(self, caches, plan, sampling, self.cuda_graphs, width,
+                                                          rerank=self.rerank == "device", batch_cache=room[1])  # fmt: skip
+        return exp
+
+    def _expand_batch(self, preps: "list[_Prepared]") -> list[TokenTree]:
+        """Steps 2 and 3 of the module doc for every sequence of the call in one expansion (its rows the
+        sequences, in slot order; each catch-up padded to the widest's width): one launch, one copy to
+        the host, then each row's tree; each sequence's proposal kept for ``update``."""
+        plan, sampling = preps[0].plan, preps[0].sampling
+        width = max(p.catch_up.width for p in preps)
+        caches = [p.st.cache for p in preps]
+        exp = self._batch_expansion(caches, plan, sampling, width)
+        captured = exp.graph is not None
+        kv_lens = [caches[0].capacity] * (plan.depth - 1)
+        catch_ups = [p.catch_up.padded(width, p.st.cache.capacity - 1) for p in preps]
+        done = exp.launch([p.base for p in preps], [p.root_pos for p in preps], None, kv_lens, catch_ups,
+                          [p.budget for p in preps])  # fmt: skip
+        if exp.capture and not captured:
+            self.last_capture_s += exp.capture_s or 0.0
+            self.captured_s += exp.capture_s or 0.0
+        self.last_forwards += plan.depth
+        self.batched_steps += 1
+        host = exp.fetch(done)
+        trees = []
+        for b, p in enumerate(preps):
+            tree, node_exp = exp.host_tree(host[b], p.root, p.budget)
+            p.st.last = _Proposal(tree.n, node_exp, exp.feat[b], p.base, p.root_pos)
+            trees.append(tree)
+        return trees
 
     def _plan(self, budget: int) -> tuple[ExpansionPlan, int]:
         """The expansion's plan for a node budget, and its most expanded nodes (the root included).
@@ -646,12 +779,13 @@ class EagleDrafter(BaseDrafter):
         cap = st.cache.capacity
         kv_lens = [cap if self.static_shapes else base + plan.offsets[d] + plan.rows[d] for d in range(1, plan.depth)]
         captured = exp.graph is not None
-        done = exp.launch(base, root_pos, root_feat, kv_lens, catch_up, budget)
+        done = exp.launch([base], [root_pos], None if root_feat is None else [root_feat], kv_lens,
+                          None if catch_up is None else [catch_up], [budget])  # fmt: skip
         if exp.capture and not captured:
             self.last_capture_s += exp.capture_s or 0.0
             self.captured_s += exp.capture_s or 0.0
         self.last_forwards += plan.depth - 1 + int(catch_up is not None)
-        return lambda: (*exp.host_tree(exp.fetch(done), root, budget), exp.feat)
+        return lambda: (*exp.host_tree(exp.fetch(done)[0], root, budget), exp.feat[0])
 
     def _mark(self, phase: str) -> None:
         """With ``profile``: the time since the last mark (device synchronized) goes to ``phase``."""
@@ -764,7 +898,7 @@ class EagleDrafter(BaseDrafter):
         ints = to_device(torch.tensor([ids, positions, list(range(keep, base + 1))], dtype=torch.int64), self.device)
         m = len(positions)
         visible = self._catch_up_visible(keep, m, m, base + 1, padded=False, device=self.device)
-        out = self._forward(st.cache, ints[0], feats, ints[1:2], ints[2], visible)
+        out = self._forward(st.cache, ints[None, 0], feats[None], ints[None, 1], ints[None, 2], visible)[0]
         self.last_forwards += 1
         return out
 
@@ -789,42 +923,46 @@ class EagleDrafter(BaseDrafter):
 
     @staticmethod
     def _catch_up_visible(keep, m, rows: int, kv_len: int, padded: bool, device: torch.device) -> torch.Tensor:
-        """bool ``[rows, kv_len]``: row i < m sees the committed slots ``[0, keep)`` and the pending
-        slots ``keep .. keep + i``; with ``padded``, rows >= m see only the scratch slot ``kv_len - 1``.
-        ``keep`` / ``m``: ints or 0-d device tensors (a captured graph's inputs)."""
+        """bool ``[B, rows, kv_len]``: in sequence b, row i < m sees the committed slots ``[0, keep)`` and
+        the pending slots ``keep .. keep + i``; with ``padded``, rows >= m see only the scratch slot
+        ``kv_len - 1``. ``keep`` / ``m``: ints (B = 1) or int64 ``[B]`` device tensors (a captured
+        graph's inputs)."""
+        keep, m = (x.view(-1, 1, 1) if isinstance(x, torch.Tensor) else x for x in (keep, m))
         row = torch.arange(rows, device=device)[:, None]
         col = torch.arange(kv_len, device=device)[None]
         visible = (col < keep) | ((col >= keep) & (col <= keep + row))
         if padded:
             visible = torch.where(row < m, visible, col == kv_len - 1)
-        return visible
+        return visible if visible.dim() == 3 else visible[None]
 
     def _forward(self, cache: KVCache, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """One head forward of r pairs over ``cache`` (device tensors, no host sync).
+        """One head forward of r pairs of each of B sequences over ``cache`` (batch size B; device
+        tensors, no host sync).
 
         Args:
-            ids: int64 ``[r]``, the pairs' tokens.
-            feats: ``[r, H]``, the pairs' features.
-            positions: int64 ``[1, r]``, their positions.
-            slots: int64 ``[r]``, the cache slots their KV goes to.
-            visible: bool ``[r, kv_len]``, the slots each pair attends to (its own included).
+            ids: int64 ``[B, r]``, the pairs' tokens.
+            feats: ``[B, r, H]``, the pairs' features.
+            positions: int64 ``[B, r]``, their positions.
+            slots: int64 ``[B, r]``, the cache slots their KV goes to.
+            visible: bool ``[B, r, kv_len]``, the slots each pair attends to (its own included).
 
         Returns:
-            ``[r, H]`` output features.
+            ``[B, r, H]`` output features.
         """
-        state = MaskedState(cache, slots[None], positions, visible[None])
-        return self.head(self.parts, ids[None], feats[None], positions, state)[0]
+        state = MaskedState(cache, slots, positions, visible)
+        return self.head(self.parts, ids, feats, positions, state)
 
     def _tree_forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                       state: TreeState) -> torch.Tensor:  # fmt: skip
-        """One head forward of the tree rows of ``attention="tree"`` (``expand_depths``' ``tree``).
+        """One head forward of the tree rows of ``attention="tree"`` of B sequences (``expand_depths``'
+        ``tree``, or a fused catch-up's chain).
 
         Args:
-            ids: int64 ``[1, n]``, the rows' tokens; feats: ``[n, H]``, their input features;
-            positions: int64 ``[1, n]``; state: where their keys / values go and what each row sees.
+            ids: int64 ``[B, n]``, the rows' tokens; feats: ``[B, n, H]``, their input features;
+            positions: int64 ``[B, n]``; state: where their keys / values go and what each row sees.
 
         Returns:
-            ``[n, H]`` output features.
+            ``[B, n, H]`` output features.
         """
-        return self.head(self.parts, ids, feats[None], positions, state)[0]
+        return self.head(self.parts, ids, feats, positions, state)

@@ -7,9 +7,10 @@ top-``w``, float64 cumulative scores, a stable sort for the next frontier, its a
 mask, and one head forward. ``rerank_record`` is the same re-rank as ``ExpansionPlan.tree`` in torch
 ops on the record's device (static shapes, no host sync; the budget a device scalar), writing the
 tree's tokens, parents and expanded indices. ``Expansion`` runs the loop (and with ``rerank`` the
-re-rank after it) over one sequence's head cache at fixed addresses (eagerly, or recorded once as a
-CUDA graph and replayed), with the step's catch-up fused in front when it is short (``CatchUp``);
-the record, or with ``rerank`` the re-ranked tree, comes back to the host in one copy.
+re-rank after it) over one sequence's head cache at fixed addresses, or over B sequences' caches at
+once (copied into a batch cache and back: one head forward of all their rows a depth), eagerly or
+recorded once as a CUDA graph and replayed, with the step's catch-up fused in front when it is short
+(``CatchUp``); the records, or with ``rerank`` the re-ranked trees, come back to the host in one copy.
 
 They reach the head through the drafter (``drafters.eagle.EagleDrafter``), whatever offers the
 methods ``ExpansionHost`` lists.
@@ -117,12 +118,12 @@ class ExpansionPlan:
         return 2 * self.depth * self.n_max + (self.depth - 1) * self.topk
 
     def views(self, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(tokens [depth, n_max] int64, scores [depth, n_max] float64, picks [depth - 1, topk] int64)``,
-        views of ``record`` (device or host)."""
-        size = self.depth * self.n_max
-        tok = record[:size].view(self.depth, self.n_max)
-        score = record[size : 2 * size].view(torch.float64).view(self.depth, self.n_max)
-        pick = record[2 * size :].view(self.depth - 1, self.topk)
+        """``(tokens [..., depth, n_max] int64, scores [..., depth, n_max] float64, picks [..., depth - 1,
+        topk] int64)``, views of ``record [..., record_size]`` (device or host; rows contiguous)."""
+        size, lead = self.depth * self.n_max, record.shape[:-1]
+        tok = record[..., :size].view(*lead, self.depth, self.n_max)
+        score = record[..., size : 2 * size].view(torch.float64).view(*lead, self.depth, self.n_max)
+        pick = record[..., 2 * size :].view(*lead, self.depth - 1, self.topk)
         return tok, score, pick
 
     @functools.cached_property
@@ -225,24 +226,29 @@ class ExpansionPlan:
 
 
 def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
-                   kv_lens: tuple[int, ...], scalars: torch.Tensor, feat: torch.Tensor, tok: torch.Tensor,
-                   score_out: torch.Tensor, pick_out: torch.Tensor,
-                   tree: "tuple[torch.Tensor, ...] | None" = None) -> None:  # fmt: skip
-    """Depths 1 .. ``plan.depth`` of an expansion on the device: candidates, the next frontier, its
-    head forward (``Expansion``'s loop; a module function of tensors and fixed-shape inputs so one
-    ``torch.compile`` of it serves every expansion of the same shapes).
+                  kv_lens: tuple[int, ...], scalars: torch.Tensor, feat: torch.Tensor, tok: torch.Tensor,
+                  score_out: torch.Tensor, pick_out: torch.Tensor,
+                  tree: "tuple[torch.Tensor, ...] | None" = None) -> None:  # fmt: skip
+    """Depths 1 .. ``plan.depth`` of the expansions of B sequences at once on the device: candidates,
+    the next frontier, its head forward (``Expansion``'s loop; a module function of tensors and
+    fixed-shape inputs so one ``torch.compile`` of it serves every expansion of the same shapes).
+    Each sequence (row b) draws its own tree, as it would alone: the head's GEMMs and the top-k run
+    over the rows of all B at once, the frontier picks per row.
 
     Args:
-        scalars: int64 ``[>= 2]`` on the device: (slot of the root's pair ``base``, the root's position).
-        feat: ``[E, H]``; row 0 holds the root's output feature, rows ``plan.offsets[d] ..`` get
-            the features of the nodes expanded at depth d.
-        tok, score_out, pick_out: the record's views (``ExpansionPlan.views``), written in place.
+        cache: the head's cache of the B sequences (batch size B).
+        scalars: int64 ``[B, >= 2]`` on the device: per row (slot of the root's pair ``base``, the
+            root's position).
+        feat: ``[B, E, H]``; ``[:, 0]`` holds the roots' output features, ``[:, plan.offsets[d] ..]``
+            get the features of the nodes expanded at depth d.
+        tok, score_out, pick_out: the records' views (``ExpansionPlan.views`` of ``[B, record_size]``),
+            written in place.
         kv_lens: ``kv_lens[d - 1]``: the cache slots ``[0, kv_lens[d - 1])`` the head forward of
             the nodes picked at depth d attends to (the whole capacity with static shapes).
         tree: None: each depth's forward runs its picked nodes as queries under an explicit mask
             over ``kv_lens`` slots (``MaskedState``). Else ``attention="tree"``'s buffers (``Expansion``):
-            ``(ids [1, E - 1], inputs [E - 1, H], positions [1, E - 1], slots [1, E - 1], prefix [1],
-            words [1, E - 1, nw], depths [1, E - 1])``: each depth's forward runs ALL expanded nodes
+            ``(ids [B, E - 1], inputs [B, E - 1, H], positions [B, E - 1], slots [B, E - 1], prefix [B],
+            words [B, E - 1, nw], depths [B, E - 1])``: each depth's forward runs ALL expanded nodes
             after the root through the tree kernel (``specdec.attention.TreeState``): the committed
             pairs and the root form the prefix, row j is expanded node j + 1 with its ancestors-or-self
             as words. Rows of earlier depths recompute the keys / values they wrote (same inputs, same
@@ -250,50 +256,54 @@ def expand_depths(drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, s
             its own rows' outputs. At a few dozen rows the head's GEMMs still only stream weights.
     """
     dev, width, expanded = feat.device, plan.width, plan.expanded
-    base, root_pos = scalars[0], scalars[1]
+    batch, hidden = feat.shape[0], feat.shape[-1]
+    base, root_pos = scalars[:, 0], scalars[:, 1]
     cols = torch.arange(expanded, device=dev)
-    anc = (cols == 0)[None]  # [rows, E]: each frontier row's expanded ancestors-or-self (the root: itself)
-    feats = feat[:1]  # output features of the frontier rows
-    score = torch.zeros(1, dtype=torch.float64, device=dev)  # their cumulative draft log-probabilities
+    anc = (cols == 0).expand(batch, 1, expanded)  # [B, rows, E]: each frontier row's expanded ancestors-or-self
+    feats = feat[:, :1]  # output features of the frontier rows
+    score = torch.zeros(batch, 1, dtype=torch.float64, device=dev)  # their cumulative draft log-probabilities
     if tree is not None:
         ids, inputs, tree_pos, tree_slots, prefix, words, depths = tree
-        prefix.copy_((base + 1).view(1))
-        tree_slots[0].copy_(base + cols[1:])
-        tree_pos[0].copy_(root_pos + depths[0])
+        prefix.copy_(base + 1)
+        tree_slots.copy_(base[:, None] + cols[1:])
+        tree_pos.copy_(root_pos[:, None] + depths)
         state = TreeState(cache, tree_slots, prefix, words, depths)
     for d in range(1, plan.depth + 1):
-        n = plan.cand[d - 1]
-        logits = drafter._draft_logits(feats)  # [rows, V] or, with draft_vocab, [rows, N] over the subset
+        n, frontier = plan.cand[d - 1], feats.shape[1]
+        logits = drafter._draft_logits(feats.reshape(batch * frontier, hidden))  # [B * rows, V or N]
         logq = torch.log_softmax(logits if sampling is None else warp_logits(logits, sampling), dim=-1)
         vals, idx = row_topk(logq, width)
         # float64 sums, as the former host loop added Python floats: same scores, same order
-        cand_score = (score[:, None] + vals.double()).reshape(n)
-        cand_tok = drafter._token_ids(idx).reshape(n)
-        tok[d - 1, :n].copy_(cand_tok)
-        score_out[d - 1, :n].copy_(cand_score)
+        cand_score = (score[:, :, None] + vals.double().view(batch, frontier, width)).reshape(batch, n)
+        cand_tok = drafter._token_ids(idx).reshape(batch, n)
+        tok[:, d - 1, :n].copy_(cand_tok)
+        score_out[:, d - 1, :n].copy_(cand_score)
         if d == plan.depth:
             break
         rows, off = plan.rows[d], plan.offsets[d]
-        # the best `rows` candidates; stable: equal scores keep candidate order (the host loop's)
+        # the best `rows` candidates of each sequence; stable: equal scores keep candidate order (the host loop's)
         pick = best_k(cand_score, rows)
-        pick_out[d - 1, :rows].copy_(pick)
+        pick_out[:, d - 1, :rows].copy_(pick)
         parent = torch.div(pick, width, rounding_mode="floor")  # frontier row of depth d - 1
         own = off + torch.arange(rows, device=dev)  # expanded indices of the new rows
-        anc = anc[parent] | (cols[None] == own[:, None])
+        anc = anc.gather(1, parent[:, :, None].expand(batch, rows, expanded)) | (cols == own[:, None])
+        picked = cand_tok.gather(1, pick)
+        parent_feats = feats.gather(1, parent[:, :, None].expand(batch, rows, hidden))
         if tree is None:
-            rel = torch.arange(kv_lens[d - 1], device=dev) - base  # slot - base: expanded index
-            visible = (rel < 0)[None] | (anc[:, rel.clamp(0, expanded - 1)] & (rel < expanded)[None])
-            positions = (root_pos + d).expand(1, rows)
-            out = drafter._forward(cache, cand_tok[pick], feats[parent], positions, base + own, visible)
+            rel = torch.arange(kv_lens[d - 1], device=dev) - base[:, None]  # [B, kv]: slot - base, expanded index
+            seen = anc.gather(2, rel.clamp(0, expanded - 1)[:, None, :].expand(batch, rows, rel.shape[1]))
+            visible = (rel < 0)[:, None, :] | (seen & (rel < expanded)[:, None, :])
+            positions = (root_pos + d)[:, None].expand(batch, rows)
+            out = drafter._forward(cache, picked, parent_feats, positions, base[:, None] + own, visible)
         else:  # this depth's rows of the tree: tokens, input features, ancestors-or-self (the root dropped)
             lo = off - 1
-            ids[0, lo : lo + rows].copy_(cand_tok[pick])
-            inputs[lo : lo + rows].copy_(feats[parent])
-            words[0, lo : lo + rows].copy_(pack_bits(anc[:, 1:]))
-            out = drafter._tree_forward(ids, inputs, tree_pos, state)[lo : lo + rows]
-        feat[off : off + rows].copy_(out)
-        feats = feat[off : off + rows]
-        score = cand_score[pick]
+            ids[:, lo : lo + rows].copy_(picked)
+            inputs[:, lo : lo + rows].copy_(parent_feats)
+            words[:, lo : lo + rows].copy_(pack_bits(anc[:, :, 1:]))
+            out = drafter._tree_forward(ids, inputs, tree_pos, state)[:, lo : lo + rows]
+        feat[:, off : off + rows].copy_(out)
+        feats = feat[:, off : off + rows]
+        score = cand_score.gather(1, pick)
 
 
 def rerank_record(plan: ExpansionPlan, index: dict[str, torch.Tensor], record: torch.Tensor, budget: torch.Tensor,
@@ -355,85 +365,118 @@ def rerank_record(plan: ExpansionPlan, index: dict[str, torch.Tensor], record: t
 
 
 class Expansion:
-    """One plan's expansion over one sequence's head cache, at fixed addresses.
+    """One plan's expansion of B sequences (rows) at fixed addresses: one sequence's head cache (B = 1),
+    or B sequences' caches (``sources``) copied into a batch cache of its own and back around the loop.
 
-    Inputs, refilled in place every step (``launch``): ``scalars`` = (slot of the root's pair ``base``,
-    the root's position, the catch-up's ``keep`` and ``m``, the node budget) and ``feat[0]`` = the
-    root's output feature (from the catch-up). Outputs: ``feat [E, H]`` = the output features of the
-    ``E = plan.expanded`` expanded nodes (index e at cache slot ``base + e``), ``record`` (see
-    ``ExpansionPlan``) and with ``rerank`` ``ranked`` (int64 ``[3, P]``, ``rerank_record``'s tree).
-    ``_body`` -- the whole loop, one head forward per depth after the root, then with ``rerank`` the
-    re-rank -- reads nothing but these buffers, the head's weights and the cache, never syncs with
-    the host and has shapes fixed by (plan, cache capacity) when run over the whole capacity:
-    ``capture=True`` records it once as a CUDA graph and replays it; ``capture=False`` runs the same
-    body eagerly (what CPU tests check).
+    Inputs, refilled in place every step (``launch``): ``scalars [B, 5]`` = per row (slot of the root's
+    pair ``base``, the root's position, the catch-up's ``keep`` and ``m``, the node budget) and
+    ``feat[:, 0]`` = the roots' output features (from the catch-up). Outputs: ``feat [B, E, H]`` = the
+    output features of the ``E = plan.expanded`` expanded nodes of each row (index e at cache slot
+    ``base + e``), ``record [B, record_size]`` (see ``ExpansionPlan``) and with ``rerank`` ``ranked``
+    (int64 ``[B, 3, P]``, ``rerank_record``'s trees). ``_body`` -- with ``sources`` their copy in, the
+    whole loop (one head forward of all rows per depth after the root), their copy back, then with
+    ``rerank`` each row's re-rank -- reads nothing but these buffers, the head's weights and the
+    caches, never syncs with the host and has shapes fixed by (B, plan, cache capacity) when run over
+    the whole capacity: ``capture=True`` records it once as a CUDA graph and replays it;
+    ``capture=False`` runs the same body eagerly (what CPU tests check).
     """
 
-    def __init__(self, drafter: ExpansionHost, cache: KVCache, plan: ExpansionPlan, sampling: SamplingConfig | None,
-                 capture: bool, width: int = 0, rerank: bool = False) -> None:  # fmt: skip
+    def __init__(self, drafter: ExpansionHost, cache: KVCache | Sequence[KVCache], plan: ExpansionPlan,
+                 sampling: SamplingConfig | None, capture: bool, width: int = 0, rerank: bool = False,
+                 batch_cache: KVCache | None = None) -> None:  # fmt: skip
+        """``cache``: one sequence's head cache, or B sequences' caches (``sources``): then the body
+        works in ``batch_cache`` (B sequences of their capacity, buffers allocated; one may serve every
+        expansion of the same sources: their bodies run one after another), a new one if None."""
         dev, w = drafter.device, drafter.head.fc.weight
-        self.drafter, self.cache, self.plan, self.sampling, self.capture = drafter, cache, plan, sampling, capture
+        self.drafter, self.plan, self.sampling, self.capture = drafter, plan, sampling, capture
+        #: the B sequences' own caches when B > 1 (copied into ``cache`` and back by the body); None: B = 1
+        self.sources: list[KVCache] | None = None
+        if isinstance(cache, KVCache):
+            self.cache = cache
+        else:
+            self.sources = list(cache)
+            if len({c.capacity for c in self.sources}) != 1 or any(not c.layer_indices for c in self.sources):
+                raise ValueError("cache: expected the sequences' caches of one capacity, every one written")
+            if batch_cache is None:
+                batch_cache = KVCache(len(self.sources), self.sources[0].capacity, num_layers=1)
+                batch_cache.allocate_like(self.sources[0])
+            if (batch_cache.batch_size, batch_cache.capacity) != (len(self.sources), self.sources[0].capacity):
+                raise ValueError(f"batch_cache: expected {len(self.sources)} sequences of {self.sources[0].capacity} "
+                                 f"slots, got {batch_cache.batch_size} of {batch_cache.capacity}")  # fmt: skip
+            self.cache = batch_cache
+        rows = self.cache.batch_size
         self.width = width  # rows of the fused catch-up; 0: not fused
         #: the re-rank on the device, inside the body (``rerank_record``); False: on the host from the record
         self.rerank = rerank
-        # the step's int64 inputs: (base, root_pos, keep, m, budget), then when fused the catch-up's [3, width]
-        # (token ids, positions, slots); the scalars in a tensor of their own, so that the compiled depth
-        # loop sees the same input at every catch-up width (a view into a width-sized block would not)
-        self.scalars = torch.zeros(5, dtype=torch.int64, device=dev)
-        self.catch_ints = torch.zeros(3, width, dtype=torch.int64, device=dev)
-        self.catch_feat = torch.zeros(width, drafter.head.hidden_size, dtype=w.dtype, device=dev)
-        self.feat = torch.zeros(plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
-        self.record = torch.zeros(plan.record_size, dtype=torch.int64, device=dev)
+        # the step's int64 inputs: per row (base, root_pos, keep, m, budget), then when fused the catch-up's
+        # [3, width] (token ids, positions, slots); the scalars in a tensor of their own, so that the compiled
+        # depth loop sees the same input at every catch-up width (a view into a width-sized block would not)
+        self.scalars = torch.zeros(rows, 5, dtype=torch.int64, device=dev)
+        self.catch_ints = torch.zeros(rows, 3, width, dtype=torch.int64, device=dev)
+        self.catch_feat = torch.zeros(rows, width, drafter.head.hidden_size, dtype=w.dtype, device=dev)
+        self.feat = torch.zeros(rows, plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
+        self.record = torch.zeros(rows, plan.record_size, dtype=torch.int64, device=dev)
         self.tok, self.score, self.pick = plan.views(self.record)
         self.index = plan.device_index(dev) if rerank else None
-        self.ranked = torch.zeros(3, plan.pool_size, dtype=torch.int64, device=dev) if rerank else None
+        self.ranked = torch.zeros(rows, 3, plan.pool_size, dtype=torch.int64, device=dev) if rerank else None
+        i64 = dict(dtype=torch.int64, device=dev)
         #: ``attention="tree"``: the tree rows' buffers (``expand_depths``' ``tree``); None otherwise
         self.tree: tuple[torch.Tensor, ...] | None = None
         #: ``attention="tree"`` and a catch-up of at most E + 1 rows: its forward through the tree kernel
-        #: (``_catch_up_body``): (slots [1, width], prefix [1], causal words, row ids [1, width]); else None
+        #: (``_catch_up_body``): (slots [B, width], prefix [B], causal words, row ids [B, width]); else None
         self.catch_tree: tuple[torch.Tensor, ...] | None = None
         if drafter.attention == "tree" and 0 < width <= plan.expanded + 1:
-            i64 = dict(dtype=torch.int64, device=dev)
-            causal = pack_bits(torch.ones(width, width, dtype=torch.bool, device=dev).tril())[None]
-            self.catch_tree = (torch.zeros(1, width, **i64), torch.zeros(1, **i64), causal,
-                               torch.arange(width, **i64)[None])  # fmt: skip
+            causal = pack_bits(torch.ones(width, width, dtype=torch.bool, device=dev).tril())
+            self.catch_tree = (torch.zeros(rows, width, **i64), torch.zeros(rows, **i64),
+                               causal.expand(rows, width, causal.shape[-1]).contiguous(),
+                               torch.arange(width, **i64).expand(rows, width).contiguous())  # fmt: skip
         if drafter.attention == "tree" and plan.depth > 1:
-            n, i64 = plan.expanded - 1, dict(dtype=torch.int64, device=dev)
-            depths = torch.tensor([plan.row_depths], **i64)
-            words = pack_bits(torch.eye(n, dtype=torch.bool, device=dev))[None]
-            inputs = torch.zeros(n, drafter.head.hidden_size, dtype=w.dtype, device=dev)
-            self.tree = (torch.zeros(1, n, **i64), inputs, torch.zeros(1, n, **i64), torch.zeros(1, n, **i64),
-                         torch.zeros(1, **i64), words, depths)  # fmt: skip
+            n = plan.expanded - 1
+            depths = torch.tensor([plan.row_depths], **i64).expand(rows, n).contiguous()
+            words = pack_bits(torch.eye(n, dtype=torch.bool, device=dev)).expand(rows, n, -1).contiguous()
+            inputs = torch.zeros(rows, n, drafter.head.hidden_size, dtype=w.dtype, device=dev)
+            self.tree = (torch.zeros(rows, n, **i64), inputs, torch.zeros(rows, n, **i64), torch.zeros(rows, n, **i64),
+                         torch.zeros(rows, **i64), words, depths)  # fmt: skip
         self.graph = None  # torch.cuda.CUDAGraph once captured
         #: seconds the capture took (warm-up forwards + recording), None before / without it
         self.capture_s: float | None = None
-        self._host: torch.Tensor | None = None  # pinned host copy of the record / ranked tree (GPU)
+        self._host: torch.Tensor | None = None  # pinned host copy of the records / ranked trees (GPU)
 
     @torch.no_grad()
-    def launch(self, base: int, root_pos: int, root_feat: torch.Tensor | None, kv_lens: Sequence[int],
-               catch_up: "CatchUp | None" = None, budget: int = 0) -> "torch.cuda.Event | None":  # fmt: skip
-        """Load the step's inputs and expand; on a GPU queue the copy of the record, or with ``rerank``
-        of the re-ranked tree of ``budget`` nodes (``ranked``), to a pinned host buffer and return an
-        event recorded behind it (None on a CPU). ``fetch`` waits for it: the step's one sync, so
-        several sequences' expansions can be launched before the first is read.
+    def launch(self, base: Sequence[int], root_pos: Sequence[int], root_feat: Sequence[torch.Tensor] | None,
+               kv_lens: Sequence[int], catch_up: "Sequence[CatchUp] | None" = None,
+               budget: Sequence[int] = ()) -> "torch.cuda.Event | None":  # fmt: skip
+        """Load the step's inputs, one entry per row, and expand; on a GPU queue the copy of the records,
+        or with ``rerank`` of the re-ranked trees of ``budget`` nodes (``ranked``), to a pinned host
+        buffer and return an event recorded behind it (None on a CPU). ``fetch`` waits for it: the
+        step's one sync, so several expansions can be launched before the first is read.
 
         ``kv_lens[d - 1]``: attention reads cache slots ``[0, kv_lens[d - 1])`` at depth d (eager
-        only; a captured graph reads the whole capacity). Unfused: ``root_feat`` is the catch-up's
-        output for the root. Fused: ``catch_up`` holds the catch-up's inputs (padded to
-        ``width`` rows), and the body runs it first (``root_feat`` is None).
+        only, B = 1; a captured graph reads the whole capacity). Unfused: ``root_feat`` holds the
+        catch-ups' outputs for the roots. Fused: ``catch_up`` holds the catch-ups' inputs (padded to
+        ``width`` rows), and the body runs them first (``root_feat`` is None).
         """
-        if self.width != (catch_up.width if catch_up is not None else 0):
+        rows = self.cache.batch_size
+        if any(len(x) != rows for x in (base, root_pos, budget, *([catch_up] if catch_up is not None else []))):
+            raise ValueError(f"launch: expected one entry per row ({rows})")
+        if any(self.width != c.width for c in catch_up or ()) or (catch_up is None) != (self.width == 0):
             raise RuntimeError("catch_up: expected it exactly for a fused expansion, of its width")
-        head = [base, root_pos] + ([catch_up.keep, catch_up.m] if catch_up is not None else [0, 0]) + [budget]
-        stage = torch.tensor(head + (catch_up.ints if catch_up is not None else []), dtype=torch.int64)
+        head, ints = [], []
+        for b in range(rows):
+            c = catch_up[b] if catch_up is not None else None
+            head += [base[b], root_pos[b]] + ([c.keep, c.m] if c is not None else [0, 0]) + [budget[b]]
+            ints += c.ints if c is not None else []
+        stage = torch.tensor(head + ints, dtype=torch.int64)
         if self.scalars.is_cuda:
             stage = stage.pin_memory()
-        self.scalars.copy_(stage[:5], non_blocking=True)
+        self.scalars.view(-1).copy_(stage[: 5 * rows], non_blocking=True)
         if catch_up is not None:
-            self.catch_ints.view(-1).copy_(stage[5:], non_blocking=True)
-            self.catch_feat[: catch_up.m].copy_(catch_up.feats)
+            self.catch_ints.view(-1).copy_(stage[5 * rows :], non_blocking=True)
+            for b, c in enumerate(catch_up):
+                self.catch_feat[b, : c.m].copy_(c.feats)
         else:
-            self.feat[0].copy_(root_feat)
+            for b, f in enumerate(root_feat):
+                self.feat[b, 0].copy_(f)
         if self.capture:
             if self.graph is None:
                 self._capture()
@@ -452,8 +495,8 @@ class Expansion:
         return done
 
     def fetch(self, done: "torch.cuda.Event | None") -> torch.Tensor:
-        """The host copy ``launch`` queued (it returned ``done``), once it landed; read it with
-        ``host_tree`` before this expansion's next ``launch``."""
+        """The host copy ``launch`` queued (it returned ``done``), once it landed, ``[B, ...]``; read
+        it with ``host_tree`` before this expansion's next ``launch``."""
         if done is None:  # on a CPU the same tensor (still the one copy per step the tests count)
             host = (self.ranked if self.rerank else self.record).cpu()
         else:
@@ -464,45 +507,60 @@ class Expansion:
 
     def host_tree(self, host: torch.Tensor, root: int, budget: int) -> tuple[TokenTree, list[int]]:
         """The tree of ``budget`` nodes (``root`` at node 0) and each tree node's expanded index (-1:
-        never expanded) from ``fetch``'s host copy: ``ExpansionPlan.ranked_tree`` of the device's
-        re-rank (``rerank``; ``budget`` must be ``launch``'s), else ``ExpansionPlan.tree`` of the record."""
+        never expanded) from one row of ``fetch``'s host copy: ``ExpansionPlan.ranked_tree`` of the
+        device's re-rank (``rerank``; ``budget`` must be ``launch``'s), else ``ExpansionPlan.tree`` of
+        the record."""
         if self.rerank:
             return self.plan.ranked_tree(host, root, budget)
         return self.plan.tree(host, root, budget)
 
     def _catch_up_body(self) -> None:
-        """The fused catch-up: ``width`` rows, the root's output to ``feat[0]``.
+        """The fused catch-ups: ``width`` rows a sequence, each root's output to ``feat[:, 0]``.
 
         Through the tree kernel (``catch_tree``): the committed slots ``[0, keep)`` are the prefix,
         row j writes slot ``keep + j`` and sees rows 0 .. j; the padding rows after the root write
-        slots ``base + 1 ..`` (at most E - 1 of them: expanded slots, which every depth's forward
-        writes before anything reads them). Otherwise under an explicit mask over the whole cache,
-        the padding rows writing and reading the scratch slot only.
+        slots ``base + 1 ..`` (at most E of them: expanded slots, which every depth's forward writes
+        before anything reads them, and the one after). Otherwise under an explicit mask over the
+        whole cache, the padding rows writing and reading the scratch slot only.
         """
-        keep, m = self.scalars[2], self.scalars[3]
+        keep, m = self.scalars[:, 2], self.scalars[:, 3]
         if self.catch_tree is not None:
             slots, prefix, words, rows = self.catch_tree
-            slots.copy_(keep + rows)
-            prefix.copy_(keep.view(1))
+            slots.copy_(keep[:, None] + rows)
+            prefix.copy_(keep)
             state = TreeState(self.cache, slots, prefix, words, rows)
-            out = self.drafter._tree_forward(self.catch_ints[0][None], self.catch_feat, self.catch_ints[1:2], state)
+            out = self.drafter._tree_forward(self.catch_ints[:, 0], self.catch_feat, self.catch_ints[:, 1], state)
         else:
             visible = self.drafter._catch_up_visible(keep, m, self.width, self.cache.capacity, padded=True,
                                                      device=self.feat.device)  # fmt: skip
-            out = self.drafter._forward(self.cache, self.catch_ints[0], self.catch_feat, self.catch_ints[1:2],
-                                        self.catch_ints[2], visible)  # fmt: skip
-        self.feat[:1].copy_(out.index_select(0, (m - 1).view(1)))
+            out = self.drafter._forward(self.cache, self.catch_ints[:, 0], self.catch_feat, self.catch_ints[:, 1],
+                                        self.catch_ints[:, 2], visible)  # fmt: skip
+        last = (m - 1)[:, None, None].expand(-1, 1, out.shape[-1])
+        self.feat[:, :1].copy_(out.gather(1, last))
+
+    def _copy(self, into_batch: bool) -> None:
+        """The B sequences' KV buffers into this expansion's batch cache (``into_batch``), or back."""
+        for layer in self.cache.layer_indices:
+            batch = self.cache.buffers(layer)
+            for b, source in enumerate(self.sources):
+                for mine, theirs in zip(batch, source.buffers(layer)):
+                    (mine[b] if into_batch else theirs[0]).copy_(theirs[0] if into_batch else mine[b])
 
     def _body(self, kv_lens: Sequence[int]) -> None:
-        """(Fused: the catch-up, then) depths 1 .. plan.depth on the device (``expand_depths``,
-        compiled with ``compile_head``), then with ``rerank`` the re-rank (``rerank_record``, compiled
-        likewise)."""
+        """(With ``sources``: their KV in, then) (fused: the catch-ups, then) depths 1 .. plan.depth on
+        the device (``expand_depths``, compiled with ``compile_head``), (the KV back,) then with
+        ``rerank`` each row's re-rank (``rerank_record``, compiled likewise)."""
+        if self.sources is not None:
+            self._copy(into_batch=True)
         if self.width:
             self._catch_up_body()
         self.drafter._depth_loop(self.drafter, self.cache, self.plan, self.sampling, tuple(kv_lens), self.scalars,
                                  self.feat, self.tok, self.score, self.pick, self.tree)  # fmt: skip
+        if self.sources is not None:
+            self._copy(into_batch=False)
         if self.rerank:
-            self.drafter._rerank(self.plan, self.index, self.record, self.scalars[4], self.ranked)
+            for b in range(self.cache.batch_size):
+                self.drafter._rerank(self.plan, self.index, self.record[b], self.scalars[b, 4], self.ranked[b])
 
     def _capture(self) -> None:
         """Warm up (current stream, then a side stream), then record ``_body`` over the whole cache.
@@ -543,4 +601,12 @@ class CatchUp:
     feats: torch.Tensor
     keep: int
     m: int
+
+    def padded(self, width: int, scratch: int) -> "CatchUp":
+        """The same catch-up padded to ``width >= self.width`` rows (padding: token 0, position 0,
+        slot ``scratch``), for a batch whose widest catch-up needs them."""
+        pad, w = width - self.width, self.width
+        tokens, positions, slots = self.ints[:w], self.ints[w : 2 * w], self.ints[2 * w :]
+        return CatchUp(width, tokens + [0] * pad + positions + [0] * pad + slots + [scratch] * pad, self.feats,
+                       self.keep, self.m)  # fmt: skip
 

@@ -107,18 +107,20 @@ def stable_ranks(scores: torch.Tensor) -> torch.Tensor:
     stable=True).indices``, for scores without NaN.
 
     Args:
-        scores: float ``[n]`` (the comparison is ``[n, n]``: above ``RANK_MAX`` entries, a stable sort).
+        scores: float ``[..., n]``, each row ranked on its own (the comparison is ``[..., n, n]``:
+            above ``RANK_MAX`` entries, a stable sort).
 
     Returns:
-        int64 ``[n]``, a permutation of ``0 .. n - 1``.
+        int64 ``[..., n]``, in each row a permutation of ``0 .. n - 1``.
     """
-    n = scores.shape[0]
+    n = scores.shape[-1]
     i = torch.arange(n, device=scores.device)
     if n > RANK_MAX:  # the [n, n] comparison would outgrow the sort
-        order = torch.sort(scores, descending=True, stable=True).indices
-        return torch.empty_like(i).scatter_(0, order, i)
-    ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (i[None, :] < i[:, None]))
-    return ahead.sum(dim=1)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        return torch.empty_like(order).scatter_(-1, order, i.expand_as(order))
+    a, b = scores[..., None, :], scores[..., :, None]
+    ahead = (a > b) | ((a == b) & (i[None, :] < i[:, None]))
+    return ahead.sum(dim=-1)
 
 
 def best_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -127,16 +129,18 @@ def best_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     Equals ``torch.sort(scores, descending=True, stable=True).indices[:k]`` for scores without NaN.
 
     Args:
-        scores: float ``[n]`` (the comparison is ``[n, n]``: above ``RANK_MAX`` entries, a stable sort).
+        scores: float ``[..., n]``, each row on its own (the comparison is ``[..., n, n]``: above
+            ``RANK_MAX`` entries, a stable sort).
         k: 1 <= k <= n.
 
     Returns:
-        int64 ``[k]``.
+        int64 ``[..., k]``.
     """
-    n = scores.shape[0]
+    n = scores.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"k: expected 1 <= k <= {n} (the number of scores), got {k}")
     if n > RANK_MAX:  # the [n, n] comparison would outgrow the sort
-        return torch.sort(scores, descending=True, stable=True).indices[:k]
-    i = torch.arange(n, device=scores.device)
-    return torch.empty_like(i).scatter_(0, stable_ranks(scores), i)[:k]
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    ranks = stable_ranks(scores)
+    i = torch.arange(n, device=scores.device).expand_as(ranks)
+    return torch.empty_like(ranks).scatter_(-1, ranks, i)[..., :k]

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
                    help="also decode B prompts at once, unprofiled, for each B: the median drafting per step with "
                         "EagleDrafter.propose_batch (every expansion launched before the first tree is read) over "
-                        "each count of --batch-streams side streams, and with one proposal at a time")
+                        "each count of --batch-streams side streams, with one expansion of all B (batch_expansion, "
+                        "after SpecDecoder.warmup), and with one proposal at a time")
     p.add_argument("--batch-streams", type=int, nargs="+", default=[0, 4],
                    help="the batch_streams of the --batch-sizes runs (default 0 4; 0: the current stream)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -145,11 +146,11 @@ def main(argv=None) -> int:
     res["plain_ms_per_token"] = round(1e3 * (time.perf_counter() - t) / max(1, len(out.new_tokens())), 4)
     plain.release()
 
-    def build(profile: bool, streams: int = 0):
+    def build(profile: bool, streams: int = 0, batched: bool = False):
         attention = {} if ns.attention == "auto" else {"attention": ns.attention}
         drafter = EagleDrafter(target, head, ns.tree_size, depth=ns.depth, topk=ns.topk, profile=profile,
                                draft_vocab=ns.draft_vocab or None, compile_head=ns.compile, rerank=ns.rerank,
-                               batch_streams=streams, **attention)  # fmt: skip
+                               batch_streams=streams, batch_expansion=batched, **attention)  # fmt: skip
         res["rerank_resolved"] = drafter.rerank
         return drafter, SpecDecoder(target, drafter, ns.tree_size, compile=ns.compile, profile=profile)
 
@@ -207,9 +208,13 @@ def main(argv=None) -> int:
     res["batch"] = []
     for b in ns.batch_sizes:  # drafting at batch B: the sequences' expansions overlapped, or one at a time
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        for streams in [*ns.batch_streams, None]:
-            mode = "one at a time" if streams is None else f"propose_batch, {streams} streams"
-            drafter, dec = build(False, streams=streams or 0)
+        for streams in [*ns.batch_streams, "one expansion", None]:
+            mode = ("one at a time" if streams is None else streams if isinstance(streams, str)
+                    else f"propose_batch, {streams} streams")  # fmt: skip
+            batched = streams == "one expansion"
+            drafter, dec = build(False, streams=0 if batched or streams is None else streams, batched=batched)
+            if batched:
+                dec.warmup(batch_sizes=(b,), max_len=ns.prompt_len + ns.new + ns.tree_size, log=None)
             if streams is None:
                 drafter.propose_batch = None  # the engine then asks propose per sequence
             dec.generate(batch, ns.new)  # captures (each sequence's expansions, its catch-up widths)
@@ -220,7 +225,8 @@ def main(argv=None) -> int:
             res["batch"].append({"batch": b, "mode": mode, "steps": len(out.steps),
                                  "draft_ms": _median_ms(s.draft_s for s in drafted),
                                  "verify_ms": _median_ms(s.verify_s for s in drafted),
-                                 "capture_s": round(sum(s.capture_s for s in out.steps), 4)})  # fmt: skip
+                                 "capture_s": round(sum(s.capture_s for s in out.steps), 4),
+                                 "one_expansion_steps": drafter.batched_steps})  # fmt: skip
             print(res["batch"][-1], flush=True)
     if ns.trace:
         from torch.profiler import ProfilerActivity, profile

@@ -31,10 +31,11 @@ for s in "$@"; do
             # train_and_sweep.sh medusa; eagle: /tmp/eagle) at the budgets $TREES (default 64; e.g. "0 16 32 64 auto":
             # specdec-plain, fixed t, auto, and the summary of auto against both), compiled, vs HF static
             # (NO_HF=1: without); MODE=graph: captured, not compiled (each batch size compiles every budget: split the
-            # sizes over calls)
+            # sizes over calls); EAGLE_OPTIONS="batch_expansion=true ...": more EagleDrafter options
       sizes=${BATCH:-1 2 4 8 16} heads=()
       [[ ${DRAFTER:-medusa} == *medusa* ]] && heads+=(--medusa-heads /tmp/medusa)
       [[ ${DRAFTER:-medusa} == *eagle* ]] && heads+=(--eagle-heads "${HEAD:-/tmp/eagle}")
+      [ -n "${EAGLE_OPTIONS:-}" ] && heads+=(--eagle-option $EAGLE_OPTIONS)
       timeout 580 python3 -m specdec.cli bench-engine --sections batch --batch-drafter "${DRAFTER:-medusa}" \
         "${heads[@]}" --batch-tree-sizes ${TREES:-64} \
         ${NO_HF:+--batch-skip-hf} --batch-mode "${MODE:-compiled}" --dtype bf16 --device cuda --problems 8 --max-new-tokens 128 \

@@ -278,13 +278,15 @@ def test_greedy_equals_target_generate(family, tree_size, static):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
 
 
-def _batch_against_single(device: str, static: bool, **options) -> None:
-    """Five steps of three sequences: ``propose_batch`` of one drafter against ``propose`` per sequence
-    of another (same head and steps, each update feeding the next catch-up): the same trees; then the
-    engine's greedy output at batch 3 equals the target's."""
+def _batch_against_single(device: str, static: bool, warm: bool = False, **options) -> None:
+    """Five steps of three sequences: ``propose_batch`` of one drafter (``warm``: after its ``warmup``
+    for batch 3) against ``propose`` per sequence of another (same head and steps, each update feeding
+    the next catch-up): the same trees; then the engine's greedy output at batch 3 equals the target's."""
     target, head = _on_device("qwen2", device)
     make = lambda: EagleDrafter(target, head, depth=4, topk=3, static_shapes=static, **options)  # noqa: E731
     batched, single = make(), make()
+    if warm:
+        batched.warmup(batch_sizes=(3,), max_len=60, tree_sizes=(12, 20, 5, 30))
     prompts = [_prompt(9, 0), _prompt(3, 1), _prompt(14, 2)]
     for d in (batched, single):
         d.reset([p.clone() for p in prompts])
@@ -307,6 +309,11 @@ def _batch_against_single(device: str, static: bool, **options) -> None:
             for d in (batched, single):
                 d.update(ctxs[b], g, Verdict(path, bonus))
             seqs[b] = torch.cat([seqs[b], torch.tensor(g.path_tokens(list(path[1:])) + [bonus])])
+    if options.get("batch_expansion"):  # with static shapes one expansion drew the trees (after the warm-up:
+        # from the first step, whose caches it wrote; else after it)
+        assert batched.batched_steps == (0 if not static else 5 if warm else 4) and single.batched_steps == 0
+        widths = [3, 6, 12, 24, 48, 96] if warm else sorted({k[2] for k in batched._batch_expansions})
+        assert sorted(k[2] for k in batched._batch_expansions) == widths and all(k[3] == 3 for k in batched._batch_expansions)
     out = SpecDecoder(target, make(), tree_size=16, attn_impl="torch" if device == "cpu" else "auto").generate(prompts, 20)
     for b, p in enumerate(prompts):
         ids = p[None].to(device)
@@ -316,10 +323,17 @@ def _batch_against_single(device: str, static: bool, **options) -> None:
 
 
 @pytest.mark.parametrize("static,options", [(False, {}), (True, {}), (True, {"rerank": "device"}),
-                                            (True, {"attention": "sdpa"}), (True, {"batch_streams": 2})])
+                                            (True, {"attention": "sdpa"}), (True, {"batch_streams": 2}),
+                                            (True, {"batch_expansion": True}),
+                                            (True, {"batch_expansion": True, "rerank": "device"}),
+                                            (True, {"batch_expansion": True, "attention": "sdpa"}),
+                                            (True, {"batch_expansion": True, "attention": "tree"}),
+                                            (False, {"batch_expansion": True}),
+                                            (True, {"batch_expansion": True, "warm": True})])  # fmt: skip
 def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options):
     """``propose_batch`` launches every sequence's expansion before reading any tree (off CUDA
-    ``batch_streams`` changes nothing)."""
+    ``batch_streams`` changes nothing); with ``batch_expansion`` one expansion of the three sequences
+    (after the first step, whose caches are not written yet) draws each one's tree."""
     _batch_against_single("cpu", static, **options)
 
 
@@ -330,7 +344,8 @@ def test_batch_streams_must_be_a_count():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("options", [{"batch_streams": 0}, {}, {"batch_streams": 3, "compile_head": True}])
+@pytest.mark.parametrize("options", [{"batch_streams": 0}, {}, {"batch_streams": 3, "compile_head": True},
+                                     {"batch_expansion": True}, {"batch_expansion": True, "compile_head": True}])
 def test_propose_batch_on_cuda_draws_the_trees_of_one_proposal_at_a_time(options):
     """On CUDA: captured expansions, their copies queued behind them (pinned buffers, events), with
     ``batch_streams`` run side by side on side streams: the trees of one proposal at a time."""
@@ -665,7 +680,8 @@ class _HostLoopDrafter(EagleDrafter):
             ints = torch.tensor(catch_up.ints, device=self.device).view(3, w)
             feats = torch.cat([catch_up.feats, catch_up.feats.new_zeros(w - catch_up.m, catch_up.feats.shape[1])])
             visible = self._catch_up_visible(catch_up.keep, catch_up.m, w, cap, padded=True, device=self.device)
-            root_feat = self._forward(st.cache, ints[0], feats, ints[1:2], ints[2], visible)[catch_up.m - 1]
+            root_feat = self._forward(st.cache, ints[None, 0], feats[None], ints[None, 1], ints[None, 2],
+                                      visible)[0, catch_up.m - 1]  # fmt: skip
             self.last_forwards += 1
         pool = NodePool.rooted(root)
         tok, par, score, exp = pool.tok, pool.par, pool.score, pool.exp
@@ -688,11 +704,11 @@ class _HostLoopDrafter(EagleDrafter):
             visible[:, :base] = True
             for q, i in enumerate(frontier):
                 visible[q, [base + e for e in exp_anc[exp[i]]]] = True
-            out = self._forward(st.cache, torch.tensor([tok[i] for i in frontier], device=self.device),
-                                torch.stack([exp_feat[exp[par[i]]] for i in frontier]),
+            out = self._forward(st.cache, torch.tensor([[tok[i] for i in frontier]], device=self.device),
+                                torch.stack([exp_feat[exp[par[i]]] for i in frontier])[None],
                                 torch.full((1, len(frontier)), root_pos + d, device=self.device),
-                                torch.tensor([base + exp[i] for i in frontier], device=self.device),
-                                visible.to(self.device))  # fmt: skip
+                                torch.tensor([[base + exp[i] for i in frontier]], device=self.device),
+                                visible[None].to(self.device))[0]  # fmt: skip
             self.last_forwards += 1
             exp_feat.extend(out.unbind(0))
             logits = self.parts.logits(out)
@@ -940,9 +956,9 @@ def test_the_expansion_loop_reads_no_device_value_on_the_host(monkeypatch):
             drafter.propose(DraftContext(longer, spec[3], sampling=sampling, hidden=_features(target, longer)[8:10]))
         assert drafter.last_forwards == spec[1]
     fused = [key[2] for d in (drafter,) for st in d._states.values() for key in st.expansions]
-    # one copy per step: the record, or with the device re-rank the tree (int64 [3, P])
-    want = [(p.record_size,) for p in bodies[:4]] + [(3, p.pool_size) for p in bodies[4:6]]
-    assert len(bodies) == 8 and copies == want + [(p.record_size,) for p in bodies[6:]]
+    # one copy per step: the record, or with the device re-rank the tree (int64 [3, P]), of the one row
+    want = [(1, p.record_size) for p in bodies[:4]] + [(1, 3, p.pool_size) for p in bodies[4:6]]
+    assert len(bodies) == 8 and copies == want + [(1, p.record_size) for p in bodies[6:]]
     assert any(w > 0 for w in fused)  # the last case (static shapes) ran a fused catch-up under the guard
 
 
@@ -1010,14 +1026,14 @@ def test_warmup_runs_every_expansion_of_a_request_and_changes_no_tree(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tree_size", [24, "auto"])
-def test_warmup_leaves_no_capture_to_the_calls_on_cuda(tree_size):
+@pytest.mark.parametrize("tree_size,options", [(24, {}), ("auto", {}), (24, {"batch_expansion": True})])
+def test_warmup_leaves_no_capture_to_the_calls_on_cuda(tree_size, options):
     """On CUDA: after ``SpecDecoder.warmup`` for batch 3 and the calls' length, the calls capture no
     expansion (every slot's catch-up widths were recorded in the warm-up), batch 3 then batch 1 then
     batch 3 again (the slots a smaller batch leaves idle keep theirs), and decode the target's greedy
     output."""
     target, head = _on_device("qwen2", "cuda")
-    drafter = EagleDrafter(target, head, depth=4, topk=4)
+    drafter = EagleDrafter(target, head, depth=4, topk=4, **options)
     dec = SpecDecoder(target, drafter, tree_size=tree_size)
     prompts = [_prompt(10, 0), _prompt(1, 1), _prompt(37, 2)]
     dec.warmup(batch_sizes=(1, 3), max_len=37 + 25)
@@ -1029,6 +1045,7 @@ def test_warmup_leaves_no_capture_to_the_calls_on_cuda(tree_size):
             want = target.generate(ids, max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0,
                                    attention_mask=torch.ones_like(ids))[0].tolist()  # fmt: skip
             assert out.sequences[b, : out.lengths[b]].tolist() == want
+    assert drafter.batched_steps > 0 if options else drafter.batched_steps == 0
 
 
 def test_cuda_graph_options_and_draft_time_counters():

@@ -25,6 +25,18 @@ def test_stable_ranks_invert_the_stable_descending_sort(n):
     assert torch.equal(stable_ranks(scores)[order], torch.arange(n))
 
 
+@pytest.mark.parametrize("shape,k", [((3, 9), 4), ((2, 4, 64), 8), ((2, RANK_MAX + 5), 3)])  # last: the sort
+def test_batched_rows_rank_each_on_its_own(shape, k):
+    """A leading batch: every row ranked and picked as it would be alone."""
+    gen = torch.Generator().manual_seed(sum(shape) + k)
+    scores = torch.randint(-3, 2, shape, generator=gen).double()  # many ties
+    scores[torch.rand(shape, generator=gen) < 0.2] = -float("inf")
+    flat = scores.reshape(-1, shape[-1])
+    ranks, picks = stable_ranks(scores).reshape(-1, shape[-1]), best_k(scores, k).reshape(-1, k)
+    for r in range(flat.shape[0]):
+        assert torch.equal(ranks[r], stable_ranks(flat[r])) and torch.equal(picks[r], best_k(flat[r], k))
+
+
 def test_best_k_refuses_k_out_of_range():
     for k in (0, 6):
         with pytest.raises(ValueError, match="k: expected"):

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from eval.config import parse_options
 from specdec.cli import args as cliargs
 from specdec.cli.bench.config import (
     BATCH_DRAFTERS,
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--medusa-heads", type=_medusa_dir, default=None, help="Medusa heads directory (specdec train-medusa --out)")
     g.add_argument("--eagle-heads", type=cliargs.existing_path, default=None,
                    help="EAGLE head directory (specdec train-eagle --out) for --batch-drafter eagle")
+    g.add_argument("--eagle-option", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="more EagleDrafter options of the eagle rows (VALUE as JSON where it parses), e.g. "
+                        "batch_expansion=true batch_streams=0")
     g.add_argument("--batch-mode", choices=SPEC_MODES, default="graph", help="engine mode of the batch rows (default graph)")
     g.add_argument("--batch-skip-hf", action="store_true", help="leave out the HF static-cache rows (they compile per batch size)")
     g = p.add_argument_group("(e) kernel profile (--sections profile)")
@@ -139,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=ns.device, dtype=ns.dtype, attn_impl=ns.attn_impl, fuse=not ns.no_fuse, progress=not ns.no_progress, out=ns.out,
         batch_sizes=tuple(ns.batch_sizes), batch_drafters=tuple(ns.batch_drafter), batch_mode=ns.batch_mode,
         batch_skip_hf=ns.batch_skip_hf, batch_tree_sizes=tuple(ns.batch_tree_sizes or ()),
-        medusa_heads=ns.medusa_heads, eagle_heads=ns.eagle_heads, profile_tree_size=ns.profile_tree_size,
+        medusa_heads=ns.medusa_heads, eagle_heads=ns.eagle_heads,
+        eagle_options=parse_options(ns.eagle_option, "--eagle-option"), profile_tree_size=ns.profile_tree_size,
         profile_modes=tuple(ns.profile_modes), profile_reps=ns.profile_reps, profile_top=ns.profile_top,
         scale_config=ns.scale_config, scale_prompts=None if ns.scale_prompts is None else tuple(ns.scale_prompts),
         scale_new_tokens=ns.scale_new_tokens, scale_tree_sizes=tuple(ns.scale_tree_sizes),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
 from specdec.dtypes import DTYPE_NAMES
 
 SECTIONS = ("plain", "verify", "spec", "batch", "profile", "scale")
@@ -83,6 +84,8 @@ class BenchConfig:
     batch_tree_sizes: tuple[int | str, ...] = ()
     medusa_heads: str | None = None
     eagle_heads: str | None = None
+    #: more ``EagleDrafter`` options of the batch section's ``eagle`` rows, (key, value) pairs
+    eagle_options: tuple[tuple[str, Any], ...] = ()
     # (e) profile
     profile_tree_size: int = 64
     profile_modes: tuple[str, ...] = PROFILE_MODES
