@@ -278,10 +278,12 @@ def test_greedy_equals_target_generate(family, tree_size, static):
         assert out.sequences[b, : out.lengths[b]].tolist() == hf_greedy(target, p, 25)
 
 
-def _batch_against_single(device: str, static: bool, warm: bool = False, **options) -> None:
+def _batch_against_single(device: str, static: bool, warm: bool = False, sampling: tuple | None = None,
+                          **options) -> None:  # fmt: skip
     """Five steps of three sequences: ``propose_batch`` of one drafter (``warm``: after its ``warmup``
     for batch 3) against ``propose`` per sequence of another (same head and steps, each update feeding
-    the next catch-up): the same trees; then the engine's greedy output at batch 3 equals the target's."""
+    the next catch-up; ``sampling``: a ``SamplingConfig``'s fields, the drafts warped by it): the same
+    trees; then (greedy) the engine's greedy output at batch 3 equals the target's."""
     target, head = _on_device("qwen2", device)
     make = lambda: EagleDrafter(target, head, depth=4, topk=3, static_shapes=static, **options)  # noqa: E731
     batched, single = make(), make()
@@ -298,7 +300,8 @@ def _batch_against_single(device: str, static: bool, warm: bool = False, **optio
             on = tokens.to(device)[None]
             feats = target_hidden_states(target, on, torch.ones_like(on))[0][seen[b] : len(tokens) - 1]
             seen[b] = len(tokens) - 1
-            ctxs.append(DraftContext(tokens, budget, b, hidden=feats))
+            ctxs.append(DraftContext(tokens, budget, b, sampling=None if sampling is None else SamplingConfig(*sampling),
+                                     hidden=feats))  # fmt: skip
         got, want = batched.propose_batch(ctxs), [single.propose(c) for c in ctxs]
         assert batched.proposals == single.proposals == 3 * (step + 1)
         for b, (g, w) in enumerate(zip(got, want)):
@@ -314,6 +317,8 @@ def _batch_against_single(device: str, static: bool, warm: bool = False, **optio
         assert batched.batched_steps == (0 if not static else 5 if warm else 4) and single.batched_steps == 0
         widths = [3, 6, 12, 24, 48, 96] if warm else sorted({k[2] for k in batched._batch_expansions})
         assert sorted(k[2] for k in batched._batch_expansions) == widths and all(k[3] == 3 for k in batched._batch_expansions)
+    if sampling is not None:
+        return
     out = SpecDecoder(target, make(), tree_size=16, attn_impl="torch" if device == "cpu" else "auto").generate(prompts, 20)
     for b, p in enumerate(prompts):
         ids = p[None].to(device)
@@ -329,7 +334,8 @@ def _batch_against_single(device: str, static: bool, warm: bool = False, **optio
                                             (True, {"batch_expansion": True, "attention": "sdpa"}),
                                             (True, {"batch_expansion": True, "attention": "tree"}),
                                             (False, {"batch_expansion": True}),
-                                            (True, {"batch_expansion": True, "warm": True})])  # fmt: skip
+                                            (True, {"batch_expansion": True, "warm": True}),
+                                            (True, {"batch_expansion": True, "sampling": (0.8, 5, 0.9)})])  # fmt: skip
 def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options):
     """``propose_batch`` launches every sequence's expansion before reading any tree (off CUDA
     ``batch_streams`` changes nothing); with ``batch_expansion`` one expansion of the three sequences
