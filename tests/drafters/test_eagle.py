@@ -279,17 +279,18 @@ def test_greedy_equals_target_generate(family, tree_size, static):
 
 
 def _batch_against_single(device: str, static: bool, warm: bool = False, sampling: tuple | None = None,
-                          **options) -> None:  # fmt: skip
+                          long: bool = False, **options) -> None:  # fmt: skip
     """Five steps of three sequences: ``propose_batch`` of one drafter (``warm``: after its ``warmup``
     for batch 3) against ``propose`` per sequence of another (same head and steps, each update feeding
-    the next catch-up; ``sampling``: a ``SamplingConfig``'s fields, the drafts warped by it): the same
-    trees; then (greedy) the engine's greedy output at batch 3 equals the target's."""
+    the next catch-up; ``sampling``: a ``SamplingConfig``'s fields, the drafts warped by it; ``long``: a
+    200-token third prompt, whose head cache is larger than the others'): the same trees; then (greedy)
+    the engine's greedy output at batch 3 equals the target's."""
     target, head = _on_device("qwen2", device)
     make = lambda: EagleDrafter(target, head, depth=4, topk=3, static_shapes=static, **options)  # noqa: E731
     batched, single = make(), make()
     if warm:
         batched.warmup(batch_sizes=(3,), max_len=60, tree_sizes=(12, 20, 5, 30))
-    prompts = [_prompt(9, 0), _prompt(3, 1), _prompt(14, 2)]
+    prompts = [_prompt(9, 0), _prompt(3, 1), _prompt(200 if long else 14, 2)]
     for d in (batched, single):
         d.reset([p.clone() for p in prompts])
     seqs, seen = [p.clone() for p in prompts], [0, 0, 0]
@@ -314,7 +315,7 @@ def _batch_against_single(device: str, static: bool, warm: bool = False, samplin
             seqs[b] = torch.cat([seqs[b], torch.tensor(g.path_tokens(list(path[1:])) + [bonus])])
     if options.get("batch_expansion"):  # with static shapes one expansion drew the trees (after the warm-up:
         # from the first step, whose caches it wrote; else after it)
-        assert batched.batched_steps == (0 if not static else 5 if warm else 4) and single.batched_steps == 0
+        assert batched.batched_steps == (0 if not static or long else 5 if warm else 4) and single.batched_steps == 0
         widths = [3, 6, 12, 24, 48, 96] if warm else sorted({k[2] for k in batched._batch_expansions})
         assert sorted(k[2] for k in batched._batch_expansions) == widths and all(k[3] == 3 for k in batched._batch_expansions)
     if sampling is not None:
@@ -335,7 +336,8 @@ def _batch_against_single(device: str, static: bool, warm: bool = False, samplin
                                             (True, {"batch_expansion": True, "attention": "tree"}),
                                             (False, {"batch_expansion": True}),
                                             (True, {"batch_expansion": True, "warm": True}),
-                                            (True, {"batch_expansion": True, "sampling": (0.8, 5, 0.9)})])  # fmt: skip
+                                            (True, {"batch_expansion": True, "sampling": (0.8, 5, 0.9)}),
+                                            (True, {"batch_expansion": True, "long": True})])  # fmt: skip
 def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options):
     """``propose_batch`` launches every sequence's expansion before reading any tree (off CUDA
     ``batch_streams`` changes nothing); with ``batch_expansion`` one expansion of the three sequences
