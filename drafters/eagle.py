@@ -556,7 +556,9 @@ class EagleDrafter(BaseDrafter):
         each with its tree's copy to the host queued behind it, before the first tree is read, so a
         sequence's host work overlaps the device work of those launched before it; with
         ``batch_streams`` the sequences take turns over that many side streams, so their expansions
-        (each a few hundred small kernels) also run side by side on the device. ``last_draft_s`` /
+        (each a few hundred small kernels) also run side by side on the device. With
+        ``batch_expansion``, one expansion of all the sequences draws the trees where it can
+        (``_batchable``), else each sequence's is launched in turn. ``last_draft_s`` /
         ``last_forwards`` / ``last_capture_s`` then cover the whole batch. With ``profile`` (phase
         times per proposal): one at a time."""
         if self.profile:
