@@ -332,6 +332,8 @@ class EvalConfig:
         attn_impl: the engine's attention implementation (``"auto"``, ``"triton"``, ``"torch"``).
         compile: the engine's target forward through ``torch.compile`` (``SpecDecoder(compile=True)``,
             static shapes); its compile time falls in the warm-up (reported as first-call latency).
+        compile_prefill: the compiled rows' prompt prefill compiled too (``SpecDecoder(compile_prefill=
+            True)``; rows without a compile are unchanged).
         warmup: untimed generations per method (and drafter, tree size) before its first timed one;
             engine methods also get ``SpecDecoder.warmup`` (every forward built ahead). Both are
             timed and written as ``"kind": "warmup"`` records (first-call latency). 0: none; then
@@ -380,6 +382,7 @@ class EvalConfig:
     pad_prompt_to: int | None = None
     attn_impl: str = "auto"
     compile: bool = False
+    compile_prefill: bool = False
     warmup: int = 1
     calibrate: int = 0
     gc_freeze: bool = True
@@ -528,6 +531,8 @@ def config_key(cfg: EvalConfig) -> str:
     }  # fmt: skip
     if cfg.compile:  # only when set: keys of runs made before the option existed stay valid
         keyed["compile"] = True
+    if cfg.compile_prefill:  # likewise
+        keyed["compile_prefill"] = True
     if not cfg.gc_freeze:  # only when off: runs with and without it can share no record
         keyed["gc_freeze"] = False
     if cfg.samples != 1:  # likewise: single-sample keys are those of runs made before the option

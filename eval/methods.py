@@ -573,7 +573,8 @@ class Session:
             nodes = DEFAULT_MAX_TREE_SIZE if tree_size == "auto" else tree_size or 0  # the largest tree of a step
             self._decoders[slot] = SpecDecoder(  # profile: the records' per-step draft / verify / commit times are
                 self.target, drafter, tree_size or 0, attn_impl=self.cfg.attn_impl,  # device time, as before
-                static_shapes=True if comp else None, compile=comp, profile=True, **self._cache_options(nodes),
+                static_shapes=True if comp else None, compile=comp,
+                compile_prefill=bool(comp) and self.cfg.compile_prefill, profile=True, **self._cache_options(nodes),
             )  # fmt: skip
         return self._decoders[slot]
 

@@ -95,13 +95,18 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
             forward of each (batch size, cache capacity) compiles; inductor's on-disk cache
             (``specdec.graphs.configure_compile_cache``) makes later processes faster. Default False
             (a compile costs a first call far more than it saves a one-off ``generate``;
-            docs/ENGINE.md). The prompt-prefill forward is never compiled.
+            docs/ENGINE.md). The prompt-prefill forward is compiled only with ``compile_prefill``.
         prefill_width: with static shapes, prompt tokens per chunk of the fixed-shape prompt
             prefill (default ``DEFAULT_PREFILL_WIDTH`` = 256): ``ceil(longest prompt /
             prefill_width)`` (at most one more near a full cache) chain-shaped trees through one
             ``[B, prefill_width]`` ``GraphedForward`` per (batch size, cache); caches of fewer
             slots prefill eagerly. 0 or None: always the eager prefill (one HF forward with SDPA).
             Ignored (the attribute is 0) with dynamic shapes and on a GPU without CUDA graphs.
+        compile_prefill: with ``compile`` and ``prefill_width``, the prefill's chunk forwards through
+            the same compile (one more compile per batch size and cache bucket, made by ``warmup``).
+            Default False: the uncompiled, captured chunks cost ~4.4 ms each at the 1.5B's shapes,
+            launch-bound (a tenth of APPS's EAGLE time, specdec/PERF.md v36); what compiling them
+            saves is to be measured.
         rank_sync: a ``specdec.distributed.RankSync`` for a tensor-parallel target (one decoder per
             rank, all called alike): the ranks check that they got the same prompts and drafted the
             same trees, and adopt rank 0's verification decision (and, when sampling, its random
@@ -151,6 +156,7 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         cuda_graphs: bool | None = None,
         compile: bool | str = False,
         prefill_width: int | None = DEFAULT_PREFILL_WIDTH,
+        compile_prefill: bool = False,
         rank_sync: RankSync | None = None,
         shared_prefix: bool | None = None,
         decode_chunk: int = DEFAULT_DECODE_CHUNK,
@@ -174,6 +180,8 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
             budgets = budget.candidates(max_tree_size)  # ValueError for a bad max_tree_size / budgets
         if attn_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"attn_impl: expected 'auto', 'triton' or 'torch', got {attn_impl!r}")
+        if not isinstance(compile_prefill, bool):
+            raise ValueError(f"compile_prefill: expected True or False, got {compile_prefill!r}")
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or max_cache_len < 2):
             raise ValueError(f"max_cache_len: expected None or an int >= 2, got {max_cache_len!r}")
         if cache_buckets is not None and max_cache_len is not None:
@@ -225,6 +233,8 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         chunked = self.static_shapes and (self.cuda_graphs or self.device.type != "cuda")
         #: prompt tokens per chunk of the fixed-shape prefill in effect; 0: the eager prefill
         self.prefill_width: int = (prefill_width or 0) if chunked else 0
+        #: the prefill's chunk forwards compiled (as the tree forwards are: ``compile``)
+        self.compile_prefill = compile_prefill and bool(self.compile)
         #: the capacities requests pick from (increasing), or None (max_cache_len, or exact sizes)
         self.cache_buckets: tuple[int, ...] | None = None
         if cache_buckets is not None:
@@ -329,11 +339,11 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         shapes, a GPU without CUDA graphs, ``prefill_width`` off, or a cache of fewer slots than
         ``prefill_width``).
 
-        It is a plain ``GraphedForward`` (chain trees are causal attention), never compiled: a
-        compile per (batch size, bucket) would cost as much as the tree forward's for a forward
-        run once or a few times per call. It keeps the logits of one node per sequence (nobody reads
-        them) and, for drafters with ``needs_hidden_states``, the hidden states of all nodes
-        (``return_hidden="all"``: the LM head still runs on one row, not on every prompt row).
+        It is a plain ``GraphedForward`` (chain trees are causal attention), compiled only with
+        ``compile_prefill`` (a compile per (batch size, bucket) for a forward run a few times a call).
+        It keeps the logits of one node per sequence (nobody reads them) and, for drafters with
+        ``needs_hidden_states``, the hidden states of all nodes (``return_hidden="all"``: the LM head
+        still runs on one row, not on every prompt row).
         """
         width = self.prefill_width
         if not width or width > cache.capacity:
@@ -342,10 +352,11 @@ class SpecDecoder(Warmup, DecodeLoop, Prefill, CacheCapacity):
         graphed = self._prefill_graphs.get(key)
         if graphed is None or graphed.cache is not cache:
             _log.info("specdec: new prompt-prefill forward [B=%d, n=%d] over a %d-slot cache (cuda_graphs=%s, "
-                      "not compiled); SpecDecoder.warmup() builds these before timing", batch, width, cache.capacity,
-                      self.cuda_graphs)  # fmt: skip
+                      "compile=%s); SpecDecoder.warmup() builds these before timing", batch, width, cache.capacity,
+                      self.cuda_graphs, self.compile if self.compile_prefill else False)  # fmt: skip
             graphed = self._prefill_graphs[key] = GraphedForward(
-                self.target, cache, batch, width, impl=self.attn_impl, capture=self.cuda_graphs, compile=False,
+                self.target, cache, batch, width, impl=self.attn_impl, capture=self.cuda_graphs,
+                compile=self.compile if self.compile_prefill else False,
                 return_hidden="all" if self._wants_hidden else False, logits_to_keep=1,
                 feature_layers=self._feature_layers,
             )  # fmt: skip

@@ -35,7 +35,8 @@
 # process" holds each row against the baseline at its own machine's speed; default 8, 0: off), NO_GC_FREEZE (1:
 # --no-gc-freeze, the A/B of specdec/PERF.md v15; give it a TAG of its own), NO_SHARED (1: with SAMPLES, --no-shared-prompt:
 # each row its own copy of the prompt's KV, the 16-samples work's comparison; a TAG of its own). COMPILE (1: --compile,
-# every engine row's target forward compiled, specdec-plain's too: drafter rows compile by their spec's compile=true). Every apps / humaneval call adds its rows to one file per dataset
+# every engine row's target forward compiled, specdec-plain's too: drafter rows compile by their spec's compile=true),
+# COMPILE_PREFILL (1: --compile-prefill, the compiled rows' prompt prefill too). Every apps / humaneval call adds its rows to one file per dataset
 # (baselines reused), so calls may split drafters and tree sizes.
 set -uo pipefail
 export SPECDEC_HOME=${SPECDEC_HOME:-/tmp/specdec-home} PYTHONUNBUFFERED=1
@@ -49,7 +50,8 @@ train=(--data .evaldata/mbpp.jsonl --out "$head" --answers-per-prompt "${ANSWERS
        ${TRAIN_ARGS:-} --no-progress)
 sweep=(--problems "${PROBLEMS:-0}" --max-new-tokens 128 --seed 0 --dtype bf16 --device cuda --no-progress --no-attn
        --method-problems hf=0 ${LIMITS:-} --temperature "${TEMP:-0}" ${SAMPLES:+--samples "$SAMPLES"}
-       --calibrate "${CALIBRATE:-8}" ${NO_GC_FREEZE:+--no-gc-freeze} ${NO_SHARED:+--no-shared-prompt} ${COMPILE:+--compile})
+       --calibrate "${CALIBRATE:-8}" ${NO_GC_FREEZE:+--no-gc-freeze} ${NO_SHARED:+--no-shared-prompt} ${COMPILE:+--compile}
+       ${COMPILE_PREFILL:+--compile-prefill})
 read -ra methods <<< "${METHODS:-specdec hf-static}"
 # the self-distillation data of the 2026-11-24 run `8875823` (MBPP answers of the 1.5B target and its own exercises,
 # gzipped in the repository): `distill`, `train` and `medusa` start from it unless .evaldata has a copy or FRESH=1

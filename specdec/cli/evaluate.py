@@ -138,6 +138,8 @@ def parser(prog: str, sweep: bool, report_only: bool = False) -> argparse.Argume
     p.add_argument("--attn-impl", choices=["auto", "triton", "torch"], default="auto", help="the engine's attention")
     p.add_argument("--compile", action="store_true",
                    help="the engine's target forward through torch.compile (inductor) before its CUDA graph")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="the compiled rows' prompt-prefill chunks compiled too (SpecDecoder(compile_prefill=True))")
     p.add_argument("--calibrate", type=cliargs.int_at_least(0), default=0, metavar="N",
                    help="in a process with a drafter's rows to run and no HF static of its own, time HF static "
                    "again on the first N problems first ('calibration' records): the table's 'vs hf-static same "
@@ -288,7 +290,7 @@ def config_from(ns: argparse.Namespace, dataset: str):
             categories=tuple(ns.categories) if ns.categories else None, turns=ns.turns,
             max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, samples=ns.samples, seed=ns.seed,
             dtype=ns.dtype, device=device, out=out, pad_prompt_to=ns.pad_prompt_to, attn_impl=ns.attn_impl,
-            compile=ns.compile, warmup=ns.warmup, calibrate=ns.calibrate, gc_freeze=not ns.no_gc_freeze,
+            compile=ns.compile, compile_prefill=ns.compile_prefill, warmup=ns.warmup, calibrate=ns.calibrate, gc_freeze=not ns.no_gc_freeze,
             shared_prompt=not ns.no_shared_prompt, progress=not ns.no_progress, home=ns.home,
             method_problems=tuple(ns.method_problems), shard=shard,
         )  # fmt: skip

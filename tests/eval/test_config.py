@@ -98,6 +98,8 @@ def test_samples_validation_and_key(tmp_path):
     # the copy layout (--no-shared-prompt): a key of its own; the shared default keeps the old key
     copy = dataclasses.replace(four, shared_prompt=False)
     assert len({C.config_key(copy), C.config_key(four), C.config_key(cfg)}) == 3
+    # the compiled prefill (--compile-prefill) likewise: a key of its own, the default keeps the old one
+    assert C.config_key(dataclasses.replace(cfg, compile_prefill=True)) != C.config_key(cfg) == "4a01d68de074"
     assert C.config_key(dataclasses.replace(four, shared_prompt=True)) == C.config_key(four)
     with pytest.raises(ValueError, match=r"shared_prompt: expected a bool, got 'no'"):
         dataclasses.replace(four, shared_prompt="no")

@@ -268,13 +268,22 @@ def test_eager_prefill_when_off_dynamic_or_cache_too_small(monkeypatch):
     assert default.prefill_width == DEFAULT_PREFILL_WIDTH and default.cache_buckets == (256,)
 
 
-def test_prefill_forward_is_not_compiled():
+def test_prefill_forward_is_compiled_only_with_compile_prefill():
+    """By default the prefill's chunks run uncompiled beside compiled tree forwards; with
+    ``compile_prefill`` through the same compile, the same greedy tokens (``_generate`` checks them)."""
     dec = _decoder(compile="aot_eager")
     _generate(dec, [(2 * W + 3, 0)])
     (tree,) = dec.forwards.values()
     (pre,) = dec.prefill_forwards.values()
     assert tree.compile == "aot_eager" and tree._compiled is not None
-    assert pre.compile is None and pre._compiled is None
+    assert not dec.compile_prefill and pre.compile is None and pre._compiled is None
+    both = _decoder(compile="aot_eager", compile_prefill=True)
+    _generate(both, [(2 * W + 3, 0), (W + 1, 1)])
+    (pre,) = both.prefill_forwards.values()
+    assert both.compile_prefill and pre.compile == "aot_eager" and pre._compiled is not None
+    assert not _decoder(compile_prefill=True).compile_prefill  # nothing to compile it with
+    with pytest.raises(ValueError, match=r"compile_prefill: expected True or False, got 1"):
+        _decoder(compile_prefill=1)
 
 
 def test_release_drops_prefill_forwards():
