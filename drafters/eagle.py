@@ -500,8 +500,7 @@ class EagleDrafter(BaseDrafter):
                 for budget in budgets:
                     plan, _ = self._plan(budget)
                     for width in (w for w in widths if w):
-                        self._warm_batch_expansion(caches, plan, width, budget)
-                        made += 1
+                        made += self._warm_batch_expansion(caches, plan, width, budget)
         if made and callable(log):
             log(f"specdec warmup: the EAGLE drafter made {made} expansions for {max(batch_sizes, default=1)} "
                 f"sequence slot(s) in {time.perf_counter() - start:.2f} s")
@@ -515,24 +514,31 @@ class EagleDrafter(BaseDrafter):
                                                              rerank=self.rerank == "device")  # fmt: skip
         kv_lens = [st.cache.capacity] * (plan.depth - 1)
         if width:
-            zeros = torch.zeros(1, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
-            ints = [0] * width + [0] * width + [0] + [scratch] * (width - 1)
-            done = exp.launch([0], [0], None, kv_lens, [CatchUp(width, ints, zeros, 0, 1)], [budget])
+            done = exp.launch([0], [0], None, kv_lens, [self._dummy_catch_up(width, scratch)], [budget])
         else:
             zeros = torch.zeros(self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
             done = exp.launch([0], [0], [zeros], kv_lens, None, [budget])
         exp.fetch(done)
 
-    def _warm_batch_expansion(self, caches: list[KVCache], plan: ExpansionPlan, width: int, budget: int) -> None:
+    def _warm_batch_expansion(self, caches: list[KVCache], plan: ExpansionPlan, width: int, budget: int) -> bool:
         """Make (with ``cuda_graphs``: capture) the greedy expansion of the sequences of ``caches`` at
-        catch-up ``width`` by running it once on ``_warm_expansion``'s dummy inputs in every row."""
+        catch-up ``width`` by running it once on ``_warm_expansion``'s dummy inputs in every row; False
+        if it was made before."""
+        old = self._batch_expansions.get((plan, None, width, len(caches)))
         exp = self._batch_expansion(caches, plan, None, width)
-        zeros = torch.zeros(1, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
-        ints = [0] * width + [0] * width + [0] + [caches[0].capacity - 1] * (width - 1)
-        rows = len(caches)
-        done = exp.launch([0] * rows, [0] * rows, None, [caches[0].capacity] * (plan.depth - 1),
-                          [CatchUp(width, ints, zeros, 0, 1)] * rows, [budget] * rows)  # fmt: skip
+        if exp is old:
+            return False
+        rows, catch_up = len(caches), self._dummy_catch_up(width, caches[0].capacity - 1)
+        done = exp.launch([0] * rows, [0] * rows, None, [caches[0].capacity] * (plan.depth - 1), [catch_up] * rows,
+                          [budget] * rows)  # fmt: skip
         exp.fetch(done)
+        return True
+
+    def _dummy_catch_up(self, width: int, scratch: int) -> CatchUp:
+        """A warm-up's catch-up of ``width`` rows: one pair, token 0 at position 0 into slot 0 (the
+        root's), zero features; the padding rows into ``scratch``."""
+        zeros = torch.zeros(1, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
+        return CatchUp(width, [0] * width + [0] * width + [0] + [scratch] * (width - 1), zeros, 0, 1)
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
