@@ -732,9 +732,7 @@ class EagleDrafter(BaseDrafter):
         catch_ups = [p.catch_up.padded(width, p.st.cache.capacity - 1) for p in preps]
         done = exp.launch([p.base for p in preps], [p.root_pos for p in preps], None, kv_lens, catch_ups,
                           [p.budget for p in preps])  # fmt: skip
-        if exp.capture and not captured:
-            self.last_capture_s += exp.capture_s or 0.0
-            self.captured_s += exp.capture_s or 0.0
+        self._count_capture(exp, captured)
         self.last_forwards += plan.depth
         self.batched_steps += 1
         host = exp.fetch(done)
@@ -789,11 +787,15 @@ class EagleDrafter(BaseDrafter):
         captured = exp.graph is not None
         done = exp.launch([base], [root_pos], None if root_feat is None else [root_feat], kv_lens,
                           None if catch_up is None else [catch_up], [budget])  # fmt: skip
-        if exp.capture and not captured:
-            self.last_capture_s += exp.capture_s or 0.0
-            self.captured_s += exp.capture_s or 0.0
+        self._count_capture(exp, captured)
         self.last_forwards += plan.depth - 1 + int(catch_up is not None)
         return lambda: (*exp.host_tree(exp.fetch(done)[0], root, budget), exp.feat[0])
+
+    def _count_capture(self, exp: Expansion, captured_before: bool) -> None:
+        """Count ``exp``'s capture (``last_capture_s``, ``captured_s``) if its launch just made it."""
+        if exp.capture and not captured_before:
+            self.last_capture_s += exp.capture_s or 0.0
+            self.captured_s += exp.capture_s or 0.0
 
     def _mark(self, phase: str) -> None:
         """With ``profile``: the time since the last mark (device synchronized) goes to ``phase``."""

@@ -83,9 +83,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from statistics import median_low
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import median_low
 from types import MappingProxyType
 
 from specdec.tree import TokenTree
