@@ -14,6 +14,8 @@
 set -uo pipefail
 bg=/tmp/bg
 mkdir -p $bg/out
+# the started jobs' names (other logs under $bg, such as lanes' progress.log, are not jobs)
+job_names() { for d in $bg/out/*/; do [ -e "$d" ] && basename "$d"; done; }
 case ${1:-} in
   start)
     name=${2:?start NAME COMMAND} cmd=${3:?start NAME COMMAND}
@@ -34,13 +36,12 @@ case ${1:-} in
     limit=${2:-540} t0=$(date +%s)
     while [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
       left=0
-      for log in $bg/*.log; do [ -e "$log" ] && [ ! -f "${log%.log}.done" ] && left=1; done
+      for name in $(job_names); do [ -f $bg/$name.done ] || left=1; done
       [ $left = 0 ] && break
       sleep 5
     done
-    for log in $bg/*.log; do
-      [ -e "$log" ] || continue
-      name=$(basename "$log" .log)
+    for name in $(job_names); do
+      log=$bg/$name.log
       echo "== $name: $([ -f $bg/$name.done ] && echo "exit $(cat $bg/$name.done)" || echo running)"
       tail -c 600 "$log" | tr '\r' '\n' | tail -4
     done
