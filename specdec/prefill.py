@@ -75,6 +75,10 @@ class Prefill:
         if longest > 1:
             graphed = self._prefill_forward(cache, batch)
             if graphed is not None:
+                if graphed.compile_layers and not cache.layer_indices:
+                    # a layer-wise compiled forward reads each layer's KV buffers as tensors: one eager
+                    # forward of the first prompt token makes them (its KV is what the first chunk writes)
+                    hf.prefill(self.target, seqs[:, :1], cache, impl=self.attn_impl)
                 hidden = self._chunked_prefill(graphed, seqs, lens)
             elif self._hidden_mode == HIDDEN_ALL:  # [B, longest - 1, H]; row b valid up to lens[b] - 2
                 h = hf.prefill(self.target, seqs[:, : longest - 1], cache, impl=self.attn_impl, all_hidden=True,

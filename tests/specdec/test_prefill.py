@@ -281,6 +281,10 @@ def test_prefill_forward_is_compiled_only_with_compile_prefill():
     _generate(both, [(2 * W + 3, 0), (W + 1, 1)])
     (pre,) = both.prefill_forwards.values()
     assert both.compile_prefill and pre.compile == "aot_eager" and pre._compiled is not None
+    layers = _decoder(compile="layers:aot_eager", compile_prefill=True)  # what compile=True is: layer-wise
+    _generate(layers, [(2 * W + 3, 0), (W + 1, 1)])  # a fresh cache: its buffers made before the first chunk
+    (pre,) = layers.prefill_forwards.values()
+    assert pre.compile_layers and pre.calls == 3
     assert not _decoder(compile_prefill=True).compile_prefill  # nothing to compile it with
     with pytest.raises(ValueError, match=r"compile_prefill: expected True or False, got 1"):
         _decoder(compile_prefill=1)
