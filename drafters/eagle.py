@@ -107,7 +107,7 @@ import torch.nn.functional as F
 from drafters._build import expanded_path, root_only
 from drafters.draft_model import pick_attention
 from drafters.draft_model_loop import ATTENTIONS
-from drafters.eagle_expansion import CatchUp, Expansion, ExpansionPlan, expand_depths, rerank_record
+from drafters.eagle_expansion import CatchUp, Expansion, ExpansionPlan, expand_depths, rerank_rows
 from drafters.eagle_head import (ATTENTION_NAME, CONFIG_NAME, VOCAB_NAME, WEIGHTS_NAME, EagleConfig, EagleHead,
                                  TargetParts, rank_tokens)
 from specdec import hf
@@ -407,8 +407,8 @@ class EagleDrafter(BaseDrafter):
         if rerank == "auto":
             rerank = "device" if self.cuda_graphs and compile_head else "host"
         self.rerank = rerank
-        #: the device re-rank (``rerank_record``) as run by every expansion: compiled with ``compile_head``
-        self._rerank = compile_fixed_shapes(rerank_record, compile_head) if compile_head else rerank_record
+        #: the device re-rank of every row (``rerank_rows``) as run by every expansion: compiled with ``compile_head``
+        self._rerank = compile_fixed_shapes(rerank_rows, compile_head) if compile_head else rerank_rows
         self.static_width = max(topk, 2)
         #: ``propose_batch`` draws every sequence's tree in one expansion where it can (``_batchable``)
         self.batch_expansion = batch_expansion

@@ -35,7 +35,7 @@ from specdec.sampling import SamplingConfig, warp_logits
 from specdec.tree import TokenTree
 from treeattn.layout import pack_bits
 
-__all__ = ["CatchUp", "Expansion", "ExpansionHost", "ExpansionPlan", "expand_depths", "rerank_record"]
+__all__ = ["CatchUp", "Expansion", "ExpansionHost", "ExpansionPlan", "expand_depths", "rerank_record", "rerank_rows"]
 
 
 class ExpansionHost(Protocol):
@@ -45,7 +45,7 @@ class ExpansionHost(Protocol):
     head: Any  # the EagleHead: its ``fc.weight`` (dtype, device) and ``hidden_size``
     attention: str  # "tree": each depth's forward through the tree kernel (``expand_depths``' ``tree``)
     _depth_loop: Any  # ``expand_depths``, or a torch.compile of it
-    _rerank: Any  # ``rerank_record``, or a torch.compile of it
+    _rerank: Any  # ``rerank_rows``, or a torch.compile of it
 
     def _draft_logits(self, feats: torch.Tensor) -> torch.Tensor: ...
 
@@ -364,6 +364,14 @@ def rerank_record(plan: ExpansionPlan, index: dict[str, torch.Tensor], record: t
     out[2].copy_(exp[order])
 
 
+def rerank_rows(plan: ExpansionPlan, index: dict[str, torch.Tensor], record: torch.Tensor, budget: torch.Tensor,
+                out: torch.Tensor) -> None:  # fmt: skip
+    """``rerank_record`` of every row: record int64 ``[B, plan.record_size]``, budget int64 ``[B]``, out
+    int64 ``[B, 3, P]`` (one function over the B rows: one compile for them all, not one per row's view)."""
+    for b in range(record.shape[0]):
+        rerank_record(plan, index, record[b], budget[b], out[b])
+
+
 class Expansion:
     """One plan's expansion of B sequences (rows) at fixed addresses: one sequence's head cache (B = 1),
     or B sequences' caches (``sources``) copied into a batch cache of its own and back around the loop.
@@ -375,7 +383,7 @@ class Expansion:
     ``base + e``), ``record [B, record_size]`` (see ``ExpansionPlan``) and with ``rerank`` ``ranked``
     (int64 ``[B, 3, P]``, ``rerank_record``'s trees). ``_body`` -- with ``sources`` their copy in, the
     whole loop (one head forward of all rows per depth after the root), their copy back, then with
-    ``rerank`` each row's re-rank -- reads nothing but these buffers, the head's weights and the
+    ``rerank`` the rows' re-rank (``rerank_rows``) -- reads nothing but these buffers, the head's weights and the
     caches, never syncs with the host and has shapes fixed by (B, plan, cache capacity) when run over
     the whole capacity: ``capture=True`` records it once as a CUDA graph and replays it;
     ``capture=False`` runs the same body eagerly (what CPU tests check).
@@ -416,7 +424,10 @@ class Expansion:
         self.catch_feat = torch.zeros(rows, width, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.feat = torch.zeros(rows, plan.expanded, drafter.head.hidden_size, dtype=w.dtype, device=dev)
         self.record = torch.zeros(rows, plan.record_size, dtype=torch.int64, device=dev)
-        self.tok, self.score, self.pick = plan.views(self.record)
+        # the depth loop's outputs in buffers of their own, packed into the record after it: the record's
+        # float64 score view aliases its int64 storage, which a compiled loop may not write through at B > 1
+        # ("input mutations on views with different dtypes")
+        self.tok, self.score, self.pick = (torch.zeros_like(v) for v in plan.views(self.record))
         self.index = plan.device_index(dev) if rerank else None
         self.ranked = torch.zeros(rows, 3, plan.pool_size, dtype=torch.int64, device=dev) if rerank else None
         i64 = dict(dtype=torch.int64, device=dev)
@@ -549,18 +560,19 @@ class Expansion:
     def _body(self, kv_lens: Sequence[int]) -> None:
         """(With ``sources``: their KV in, then) (fused: the catch-ups, then) depths 1 .. plan.depth on
         the device (``expand_depths``, compiled with ``compile_head``), (the KV back,) then with
-        ``rerank`` each row's re-rank (``rerank_record``, compiled likewise)."""
+        ``rerank`` the rows' re-rank (``rerank_rows``, compiled likewise)."""
         if self.sources is not None:
             self._copy(into_batch=True)
         if self.width:
             self._catch_up_body()
         self.drafter._depth_loop(self.drafter, self.cache, self.plan, self.sampling, tuple(kv_lens), self.scalars,
                                  self.feat, self.tok, self.score, self.pick, self.tree)  # fmt: skip
+        for packed, out in zip(self.plan.views(self.record), (self.tok, self.score, self.pick)):
+            packed.copy_(out)
         if self.sources is not None:
             self._copy(into_batch=False)
         if self.rerank:
-            for b in range(self.cache.batch_size):
-                self.drafter._rerank(self.plan, self.index, self.record[b], self.scalars[b, 4], self.ranked[b])
+            self.drafter._rerank(self.plan, self.index, self.record, self.scalars[:, 4], self.ranked)
 
     def _capture(self) -> None:
         """Warm up (current stream, then a side stream), then record ``_body`` over the whole cache.

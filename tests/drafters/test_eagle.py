@@ -337,11 +337,14 @@ def _batch_against_single(device: str, static: bool, warm: bool = False, samplin
                                             (False, {"batch_expansion": True}),
                                             (True, {"batch_expansion": True, "warm": True}),
                                             (True, {"batch_expansion": True, "sampling": (0.8, 5, 0.9)}),
-                                            (True, {"batch_expansion": True, "long": True})])  # fmt: skip
+                                            (True, {"batch_expansion": True, "long": True}),
+                                            (True, {"batch_expansion": True, "compile_head": "aot_eager",
+                                                    "rerank": "device"})])  # fmt: skip
 def test_propose_batch_draws_the_trees_of_one_proposal_at_a_time(static, options):
     """``propose_batch`` launches every sequence's expansion before reading any tree (off CUDA
     ``batch_streams`` changes nothing); with ``batch_expansion`` one expansion of the three sequences
-    (after the first step, whose caches are not written yet) draws each one's tree."""
+    (after the first step, whose caches are not written yet) draws each one's tree (compiled too: the
+    depth loop's outputs never alias the record it packs them into)."""
     _batch_against_single("cpu", static, **options)
 
 
