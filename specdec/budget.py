@@ -12,7 +12,9 @@ n = 0 is plain decoding: the drafter is not called at all, tokens(0) = 1 and ``d
 step at batch size B (the forward, the verification and the commit): the step time seen at (B, n)
 in earlier steps (an exponential average; the first step of each (B, n) is not counted: it may
 capture or compile), else the warm-up's timed forward of (B, capacity, n) plus the per-step host
-overhead seen so far (observed step time minus the warm-up forward of the same shape), else
+overhead seen so far (observed step time minus the warm-up forward of the same shape; plain steps'
+and drafted steps' apart: a drafted step's verification and tree work on the host once priced plain
+chunks of 16 samples at twice their cost, and the rule drafted where plain decoding was faster), else
 unknown: a budget whose cost is unknown is tried (``BudgetDecision.why`` ``"measuring"``) before
 any is chosen by rate, so without a warm-up each budget runs twice per batch size. ``draft_s(n)``:
 the drafting seconds seen at (sequences asked, n); the nearest budget's at the same count (drafting
@@ -335,7 +337,9 @@ class StepCosts:
         self._steps: dict[tuple[int, int], float] = {}  # (batch, budget) -> average step seconds
         self._draft: dict[tuple[int, int], float] = {}  # (sequences asked, budget) -> average draft seconds
         self._seen: set[tuple[str, int, int]] = set()  # keys whose first observation was dropped
-        self.overhead: float | None = None  # average step seconds beyond the warm-up's forward
+        #: average step seconds beyond the warm-up's forward, of plain steps (False) and drafted ones (True):
+        #: apart, since a drafted step's host work (the tree, its verification) is not a plain chunk's
+        self.overhead: dict[bool, float] = {}
         #: the recent catch-ups: (sequences asked, budget, drafting seconds, tokens caught up on)
         self.catch_ups: list[tuple[int, int, float, int]] = []
 
@@ -366,7 +370,7 @@ class StepCosts:
             self._steps[(batch, budget)] = _average(self._steps.get((batch, budget)), step_s)
             warm = self._warm(batch, capacity, budget)
             if warm is not None:
-                self.overhead = _average(self.overhead, step_s - warm)
+                self.overhead[budget > 0] = _average(self.overhead.get(budget > 0), step_s - warm)
         self._seen.add(("step", batch, budget))
         if budget == 0 or asked == 0 or captured:
             return
@@ -392,7 +396,11 @@ class StepCosts:
         if seen is not None:
             return seen
         warm = self._warm(batch, capacity, budget)
-        return None if warm is None else warm + max(self.overhead or 0.0, 0.0)
+        if warm is None:
+            return None
+        # a drafted step's overhead unknown: a plain step's (a drafted step has at least its host work)
+        overhead = self.overhead.get(budget > 0, self.overhead.get(False, 0.0))
+        return warm + max(overhead, 0.0)
 
     def draft_s(self, asked: int, budget: int) -> float:
         """Expected seconds of drafting ``asked`` sequences at ``budget`` (0.0 while never measured)."""

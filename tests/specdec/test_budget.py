@@ -109,12 +109,23 @@ def test_step_costs_warm_table_overhead_and_drafting():
     costs.record_forward(1, 4096, 4, 0.020)
     assert costs.step_s(1, 2048, 4) == pytest.approx(0.012)  # the nearest capacity's
     costs.observe(1, 1024, 4, 0.050, 1, 0.007, 0)  # a first observation: dropped (captures, compiles)
-    assert costs.step_s(1, 1024, 4) == pytest.approx(0.012) and costs.overhead is None
+    assert costs.step_s(1, 1024, 4) == pytest.approx(0.012) and not costs.overhead
     costs.observe(1, 1024, 4, 0.015, 1, 0.007, 0)
     costs.observe(1, 1024, 4, 0.015, 1, 0.009, 0)
     assert costs.step_s(1, 1024, 4) == pytest.approx(0.015)  # seen: the average of what was seen
-    assert costs.overhead == pytest.approx(0.003)
-    assert costs.step_s(1, 1024, 0) == pytest.approx(0.013)  # warm-up forward + the overhead seen
+    assert costs.overhead == {True: pytest.approx(0.003)}
+    assert costs.step_s(1, 1024, 0) == pytest.approx(0.010)  # a drafted step's overhead is not a plain one's
+    costs.record_forward(1, 1024, 8, 0.013)
+    costs.observe(1, 1024, 0, 0.0115, 0, 0.0, 0)  # dropped: the first plain step
+    costs.observe(1, 1024, 0, 0.0115, 0, 0.0, 0)
+    assert costs.overhead == {True: pytest.approx(0.003), False: pytest.approx(0.0015)}
+    assert costs.step_s(1, 1024, 8) == pytest.approx(0.016)  # warm-up forward + drafted steps' overhead
+    plain_only = StepCosts()
+    plain_only.record_forward(1, 1024, 0, 0.010)
+    plain_only.record_forward(1, 1024, 4, 0.012)
+    for _ in range(2):
+        plain_only.observe(1, 1024, 0, 0.011, 0, 0.0, 0)
+    assert plain_only.step_s(1, 1024, 4) == pytest.approx(0.013)  # no drafted step seen: the plain overhead
     assert costs.draft_s(1, 4) == pytest.approx(0.8 * 0.007 + 0.2 * 0.009)  # the first one dropped too
     assert costs.draft_s(1, 64) == costs.draft_s(1, 4)  # the nearest budget's
     assert costs.draft_s(4, 4) == pytest.approx(4 * costs.draft_s(1, 4))  # another count's, per sequence
