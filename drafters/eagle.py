@@ -94,6 +94,7 @@ own outputs -- the unrolled training's steps (``training.eagle.unrolled_features
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import os
 import time
@@ -452,7 +453,7 @@ class EagleDrafter(BaseDrafter):
                 self._states[b] = _SeqState(prev.cache, expansions=prev.expansions)
 
     def warmup(self, batch_sizes: Sequence[int] = (1,), max_len: int | None = None, log=None,
-               tree_sizes: Sequence[int] = ()) -> None:  # fmt: skip
+               tree_sizes: Sequence[int] = (), sampling: SamplingConfig | None = None) -> None:  # fmt: skip
         """Size the head caches for requests of up to ``max_len`` tokens per sequence (prompt and new
         tokens; called by ``SpecDecoder.warmup``): a cache that grows mid-run drops its expansions,
         so their captures (and, with ``compile_head``, the depth loop's compile for the new
@@ -466,9 +467,10 @@ class EagleDrafter(BaseDrafter):
         and, under ``tree_size="auto"``, with the plain steps since the last drafting: without this,
         each new (slot, width) captured inside a call (1.7 s of one 16-sequence call, specdec/PERF.md
         v36). With ``batch_expansion``, also the one expansion of the first B slots for each B > 1 of
-        ``batch_sizes`` at each fused width. The dummy inputs write slots the next call's catch-up
-        rewrites before any read; ``reset`` keeps every slot's expansions. ``log``: a callable given one
-        line (None: quiet)."""
+        ``batch_sizes`` at each fused width. With ``sampling`` (the calls' ``SamplingConfig``), the
+        same expansions drafting under it as well (16 samples a prompt captured theirs inside timed
+        calls). The dummy inputs write slots the next call's catch-up rewrites before any read;
+        ``reset`` keeps every slot's expansions. ``log``: a callable given one line (None: quiet)."""
         if max_len is None:
             return
         self._min_cache = max(self._min_cache, max_len + self.topk * self.depth + 2)
@@ -482,36 +484,39 @@ class EagleDrafter(BaseDrafter):
         widths = [self.static_width << k for k in range(top.bit_length()) if self.static_width << k <= top]
         widths += [0] if max_len > max(FUSED_CATCH_UP, self.static_width) else []
         budgets = sorted(set(tree_sizes)) or [self.tree_size or self.topk]
+        configs = (None, sampling) if sampling is not None else (None,)
         for b in range(max(batch_sizes, default=1)):
             st = self._states.get(b)
             if st is None:
                 st = self._states[b] = _SeqState(self._new_cache(self._min_cache))
-            for budget in budgets:
+            for budget, config in itertools.product(budgets, configs):
                 plan, _ = self._plan(budget)
                 for width in widths:
-                    if (plan, None, width) not in st.expansions:
-                        self._warm_expansion(st, plan, width, budget)
+                    if (plan, config, width) not in st.expansions:
+                        self._warm_expansion(st, plan, config, width, budget)
                         made += 1
         if self.batch_expansion:
             for rows in sorted({b for b in batch_sizes if b > 1}):
                 caches = [self._states[b].cache for b in range(rows)]
                 if len({c.capacity for c in caches}) != 1 or not all(c.layer_indices for c in caches):
                     continue
-                for budget in budgets:
+                for budget, config in itertools.product(budgets, configs):
                     plan, _ = self._plan(budget)
                     for width in (w for w in widths if w):
-                        made += self._warm_batch_expansion(caches, plan, width, budget)
+                        made += self._warm_batch_expansion(caches, plan, config, width, budget)
         if made and callable(log):
             log(f"specdec warmup: the EAGLE drafter made {made} expansions for {max(batch_sizes, default=1)} "
                 f"sequence slot(s) in {time.perf_counter() - start:.2f} s")
 
-    def _warm_expansion(self, st: _SeqState, plan: ExpansionPlan, width: int, budget: int) -> None:
-        """Make (with ``cuda_graphs``: capture) ``st``'s greedy expansion of ``plan`` and catch-up
-        ``width`` (0: unfused) by running it once on dummy inputs: a one-pair catch-up of token 0 at
-        position 0 into slot 0 (the root's pair), or the unfused root's zero feature."""
+    def _warm_expansion(self, st: _SeqState, plan: ExpansionPlan, sampling: SamplingConfig | None, width: int,
+                        budget: int) -> None:  # fmt: skip
+        """Make (with ``cuda_graphs``: capture) ``st``'s expansion of ``plan`` drafting under
+        ``sampling`` (None: greedy) and catch-up ``width`` (0: unfused) by running it once on dummy
+        inputs: a one-pair catch-up of token 0 at position 0 into slot 0 (the root's pair), or the
+        unfused root's zero feature."""
         scratch = st.cache.capacity - 1
-        exp = st.expansions[(plan, None, width)] = Expansion(self, st.cache, plan, None, self.cuda_graphs, width,
-                                                             rerank=self.rerank == "device")  # fmt: skip
+        exp = st.expansions[(plan, sampling, width)] = Expansion(self, st.cache, plan, sampling, self.cuda_graphs,
+                                                                 width, rerank=self.rerank == "device")  # fmt: skip
         kv_lens = [st.cache.capacity] * (plan.depth - 1)
         if width:
             done = exp.launch([0], [0], None, kv_lens, [self._dummy_catch_up(width, scratch)], [budget])
@@ -520,12 +525,13 @@ class EagleDrafter(BaseDrafter):
             done = exp.launch([0], [0], [zeros], kv_lens, None, [budget])
         exp.fetch(done)
 
-    def _warm_batch_expansion(self, caches: list[KVCache], plan: ExpansionPlan, width: int, budget: int) -> bool:
-        """Make (with ``cuda_graphs``: capture) the greedy expansion of the sequences of ``caches`` at
-        catch-up ``width`` by running it once on ``_warm_expansion``'s dummy inputs in every row; False
-        if it was made before."""
-        old = self._batch_expansions.get((plan, None, width, len(caches)))
-        exp = self._batch_expansion(caches, plan, None, width)
+    def _warm_batch_expansion(self, caches: list[KVCache], plan: ExpansionPlan, sampling: SamplingConfig | None,
+                              width: int, budget: int) -> bool:  # fmt: skip
+        """Make (with ``cuda_graphs``: capture) the expansion of the sequences of ``caches`` under
+        ``sampling`` at catch-up ``width`` by running it once on ``_warm_expansion``'s dummy inputs in
+        every row; False if it was made before."""
+        old = self._batch_expansions.get((plan, sampling, width, len(caches)))
+        exp = self._batch_expansion(caches, plan, sampling, width)
         if exp is old:
             return False
         rows, catch_up = len(caches), self._dummy_catch_up(width, caches[0].capacity - 1)

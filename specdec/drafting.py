@@ -159,18 +159,21 @@ def captured_seconds(drafter) -> float:
 
 
 def warm_up_drafter(drafter, batch_sizes: Sequence[int], max_len: int | None, log,
-                    tree_sizes: Sequence[int] = ()) -> None:  # fmt: skip
+                    tree_sizes: Sequence[int] = (), sampling=None) -> None:  # fmt: skip
     """Call ``drafter.warmup(batch_sizes=..., max_len=..., log=...)`` where the drafter has one (an
-    optional method), with ``tree_sizes=`` where that method takes the keyword."""
+    optional method), with ``tree_sizes=`` and ``sampling=`` (the calls' ``SamplingConfig``, if
+    given) where that method takes the keyword."""
     warmup = getattr(drafter, "warmup", None)
     if not callable(warmup):
         return
     try:
-        takes = "tree_sizes" in inspect.signature(warmup).parameters
+        params = inspect.signature(warmup).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin)
-        takes = False
-    sizes = {"tree_sizes": tuple(tree_sizes)} if takes else {}
-    warmup(batch_sizes=tuple(batch_sizes), max_len=max_len, log=log, **sizes)
+        params = {}
+    extra = {"tree_sizes": tuple(tree_sizes)} if "tree_sizes" in params else {}
+    if sampling is not None and "sampling" in params:
+        extra["sampling"] = sampling
+    warmup(batch_sizes=tuple(batch_sizes), max_len=max_len, log=log, **extra)
 
 
 class BaseDrafter:

@@ -268,7 +268,7 @@ class Warmup:
         if callable(getattr(self.drafter, "warmup", None)):
             say(f"specdec warmup: the drafter ({type(self.drafter).__name__})")
             t0 = time.perf_counter()
-            warm_up_drafter(self.drafter, batch_sizes, max_len, log, [n for n in self.tree_budgets if n > 0])
+            warm_up_drafter(self.drafter, batch_sizes, max_len, log, [n for n in self.tree_budgets if n > 0], sampling)
             self._sync()
             drafter_s = time.perf_counter() - t0
         self._time_drafter(max(capacities) if max_len is None else max_len, say)

@@ -994,12 +994,13 @@ def test_warmup_sizes_the_head_caches_so_that_no_later_call_grows_them():
     assert drafter._states[0].cache is cache
 
 
-def _warmed(max_len: int, batch: int, tree_sizes=()):
-    """A ``_run_case`` ``make``: the drafter, then its ``warmup`` for ``batch`` slots of ``max_len`` tokens."""
+def _warmed(max_len: int, batch: int, tree_sizes=(), sampling: SamplingConfig | None = None):
+    """A ``_run_case`` ``make``: the drafter, then its ``warmup`` for ``batch`` slots of ``max_len`` tokens
+    (and the calls' ``sampling``)."""
 
     def make(*args, **options):
         drafter = EagleDrafter(*args, **options)
-        drafter.warmup(batch_sizes=(batch,), max_len=max_len, tree_sizes=tree_sizes)
+        drafter.warmup(batch_sizes=(batch,), max_len=max_len, tree_sizes=tree_sizes, sampling=sampling)
         return drafter
 
     return make
@@ -1010,10 +1011,14 @@ def test_warmup_runs_every_expansion_of_a_request_and_changes_no_tree(name):
     """With static shapes, ``warmup`` makes every slot's greedy expansion of each budget's plan at each
     fused catch-up width a request of ``max_len`` tokens can use (and the unfused one beyond
     ``FUSED_CATCH_UP``), on dummy inputs; the trees drawn afterwards are those of a drafter never warmed
-    (the dummy writes are rewritten before they are read), greedy and sampled."""
+    (the dummy writes are rewritten before they are read), greedy and sampled; given the calls'
+    sampling, the expansions drafting under it too."""
     family, depth, topk, budget, static, sampling, hidden = _RECORD_CASES[name]
     spec, seed = _RECORD_CASES[name], sum(map(ord, name))
-    assert _run_case(spec, seed, steps=5, make=_warmed(40, 1)) == _run_case(spec, seed, steps=5)
+    config = None if sampling is None else SamplingConfig(*sampling)
+    want_trees = _run_case(spec, seed, steps=5)
+    assert _run_case(spec, seed, steps=5, make=_warmed(40, 1)) == want_trees
+    assert _run_case(spec, seed, steps=5, make=_warmed(40, 1, (budget,), config)) == want_trees
     target = _target(family)
     drafter = EagleDrafter(target, _random_head(family), depth=depth, topk=topk, static_shapes=True)
     lines = []
@@ -1028,6 +1033,11 @@ def test_warmup_runs_every_expansion_of_a_request_and_changes_no_tree(name):
     assert lines and f"{3 * len(want)} expansions for 3 sequence slot(s)" in lines[0]
     drafter.reset([_prompt(9, 0)])  # a batch of one keeps the other slots and their expansions
     assert sorted(drafter._states) == [0, 1, 2] and set(drafter._states[2].expansions) == want
+    if config is not None:
+        sampled = EagleDrafter(target, _random_head(family), depth=depth, topk=topk, static_shapes=True)
+        sampled.warmup(max_len=40, tree_sizes=(budget,), sampling=config)
+        plan = sampled._plan(budget)[0]
+        assert set(sampled._states[0].expansions) == {(plan, c, w) for c in (None, config) for w in widths}
     with_long = EagleDrafter(target, _random_head(family), depth=depth, topk=topk, static_shapes=True)
     with_long.warmup(max_len=FUSED_CATCH_UP + 10, tree_sizes=(budget,))
     assert (drafter._plan(budget)[0], None, 0) in with_long._states[0].expansions  # the unfused one too
@@ -1037,17 +1047,24 @@ def test_warmup_runs_every_expansion_of_a_request_and_changes_no_tree(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tree_size,options", [(24, {}), ("auto", {}), (24, {"batch_expansion": True})])
+@pytest.mark.parametrize("tree_size,options", [(24, {}), ("auto", {}), (24, {"batch_expansion": True}),
+                                               (24, {"sampled": True})])  # fmt: skip
 def test_warmup_leaves_no_capture_to_the_calls_on_cuda(tree_size, options):
     """On CUDA: after ``SpecDecoder.warmup`` for batch 3 and the calls' length, the calls capture no
     expansion (every slot's catch-up widths were recorded in the warm-up), batch 3 then batch 1 then
     batch 3 again (the slots a smaller batch leaves idle keep theirs), and decode the target's greedy
-    output."""
+    output; sampled calls after a warm-up given their sampling capture none either."""
     target, head = _on_device("qwen2", "cuda")
+    sampled, options = options.get("sampled", False), {k: v for k, v in options.items() if k != "sampled"}
     drafter = EagleDrafter(target, head, depth=4, topk=4, **options)
     dec = SpecDecoder(target, drafter, tree_size=tree_size)
     prompts = [_prompt(10, 0), _prompt(1, 1), _prompt(37, 2)]
-    dec.warmup(batch_sizes=(1, 3), max_len=37 + 25)
+    dec.warmup(batch_sizes=(1, 3), max_len=37 + 25, sampling=SamplingConfig(0.8) if sampled else None)
+    if sampled:
+        for batch in (prompts, prompts[:1]):
+            out = dec.generate(batch, 25, do_sample=True, temperature=0.8)
+            assert sum(s.capture_s for s in out.steps) == 0.0
+        return
     for batch in (prompts, prompts[:1], prompts):
         out = dec.generate(batch, 25)
         assert sum(s.capture_s for s in out.steps) == 0.0

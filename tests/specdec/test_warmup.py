@@ -24,6 +24,7 @@ import specdec.graphs as graphs
 from specdec import SpecDecoder
 from specdec.engine import MIN_CACHE_BUCKET, default_cache_buckets
 from specdec.hf import prepare_model
+from specdec.sampling import SamplingConfig
 from specdec.timing import PhaseTimer
 from tests.specdec.helpers import (OracleDrafter, RandomTreeDrafter, greedy_reference, prepared_tiny_model,
                                     random_prompt, tiny_model)
@@ -367,6 +368,16 @@ def test_warmup_calls_the_drafters_warmup():
     assert drafter.calls == [((1, 2), 40, None)] and report.drafter_s >= 0.01
     prompt = _prompt(10, 0)
     assert dec.generate(prompt, NEW).sequences[0].tolist() == list(_ref(10, 0))
+
+    class SampledWarmDrafter(WarmDrafter):  # a drafter whose warm-up takes the calls' sampling gets it
+        def warmup(self, *, batch_sizes, max_len, log, sampling=None):
+            self.calls.append((batch_sizes, sampling))
+
+    sampled, config = SampledWarmDrafter(), SamplingConfig(0.8, top_p=0.9)
+    dec = SpecDecoder(_model(), sampled, tree_size=TREE, static_shapes=True, cache_buckets=BUCKETS, attn_impl="torch")
+    dec.warmup(batch_sizes=(1,), max_len=40, sampling=config)
+    dec.warmup(batch_sizes=(1,), max_len=40)
+    assert sampled.calls == [((1,), config), ((1,), None)]
 
 
 def test_wrapped_model_warmup(built):
