@@ -51,6 +51,16 @@ tokens of a tree of n nodes is 1 (the bonus token) plus the sum of its nodes' pa
 path products, no deeper than the deepest tree and no wider than the widest node the drafter
 returned in this call (a drafter of chains is never credited with siblings it does not propose).
 
+**Calibration**: the positional model can credit a larger tree with tokens it does not bring (an
+H200, EAGLE at batch 1: 5.1 / 6.3 tokens expected at n = 32 / 64, 4.71 / 4.74 emitted; the rule stayed
+at 64 where 32 was faster). So each budget's drafted steps keep the tokens they emitted and the tokens
+the model expected for them (both decayed by ``memory`` at each of the budget's steps), and a budget's
+expectation is the model's times its ratio ``(emitted + w) / (expected + w)`` (``calibration_weight`` =
+w pseudo-tokens at a ratio of 1), or the nearest calibrated budget's ratio. A budget that never runs
+keeps a stale ratio, so one drafted step in ``explore_every`` (8) runs a neighbour on the ladder (of
+the two, the one of fewer recent steps) whose expected rate is within 15 % of the best's (``why``
+``"explore"``): at most ~2 % of the drafted steps' rate for a calibration that stays current.
+
 **Catching up** costs C = ``catch_up_s`` of the tokens the unfinished sequences' drafter was not
 shown, once, before a drafted step: drafting from now to the end of the call (L steps left, the most
 new tokens an unfinished sequence may still emit) takes about L / tokens(n) steps, so the rate of a
@@ -114,6 +124,7 @@ DEFAULT_MAX_TREE_SIZE = 64
 _SMALLEST_TREE = 4  # the smallest positive budget of the default ladder
 _STEP_AVERAGE = 0.2  # weight of a new observation in the exponential averages of step / draft seconds
 _CATCH_UPS = 8  # the recent catch-ups the per-token catch-up cost is estimated from
+_EXPLORE_FLOOR = 0.85  # an exploring step's budget: at least this share of the best budget's expected rate
 
 
 def budget_ladder(max_tree_size: int) -> tuple[int, ...]:
@@ -187,6 +198,11 @@ class BudgetConfig:
             estimate rests on verdicts (see the module doc).
         first_probe_odds: in (0, 1]: such a step drafts, where plain decoding wins by rate, when
             this share of the best case's saving over the steps left exceeds its expected loss.
+        calibration_weight: > 0: pseudo-tokens (at a ratio of 1) in each budget's ratio of tokens
+            emitted to tokens expected (see the module doc, "Calibration").
+        explore_every: one drafted step in this many (>= 1) runs a neighbouring budget on the ladder
+            whose expected rate is within ``_EXPLORE_FLOOR`` of the best's, the one of fewer (decayed)
+            steps, so that its calibration stays current.
         costs: fixed costs instead of measured ones; None (default): measured.
     """
 
@@ -198,6 +214,8 @@ class BudgetConfig:
     prior_weight: float = 1.0
     first_probes: int = 3
     first_probe_odds: float = 0.25
+    calibration_weight: float = 8.0
+    explore_every: int = 8
     costs: CostTable | None = None
 
     def __post_init__(self) -> None:
@@ -224,6 +242,11 @@ class BudgetConfig:
         if (isinstance(self.prior_weight, bool) or not isinstance(self.prior_weight, (int, float))
                 or not self.prior_weight > 0):  # fmt: skip
             raise ValueError(f"prior_weight: expected a number > 0, got {self.prior_weight!r}")
+        if (isinstance(self.calibration_weight, bool) or not isinstance(self.calibration_weight, (int, float))
+                or not self.calibration_weight > 0):  # fmt: skip
+            raise ValueError(f"calibration_weight: expected a number > 0, got {self.calibration_weight!r}")
+        if not isinstance(self.explore_every, int) or isinstance(self.explore_every, bool) or self.explore_every < 1:
+            raise ValueError(f"explore_every: expected an int >= 1, got {self.explore_every!r}")
         if self.costs is not None and not isinstance(self.costs, CostTable):
             raise ValueError(f"costs: expected None or a specdec.budget.CostTable, got {type(self.costs).__name__}")
 
@@ -470,7 +493,8 @@ class BudgetDecision:
             None where unknown; without the catch-up.
         why: ``"rate"`` (the most tokens per second, the catch-up spread over the steps left),
             ``"probe"`` (drafting after enough plain steps, see ``BudgetConfig.probe_every`` /
-            ``probe_share``) or ``"measuring"`` (its cost was unknown).
+            ``probe_share``), ``"explore"`` (a neighbouring budget whose calibration rests on few
+            steps, see ``BudgetConfig.explore_every``) or ``"measuring"`` (its cost was unknown).
         catch_up_s: the expected seconds of catching the drafter up before a drafted step (the
             tokens it was not shown).
         steps_left: the most new tokens an unfinished sequence may still emit.
@@ -533,6 +557,8 @@ class BudgetPolicy:
         self._histogram: dict[int, int] = {}
         self._last: BudgetDecision | None = None
         self._plain = 0  # plain steps in a row
+        self._since_explore = 0  # drafted steps since the last exploring one
+        self._model_tokens: list[float] = []  # the last decision's tokens per budget before calibration
         self._behind: list[int] = []  # per sequence: tokens its drafter was not shown (besides the last step's)
         self._left: list[int] = []  # per sequence: new tokens it may still emit (0: finished)
 
@@ -548,11 +574,16 @@ class BudgetPolicy:
         """Start the acceptance estimate afresh from the prior (the first probes included), keeping the
         measured costs: for a new workload, or after calls that only warmed the decoder."""
         self.acceptance = RankAcceptance(self.config.prior_accept, self.config.prior_weight, self.config.memory)
+        #: budget -> [tokens emitted, tokens expected, steps] of its drafted steps (each decayed by ``memory``
+        #: at the budget's every step)
+        self.calibration: dict[int, list[float]] = {}
 
     def decide(self, batch: int, capacity: int, active: int) -> BudgetDecision:
         """The next step's budget for ``batch`` sequences (``active`` of them unfinished) over a cache
         of ``capacity`` slots per sequence."""
-        per_seq = [self.acceptance.expected_tokens(n) for n in self.budgets]
+        model = [self.acceptance.expected_tokens(n) for n in self.budgets]
+        self._model_tokens = [active * e for e in model]  # what the acceptance model alone expects
+        per_seq = [e * self.ratio(n) for n, e in zip(self.budgets, model)]
         tokens = tuple(active * e for e in per_seq)
         steps = [self.costs.step_s(batch, capacity, n) for n in self.budgets]
         if self.costs.fixed is None:  # measured: no budget's target side costs more than a larger budget's
@@ -571,12 +602,42 @@ class BudgetPolicy:
             spread = [s + (catch_up * min(1.0, e / left) if n and left else 0.0)
                       for n, s, e in zip(self.budgets, seconds, per_seq)]  # fmt: skip
             budget, why = best_budget(self.budgets, tokens, spread), "rate"
+            if budget:
+                budget, why = self._explore(budget, tokens, spread)
             if budget == 0:
                 i = self.budgets.index(best_budget(self.budgets[1:], tokens[1:], spread[1:]))
                 if self._probe_pays(tokens, seconds, i, catch_up, left):
                     budget, why = self.budgets[i], "probe"
         self._last = BudgetDecision(budget, self.budgets, tokens, tuple(seconds), why, catch_up, left)
         return self._last
+
+    def ratio(self, budget: int) -> float:
+        """Tokens emitted per token expected at ``budget`` (1.0 for plain decoding and before any
+        drafted step): its own drafted steps' (with ``calibration_weight`` pseudo-tokens at 1), else
+        the nearest calibrated budget's."""
+        if budget == 0 or not self.calibration:
+            return 1.0
+        near = min(self.calibration, key=lambda n: (abs(math.log2(n / budget)), n))
+        emitted, expected, _ = self.calibration[near]
+        w = self.config.calibration_weight
+        return (emitted + w) / (expected + w)
+
+    def _explore(self, budget: int, tokens: Sequence[float], seconds: Sequence[float]) -> tuple[int, str]:
+        """``(budget, "rate")``, or every ``explore_every`` drafted steps a neighbouring positive budget
+        on the ladder whose expected rate is at least ``_EXPLORE_FLOOR`` of the best's (of the two, the
+        one of fewer decayed steps): ``(it, "explore")``."""
+        self._since_explore += 1
+        if self._since_explore < self.config.explore_every:
+            return budget, "rate"
+        i = self.budgets.index(budget)
+        best = tokens[i] / seconds[i] if seconds[i] > 0 else math.inf
+        near = [j for j in (i - 1, i + 1) if 0 < j < len(self.budgets) and seconds[j] > 0
+                and tokens[j] / seconds[j] >= _EXPLORE_FLOOR * best]  # fmt: skip
+        if not near:
+            return budget, "rate"
+        self._since_explore = 0
+        j = min(near, key=lambda j: (self.calibration.get(self.budgets[j], (0.0, 0.0, 0.0))[2], j))
+        return self.budgets[j], "explore"
 
     def _probe_pays(self, tokens: Sequence[float], seconds: Sequence[float], i: int, catch_up: float,
                     left: int) -> bool:
@@ -607,6 +668,13 @@ class BudgetPolicy:
         sequences drafted per step: counts them and feeds their seconds to the costs."""
         self._histogram[budget] = self._histogram.get(budget, 0) + len(steps)
         self._plain = self._plain + len(steps) if budget == 0 else 0
+        last = self._last
+        if budget and last is not None and last.budget == budget and len(steps) == 1:  # what the decision expected
+            got = self.calibration.setdefault(budget, [0.0, 0.0, 0.0])
+            m = self.config.memory
+            got[0] = m * got[0] + sum(steps[0].tokens_emitted)
+            got[1] = m * got[1] + self._model_tokens[self.budgets.index(budget)]
+            got[2] = m * got[2] + 1
         for s in steps:
             behind = 0
             for b, emitted in enumerate(s.tokens_emitted):
