@@ -482,3 +482,22 @@ def test_inductor_options_are_set_and_bad_ones_name_themselves():
                          ("no_such_setting=1", "no setting 'no_such_setting'")):  # fmt: skip
         with pytest.raises(SystemExit, match=message):
             set_inductor_options([bad])
+
+
+def test_eagle_options_override_the_batch_rows_head_compile(monkeypatch):
+    """``--eagle-option compile_head=...`` replaces the batch rows' own ``compile_head`` (the mode's),
+    not a second keyword for it."""
+    import types
+
+    import drafters
+    from specdec.cli.bench import batch
+
+    seen = []
+    monkeypatch.setattr(drafters, "make_drafter", lambda name, **kw: seen.append((name, kw)))
+    cfg = types.SimpleNamespace(eagle_heads="/heads", eagle_options=(("compile_head", True), ("batch_expansion", True)))
+    setup = types.SimpleNamespace(target=None, device="cpu", dtype=torch.float32, cfg=cfg)
+    batch._make_drafter(setup, "eagle", 4, compiled=False)
+    batch._make_drafter(types.SimpleNamespace(**{**vars(setup), "cfg": types.SimpleNamespace(eagle_heads="/h",
+                                                                                          eagle_options=())}),
+                        "eagle", 4, compiled=True)  # fmt: skip
+    assert [(kw["compile_head"], kw.get("batch_expansion")) for _, kw in seen] == [(True, True), (True, None)]

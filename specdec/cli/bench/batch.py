@@ -51,8 +51,9 @@ def _make_drafter(setup: Setup, method: str, tree_size: int | str, compiled: boo
     if method == "medusa":
         return make_drafter("medusa", target=setup.target, heads=setup.medusa)
     if method == "eagle":
+        options = {"compile_head": compiled, **dict(setup.cfg.eagle_options)}  # --eagle-option compile_head=... wins
         return make_drafter("eagle", target=setup.target, heads=setup.cfg.eagle_heads, device=setup.device,
-                            dtype=setup.dtype, compile_head=compiled, **dict(setup.cfg.eagle_options))  # fmt: skip
+                            dtype=setup.dtype, **options)  # fmt: skip
     return make_drafter(method, tree_size=None if tree_size == "auto" else tree_size)  # auto: each step's budget caps it
 
 
