@@ -278,22 +278,22 @@ class RankAcceptance:
         self.width = 0
         #: drafted steps observed (not decayed)
         self.steps = 0
-        #: budget -> ``expected_tokens``, valid until the next ``observe`` (a plain step observes nothing)
-        self._expected: dict[int, float] = {}
+        #: ranks -> (the budget walked for, ``_largest_sums``), valid until the next ``observe`` (a plain
+        #: step observes nothing); ranks: a budget below ``width`` or with ``width`` unknown (its nodes can
+        #: have no more children than it has nodes), else 0 (every budget from ``width`` up shares one walk)
+        self._walks: dict[int, tuple[int, list[float]]] = {}
+        self._horizon = 0  # the largest budget asked so far
 
     def observe(self, drafted: Sequence[tuple[TokenTree, Sequence[int]]]) -> None:
         """One step's drafted trees with their accepted paths (node indices from the root, 0 first)."""
-        self._expected.clear()
+        self._walks.clear()
         self.steps += 1
         self.hits = [h * self.memory for h in self.hits]
         self.trials = [t * self.memory for t in self.trials]
         for tree, path in drafted:
             children = tree.children
-            depth = [0] * tree.n
-            for i, p in enumerate(tree.parent_list[1:], start=1):
-                depth[i] = depth[p] + 1
-            self.depth = max(self.depth, max(depth))
-            self.width = max(self.width, max(len(kids) for kids in children))
+            self.depth = max(self.depth, tree.depth)
+            self.width = max(self.width, max(map(len, children)))
             for j, node in enumerate(path):
                 kids = children[node]
                 if not kids:
@@ -321,17 +321,26 @@ class RankAcceptance:
 
     def expected_tokens(self, budget: int) -> float:
         """Expected tokens one sequence emits in a step with ``budget`` draft nodes: 1 + the n largest
-        path products of the best tree (depth at most ``depth``, children at most ``width``, when known)."""
+        path products of the best tree (depth at most ``depth``, children at most ``width``, when known).
+        One walk serves every budget of the same ranks up to the largest asked: the best n-node tree
+        is the first n nodes the walk takes (a node's ancestors and better siblings come before it)."""
         if budget <= 0:
             return 1.0
-        if budget not in self._expected:
-            self._expected[budget] = self._expected_tokens(budget)
-        return self._expected[budget]
+        self._horizon = max(self._horizon, budget)
+        ranks = 0 if 0 < self.width <= budget else budget  # a node of a smaller tree has fewer children
+        walked, sums = self._walks.get(ranks, (0, []))
+        if walked < budget:
+            walked = budget if ranks else self._horizon
+            sums = self._largest_sums(walked, ranks or self.width)
+            self._walks[ranks] = (walked, sums)
+        return 1.0 + sums[min(budget, len(sums) - 1)]
 
-    def _expected_tokens(self, budget: int) -> float:
-        q = sorted(self.rates(min(budget, self.width or budget)), reverse=True)
+    def _largest_sums(self, budget: int, ranks: int) -> list[float]:
+        """``out[n]``: the sum of the n largest path products of a tree whose nodes have at most
+        ``ranks`` children, n = 0 .. ``budget`` (shorter where such a tree of ``depth`` runs out)."""
+        q = sorted(self.rates(ranks), reverse=True)
         deepest = self.depth or budget
-        total, count = 0.0, 0
+        out, total, count = [0.0], 0.0, 0
         # (-value, order, depth, parent's value, rank index): pop a node, push its first child and next sibling
         heap = [(-q[0], 0, 1, 1.0, 0)]
         while heap and count < budget:
@@ -339,11 +348,12 @@ class RankAcceptance:
             value = -neg
             total += value
             count += 1
+            out.append(total)
             if d < deepest:
                 heapq.heappush(heap, (-value * q[0], 2 * count, d + 1, value, 0))
             if r + 1 < len(q):
                 heapq.heappush(heap, (-parent * q[r + 1], 2 * count + 1, d, parent, r + 1))
-        return 1.0 + total
+        return out
 
 
 class StepCosts:

@@ -46,6 +46,8 @@ class TokenTree:
     proposal: str = "topk"
     token_list: list[int] = field(init=False, repr=False)
     parent_list: list[int] = field(init=False, repr=False)
+    #: the deepest node's depth (0: the root alone), from the validation's walk
+    depth: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         t, p, q = self.tokens, self.parents, self.draft_probs
@@ -70,9 +72,10 @@ class TokenTree:
                 raise ValueError(f"draft_probs: expected a float tensor of shape [{n}, V], got {got}")
             if max(toks) >= q.shape[1]:
                 raise ValueError(f"tokens: expected ids < V = {q.shape[1]} (draft_probs' vocab), got {max(toks)}")
-        _check_dfs(par)
+        depth = _check_dfs(par)
         object.__setattr__(self, "token_list", toks)  # the validation's host copies, kept for the engine
         object.__setattr__(self, "parent_list", par)
+        object.__setattr__(self, "depth", depth)
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None, proposal: str = "topk") -> "TokenTree":
@@ -120,11 +123,12 @@ class TokenTree:
         return [toks[i] for i in path]
 
 
-def _check_dfs(parents: list[int]) -> None:
-    """Raise unless ``parents`` is a rooted tree in depth-first order."""
+def _check_dfs(parents: list[int]) -> int:
+    """Raise unless ``parents`` is a rooted tree in depth-first order; return its deepest node's depth."""
     if parents[0] != -1:
         raise ValueError(f"parents[0] = {parents[0]}: node 0 must be the root (parent -1)")
     stack = [0]  # the path from the root to the previous node
+    deepest = 1
     for i, p in enumerate(parents[1:], start=1):
         if not 0 <= p < i:
             raise ValueError(f"parents[{i}] = {p}: expected 0 <= parent < {i}")
@@ -136,3 +140,5 @@ def _check_dfs(parents: list[int]) -> None:
                 f"to node {i - 1}); TokenTree.from_any_order reorders them"
             )
         stack.append(i)
+        deepest = max(deepest, len(stack))
+    return deepest - 1

@@ -35,6 +35,7 @@ from specdec.budget import (
 )
 from specdec.drafting import HIDDEN_ALL, DraftContext
 from specdec.sampling import SamplingConfig
+from specdec.tree import TokenTree
 from tests.drafters.lossless import PROMPT, TEMPERATURE, VOCAB as SMALL_VOCAB, chi2_pvalue, exact_joint, tiny_draft, tiny_target
 from tests.specdec.helpers import (
     DraftModelDrafter,
@@ -99,6 +100,35 @@ def test_rank_acceptance_prior_observations_and_depth():
     sib.observe([(tree, (0, 2, 3))])
     # root: rank 1 tried and passed over, rank 2 taken; node 2: its only child taken
     assert sib.rates(2) == pytest.approx([0.5, 1.0], abs=1e-6) and sib.width == 2 and sib.depth == 2
+
+
+def test_expected_tokens_one_walk_serves_every_budget():
+    """``expected_tokens(n)`` = 1 + the n largest path products (each node at most ``min(n, width)``
+    children of the sorted rates, at most ``depth`` deep), whatever order the budgets are asked in
+    (a walk per rank limit serves them all): against enumerating every path."""
+    import heapq as hq
+
+    def brute(acc: RankAcceptance, n: int) -> float:
+        q = sorted(acc.rates(min(n, acc.width or n)), reverse=True)
+        level, products = [1.0], []
+        for _ in range(acc.depth or n):
+            level = [v * r for v in level for r in q]
+            products += level
+        return 1.0 + sum(hq.nlargest(n, products))
+
+    rng = random.Random(0)
+    for _ in range(40):
+        acc = RankAcceptance(0.5, 1.0, 0.9)
+        k = rng.randint(1, 4)
+        acc.hits = [rng.random() * 4 for _ in range(k)]
+        acc.trials = [h + rng.random() * 4 for h in acc.hits]
+        acc.depth, acc.width = rng.randint(1, 3), rng.randint(1, 4)
+        budgets = rng.sample([1, 2, 3, 5, 8, 13, 20], 4)
+        want = [brute(acc, n) for n in budgets]
+        assert [acc.expected_tokens(n) for n in budgets] == pytest.approx(want, rel=1e-12)
+        assert [acc.expected_tokens(n) for n in reversed(budgets)] == pytest.approx(want[::-1], rel=1e-12)
+    tree = build_tree([(0, 5), (1, 6), (2, 7), (0, 8), (4, 9)], 1)  # depth-first: 0-1-2-3, 0-4-5
+    assert tree.depth == 3 and TokenTree.chain(torch.tensor([1])).depth == 0
 
 
 def test_step_costs_warm_table_overhead_and_drafting():
