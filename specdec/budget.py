@@ -503,11 +503,12 @@ class BudgetDecision:
             None where unknown; without the catch-up.
         why: ``"rate"`` (the most tokens per second, the catch-up spread over the steps left),
             ``"probe"`` (drafting after enough plain steps, see ``BudgetConfig.probe_every`` /
-            ``probe_share``), ``"explore"`` (a neighbouring budget whose calibration rests on few
-            steps, see ``BudgetConfig.explore_every``) or ``"measuring"`` (its cost was unknown).
+            ``probe_share``), ``"explore"`` (a neighbouring budget run to keep its calibration current,
+            see ``BudgetConfig.explore_every``) or ``"measuring"`` (its cost was unknown).
         catch_up_s: the expected seconds of catching the drafter up before a drafted step (the
             tokens it was not shown).
         steps_left: the most new tokens an unfinished sequence may still emit.
+        ratios: per candidate, the calibration ``tokens`` carries (``BudgetPolicy.ratio``); empty: none.
     """
 
     budget: int
@@ -517,15 +518,19 @@ class BudgetDecision:
     why: str
     catch_up_s: float
     steps_left: int
+    ratios: tuple[float, ...] = ()
 
     @property
     def reason(self) -> str:
-        """One line: the choice, why, and each candidate's expected tokens, milliseconds and rate."""
+        """One line: the choice, why, and each candidate's expected tokens (with its calibration where
+        it is not 1), milliseconds and rate."""
         parts = []
-        for n, t, s in zip(self.budgets, self.tokens, self.seconds):
+        ratios = self.ratios or (1.0,) * len(self.budgets)
+        for n, t, s, r in zip(self.budgets, self.tokens, self.seconds, ratios):
             cost = "? ms" if s is None else f"{s * 1e3:.2f} ms"
             rate = "" if not s else f" = {t / s:.0f} tok/s"
-            parts.append(f"n={n}: {t:.2f} tok / {cost}{rate}")
+            calibrated = f" (x{r:.2f})" if abs(r - 1.0) >= 0.005 else ""
+            parts.append(f"n={n}: {t:.2f} tok{calibrated} / {cost}{rate}")
         return (f"budget {self.budget} ({self.why}); " + ", ".join(parts)
                 + f"; catch-up {self.catch_up_s * 1e3:.0f} ms, {self.steps_left} steps left")
 
@@ -593,7 +598,8 @@ class BudgetPolicy:
         of ``capacity`` slots per sequence."""
         model = [self.acceptance.expected_tokens(n) for n in self.budgets]
         self._model_tokens = [active * e for e in model]  # what the acceptance model alone expects
-        per_seq = [e * self.ratio(n) for n, e in zip(self.budgets, model)]
+        ratios = tuple(self.ratio(n) for n in self.budgets)
+        per_seq = [e * r for e, r in zip(model, ratios)]
         tokens = tuple(active * e for e in per_seq)
         steps = [self.costs.step_s(batch, capacity, n) for n in self.budgets]
         if self.costs.fixed is None:  # measured: no budget's target side costs more than a larger budget's
@@ -618,7 +624,7 @@ class BudgetPolicy:
                 i = self.budgets.index(best_budget(self.budgets[1:], tokens[1:], spread[1:]))
                 if self._probe_pays(tokens, seconds, i, catch_up, left):
                     budget, why = self.budgets[i], "probe"
-        self._last = BudgetDecision(budget, self.budgets, tokens, tuple(seconds), why, catch_up, left)
+        self._last = BudgetDecision(budget, self.budgets, tokens, tuple(seconds), why, catch_up, left, ratios)
         return self._last
 
     def ratio(self, budget: int) -> float:

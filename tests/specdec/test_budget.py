@@ -384,6 +384,8 @@ def test_calibration_and_exploration_find_the_best_budget_the_model_overrates():
         assert picked[:8] == [(64, "rate")] * 7 + [(32, "explore")]  # the first exploring step tries 32
         assert tokens / seconds >= 0.95 * rate[best], seed
         assert policy.ratio(64) < 0.85 and policy.ratio(64) < policy.ratio(32) and policy.ratio(0) == 1.0
+        last = policy.stats().last  # its line shows each budget's calibration
+        assert f"n=64: {last.tokens[-1]:.2f} tok (x{last.ratios[-1]:.2f})" in last.reason and "n=0: 1.00 tok /" in last.reason
         assert {n for n, _ in picked} == {32, 64}  # 16's expected rate stays below the exploring floor
         assert sum(why == "explore" for _, why in picked) <= 400 // 8
     policy.forget_acceptance()
