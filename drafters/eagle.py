@@ -492,9 +492,7 @@ class EagleDrafter(BaseDrafter):
             for budget, config in itertools.product(budgets, configs):
                 plan, _ = self._plan(budget)
                 for width in widths:
-                    if (plan, config, width) not in st.expansions:
-                        self._warm_expansion(st, plan, config, width, budget)
-                        made += 1
+                    made += self._warm_expansion(st, plan, config, width, budget)
         if self.batch_expansion:
             for rows in sorted({b for b in batch_sizes if b > 1}):
                 caches = [self._states[b].cache for b in range(rows)]
@@ -509,14 +507,15 @@ class EagleDrafter(BaseDrafter):
                 f"sequence slot(s) in {time.perf_counter() - start:.2f} s")
 
     def _warm_expansion(self, st: _SeqState, plan: ExpansionPlan, sampling: SamplingConfig | None, width: int,
-                        budget: int) -> None:  # fmt: skip
+                        budget: int) -> bool:  # fmt: skip
         """Make (with ``cuda_graphs``: capture) ``st``'s expansion of ``plan`` drafting under
         ``sampling`` (None: greedy) and catch-up ``width`` (0: unfused) by running it once on dummy
         inputs: a one-pair catch-up of token 0 at position 0 into slot 0 (the root's pair), or the
-        unfused root's zero feature."""
+        unfused root's zero feature; False if it was made before."""
+        if (plan, sampling, width) in st.expansions:
+            return False
+        exp = self._seq_expansion(st, plan, sampling, width)
         scratch = st.cache.capacity - 1
-        exp = st.expansions[(plan, sampling, width)] = Expansion(self, st.cache, plan, sampling, self.cuda_graphs,
-                                                                 width, rerank=self.rerank == "device")  # fmt: skip
         kv_lens = [st.cache.capacity] * (plan.depth - 1)
         if width:
             done = exp.launch([0], [0], None, kv_lens, [self._dummy_catch_up(width, scratch)], [budget])
@@ -524,6 +523,7 @@ class EagleDrafter(BaseDrafter):
             zeros = torch.zeros(self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
             done = exp.launch([0], [0], [zeros], kv_lens, None, [budget])
         exp.fetch(done)
+        return True
 
     def _warm_batch_expansion(self, caches: list[KVCache], plan: ExpansionPlan, sampling: SamplingConfig | None,
                               width: int, budget: int) -> bool:  # fmt: skip
@@ -544,7 +544,7 @@ class EagleDrafter(BaseDrafter):
         """A warm-up's catch-up of ``width`` rows: one pair, token 0 at position 0 into slot 0 (the
         root's), zero features; the padding rows into ``scratch``."""
         zeros = torch.zeros(1, self.head.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
-        return CatchUp(width, [0] * width + [0] * width + [0] + [scratch] * (width - 1), zeros, 0, 1)
+        return CatchUp(1, [0, 0, 0], zeros, 0, 1).padded(width, scratch)
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> TokenTree:
@@ -782,12 +782,7 @@ class EagleDrafter(BaseDrafter):
         ``rerank="device"`` the re-rank runs after it there (``rerank_record``) and the tree comes back
         in one copy, else the record does, from which ``ExpansionPlan.tree`` re-ranks on the host.
         """
-        width = catch_up.width if catch_up is not None else 0
-        key = (plan, sampling, width)
-        exp = st.expansions.get(key)
-        if exp is None:
-            exp = st.expansions[key] = Expansion(self, st.cache, plan, sampling, self.cuda_graphs, width,
-                                                 rerank=self.rerank == "device")  # fmt: skip
+        exp = self._seq_expansion(st, plan, sampling, catch_up.width if catch_up is not None else 0)
         cap = st.cache.capacity
         kv_lens = [cap if self.static_shapes else base + plan.offsets[d] + plan.rows[d] for d in range(1, plan.depth)]
         captured = exp.graph is not None
@@ -796,6 +791,16 @@ class EagleDrafter(BaseDrafter):
         self._count_capture(exp, captured)
         self.last_forwards += plan.depth - 1 + int(catch_up is not None)
         return lambda: (*exp.host_tree(exp.fetch(done)[0], root, budget), exp.feat[0])
+
+    def _seq_expansion(self, st: _SeqState, plan: ExpansionPlan, sampling: SamplingConfig | None,
+                       width: int) -> Expansion:  # fmt: skip
+        """``st``'s expansion of ``plan`` under ``sampling`` at catch-up ``width`` (made on first use)."""
+        key = (plan, sampling, width)
+        exp = st.expansions.get(key)
+        if exp is None:
+            exp = st.expansions[key] = Expansion(self, st.cache, plan, sampling, self.cuda_graphs, width,
+                                                 rerank=self.rerank == "device")  # fmt: skip
+        return exp
 
     def _count_capture(self, exp: Expansion, captured_before: bool) -> None:
         """Count ``exp``'s capture (``last_capture_s``, ``captured_s``) if its launch just made it."""
@@ -921,11 +926,10 @@ class EagleDrafter(BaseDrafter):
     def _catch_up_inputs(self, st: _SeqState, tokens: np.ndarray, positions: list[int], feats: torch.Tensor,
                          keep: int, base: int, width: int) -> CatchUp:  # fmt: skip
         """The padded catch-up's inputs: ``width`` (``_fused_width(m)``) rows; padding rows (token 0,
-        position 0) write and attend to the scratch slot (the cache's last) only."""
-        m, pad, scratch = len(positions), width - len(positions), st.cache.capacity - 1
-        ints = (tokens[positions].tolist() + [0] * pad + positions + [0] * pad
-                + list(range(keep, base + 1)) + [scratch] * pad)  # fmt: skip
-        return CatchUp(width, ints, feats, keep, m)
+        position 0) write and attend to the scratch slot (the cache's last) only (``CatchUp.padded``)."""
+        m = len(positions)
+        ints = tokens[positions].tolist() + positions + list(range(keep, base + 1))
+        return CatchUp(m, ints, feats, keep, m).padded(width, st.cache.capacity - 1)
 
     def _fused_width(self, m: int) -> int:
         """Rows of the fused catch-up of ``m`` pairs: ``static_width`` times the smallest power of two

@@ -573,7 +573,6 @@ class BudgetPolicy:
         self._last: BudgetDecision | None = None
         self._plain = 0  # plain steps in a row
         self._since_explore = 0  # drafted steps since the last exploring one
-        self._model_tokens: list[float] = []  # the last decision's tokens per budget before calibration
         self._behind: list[int] = []  # per sequence: tokens its drafter was not shown (besides the last step's)
         self._left: list[int] = []  # per sequence: new tokens it may still emit (0: finished)
 
@@ -596,10 +595,8 @@ class BudgetPolicy:
     def decide(self, batch: int, capacity: int, active: int) -> BudgetDecision:
         """The next step's budget for ``batch`` sequences (``active`` of them unfinished) over a cache
         of ``capacity`` slots per sequence."""
-        model = [self.acceptance.expected_tokens(n) for n in self.budgets]
-        self._model_tokens = [active * e for e in model]  # what the acceptance model alone expects
         ratios = tuple(self.ratio(n) for n in self.budgets)
-        per_seq = [e * r for e, r in zip(model, ratios)]
+        per_seq = [self.acceptance.expected_tokens(n) * r for n, r in zip(self.budgets, ratios)]
         tokens = tuple(active * e for e in per_seq)
         steps = [self.costs.step_s(batch, capacity, n) for n in self.budgets]
         if self.costs.fixed is None:  # measured: no budget's target side costs more than a larger budget's
@@ -689,7 +686,8 @@ class BudgetPolicy:
             got = self.calibration.setdefault(budget, [0.0, 0.0, 0.0])
             m = self.config.memory
             got[0] = m * got[0] + sum(steps[0].tokens_emitted)
-            got[1] = m * got[1] + self._model_tokens[self.budgets.index(budget)]
+            i = self.budgets.index(budget)
+            got[1] = m * got[1] + last.tokens[i] / last.ratios[i]  # what the acceptance model alone expected
             got[2] = m * got[2] + 1
         for s in steps:
             behind = 0
